@@ -1,0 +1,165 @@
+"""The one tester every op pair runs through (TileKernels style: data builder + one tester).
+
+For a drawn :class:`~conformance.registry.Case` it runs
+
+1. the reference on the inputs promoted to float64: the oracle;
+2. the reference in the test dtype: the shapes and dtypes the op must return;
+3. the implementation under test, with its outputs preallocated and poisoned with NaN (or
+   the dtype's max for integers) when the op takes ``out=``, so a kernel that skips an element
+   cannot pass by reading stale memory;
+
+and compares each output with the oracle by ||out-ref||/||ref|| and scaled max-abs.  NaN never
+passes.  Each comparison is recorded so the session summary can print the worst error seen per
+op and dtype next to its tolerance.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from conformance.registry import Case, OpPair, Tolerance
+
+__all__ = ["SUMMARY", "ErrorReport", "check_pair", "compare", "to_float64"]
+
+
+@dataclass
+class ErrorReport:
+    rel: float
+    max_abs: float  # max|out-ref| / max(max|ref|, 1e-30)
+    nan: int
+
+    def within(self, tol: Tolerance) -> bool:
+        return self.nan == 0 and self.rel <= tol.rel and self.max_abs <= tol.max_abs
+
+
+# (op, dtype, output) -> [examples, worst rel, worst scaled max-abs]
+SUMMARY: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+
+
+def to_float64(obj: Any) -> Any:
+    """Floating tensors -> float64 (integers, bools and non-tensors untouched), recursively."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(torch.float64) if obj.is_floating_point() else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_float64(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_float64(v) for k, v in obj.items()}
+    return obj
+
+
+def _as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor) -> ErrorReport:
+    """Relative Frobenius error and scaled max-abs error of ``out`` against ``ref`` (float64)."""
+    o = out.detach().to("cpu", torch.float64)
+    r = ref.detach().to("cpu", torch.float64)
+    nan = int(torch.isnan(o).sum()) + int(torch.isinf(o).sum())
+    if o.numel() == 0:
+        return ErrorReport(0.0, 0.0, nan)
+    diff = torch.nan_to_num(o - r, nan=float("inf"))
+    ref_norm = float(torch.linalg.vector_norm(r))
+    diff_norm = float(torch.linalg.vector_norm(diff))
+    rel = diff_norm / ref_norm if ref_norm > 0 else (0.0 if diff_norm == 0 else float("inf"))
+    scale = max(float(r.abs().max()), 1e-30)
+    return ErrorReport(rel, float(diff.abs().max()) / scale, nan)
+
+
+def _poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point():
+        return torch.full_like(t, float("nan"))
+    return torch.full_like(t, torch.iinfo(t.dtype).max)
+
+
+def check_pair(
+    pair: OpPair,
+    case: Case,
+    dtype: torch.dtype,
+    *,
+    impl: Callable[..., Any] | None = None,
+    poison: bool = True,
+) -> dict[str, ErrorReport]:
+    """Run ``impl`` (default: the pair's optimized op) on ``case`` and assert conformance."""
+    tol = pair.tolerances[dtype]
+    ref_fn = pair.reference_fn()
+    under_test = impl if impl is not None else pair.optimized_fn()
+    oracle = _as_tuple(ref_fn(*to_float64(case.args), **to_float64(case.kwargs)))
+    expected = _as_tuple(ref_fn(*case.args, **case.kwargs))
+
+    kwargs = dict(case.kwargs)
+    buffers: tuple[torch.Tensor, ...] = ()
+    if poison and impl is None and pair.out_kwarg:
+        buffers = tuple(_poisoned_like(e) for e in expected)
+        kwargs[pair.out_kwarg] = buffers if len(buffers) > 1 else buffers[0]
+    got = _as_tuple(under_test(*case.args, **kwargs))
+
+    assert len(got) == len(pair.outputs), (
+        f"{pair.name}: expected {len(pair.outputs)} outputs {pair.outputs}, got {len(got)}"
+    )
+    reports: dict[str, ErrorReport] = {}
+    failures = []
+    for i, name in enumerate(pair.outputs):
+        g, e, o = got[i], expected[i], oracle[i]
+        assert tuple(g.shape) == tuple(e.shape), (
+            f"{pair.name}.{name}: shape {tuple(g.shape)} != reference {tuple(e.shape)} [{case.label}]"
+        )
+        assert g.dtype == e.dtype, (
+            f"{pair.name}.{name}: dtype {g.dtype} != reference {e.dtype} [{case.label}]"
+        )
+        if buffers:
+            assert g.data_ptr() == buffers[i].data_ptr() or g.numel() == 0, (
+                f"{pair.name}.{name}: result was not written into the provided out= buffer"
+            )
+        rep = compare(g, o)
+        reports[name] = rep
+        entry = SUMMARY[(pair.name, str(dtype).removeprefix("torch."), name)]
+        entry[0] += 1
+        entry[1] = max(entry[1], rep.rel)
+        entry[2] = max(entry[2], rep.max_abs)
+        if not rep.within(tol):
+            failures.append(
+                f"{name}: rel={rep.rel:.3e} (tol {tol.rel:.1e}), max_abs={rep.max_abs:.3e} "
+                f"(tol {tol.max_abs:.1e}), non-finite={rep.nan}"
+            )
+    assert not failures, (
+        f"{pair.name} [{str(dtype).removeprefix('torch.')}; {case.label}] exceeds tolerance "
+        f"({tol.why}):\n  " + "\n  ".join(failures)
+    )
+    return reports
+
+
+def make_differential_test(concept: str) -> Callable[..., None]:
+    """The differential test of every pair of ``concept``, parametrized over pair and dtype.
+
+    Use as ``test_differential = make_differential_test("mhc")`` in conformance/test_mhc.py.
+    ``--impl`` swaps in a third-party implementation (no ``out=`` poisoning then).
+    """
+    import pytest
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from conformance.registry import pairs_for
+
+    params = [
+        pytest.param(p, dt, id=f"{p.name}-{str(dt).removeprefix('torch.')}")
+        for p in pairs_for(concept)
+        for dt in p.tolerances
+    ]
+
+    @pytest.mark.parametrize(("pair", "dtype"), params)
+    @given(data=st.data())
+    def test_differential(
+        pair: OpPair, dtype: torch.dtype, data: Any, device: str, impl_override: Any
+    ) -> None:
+        max_tokens = 8192 if device == "cuda" else 33
+        case = data.draw(pair.strategy(dtype, device, max_tokens), label="case")
+        check_pair(pair, case, dtype, impl=impl_override(pair.name))
+
+    test_differential.__doc__ = f"Optimized {concept} ops against the float64 reference oracle."
+    return test_differential

@@ -1,0 +1,111 @@
+"""Meta-tests: every optimized op has a registered pair, every pair has a test, and signatures
+match the reference (extra keyword-only arguments allowed, renames not)."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import conformance.pairs  # noqa: F401  (declares the pairs)
+import dsv4mtp.optimized as optimized
+import dsv4mtp.reference as reference
+from conformance.registry import REGISTRY
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Public names of dsv4mtp.optimized that are not ops with a numeric output to compare (classes
+# re-exported from the reference, model objects tested by their own module tests).
+NOT_OPS = {
+    "DSV4Config",
+    "DSV4Error",
+    "ConfigError",
+    "InputError",
+    "CheckpointError",
+    "FoldError",
+    "MTPLayer",
+}
+
+
+def _optimized_ops() -> list[str]:
+    return [
+        name
+        for name in getattr(optimized, "__all__", [])
+        if name not in NOT_OPS and inspect.isfunction(getattr(optimized, name))
+    ]
+
+
+def test_every_optimized_op_has_a_registered_pair() -> None:
+    missing = [name for name in _optimized_ops() if name not in REGISTRY]
+    assert not missing, f"optimized ops without an OpPair in conformance/pairs.py: {missing}"
+
+
+def test_every_pair_resolves_on_both_sides() -> None:
+    for pair in REGISTRY.values():
+        assert pair.name in reference.__all__, f"{pair.name}: not exported by dsv4mtp.reference"
+        pair.reference_fn()
+        # A registered op must exist in optimized: a pair whose op is absent fails here.
+        assert pair.name in getattr(optimized, "__all__", []), (
+            f"{pair.name}: not exported by dsv4mtp.optimized"
+        )
+        pair.optimized_fn()
+
+
+def test_optimized_signatures_extend_the_reference() -> None:
+    for name in _optimized_ops():
+        ref = inspect.signature(getattr(reference, name)).parameters
+        opt = inspect.signature(getattr(optimized, name)).parameters
+        assert list(opt)[: len(ref)] == list(ref), (
+            f"{name}: parameters {list(opt)} do not start with {list(ref)}"
+        )
+        for p in ref.values():
+            assert opt[p.name].kind == p.kind, (
+                f"{name}({p.name}): kind {opt[p.name].kind} != {p.kind}"
+            )
+            assert opt[p.name].default == p.default, (
+                f"{name}({p.name}): default differs from the reference"
+            )
+        extra = [p for n, p in opt.items() if n not in ref]
+        assert all(
+            p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not inspect.Parameter.empty
+            for p in extra
+        ), f"{name}: extra parameters must be keyword-only with defaults: {extra}"
+
+
+def _collected_ids(request: pytest.FixtureRequest, concept: str) -> list[str]:
+    path = f"conformance/test_{concept}.py"
+    ids = [item.nodeid for item in request.session.items if item.nodeid.startswith(path)]
+    if ids:
+        return ids
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", path],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return [line for line in out.stdout.splitlines() if line.startswith(path)]
+
+
+def test_every_pair_has_a_differential_test(request: pytest.FixtureRequest) -> None:
+    for pair in REGISTRY.values():
+        assert (ROOT / "conformance" / f"test_{pair.concept}.py").exists(), (
+            f"{pair.name}: no conformance/test_{pair.concept}.py"
+        )
+        ids = _collected_ids(request, pair.concept)
+        for dtype in pair.tolerances:
+            tag = f"test_differential[{pair.name}-{str(dtype).removeprefix('torch.')}]"
+            assert any(i.endswith(tag) for i in ids), f"{pair.name}: no collected test {tag}"
+
+
+def test_every_pair_declares_a_reasoned_tolerance() -> None:
+    for pair in REGISTRY.values():
+        assert pair.tolerances, f"{pair.name}: no dtype declared"
+        for dtype, tol in pair.tolerances.items():
+            assert 0 < tol.rel < 1 and 0 < tol.max_abs < 1, (
+                f"{pair.name}/{dtype}: tolerance out of range"
+            )
+            assert len(tol.why) > 10, f"{pair.name}/{dtype}: say why the tolerance is what it is"

@@ -1,0 +1,81 @@
+"""Sessions: conformance (CPU tier, what CI runs), conformance_gpu, bench, demo, lint.
+
+CPU sessions pin torch==2.13.0 (a CPU wheel of that exact version is served locally; an open
+range would resolve to a multi-GB CUDA build) and triton==3.6.0 (the H200 machine's version), and
+use pip (uv ignores the machine's pip configuration and downloads gigabytes).  The GPU sessions run
+in the current interpreter: the H200 machine brings its own torch 2.11 + CUDA build.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_venv = "yes"
+nox.options.sessions = ["conformance"]
+
+CPU_PINS = ("torch==2.13.0", "triton==3.6.0")
+CPU_ENV = {
+    "TRITON_INTERPRET": "1",  # our Triton kernels run in the interpreter on CPU tensors
+    "OMP_NUM_THREADS": "2",
+    "CUDA_VISIBLE_DEVICES": "",
+}
+
+
+def _install_cpu(session: nox.Session, extras: str = "dev") -> None:
+    session.install(*CPU_PINS)
+    session.install("-e", f".[{extras}]")
+
+
+@nox.session
+def conformance(session: nox.Session) -> None:
+    """CPU tier: reference properties + optimized Triton kernels under TRITON_INTERPRET=1."""
+    _install_cpu(session)
+    session.run(
+        "pytest", "conformance", "-m", "not slow", "--durations=15", *session.posargs, env=CPU_ENV
+    )
+
+
+@nox.session(venv_backend="none")
+def conformance_gpu(session: nox.Session) -> None:
+    """Everything, on a CUDA machine (run in its Python: torch+CUDA come with the machine)."""
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "conformance",
+        "--durations=15",
+        *session.posargs,
+        env={"DSV4_HYPOTHESIS_PROFILE": "dsv4-gpu"},
+    )
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """pytest-benchmark suite (the GPU rows need CUDA; CPU rows time the reference)."""
+    _install_cpu(session)
+    session.run(
+        "pytest",
+        "bench",
+        "--benchmark-only",
+        "-p",
+        "no:randomly",
+        *session.posargs,
+        env={"OMP_NUM_THREADS": "2"},
+    )
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: synthetic checkpoint -> MTP layer -> k-step draft -> agreement report."""
+    _install_cpu(session)
+    session.run("dsv4-mtp", "demo", *session.posargs, env={"OMP_NUM_THREADS": "2"})
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff (lint + format check) and mypy on the public modules."""
+    _install_cpu(session)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("mypy", "reference", "optimized", "dsv4mtp")

@@ -1,0 +1,7 @@
+"""H200 (sm_90) implementations of the ``dsv4mtp.reference`` public functions.
+
+Same names, same signatures.  FlashInfer kernels where FlashInfer has sm_90 ones, Triton kernels
+where it does not; every Triton kernel also runs under ``TRITON_INTERPRET=1`` on CPU tensors.
+"""
+
+__all__: list[str] = []

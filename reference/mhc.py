@@ -1,0 +1,139 @@
+"""Manifold-constrained hyper-connections (mHC) and ``hc_head`` (spec 4 and 5).
+
+The residual is ``n = hc_mult`` streams of width D, ``x: (T, n, D)``.  ``hc_pre`` collapses the
+streams into the sublayer input and produces the ``post`` gates and the doubly-stochastic ``comb``
+mixing matrix; ``hc_post`` writes the sublayer output back into the streams; ``hc_head`` collapses
+the streams once more before the LM head.  All math is in promote(x.dtype, float32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import FLOAT_DTYPES, check_dtype, check_ndim, check_shape, compute_dtype
+from .errors import InputError
+
+__all__ = ["hc_head", "hc_post", "hc_pre", "sinkhorn"]
+
+
+def _rms_factor(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    """rsqrt(mean(x**2) + eps) over the flattened n*D streams; (T, n*D) -> (T, 1)."""
+    return torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+
+
+def _check_streams(x: torch.Tensor) -> tuple[int, int, int]:
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_ndim("x", x, 3)
+    T, n, D = x.shape
+    return T, n, D
+
+
+def _check_params(
+    fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, rows: int, nD: int, n_scales: int
+) -> None:
+    for name, t in (("fn", fn), ("scale", scale), ("base", base)):
+        check_dtype(name, t, FLOAT_DTYPES)
+    check_shape("fn", fn, (rows, nD))
+    check_shape("scale", scale, (n_scales,))
+    check_shape("base", base, (rows,))
+
+
+def sinkhorn(logits: torch.Tensor, *, iters: int, eps: float) -> torch.Tensor:
+    """Sinkhorn-Knopp on comb logits (already scaled and biased): (..., n, n) -> (..., n, n).
+
+    Schedule (spec 5.3): row softmax, + eps, one column normalization, then ``iters - 1`` rounds
+    of (row, column) normalization.  It ends on a column normalization, so every destination
+    column sums to 1 (up to eps); rows only approximately.
+    """
+    check_dtype("logits", logits, FLOAT_DTYPES)
+    if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
+        raise InputError(f"logits: expected shape (..., n, n), got {tuple(logits.shape)}")
+    if iters < 1:
+        raise InputError(f"iters: expected >= 1, got {iters}")
+    p = torch.softmax(logits.to(compute_dtype(logits.dtype)), dim=-1) + eps
+    p = p / (p.sum(dim=-2, keepdim=True) + eps)  # columns
+    for _ in range(iters - 1):
+        p = p / (p.sum(dim=-1, keepdim=True) + eps)  # rows
+        p = p / (p.sum(dim=-2, keepdim=True) + eps)  # columns
+    return p
+
+
+def hc_pre(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    *,
+    rms_norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    post_mult: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Collapse n streams into one sublayer input (spec 5.2).
+
+    x: (T, n, D); fn: (M, n*D) with M = (2+n)*n rows [pre n | post n | comb n*n];
+    scale: (3,) = [s_pre, s_post, s_comb]; base: (M,).
+    Returns ``layer_input (T, D)`` in x.dtype, ``post (T, n)`` and ``comb (T, n, n)`` in the
+    compute dtype, ``comb[t, j, k]`` moving source stream j into destination stream k.
+    """
+    T, n, D = _check_streams(x)
+    M = (2 + n) * n
+    _check_params(fn, scale, base, M, n * D, 3)
+    cd = compute_dtype(x.dtype)
+    xf = x.reshape(T, n * D).to(cd)  # (T, nD)
+    mix = (xf @ fn.to(cd).T) * _rms_factor(xf, rms_norm_eps)  # (T, M)
+    s, b = scale.to(cd), base.to(cd)
+    pre = torch.sigmoid(mix[:, :n] * s[0] + b[:n]) + hc_eps  # (T, n)
+    post = torch.sigmoid(mix[:, n : 2 * n] * s[1] + b[n : 2 * n]) * post_mult  # (T, n)
+    comb_logits = mix[:, 2 * n :].view(T, n, n) * s[2] + b[2 * n :].view(n, n)  # (T, n, n)
+    comb = sinkhorn(comb_logits, iters=sinkhorn_iters, eps=hc_eps)  # (T, n, n)
+    layer_input = (pre[:, :, None] * xf.view(T, n, D)).sum(dim=1)  # (T, D)
+    return layer_input.to(x.dtype), post, comb
+
+
+def hc_post(
+    f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """Write a sublayer output back into the streams (spec 5.4).
+
+    f: (T, D) sublayer output; residual: (T, n, D) the streams that entered hc_pre;
+    post: (T, n); comb: (T, n, n) indexed [source j, destination k].
+    ``out[:, k] = post[:, k] * f + sum_j comb[:, j, k] * residual[:, j]``; returns residual.dtype.
+    """
+    check_dtype("residual", residual, FLOAT_DTYPES)
+    check_ndim("residual", residual, 3)
+    T, n, D = residual.shape
+    for name, t in (("f", f), ("post", post), ("comb", comb)):
+        check_dtype(name, t, FLOAT_DTYPES)
+    check_shape("f", f, (T, D))
+    check_shape("post", post, (T, n))
+    check_shape("comb", comb, (T, n, n))
+    cd = compute_dtype(torch.promote_types(residual.dtype, f.dtype))
+    cd = torch.promote_types(cd, torch.promote_types(post.dtype, comb.dtype))
+    out = post.to(cd)[:, :, None] * f.to(cd)[:, None, :]  # (T, n, D)
+    out = out + torch.einsum("tjk,tjd->tkd", comb.to(cd), residual.to(cd))
+    return out.to(residual.dtype)
+
+
+def hc_head(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    *,
+    rms_norm_eps: float,
+    hc_eps: float,
+) -> torch.Tensor:
+    """Collapse the n streams before the LM head (spec 4): (T, n, D) -> (T, D) in x.dtype.
+
+    fn: (n, n*D); scale: (1,); base: (n,).  The RMS factor only scales the gate logits; the
+    weighted sum uses the un-normalized streams.  No post multiplier, no Sinkhorn.
+    """
+    T, n, D = _check_streams(x)
+    _check_params(fn, scale, base, n, n * D, 1)
+    cd = compute_dtype(x.dtype)
+    xf = x.reshape(T, n * D).to(cd)  # (T, nD)
+    mix = (xf @ fn.to(cd).T) * _rms_factor(xf, rms_norm_eps)  # (T, n)
+    gate = torch.sigmoid(mix * scale.to(cd)[0] + base.to(cd)) + hc_eps  # (T, n)
+    y = (gate[:, :, None] * xf.view(T, n, D)).sum(dim=1)  # (T, D)
+    return y.to(x.dtype)

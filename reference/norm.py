@@ -1,0 +1,45 @@
+"""RMSNorm, as the official DeepSeek-V4 code computes it (spec 8)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from .checks import FLOAT_DTYPES, check_dtype, check_shape, compute_dtype
+from .errors import InputError
+
+__all__ = ["rms_norm"]
+
+NormOrder = Literal["official", "vllm"]
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    *,
+    order: NormOrder = "official",
+) -> torch.Tensor:
+    """``y = w * x * rsqrt(mean(x**2, -1) + eps)`` over the last dim; returns ``x.dtype``.
+
+    x: (..., D) float; weight: (D,) or None (the unweighted q per-head norm).
+    Math in promote(x.dtype, float32).  ``order="official"`` multiplies the weight in the compute
+    dtype and casts once (DeepSeek's ``RMSNorm``); ``order="vllm"`` casts the normalized value to
+    ``x.dtype`` first and multiplies by the weight in ``x.dtype`` (one extra rounding, vLLM's
+    ``forward_native``).
+    """
+    check_dtype("x", x, FLOAT_DTYPES)
+    if weight is not None:
+        check_dtype("weight", weight, FLOAT_DTYPES)
+        check_shape("weight", weight, (x.shape[-1],))
+    if order not in ("official", "vllm"):
+        raise InputError(f"order: expected 'official' or 'vllm', got {order!r}")
+    cd = compute_dtype(x.dtype)
+    xf = x.to(cd)
+    normed = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)  # (..., D)
+    if weight is None:
+        return normed.to(x.dtype)
+    if order == "official":
+        return (weight.to(cd) * normed).to(x.dtype)
+    return normed.to(x.dtype) * weight.to(x.dtype)
