@@ -32,13 +32,13 @@ _COMMON = dict(
 )
 settings.register_profile(
     "dsv4-ci",
-    max_examples=12,
+    max_examples=40,
     database=ReadOnlyDatabase(DirectoryBasedExampleDatabase(_DB_DIR)),
     derandomize=False,
     **_COMMON,
 )
 settings.register_profile(
-    "dsv4-dev", max_examples=20, database=DirectoryBasedExampleDatabase(_DB_DIR), **_COMMON
+    "dsv4-dev", max_examples=40, database=DirectoryBasedExampleDatabase(_DB_DIR), **_COMMON
 )
 settings.register_profile(
     "dsv4-gpu", max_examples=40, database=DirectoryBasedExampleDatabase(_DB_DIR), **_COMMON

@@ -276,3 +276,250 @@ def test_hc_head_rejects_bad_shapes() -> None:
 
 # ------------------------------------------------------------------------------ differential
 test_differential = make_differential_test("mhc")
+
+
+# ---- optimized-specific tests ----
+# Properties of dsv4mtp.optimized beyond the differential test: batch invariance and CUDA-graph
+# replay (bitwise), agreement of its FlashInfer and Triton paths, the generic n != 4 path, very
+# long batches, and input validation.  GPU-only tests carry the `gpu` marker.
+from hypothesis import settings  # noqa: E402
+
+import dsv4mtp.optimized as opt  # noqa: E402
+from dsv4mtp.optimized.mhc import PRE_AUTO_BACKEND  # noqa: E402
+
+_PRE_KW = dict(rms_norm_eps=EPS, hc_eps=EPS, sinkhorn_iters=20, post_mult=2.0)
+_HEAD_KW = dict(rms_norm_eps=EPS, hc_eps=EPS)
+
+
+def _opt_inputs(op: str, T: int, n: int, D: int, dtype: torch.dtype, device: str, seed: int):
+    """(args, kwargs) for one optimized mHC op; V4-like magnitudes (spec 12.3)."""
+    g = torch.Generator(device=device).manual_seed(seed)  # drawn where used: fast at T = 8192
+
+    def rnd(*shape: int, std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(shape, generator=g, device=device) * std + mean
+
+    x = rnd(T, n, D).to(dtype)
+    if op == "hc_pre":
+        M = (2 + n) * n
+        fn, scale, base = rnd(M, n * D, std=0.02), rnd(3, std=0.3, mean=1.0), rnd(M, std=0.5)
+        return (x, fn, scale, base), dict(_PRE_KW)
+    if op == "hc_head":
+        fn, scale, base = rnd(n, n * D, std=0.02), rnd(1, std=0.3, mean=1.0), rnd(n, std=0.5)
+        return (x, fn, scale, base), dict(_HEAD_KW)
+    f = rnd(T, D).to(dtype)
+    post = 2 * torch.rand(T, n, generator=g, device=device)
+    comb = torch.softmax(rnd(T, n, n), dim=-2)
+    return (f, x, post, comb), {}
+
+
+def _call(op: str, args, kwargs, **extra):
+    out = getattr(opt, op)(*args, **kwargs, **extra)
+    return tuple(out) if isinstance(out, tuple) else (out,)
+
+
+def _rows(args, op: str, lo: int, hi: int):
+    """The same op's inputs restricted to tokens [lo, hi) (parameters untouched)."""
+    if op == "hc_post":
+        return tuple(a[lo:hi] for a in args)
+    return (args[0][lo:hi], *args[1:])
+
+
+_GPU_OPS = ["hc_pre", "hc_head", "hc_post"]
+_REF = {"hc_pre": hc_pre, "hc_head": hc_head, "hc_post": hc_post}
+
+
+def _reference_f64(op: str, args, kw) -> tuple[torch.Tensor, ...]:
+    ref = _REF[op](*(a.double() for a in args), **kw)
+    return tuple(ref) if isinstance(ref, tuple) else (ref,)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", _GPU_OPS)
+@settings(max_examples=10)  # each example runs up to 5 batches of up to 8192 x 4 x 7168
+@given(T=st.integers(2, 8192), D=st.sampled_from([4096, 7168]), data=st.data())
+def test_optimized_batch_invariance_bitwise(op: str, T: int, D: int, data) -> None:
+    """A token's result is bitwise the same whichever batch it sits in: the full batch, a
+    drawn sub-range of it, and each of three single tokens."""
+    args, kw = _opt_inputs(op, T, 4, D, torch.bfloat16, "cuda", seed=T + D)
+    full = _call(op, args, kw)
+    lo = data.draw(st.integers(0, T - 1), label="lo")
+    hi = data.draw(st.integers(lo + 1, T), label="hi")
+    for a, b in [(lo, hi), (0, 1), (T - 1, T), (lo, lo + 1)]:
+        part = _call(op, _rows(args, op, a, b), kw)
+        for name, f, p in zip(("out0", "out1", "out2"), full, part, strict=False):
+            assert torch.equal(f[a:b], p), f"{op}.{name}: tokens [{a}, {b}) of T={T} differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", [*_GPU_OPS, "hc_pre:flashinfer", "hc_pre:triton"])
+@pytest.mark.parametrize(("T", "D"), [(1, 7168), (8, 4096), (64, 7168), (513, 4096)])
+def test_optimized_cuda_graph_replay_equals_eager(op: str, T: int, D: int) -> None:
+    """Capture the op writing into out= buffers, replay it on fresh inputs copied into the
+    captured input buffers: the replay is bitwise the eager result, in the same addresses."""
+    name, _, backend = op.partition(":")
+    extra = {"backend": backend} if backend else {}
+    args, kw = _opt_inputs(name, T, 4, D, torch.bfloat16, "cuda", seed=1)
+    outs = _call(name, args, kw, **extra)
+    out_kw = {"out": outs if len(outs) > 1 else outs[0]}
+    ptrs = [o.data_ptr() for o in outs]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (JIT, allocator) off the capture
+        _call(name, args, kw, **extra, **out_kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _call(name, args, kw, **extra, **out_kw)
+    for seed in (2, 3):
+        fresh, _ = _opt_inputs(name, T, 4, D, torch.bfloat16, "cuda", seed=seed)
+        for dst, src in zip(args, fresh, strict=True):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = _call(name, fresh, kw, **extra)
+        for o, e, p in zip(outs, eager, ptrs, strict=True):
+            assert o.data_ptr() == p
+            assert torch.equal(o, e), f"{op}: graph replay differs from eager (T={T}, D={D})"
+
+
+def _ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference in units of the bf16 spacing at |b| (2^-7 relative, at least 2^-133)."""
+    a, b = a.double(), b.double()
+    spacing = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(2.0**-126))) - 7)
+    return float(((a - b).abs() / spacing).max()) if a.numel() else 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [4096, 7168])
+@pytest.mark.parametrize("T", [1, 77, 4096])
+def test_optimized_hc_pre_backends_agree(T: int, D: int) -> None:
+    """The four hc_pre paths compute one function: the two Triton schedules bitwise; the
+    FlashInfer paths (same mix producer, FlashInfer's Sinkhorn and weighted sum) to fp32 rounding
+    on post / comb (measured <= ~1e-6 relative) and within one bf16 rounding on layer_input."""
+    args, kw = _opt_inputs("hc_pre", T, 4, D, torch.bfloat16, "cuda", seed=T)
+    res = {
+        b: _call("hc_pre", args, kw, backend=b)
+        for b in ("triton", "triton_two_pass", "flashinfer", "flashinfer_prenorm")
+    }
+    for a, b in zip(res["triton"], res["triton_two_pass"], strict=True):
+        assert torch.equal(a, b)
+    for b in ("flashinfer", "flashinfer_prenorm"):
+        li, post, comb = res[b]
+        li_t, post_t, comb_t = res["triton"]
+        # Different mix tilings (TF32 dots over different K splits): ~1e-4 on the mix at most.
+        assert torch.allclose(post, post_t, rtol=2e-3, atol=1e-5), b
+        assert torch.allclose(comb, comb_t, rtol=2e-3, atol=1e-5), b
+        assert _ulps_bf16(li, li_t) <= 2.0, b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [4096, 7168])
+@pytest.mark.parametrize("T", [1, 100, 4096])
+def test_optimized_hc_post_backends_agree(T: int, D: int) -> None:
+    """FlashInfer mhc_post and the Triton kernel run the same FMA chain: at most one bf16 ulp
+    apart (FMA contraction may differ) and both within tolerance of the float64 oracle."""
+    args, _ = _opt_inputs("hc_post", T, 4, D, torch.bfloat16, "cuda", seed=T)
+    fi = opt.hc_post(*args, backend="flashinfer")
+    tr = opt.hc_post(*args, backend="triton")
+    assert _ulps_bf16(fi, tr) <= 1.0
+    oracle = hc_post(*(a.double() for a in args))
+    for got in (fi, tr):
+        assert float((got.double() - oracle).norm() / oracle.norm()) < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("op", "n", "D"), [
+    ("hc_pre", 2, 4096), ("hc_pre", 3, 1024), ("hc_pre", 6, 512),
+    ("hc_head", 2, 7168), ("hc_head", 3, 1024), ("hc_head", 8, 512),
+    ("hc_post", 3, 4096), ("hc_post", 6, 512),
+])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_optimized_generic_n_path(op: str, n: int, D: int, dtype: torch.dtype) -> None:
+    """n != 4 (no FlashInfer kernel) and fp32 run the Triton kernels; compared with the float64
+    reference under the registry's tolerance for the op and dtype."""
+    from conformance.differential import compare
+    from conformance.registry import REGISTRY
+
+    tol = REGISTRY[op].tolerances[dtype]
+    for T in (1, 37, 300):
+        args, kw = _opt_inputs(op, T, n, D, dtype, "cuda", seed=n * T)
+        got = _call(op, args, kw)
+        for g, r in zip(got, _reference_f64(op, args, kw), strict=True):
+            rep = compare(g, r)
+            assert rep.within(tol), f"{op} n={n} D={D} T={T} {dtype}: {rep}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", _GPU_OPS)
+def test_optimized_very_long_batch(op: str) -> None:
+    """T = 65537 (beyond one grid row of 65535 blocks, odd): finite, within tolerance."""
+    from conformance.differential import compare
+    from conformance.registry import REGISTRY
+
+    T, D = 65537, 1024
+    args, kw = _opt_inputs(op, T, 4, D, torch.bfloat16, "cuda", seed=5)
+    got = _call(op, args, kw)
+    for g, r in zip(got, _reference_f64(op, args, kw), strict=True):
+        rep = compare(g, r)
+        assert rep.within(REGISTRY[op].tolerances[torch.bfloat16]), f"{op}: {rep}"
+
+
+def test_optimized_mhc_rejects_bad_input(device: str) -> None:
+    """Typed errors naming the argument: unsupported dtypes point to the reference; out= must
+    match exactly; backends that cannot run say why."""
+    args, kw = _opt_inputs("hc_pre", 2, 4, 64, torch.float32, device, seed=0)
+    x, fn, scale, base = args
+    for bad in (torch.float64, torch.float16):
+        with pytest.raises(InputError, match=r"x: expected dtype .*dsv4mtp.reference"):
+            opt.hc_pre(x.to(bad), fn, scale, base, **kw)
+    with pytest.raises(InputError, match="fn: expected dtype"):
+        opt.hc_pre(x, fn.double(), scale, base, **kw)
+    with pytest.raises(InputError, match=r"fn: expected shape \(24, 256\)"):
+        opt.hc_pre(x, fn[:, :-1], scale, base, **kw)
+    with pytest.raises(InputError, match="out: expected a 3-tuple"):
+        opt.hc_pre(x, fn, scale, base, **kw, out=torch.empty(2, 64, device=device))
+    li = torch.empty(2, 64, device=device)
+    post, comb = torch.empty(2, 4, device=device), torch.empty(2, 4, 4, device=device)
+    with pytest.raises(InputError, match=r"out\[1\]: expected shape \(2, 4\)"):
+        opt.hc_pre(x, fn, scale, base, **kw, out=(li, post[:, :3], comb))
+    with pytest.raises(InputError, match=r"out\[0\]: expected dtype bfloat16"):
+        opt.hc_pre(x.bfloat16(), fn, scale, base, **kw, out=(li, post, comb))
+    with pytest.raises(InputError, match="sinkhorn_iters"):
+        opt.hc_pre(x, fn, scale, base, **{**kw, "sinkhorn_iters": 0})
+    with pytest.raises(InputError, match="backend"):
+        opt.hc_pre(x, fn, scale, base, **kw, backend="cuda")  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="flashinfer"):  # fp32 has no FlashInfer path
+        opt.hc_pre(x, fn, scale, base, **kw, backend="flashinfer")
+
+    (f, res, p, c), _ = _opt_inputs("hc_post", 2, 4, 64, torch.bfloat16, device, seed=0)
+    with pytest.raises(InputError, match="residual: expected dtype"):
+        opt.hc_post(f, res.double(), p, c)
+    with pytest.raises(InputError, match="out: expected a contiguous tensor"):
+        opt.hc_post(
+            f, res, p, c, out=torch.empty(2, 64, 4, dtype=res.dtype, device=device).transpose(1, 2)
+        )
+    with pytest.raises(InputError, match=r"comb: expected shape \(2, 4, 4\)"):
+        opt.hc_post(f, res, p, c[:, :3])
+
+    (xh, fnh, sh, bh), hkw = _opt_inputs("hc_head", 2, 4, 64, torch.bfloat16, device, seed=0)
+    with pytest.raises(InputError, match=r"out: expected shape \(2, 64\)"):
+        opt.hc_head(xh, fnh, sh, bh, **hkw, out=torch.empty(2, 63, dtype=xh.dtype, device=device))
+    if device == "cuda":
+        with pytest.raises(InputError, match="fn: expected device"):
+            opt.hc_head(xh, fnh.cpu(), sh, bh, **hkw)
+
+
+def test_optimized_mhc_empty_and_out_in_place(device: str) -> None:
+    """T = 0 returns empty outputs (no launch); out= results come back in the given storage."""
+    for op in ("hc_pre", "hc_head", "hc_post"):
+        args, kw = _opt_inputs(op, 0, 4, 128, torch.bfloat16, device, seed=0)
+        assert all(o.shape[0] == 0 for o in _call(op, args, kw))
+    args, kw = _opt_inputs("hc_pre", 3, 4, 128, torch.bfloat16, device, seed=0)
+    bufs = tuple(torch.full_like(o, float("nan")) for o in _call("hc_pre", args, kw))
+    got = _call("hc_pre", args, kw, out=bufs)
+    assert all(g.data_ptr() == b.data_ptr() for g, b in zip(got, bufs, strict=True))
+    assert not any(bool(torch.isnan(g).any()) for g in got)
+
+
+def test_optimized_hc_pre_auto_backend_is_declared() -> None:
+    assert PRE_AUTO_BACKEND in ("triton", "flashinfer", "flashinfer_prenorm")

@@ -66,3 +66,103 @@ def test_rms_norm_rejects_bad_input() -> None:
 
 # ------------------------------------------------------------------------------ differential
 test_differential = make_differential_test("norm")
+
+
+# ---- optimized-specific tests ----
+# dsv4mtp.optimized.rms_norm beyond the differential test: batch invariance and CUDA-graph replay
+# (bitwise), FlashInfer vs Triton agreement, the vLLM order and input validation.
+from hypothesis import settings  # noqa: E402
+
+import dsv4mtp.optimized as opt  # noqa: E402
+
+
+def _norm_inputs(T: int, D: int, dtype: torch.dtype, device: str, seed: int):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T, D, generator=g, device=device).to(dtype)
+    w = (torch.randn(D, generator=g, device=device) * 0.5 + 1).to(dtype)
+    return x, w
+
+
+@pytest.mark.gpu
+@settings(max_examples=10)
+@given(T=st.integers(2, 8192), D=st.sampled_from([4096, 7168]), data=st.data())
+def test_optimized_rms_norm_batch_invariance_bitwise(T: int, D: int, data) -> None:
+    x, w = _norm_inputs(T, D, torch.bfloat16, "cuda", seed=T)
+    for backend in ("auto", "triton"):
+        full = opt.rms_norm(x, w, 1e-6, backend=backend)
+        lo = data.draw(st.integers(0, T - 1), label="lo")
+        hi = data.draw(st.integers(lo + 1, T), label="hi")
+        for a, b in [(lo, hi), (0, 1), (T - 1, T)]:
+            part = opt.rms_norm(x[a:b], w, 1e-6, backend=backend)
+            assert torch.equal(full[a:b], part), f"{backend}: rows [{a}, {b}) of T={T} differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize(("T", "D"), [(1, 7168), (64, 4096), (513, 7168)])
+def test_optimized_rms_norm_cuda_graph_replay_equals_eager(backend: str, T: int, D: int) -> None:
+    x, w = _norm_inputs(T, D, torch.bfloat16, "cuda", seed=0)
+    out = opt.rms_norm(x, w, 1e-6, backend=backend)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        opt.rms_norm(x, w, 1e-6, out=out, backend=backend)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.rms_norm(x, w, 1e-6, out=out, backend=backend)
+    for seed in (1, 2):
+        xn, wn = _norm_inputs(T, D, torch.bfloat16, "cuda", seed=seed)
+        x.copy_(xn)
+        w.copy_(wn)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, opt.rms_norm(xn, wn, 1e-6, backend=backend))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [512, 4096, 7168])
+def test_optimized_rms_norm_flashinfer_matches_triton(D: int) -> None:
+    """Both round once from fp32 with the weight applied in fp32: at most one bf16 ulp apart
+    (different reduction trees move the fp32 statistic by a few fp32 ulps)."""
+    x, w = _norm_inputs(1000, D, torch.bfloat16, "cuda", seed=D)
+    fi = opt.rms_norm(x, w, 1e-6, backend="flashinfer").double()
+    tr = opt.rms_norm(x, w, 1e-6, backend="triton").double()
+    spacing = torch.exp2(torch.floor(torch.log2(tr.abs().clamp_min(2.0**-126))) - 7)
+    assert float(((fi - tr).abs() / spacing).max()) <= 1.0
+
+
+def test_optimized_rms_norm_vllm_order_and_no_weight(device: str) -> None:
+    """order='vllm' and weight=None run the Triton kernel: within one bf16 ulp of the bf16
+    reference (same roundings in the same order; only the fp32 statistic's summation differs)."""
+    x, w = _norm_inputs(9, 256, torch.bfloat16, device, seed=3)
+    for order in ("official", "vllm"):
+        got = opt.rms_norm(x, w, 1e-6, order=order, backend="triton")
+        ref = rms_norm(x.cpu(), w.cpu(), 1e-6, order=order)
+        diff = (got.cpu().double() - ref.double()).abs().max()
+        assert float(diff) <= float(ref.double().abs().max()) * 2**-7, order
+    got = opt.rms_norm(x.float(), None, 1e-6)
+    ref = rms_norm(x.float().cpu(), None, 1e-6)
+    assert torch.allclose(got.cpu(), ref, rtol=1e-6, atol=1e-6)
+    y3 = opt.rms_norm(x.view(3, 3, 256), w, 1e-6)  # any leading shape
+    assert y3.shape == (3, 3, 256)
+
+
+def test_optimized_rms_norm_rejects_bad_input(device: str) -> None:
+    x, w = _norm_inputs(2, 64, torch.float32, device, seed=0)
+    for bad in (torch.float64, torch.float16):
+        with pytest.raises(InputError, match=r"x: expected dtype .*dsv4mtp.reference"):
+            opt.rms_norm(x.to(bad), w, 1e-6)
+    with pytest.raises(InputError, match=r"weight: expected shape \(64,\)"):
+        opt.rms_norm(x, w[:5], 1e-6)
+    with pytest.raises(InputError, match=r"out: expected shape \(2, 64\)"):
+        opt.rms_norm(x, w, 1e-6, out=torch.empty(2, 65, device=device))
+    with pytest.raises(InputError, match="out: expected dtype float32"):
+        opt.rms_norm(x, w, 1e-6, out=torch.empty(2, 64, dtype=torch.bfloat16, device=device))
+    with pytest.raises(InputError, match="order"):
+        opt.rms_norm(x, w, 1e-6, order="other")  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="flashinfer"):  # fp32 has no FlashInfer path
+        opt.rms_norm(x, w, 1e-6, backend="flashinfer")
+    buf = torch.full_like(x, float("nan"))
+    assert opt.rms_norm(x, w, 1e-6, out=buf).data_ptr() == buf.data_ptr()
+    assert not bool(torch.isnan(buf).any())

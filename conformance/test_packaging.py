@@ -69,3 +69,16 @@ def test_console_script_help() -> None:
         cwd=ROOT,
     )
     assert "Usage" in out.stdout and "demo" in out.stdout
+
+
+def test_every_command_has_help() -> None:
+    from click.testing import CliRunner
+
+    from dsv4mtp.cli import main
+
+    runner = CliRunner()
+    assert main.commands, "the CLI has no commands"
+    for name in main.commands:
+        result = runner.invoke(main, [name, "--help"])
+        assert result.exit_code == 0, f"dsv4-mtp {name} --help: {result.output}"
+        assert f"Usage: main {name}" in result.output or "Usage:" in result.output

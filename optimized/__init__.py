@@ -5,3 +5,8 @@ where it does not; every Triton kernel also runs under ``TRITON_INTERPRET=1`` on
 """
 
 __all__: list[str] = []
+
+from .mhc import hc_head, hc_post, hc_pre
+from .norm import rms_norm
+
+__all__ += ["hc_head", "hc_post", "hc_pre", "rms_norm"]

@@ -12,6 +12,7 @@ import torch
 
 from .checks import FLOAT_DTYPES, check_dtype, check_ndim, check_shape, compute_dtype
 from .errors import InputError
+from .linear import rowwise_matmul
 
 __all__ = ["hc_head", "hc_post", "hc_pre", "sinkhorn"]
 
@@ -81,7 +82,9 @@ def hc_pre(
     _check_params(fn, scale, base, M, n * D, 3)
     cd = compute_dtype(x.dtype)
     xf = x.reshape(T, n * D).to(cd)  # (T, nD)
-    mix = (xf @ fn.to(cd).T) * _rms_factor(xf, rms_norm_eps)  # (T, M)
+    # Row-independent product: a token's mix must not depend on how many tokens share the call
+    # (incremental decoding is then bit-for-bit the full recomputation).
+    mix = rowwise_matmul(xf, fn.to(cd).T) * _rms_factor(xf, rms_norm_eps)  # (T, M)
     s, b = scale.to(cd), base.to(cd)
     pre = torch.sigmoid(mix[:, :n] * s[0] + b[:n]) + hc_eps  # (T, n)
     post = torch.sigmoid(mix[:, n : 2 * n] * s[1] + b[n : 2 * n]) * post_mult  # (T, n)
@@ -111,7 +114,9 @@ def hc_post(
     cd = compute_dtype(torch.promote_types(residual.dtype, f.dtype))
     cd = torch.promote_types(cd, torch.promote_types(post.dtype, comb.dtype))
     out = post.to(cd)[:, :, None] * f.to(cd)[:, None, :]  # (T, n, D)
-    out = out + torch.einsum("tjk,tjd->tkd", comb.to(cd), residual.to(cd))
+    # sum_j comb[t, j, k] * residual[t, j, :], as an explicit sum over the n sources: a batched
+    # GEMM would round differently depending on how many tokens share the call.
+    out = out + (comb.to(cd)[:, :, :, None] * residual.to(cd)[:, :, None, :]).sum(dim=1)
     return out.to(residual.dtype)
 
 
@@ -133,7 +138,7 @@ def hc_head(
     _check_params(fn, scale, base, n, n * D, 1)
     cd = compute_dtype(x.dtype)
     xf = x.reshape(T, n * D).to(cd)  # (T, nD)
-    mix = (xf @ fn.to(cd).T) * _rms_factor(xf, rms_norm_eps)  # (T, n)
+    mix = rowwise_matmul(xf, fn.to(cd).T) * _rms_factor(xf, rms_norm_eps)  # (T, n)
     gate = torch.sigmoid(mix * scale.to(cd)[0] + base.to(cd)) + hc_eps  # (T, n)
     y = (gate[:, :, None] * xf.view(T, n, D)).sum(dim=1)  # (T, D)
     return y.to(x.dtype)

@@ -1,0 +1,127 @@
+"""Shared plumbing of the Triton launchers and the optimized entry points (no kernels here).
+
+``INTERPRET`` is read once, when this module is imported: Triton decides at decoration time
+whether a kernel runs compiled or in its CPU interpreter, so the flag cannot change later.
+Every check below reads tensor metadata only (no host sync), so the entry points stay
+CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4mtp.reference.errors import InputError
+
+__all__ = [
+    "INTERPRET",
+    "KERNEL_DTYPES",
+    "check_device",
+    "check_kernel_dtype",
+    "check_out",
+    "flashinfer_mhc",
+    "flashinfer_norm",
+    "next_pow2",
+    "rne_bf16_if_interpreted",
+]
+
+# Under TRITON_INTERPRET=1 every kernel runs program by program, in order, on the CPU.  Kernels
+# whose programs wait for each other (the single-pass mHC collapse) must not be launched that
+# way; the launchers pick their two-pass schedule instead.
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (>= 1); Triton's ``tl.arange`` needs power-of-two extents."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# The optimized kernels are built for these; anything else is the reference's job.
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def check_kernel_dtype(name: str, t: torch.Tensor) -> None:
+    """bf16 / fp32 only; float64, float16 and the rest get an InputError naming the reference."""
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in KERNEL_DTYPES:
+        raise InputError(
+            f"{name}: expected dtype in (bfloat16, float32) for the optimized kernels, got "
+            f"{str(t.dtype).removeprefix('torch.')}; use dsv4mtp.reference for other dtypes"
+        )
+
+
+def check_device(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
+    """All tensors on the first one's device, which must be CUDA (or CPU under the interpreter)."""
+    first_name, first = named[0]
+    dev = first.device
+    for name, t in named[1:]:
+        if t.device != dev:
+            raise InputError(f"{name}: expected device {dev} (as {first_name}), got {t.device}")
+    if dev.type != "cuda" and not (dev.type == "cpu" and INTERPRET):
+        raise InputError(
+            f"{first_name}: the optimized kernels need a CUDA tensor (CPU runs only under "
+            f"TRITON_INTERPRET=1), got device {dev}; use dsv4mtp.reference on CPU"
+        )
+    return dev
+
+
+def check_out(
+    name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A preallocated output must match exactly and be contiguous (kernels write it in place)."""
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise InputError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise InputError(
+            f"{name}: expected dtype {str(dtype).removeprefix('torch.')}, "
+            f"got {str(t.dtype).removeprefix('torch.')}"
+        )
+    if t.device != device:
+        raise InputError(f"{name}: expected device {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise InputError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+    return t
+
+
+@functools.cache
+def _import(module: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(module)
+    except Exception:  # not installed, or no CUDA toolchain: the Triton paths take over
+        return None
+
+
+def flashinfer_mhc() -> ModuleType | None:
+    """``flashinfer.mhc`` if importable (its kernels JIT-build on first use), else None."""
+    return None if INTERPRET else _import("flashinfer.mhc")
+
+
+def flashinfer_norm() -> ModuleType | None:
+    """``flashinfer.norm`` if importable, else None."""
+    return None if INTERPRET else _import("flashinfer.norm")
+
+
+@triton.jit
+def rne_bf16_if_interpreted(y, out_dtype: tl.constexpr, INTERP: tl.constexpr):
+    """Round fp32 ``y`` to nearest-even bf16 before a store, under the interpreter only.
+
+    Triton 3.6's interpreter converts fp32 -> bf16 by truncation (the compiled GPU code rounds to
+    nearest even), which would double the CPU tier's rounding error.  Adding half an ulp (ties to
+    even) to the bit pattern and clearing the low 16 bits makes the interpreter's truncating
+    conversion exact.  Compiled kernels skip this: INTERP is a compile-time constant.
+    """
+    if INTERP and out_dtype == tl.bfloat16:
+        bits = y.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        y = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return y

@@ -1,0 +1,93 @@
+"""RMSNorm over the last dimension (Triton fallback; FlashInfer's ``rmsnorm`` serves bf16 on GPU).
+
+``y = w * x * rsqrt(mean(x**2) + eps)`` per row, fp32 statistics (spec 8).
+
+Shapes: x (R, D) contiguous rows in bf16 / fp32; weight (D,) in bf16 / fp32, or absent;
+out (R, D) in x.dtype.  ``VLLM_ORDER`` rounds the normalized row to x.dtype before multiplying
+by the weight in x.dtype (vLLM's ``forward_native``); otherwise the weight multiplies in fp32 and
+the result is rounded once (DeepSeek's official ``RMSNorm``).
+
+One program per row; the row is walked in BLOCK_D chunks twice (square sum, then scale), the
+second walk from L1/L2.  The chunk size depends on D only, so rows are batch invariant.
+Bytes: x read once from HBM, out written once, weight once per row (L2): 2*R*D*itemsize.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import INTERPRET, next_pow2, rne_bf16_if_interpreted
+
+__all__ = ["rms_norm_triton"]
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    D,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    VLLM_ORDER: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    out_ty = out_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * D
+    o_row = out_ptr + row * D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for c in range(NUM_CHUNKS):
+        d = c * BLOCK_D + tl.arange(0, BLOCK_D)
+        x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
+        acc += x * x
+    rstd = tl.math.rsqrt(tl.sum(acc, axis=0) / D + eps)
+    for c in range(NUM_CHUNKS):
+        d = c * BLOCK_D + tl.arange(0, BLOCK_D)
+        ok = d < D
+        x = tl.load(x_row + d, mask=ok, other=0.0).to(tl.float32)
+        y = x * rstd
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + d, mask=ok, other=0.0)
+            if VLLM_ORDER:
+                # round the normalized value first, then multiply in the input dtype
+                yx = rne_bf16_if_interpreted(y, out_ty, INTERP).to(out_ty).to(tl.float32)
+                wf = rne_bf16_if_interpreted(w.to(tl.float32), out_ty, INTERP)
+                wx = wf.to(out_ty).to(tl.float32)
+                y = yx * wx
+            else:
+                y = y * w.to(tl.float32)
+        y = rne_bf16_if_interpreted(y, out_ty, INTERP)
+        tl.store(o_row + d, y.to(out_ty), mask=ok)
+
+
+def rms_norm_triton(
+    x2d: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    out2d: torch.Tensor,
+    vllm_order: bool,
+) -> torch.Tensor:
+    """Launch :func:`rms_norm_kernel` over the rows of a contiguous (R, D) tensor."""
+    R, D = x2d.shape
+    if R == 0 or D == 0:
+        return out2d
+    block = min(8192, next_pow2(D))
+    rms_norm_kernel[(R,)](
+        x2d,
+        weight if weight is not None else x2d,
+        out2d,
+        D,
+        float(eps),
+        HAS_WEIGHT=weight is not None,
+        VLLM_ORDER=vllm_order,
+        BLOCK_D=block,
+        NUM_CHUNKS=triton.cdiv(D, block),
+        INTERP=INTERPRET,
+        num_warps=4 if block <= 1024 else 8,
+    )
+    return out2d

@@ -1,0 +1,86 @@
+"""RMSNorm on the H200: FlashInfer's ``rmsnorm`` for bf16, the Triton kernel otherwise.
+
+Same signature as :func:`dsv4mtp.reference.rms_norm` plus keyword-only ``out`` and ``backend``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from dsv4mtp.reference.checks import check_shape
+from dsv4mtp.reference.errors import InputError
+from dsv4mtp.reference.norm import NormOrder
+
+from .kernels._launch import check_device, check_kernel_dtype, check_out, flashinfer_norm
+from .kernels.rms_norm import rms_norm_triton
+
+__all__ = ["rms_norm"]
+
+NormBackend = Literal["auto", "flashinfer", "triton"]
+
+
+def _flashinfer_ok(x: torch.Tensor, weight: torch.Tensor | None, order: str) -> bool:
+    # FlashInfer multiplies the weight in fp32 and rounds once: the official order.  Its kernel
+    # takes one dtype for x, weight and out.
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and weight is not None
+        and weight.dtype == torch.bfloat16
+        and order == "official"
+        and flashinfer_norm() is not None
+    )
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    *,
+    order: NormOrder = "official",
+    out: torch.Tensor | None = None,
+    backend: NormBackend = "auto",
+) -> torch.Tensor:
+    """``y = w * x * rsqrt(mean(x**2, -1) + eps)`` over the last dim, in x.dtype.
+
+    x: (..., D) bf16 / fp32; weight: (D,) bf16 / fp32 or None.  ``out`` (same shape and dtype as
+    x, contiguous) is written in place and returned.  ``backend="auto"`` uses FlashInfer for bf16
+    x and weight in the official order on CUDA, the Triton kernel otherwise.
+    """
+    check_kernel_dtype("x", x)
+    if weight is not None:
+        check_kernel_dtype("weight", weight)
+        check_shape("weight", weight, (x.shape[-1],))
+    if order not in ("official", "vllm"):
+        raise InputError(f"order: expected 'official' or 'vllm', got {order!r}")
+    if backend not in ("auto", "flashinfer", "triton"):
+        raise InputError(f"backend: expected 'auto', 'flashinfer' or 'triton', got {backend!r}")
+    named = [("x", x)] + ([("weight", weight)] if weight is not None else [])
+    dev = check_device(named)
+    if x.dim() == 0:
+        raise InputError("x: expected at least 1 dimension, got a scalar")
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=dev)
+    else:
+        check_out("out", out, tuple(x.shape), x.dtype, dev)
+    D = x.shape[-1]
+    if x.numel() == 0:
+        return out
+    x2d = x.contiguous().view(-1, D)
+    out2d = out.view(-1, D)
+    w = weight.contiguous() if weight is not None else None
+    use_fi = _flashinfer_ok(x, w, order)
+    if backend == "flashinfer" and not use_fi:
+        raise InputError(
+            "backend: 'flashinfer' needs bf16 x and weight on CUDA, order='official' and an "
+            "importable flashinfer"
+        )
+    if use_fi and backend != "triton":
+        fi = flashinfer_norm()
+        assert fi is not None
+        fi.rmsnorm(x2d, w, eps, out=out2d, enable_pdl=False)
+        return out
+    rms_norm_triton(x2d, w, eps, out2d, vllm_order=(order == "vllm"))
+    return out

@@ -1,0 +1,240 @@
+"""Attention of the MTP layer: pure sliding-window MQA with attention sinks (spec 6).
+
+The MTP layer has compress ratio 0: no compressor, no indexer.  One shared latent ``kv (Dh,)``
+per token is both key and value; queries go through a low-rank path with an unweighted per-head
+RMS norm; RoPE touches the last ``qk_rope_head_dim`` dims of q and kv; each head has a sink logit
+that enters the softmax denominator only; the output's rope dims are rotated back by the query
+position before the grouped ``wo_a`` and ``wo_b``.
+
+Visibility: key j is visible to query t iff both are in the same sequence, ``pos_j <= pos_t``
+and ``pos_t - pos_j < sliding_window``.  We gather, for each query, the window slot of offset
+``d = pos_t - pos_j`` in ``[0, W)`` (missing keys masked), so every query reduces over the same
+W slots in the same order whether its keys came from a :class:`KVCache` or from the same call;
+incremental decoding then reproduces full recomputation bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .checks import compute_dtype
+from .config import DSV4Config
+from .errors import InputError
+from .linear import linear
+from .norm import NormOrder, rms_norm
+from .quant_sim import fp8_block_roundtrip
+from .rope import RopeMode, apply_rope, rope_frequencies
+
+__all__ = ["KV_QUANT_BLOCK", "AttentionParams", "KVCache", "attention", "sink_attention"]
+
+KV_QUANT_BLOCK = 64  # spec 9.4: one ue8m0 scale per 64 non-rope KV values
+
+
+@dataclass
+class AttentionParams:
+    """Dense attention weights (already dequantized), checkpoint names under ``mtp.0.attn.``.
+
+    wq_a (Rq, D); q_norm (Rq,); wq_b (H*Dh, Rq), each head [nope | rope]; wkv (Dh, D);
+    kv_norm (Dh,); wo_a (G*Ro, (H/G)*Dh); wo_b (D, G*Ro); attn_sink (H,).
+    """
+
+    wq_a: torch.Tensor
+    q_norm: torch.Tensor
+    wq_b: torch.Tensor
+    wkv: torch.Tensor
+    kv_norm: torch.Tensor
+    wo_a: torch.Tensor
+    wo_b: torch.Tensor
+    attn_sink: torch.Tensor
+
+
+class KVCache:
+    """The MTP layer's KV rows of ONE sequence, bounded to the sliding window.
+
+    Holds the latent rows exactly as attended (after kv_norm, RoPE and optional FP8 rounding) and
+    their positions.  :func:`attention` reads it and appends the new rows; rows that no later
+    query can see (``pos <= newest - W + 1``) are dropped, so at most ``W - 1`` rows are kept.
+    """
+
+    def __init__(self, window: int) -> None:
+        if window < 1:
+            raise InputError(f"window: expected >= 1, got {window}")
+        self.window = window
+        self.kv: torch.Tensor | None = None  # (N, Dh)
+        self.positions: torch.Tensor | None = None  # (N,) int64, strictly increasing
+
+    def __len__(self) -> int:
+        return 0 if self.positions is None else int(self.positions.shape[0])
+
+    @property
+    def last_position(self) -> int | None:
+        return None if not len(self) else int(self.positions[-1])  # type: ignore[index]
+
+    def keys(
+        self, new_kv: torch.Tensor, new_positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached rows followed by ``new_kv``: ``((N + t, Dh), (N + t,))``."""
+        if self.kv is None or self.positions is None:
+            return new_kv, new_positions
+        if self.kv.shape[1:] != new_kv.shape[1:] or self.kv.dtype != new_kv.dtype:
+            raise InputError(
+                f"kv_cache: holds rows {tuple(self.kv.shape[1:])} {self.kv.dtype}, "
+                f"got new rows {tuple(new_kv.shape[1:])} {new_kv.dtype}"
+            )
+        return torch.cat([self.kv, new_kv]), torch.cat([self.positions, new_positions])
+
+    def append(self, new_kv: torch.Tensor, new_positions: torch.Tensor) -> None:
+        kv, pos = self.keys(new_kv, new_positions)
+        if pos.numel():
+            keep = pos > pos[-1] - self.window + 1  # visible to the next position
+            kv, pos = kv[keep], pos[keep]
+        self.kv, self.positions = kv, pos
+
+
+def _window_slots(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each query and offset d in [0, W): the key row at position ``q_pos - d`` if present.
+
+    q_pos (Tq,), k_pos (Tk,) strictly increasing.  Returns ``index (Tq, W)`` into the keys
+    (0 where absent) and ``present (Tq, W)`` bool.
+    """
+    wanted = q_pos[:, None] - torch.arange(window, device=q_pos.device)[None, :]  # (Tq, W)
+    if k_pos.numel() == 0:
+        return torch.zeros_like(wanted), torch.zeros_like(wanted, dtype=torch.bool)
+    index = torch.searchsorted(k_pos, wanted).clamp(max=k_pos.numel() - 1)
+    present = k_pos[index] == wanted
+    return torch.where(present, index, 0), present
+
+
+def sink_attention(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    kv: torch.Tensor,
+    k_pos: torch.Tensor,
+    attn_sink: torch.Tensor,
+    *,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """Sliding-window attention of one sequence with per-head sinks (spec 6.5).
+
+    q (Tq, H, Dh); kv (Tk, Dh) used as key and value; attn_sink (H,) a logit in the scaled score
+    space that joins the softmax denominator only (a virtual key with a zero value).
+    Returns o (Tq, H, Dh) in q.dtype; math in promote(q.dtype, float32).
+    """
+    cd = compute_dtype(q.dtype)
+    index, present = _window_slots(q_pos, k_pos, window)  # (Tq, W)
+    keys = kv.to(cd)[index]  # (Tq, W, Dh)
+    scores = torch.bmm(q.to(cd), keys.transpose(1, 2)) * scale  # (Tq, H, W)
+    scores = scores.masked_fill(~present[:, None, :], float("-inf"))
+    m = scores.amax(-1, keepdim=True)  # (Tq, H, 1); finite: each query sees itself
+    p = torch.exp(scores - m)  # masked slots -> 0
+    sink = torch.exp(attn_sink.to(cd)[None, :, None] - m)  # (Tq, H, 1)
+    denom = p.sum(-1, keepdim=True) + sink
+    o = torch.bmm(p / denom, keys)  # (Tq, H, Dh)
+    return o.to(q.dtype)
+
+
+def _check_increasing(pos: torch.Tensor, what: str) -> None:
+    if pos.numel() > 1 and not bool((pos[1:] > pos[:-1]).all()):
+        raise InputError(
+            f"positions: expected strictly increasing positions {what}, got {pos.tolist()}"
+        )
+
+
+def attention(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    params: AttentionParams,
+    config: DSV4Config,
+    *,
+    seq_lens: Sequence[int] | None = None,
+    kv_cache: Sequence[KVCache] | None = None,
+    rope_mode: RopeMode = "plain",
+    fp8_kv: bool = False,
+    act_quant: bool = False,
+    norm_order: NormOrder = "official",
+) -> torch.Tensor:
+    """The MTP attention sublayer: x (T, D) (already ``attn_norm``-ed) -> (T, D) in x.dtype.
+
+    positions (T,) int64; seq_lens: lengths of consecutive sequences (default: one sequence);
+    kv_cache: one :class:`KVCache` per sequence, read and then extended with this call's rows.
+    Positions must increase strictly within a sequence and continue past its cache.
+    ``act_quant`` rounds the inputs of the FP8 linears (wq_a, wq_b, wkv, wo_b) through e4m3;
+    ``wo_a`` is bf16 in the official code (its converter dequantizes it), so it is not.
+    """
+    T = x.shape[0]
+    H, Dh, Dr = config.num_attention_heads, config.head_dim, config.qk_rope_head_dim
+    Dn, G, W, eps = Dh - Dr, config.o_groups, config.sliding_window, config.rms_norm_eps
+    lens = [T] if seq_lens is None else [int(n) for n in seq_lens]
+    if sum(lens) != T:
+        raise InputError(f"seq_lens: expected lengths summing to T={T}, got {lens}")
+    if kv_cache is not None and len(kv_cache) != len(lens):
+        raise InputError(
+            f"kv_cache: expected one cache per sequence ({len(lens)}), got {len(kv_cache)}"
+        )
+    freqs = rope_frequencies(
+        Dr,
+        config.rope_theta,
+        mode=rope_mode,
+        rope_scaling=config.rope_scaling,
+        dtype=compute_dtype(x.dtype),
+        device=x.device,
+    )
+
+    # query path (spec 6.2)
+    qr = rms_norm(linear(x, params.wq_a, act_quant=act_quant), params.q_norm, eps, order=norm_order)
+    q = linear(qr, params.wq_b, act_quant=act_quant).view(T, H, Dh)  # (T, H, Dh)
+    # Unweighted per-head RMS norm, rounded to the activation dtype after each op as the
+    # official code does it in bf16.  rsqrt is evaluated in the compute dtype and rounded once:
+    # torch's CPU bf16 rsqrt rounds differently in its vectorized body and its scalar tail, which
+    # would make a row's result depend on how many rows share the call.
+    mean_sq = q.square().mean(-1, keepdim=True)  # (T, H, 1)
+    q = q * torch.rsqrt(mean_sq.to(compute_dtype(q.dtype)) + eps).to(q.dtype)
+    q = torch.cat([q[..., :Dn], apply_rope(q[..., Dn:], positions, freqs)], dim=-1)
+
+    # key/value latent (spec 6.3)
+    kv = rms_norm(linear(x, params.wkv, act_quant=act_quant), params.kv_norm, eps, order=norm_order)
+    kv_nope, kv_rope = kv[:, :Dn], apply_rope(kv[:, Dn:], positions, freqs)  # (T, Dn), (T, Dr)
+    if fp8_kv:
+        kv_nope = fp8_block_roundtrip(kv_nope, KV_QUANT_BLOCK)
+    kv = torch.cat([kv_nope, kv_rope], dim=-1)  # (T, Dh)
+
+    # per-sequence sliding window with sinks (spec 6.5)
+    outs, start = [], 0
+    for b, n in enumerate(lens):
+        rows = slice(start, start + n)
+        start += n
+        pos_b = positions[rows]
+        _check_increasing(pos_b, f"within sequence {b}")
+        cache = kv_cache[b] if kv_cache is not None else None
+        if (
+            cache is not None
+            and n
+            and cache.last_position is not None
+            and int(pos_b[0]) <= cache.last_position
+        ):
+            raise InputError(
+                f"positions: sequence {b} starts at {int(pos_b[0])} but its kv_cache already "
+                f"holds position {cache.last_position}"
+            )
+        keys, key_pos = cache.keys(kv[rows], pos_b) if cache is not None else (kv[rows], pos_b)
+        outs.append(
+            sink_attention(
+                q[rows], pos_b, keys, key_pos, params.attn_sink, window=W, scale=Dh**-0.5
+            )
+        )
+        if cache is not None:
+            cache.append(kv[rows], pos_b)
+    o = torch.cat(outs) if outs else q.new_zeros(0, H, Dh)  # (T, H, Dh)
+
+    # output path (spec 6.6): undo the rotation the values carried, then grouped wo_a, wo_b
+    o = torch.cat([o[..., :Dn], apply_rope(o[..., Dn:], positions, freqs, inverse=True)], dim=-1)
+    groups = o.reshape(T, G, (H // G) * Dh)  # group g = heads [g*H/G, (g+1)*H/G)
+    wo_a = params.wo_a.view(G, config.o_lora_rank, (H // G) * Dh)
+    z = torch.stack([linear(groups[:, g], wo_a[g]) for g in range(G)], dim=1)  # (T, G, Ro)
+    return linear(z.reshape(T, G * config.o_lora_rank), params.wo_b, act_quant=act_quant)

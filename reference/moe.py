@@ -1,0 +1,196 @@
+"""MoE feed-forward of the MTP layer: sqrtsoftplus router, routed SwiGLU experts, shared expert.
+
+Spec 7.  Routed experts are never materialised all at once: the caller passes an
+:class:`ExpertSource`, which dequantizes ONE expert on request (a real V4-Flash MTP layer keeps
+its 256 experts packed in FP4, about 3.2 GiB, and would need 26 GiB in bf16).  Only the experts
+that the router selects for some token in the batch are dequantized, one at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint_weights import RoutedExperts
+from .checks import compute_dtype
+from .config import DSV4Config
+from .errors import InputError
+from .linear import linear, rowwise_matmul
+
+__all__ = [
+    "DenseExperts",
+    "ExpertSource",
+    "MoEParams",
+    "PackedExperts",
+    "moe",
+    "route",
+    "swiglu_expert",
+]
+
+
+class ExpertSource(Protocol):
+    """Dequantizes routed experts one at a time.
+
+    ``num_experts``: E.  ``quantized``: True when the checkpoint stores FP8/FP4 experts, i.e. the
+    official code would quantize the activations entering them (``act_quant``).
+    ``__call__(e, dtype)`` -> ``(w1 (I, D) gate, w3 (I, D) up, w2 (D, I) down)`` in ``dtype``.
+    """
+
+    num_experts: int
+    quantized: bool
+
+    def __call__(
+        self, expert: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass
+class DenseExperts:
+    """An :class:`ExpertSource` over already-dense stacked weights (tests, bf16 checkpoints).
+
+    w1, w3 (E, I, D); w2 (E, D, I).
+    """
+
+    w1: torch.Tensor
+    w3: torch.Tensor
+    w2: torch.Tensor
+    quantized: bool = False
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.w1.shape[0])
+
+    def __call__(
+        self, expert: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.w1[expert].to(dtype), self.w3[expert].to(dtype), self.w2[expert].to(dtype)
+
+
+@dataclass
+class MoEParams:
+    """gate_weight (E, D); gate_bias (E,) = e_score_correction_bias (selection only);
+    shared_w1, shared_w3 (I, D); shared_w2 (D, I); shared_quantized: FP8 shared expert
+    (act_quant applies); experts: the routed :class:`ExpertSource`."""
+
+    gate_weight: torch.Tensor
+    gate_bias: torch.Tensor
+    shared_w1: torch.Tensor
+    shared_w3: torch.Tensor
+    shared_w2: torch.Tensor
+    experts: ExpertSource
+    shared_quantized: bool = True
+
+
+def route(
+    x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor, config: DSV4Config
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sqrtsoftplus routing (spec 7.1): x (T, D) -> (weights (T, K) compute dtype, ids (T, K)).
+
+    The bias shifts scores for the top-k selection only; the weights are the unbiased scores
+    renormalised over the K selected and multiplied by ``routed_scaling_factor``.
+    """
+    cd = compute_dtype(x.dtype)
+    logits = rowwise_matmul(x.to(cd), gate_weight.to(cd).T)  # (T, E), no bias in the matmul
+    scores = torch.sqrt(F.softplus(logits))  # (T, E)
+    ids = torch.topk(scores + gate_bias.to(cd), config.num_experts_per_tok, dim=-1).indices
+    weights = scores.gather(1, ids)  # (T, K) unbiased
+    weights = weights / weights.sum(-1, keepdim=True)  # norm_topk_prob
+    return weights * config.routed_scaling_factor, ids
+
+
+def swiglu_expert(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    limit: float,
+    route_weight: torch.Tensor | None = None,
+    act_quant: bool = False,
+) -> torch.Tensor:
+    """One SwiGLU expert (spec 7.3): x (t, D) -> (t, D) in x.dtype.
+
+    With ``limit > 0`` the up projection is clamped to [-limit, limit] and the gate from above
+    only, in the physical (dequantized) space.  ``route_weight (t,)`` multiplies the hidden
+    activation before ``w2`` (official order).
+    """
+    cd = compute_dtype(x.dtype)
+    gate = linear(x, w1, act_quant=act_quant).to(cd)  # (t, I)
+    up = linear(x, w3, act_quant=act_quant).to(cd)  # (t, I)
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    hidden = F.silu(gate) * up
+    if route_weight is not None:
+        hidden = route_weight.to(cd)[:, None] * hidden
+    return linear(hidden.to(x.dtype), w2, act_quant=act_quant)
+
+
+def moe(
+    x: torch.Tensor,
+    params: MoEParams,
+    config: DSV4Config,
+    *,
+    shared_clamp: bool = True,
+    act_quant: bool = False,
+) -> torch.Tensor:
+    """MoE sublayer: x (T, D) (already ``ffn_norm``-ed) -> (T, D) in x.dtype (spec 7.5).
+
+    Routed outputs are accumulated in the compute dtype in expert-id order, then the shared
+    expert (not scaled by ``routed_scaling_factor``) is added; one cast at the end.
+    ``shared_clamp``: apply ``swiglu_limit`` to the shared expert too (current official, vLLM).
+    """
+    if params.experts.num_experts != config.n_routed_experts:
+        raise InputError(
+            f"experts: expected {config.n_routed_experts} routed experts, got {params.experts.num_experts}"
+        )
+    cd = compute_dtype(x.dtype)
+    limit = config.swiglu_limit
+    weights, ids = route(x, params.gate_weight, params.gate_bias, config)  # (T, K)
+    out = torch.zeros(x.shape, dtype=cd, device=x.device)  # (T, D)
+    for e in torch.unique(ids).tolist():  # only the selected experts are dequantized
+        rows, slot = torch.nonzero(ids == e, as_tuple=True)
+        w1, w3, w2 = params.experts(e, cd)
+        y = swiglu_expert(
+            x[rows],
+            w1,
+            w3,
+            w2,
+            limit=limit,
+            route_weight=weights[rows, slot],
+            act_quant=act_quant and params.experts.quantized,
+        )
+        out.index_add_(0, rows, y.to(cd))
+    shared = swiglu_expert(
+        x,
+        params.shared_w1,
+        params.shared_w3,
+        params.shared_w2,
+        limit=limit if shared_clamp else 0.0,
+        act_quant=act_quant and params.shared_quantized,
+    )
+    return (out + shared.to(cd)).to(x.dtype)
+
+
+class PackedExperts:
+    """An :class:`ExpertSource` over a loaded checkpoint's packed :class:`RoutedExperts`:
+    each call decodes one expert (MXFP4, NVFP4 folded or not, FP8, bf16) on the fly."""
+
+    def __init__(self, experts: RoutedExperts) -> None:
+        self.packed = experts
+        self.num_experts = experts.num_experts
+        self.quantized = experts.format != "bf16"
+        self.format = experts.format
+
+    def __call__(
+        self, expert: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        local = self.packed.local_id(expert)
+        if local < 0:
+            raise InputError(f"expert: global expert {expert} is not on this expert-parallel rank")
+        w13, w2 = self.packed.dequantize_expert(local, dtype)  # (2I, D), (D, I)
+        inter = self.packed.intermediate_size
+        return w13[:inter], w13[inter:], w2

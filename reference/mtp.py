@@ -1,0 +1,525 @@
+"""The DeepSeek-V4 MTP draft layer, end to end (spec 2, 3 and Appendix A).
+
+``MTPLayer.forward`` maps (shifted token ids, target positions, the target's flat pre-hc_head
+residual) to the MTP's own flat pre-hc_head residual ``(T, hc_mult * D)``; ``compute_logits``
+applies ``hc_head`` -> the MTP's ``norm`` -> the shared LM head; ``draft`` runs k-step
+speculation, re-feeding its own residual, the drafted token and position + 1.
+
+Semantics switches and presets
+------------------------------
+Every documented divergence between the DeepSeek release and vLLM is a switch; a preset bundles
+them.  ``math`` is the exact math on dequantized weights: the oracle other implementations are
+compared against in float64.  Rounding-order details not listed (q per-head norm in the
+activation dtype, routing weight applied before ``w2``) follow the official code.
+
+| switch | `math` (default) | `official` (current DeepSeek release) | `vllm` |
+|---|---|---|---|
+| `mask_pos0` (zero the embedding at position 0) | off | off | on |
+| `rope_mode` | `plain`, theta = rope_theta | `plain` | `yarn` frequencies (spec 6.4) |
+| `norm_order` | `official`: weight then cast | `official`: weight then cast | `vllm`: cast then weight |
+| `shared_clamp` (swiglu_limit on the shared expert) | on | on | on |
+| `fp8_kv` (round KV non-rope dims through e4m3, 64-wide pow2 scales) | off | on | on |
+| `act_quant` (per-row 1x128 e4m3 activation quantization before FP8/FP4 linears, spec 9.3) | off | on | on |
+
+``act_quant`` applies to the linears the checkpoint stores in FP8/FP4 (e_proj, h_proj, wq_a,
+wq_b, wkv, wo_b, shared and routed experts); never to ``wo_a`` (the official converter
+dequantizes it to bf16), the router gate or the head (bf16/fp32), nor to bf16 experts.  NVFP4
+experts are simulated with the same FP8 activation rounding (vLLM's NVFP4 kernels quantize
+activations to NVFP4 instead; not modelled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .attention import AttentionParams, KVCache, attention
+from .checkpoint_weights import MTPCheckpoint, MTPLayerWeights, QuantizedWeight
+from .checks import FLOAT_DTYPES, compute_dtype
+from .config import DSV4Config
+from .errors import ConfigError, InputError
+from .linear import linear
+from .mhc import hc_head, hc_post, hc_pre
+from .moe import MoEParams, PackedExperts, moe
+from .norm import NormOrder, rms_norm
+from .rope import RopeMode
+
+__all__ = ["PRESETS", "MTPLayer", "MTPLayerParams", "Semantics", "resolve_semantics"]
+
+
+@dataclass(frozen=True)
+class Semantics:
+    """The switches of the table in this module's docstring."""
+
+    mask_pos0: bool = False
+    rope_mode: RopeMode = "plain"
+    norm_order: NormOrder = "official"
+    shared_clamp: bool = True
+    fp8_kv: bool = False
+    act_quant: bool = False
+
+
+PRESETS: dict[str, Semantics] = {
+    "math": Semantics(),
+    "official": Semantics(fp8_kv=True, act_quant=True),
+    "vllm": Semantics(
+        mask_pos0=True, rope_mode="yarn", norm_order="vllm", fp8_kv=True, act_quant=True
+    ),
+}
+
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    "mask_pos0": (False, True),
+    "rope_mode": ("plain", "yarn"),
+    "norm_order": ("official", "vllm"),
+    "shared_clamp": (False, True),
+    "fp8_kv": (False, True),
+    "act_quant": (False, True),
+}
+
+
+def resolve_semantics(preset: str = "math", **switches: Any) -> Semantics:
+    """A preset from :data:`PRESETS` with individual switches overridden."""
+    if preset not in PRESETS:
+        raise ConfigError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
+    for name, value in switches.items():
+        if name not in _CHOICES:
+            raise ConfigError(f"{name}: not a semantics switch; expected one of {sorted(_CHOICES)}")
+        if not any(value == c and type(value) is type(c) for c in _CHOICES[name]):
+            raise ConfigError(f"{name}: expected one of {list(_CHOICES[name])}, got {value!r}")
+    return dataclasses.replace(PRESETS[preset], **switches)
+
+
+@dataclass
+class MTPLayerParams:
+    """One MTP layer with dense weights (routed experts stay packed in ``ffn.experts``).
+
+    Names follow the checkpoint (``mtp.{i}.*``).  enorm, hnorm, norm, attn_norm, ffn_norm (D,);
+    e_proj, h_proj (D, D); hc_head_fn (n, nD), hc_head_base (n,), hc_head_scale (1,);
+    hc_{attn,ffn}_fn (M, nD), _base (M,), _scale (3,); head (V, D) the shared LM head.
+    ``dense_quantized``: the dense linears are FP8 in the checkpoint (``act_quant`` applies).
+    """
+
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    e_proj: torch.Tensor
+    h_proj: torch.Tensor
+    norm: torch.Tensor
+    head: torch.Tensor
+    hc_head_fn: torch.Tensor
+    hc_head_base: torch.Tensor
+    hc_head_scale: torch.Tensor
+    hc_attn_fn: torch.Tensor
+    hc_attn_base: torch.Tensor
+    hc_attn_scale: torch.Tensor
+    hc_ffn_fn: torch.Tensor
+    hc_ffn_base: torch.Tensor
+    hc_ffn_scale: torch.Tensor
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    attn: AttentionParams
+    ffn: MoEParams
+    dense_quantized: bool = True
+
+
+def _dense_layer(
+    w: MTPLayerWeights,
+    dtype: torch.dtype,
+    device: torch.device,
+    cache: dict[tuple[int, torch.dtype], torch.Tensor],
+) -> MTPLayerParams:
+    """Dequantize the dense part of one loaded layer once (linears in ``dtype``; norms, hc_*,
+    sink and router in the compute dtype, as the official code keeps them in fp32)."""
+    cd = compute_dtype(dtype)
+
+    def plain(t: torch.Tensor, to: torch.dtype = cd) -> torch.Tensor:
+        key = (id(t), to)  # the LM head is one tensor shared by every layer: convert it once
+        if key not in cache:
+            cache[key] = t.to(device=device, dtype=to)
+        return cache[key]
+
+    def dense(q: QuantizedWeight) -> torch.Tensor:
+        return q.to(device).dequantize(dtype)
+
+    if w.experts.num_local_experts != w.experts.num_experts:
+        raise ConfigError(
+            f"ep_size: the reference runs all {w.experts.num_experts} routed experts on one "
+            f"device; got a checkpoint loaded with {w.experts.num_local_experts} local experts"
+        )
+    attn = AttentionParams(
+        wq_a=dense(w.wq_a),
+        q_norm=plain(w.q_norm),
+        wq_b=dense(w.wq_b),
+        wkv=dense(w.wkv),
+        kv_norm=plain(w.kv_norm),
+        wo_a=dense(w.wo_a),
+        wo_b=dense(w.wo_b),
+        attn_sink=plain(w.attn_sink),
+    )
+    gate_up = [dense(s) for s in w.gate_up_proj.split_rows()]
+    ffn = MoEParams(
+        gate_weight=plain(w.gate_weight),
+        gate_bias=plain(w.e_score_correction_bias),
+        shared_w1=gate_up[0],
+        shared_w3=gate_up[1],
+        shared_w2=dense(w.down_proj),
+        experts=PackedExperts(w.experts.to(device)),
+        shared_quantized=w.down_proj.format != "bf16",
+    )
+    return MTPLayerParams(
+        enorm=plain(w.enorm),
+        hnorm=plain(w.hnorm),
+        e_proj=dense(w.e_proj),
+        h_proj=dense(w.h_proj),
+        norm=plain(w.norm),
+        head=plain(w.head, dtype),
+        hc_head_fn=plain(w.hc_head_fn),
+        hc_head_base=plain(w.hc_head_base),
+        hc_head_scale=plain(w.hc_head_scale),
+        hc_attn_fn=plain(w.hc_attn_fn),
+        hc_attn_base=plain(w.hc_attn_base),
+        hc_attn_scale=plain(w.hc_attn_scale),
+        hc_ffn_fn=plain(w.hc_ffn_fn),
+        hc_ffn_base=plain(w.hc_ffn_base),
+        hc_ffn_scale=plain(w.hc_ffn_scale),
+        attn_norm=plain(w.attn_norm),
+        ffn_norm=plain(w.ffn_norm),
+        attn=attn,
+        ffn=ffn,
+        dense_quantized=w.e_proj.format != "bf16",
+    )
+
+
+class MTPLayer:
+    """The MTP draft layer(s) of a DeepSeek-V4 checkpoint, in one activation dtype.
+
+    Build with :meth:`from_checkpoint` (a directory), :meth:`from_loaded` (an already loaded
+    :class:`MTPCheckpoint`) or the constructor (dense :class:`MTPLayerParams`, e.g. in tests).
+    ``layers[i]`` is ``mtp.{i}``; speculative step k uses ``layers[k % num_nextn_predict_layers]``.
+    """
+
+    def __init__(
+        self,
+        config: DSV4Config,
+        layers: Sequence[MTPLayerParams],
+        embed: torch.Tensor,
+        *,
+        semantics: Semantics | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        if dtype not in FLOAT_DTYPES:
+            raise ConfigError(f"dtype: expected one of {FLOAT_DTYPES}, got {dtype}")
+        if len(layers) != config.num_nextn_predict_layers:
+            raise ConfigError(
+                f"layers: expected num_nextn_predict_layers={config.num_nextn_predict_layers}, got {len(layers)}"
+            )
+        if embed.shape != (config.vocab_size, config.hidden_size):
+            raise ConfigError(
+                f"embed: expected shape {(config.vocab_size, config.hidden_size)}, got {tuple(embed.shape)}"
+            )
+        self.config = config
+        self.layers = list(layers)
+        self.embed = embed.to(dtype)
+        self.semantics = semantics or PRESETS["math"]
+        self.dtype = dtype
+        self.device = embed.device
+        self.info: dict[str, Any] = dict(info or {})
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_loaded(
+        cls,
+        checkpoint: MTPCheckpoint,
+        *,
+        preset: str = "math",
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        **switches: Any,
+    ) -> MTPLayer:
+        """From :func:`load_mtp_checkpoint`'s result: dense weights are dequantized once into
+        ``dtype``; routed experts stay packed and are decoded per selected expert."""
+        if checkpoint.tp_size != 1:
+            raise ConfigError(
+                f"tp_size: the reference runs every head on one device, got {checkpoint.tp_size}"
+            )
+        semantics = resolve_semantics(preset, **switches)
+        device = torch.device(device)
+        cache: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        layers = [_dense_layer(w, dtype, device, cache) for w in checkpoint.layers]
+        info = {
+            "path": checkpoint.path,
+            "expert_formats": checkpoint.expert_formats,
+            "dense_formats": sorted({w.e_proj.format for w in checkpoint.layers}),
+            "tensors_loaded": len(checkpoint.loaded),
+            "embed_source": checkpoint.embed_source,
+            "head_source": checkpoint.layers[0].head_source if checkpoint.layers else None,
+            "warnings": checkpoint.warnings,
+            "preset": preset,
+        }
+        embed = checkpoint.embed_tokens.to(device=device, dtype=dtype)
+        return cls(checkpoint.config, layers, embed, semantics=semantics, dtype=dtype, info=info)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        preset: str = "math",
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        **switches: Any,
+    ) -> MTPLayer:
+        """Load ``mtp.*`` (+ the shared embedding and head) from a checkpoint directory."""
+        from .checkpoint import load_mtp_checkpoint
+
+        resolve_semantics(preset, **switches)  # fail on a bad switch before reading gigabytes
+        return cls.from_loaded(
+            load_mtp_checkpoint(os.fspath(path)),
+            preset=preset,
+            dtype=dtype,
+            device=device,
+            **switches,
+        )
+
+    # ------------------------------------------------------------------ caches
+    def new_kv_cache(self) -> KVCache:
+        """An empty KV cache for one sequence (one per sequence and per MTP layer)."""
+        return KVCache(self.config.sliding_window)
+
+    # ------------------------------------------------------------------ validation
+    def _check_inputs(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        seq_lens: Any,
+    ) -> list[int]:
+        cfg = self.config
+        for name, t in (("input_ids", input_ids), ("positions", positions)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1:
+                got = (
+                    f"{t.dtype} shape {tuple(t.shape)}"
+                    if isinstance(t, torch.Tensor)
+                    else type(t).__name__
+                )
+                raise InputError(f"{name}: expected a 1-D int64 tensor, got {got}")
+        T = input_ids.shape[0]
+        if positions.shape[0] != T:
+            raise InputError(
+                f"positions: expected shape ({T},) like input_ids, got {tuple(positions.shape)}"
+            )
+        if not isinstance(prev_hidden, torch.Tensor) or prev_hidden.dtype != self.dtype:
+            got = (
+                str(prev_hidden.dtype)
+                if isinstance(prev_hidden, torch.Tensor)
+                else type(prev_hidden).__name__
+            )
+            raise InputError(
+                f"prev_hidden: expected dtype {self.dtype} (the layer dtype), got {got}"
+            )
+        if tuple(prev_hidden.shape) != (T, cfg.hc_dim):
+            raise InputError(
+                f"prev_hidden: expected shape ({T}, {cfg.hc_dim}) = (T, hc_mult*hidden_size), "
+                f"got {tuple(prev_hidden.shape)}"
+            )
+        for name, t in (
+            ("input_ids", input_ids),
+            ("positions", positions),
+            ("prev_hidden", prev_hidden),
+        ):
+            if t.device != self.device:
+                raise InputError(f"{name}: expected device {self.device}, got {t.device}")
+        if T and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
+            bad = input_ids[(input_ids < 0) | (input_ids >= cfg.vocab_size)][0]
+            raise InputError(
+                f"input_ids: expected ids in [0, vocab_size={cfg.vocab_size}), got {int(bad)}"
+            )
+        if T and int(positions.min()) < 0:
+            raise InputError(
+                f"positions: expected non-negative positions, got {int(positions.min())}"
+            )
+        if seq_lens is None:
+            return [T]
+        if (
+            not isinstance(seq_lens, torch.Tensor)
+            or seq_lens.dtype != torch.int64
+            or seq_lens.dim() != 1
+        ):
+            got = (
+                f"{seq_lens.dtype} shape {tuple(seq_lens.shape)}"
+                if isinstance(seq_lens, torch.Tensor)
+                else type(seq_lens).__name__
+            )
+            raise InputError(f"seq_lens: expected a 1-D int64 tensor, got {got}")
+        lens = [int(n) for n in seq_lens.tolist()]
+        if any(n < 0 for n in lens) or sum(lens) != T:
+            raise InputError(
+                f"seq_lens: expected non-negative lengths summing to T={T}, got {lens}"
+            )
+        return lens
+
+    # ------------------------------------------------------------------ the layer
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        *,
+        seq_lens: torch.Tensor | None = None,
+        kv_cache: KVCache | Sequence[KVCache] | None = None,
+        spec_step: int = 0,
+    ) -> torch.Tensor:
+        """One MTP pass (spec 3.2) -> the flat pre-hc_head residual ``(T, hc_mult*D)``.
+
+        input_ids (T,) int64, already shifted (row p carries t_{p+1}, spec 2); positions (T,)
+        int64, the target positions; prev_hidden (T, hc_mult*D) in the layer dtype; seq_lens
+        (B,) int64 summing to T (default: one sequence); kv_cache: one :class:`KVCache` per
+        sequence (a single cache for B = 1), extended in place; spec_step picks the layer.
+        """
+        lens = self._check_inputs(input_ids, positions, prev_hidden, seq_lens)
+        caches = [kv_cache] if isinstance(kv_cache, KVCache) else kv_cache
+        if caches is not None and len(caches) != len(lens):
+            raise InputError(
+                f"kv_cache: expected {len(lens)} caches (one per sequence), got {len(caches)}"
+            )
+        cfg, sem = self.config, self.semantics
+        p = self.layers[spec_step % len(self.layers)]
+        T, n, D, eps = input_ids.shape[0], cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps
+        if T == 0:
+            return prev_hidden.new_zeros(0, n * D)
+        hc: dict[str, Any] = dict(
+            rms_norm_eps=eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters
+        )
+        q_dense = sem.act_quant and p.dense_quantized
+
+        e = self.embed[input_ids]  # (T, D)
+        if sem.mask_pos0:
+            e = torch.where(positions[:, None] == 0, torch.zeros_like(e), e)
+        e = rms_norm(e, p.enorm, eps, order=sem.norm_order)
+        h = rms_norm(prev_hidden.view(T, n, D), p.hnorm, eps, order=sem.norm_order)  # per stream
+        x = (
+            linear(h, p.h_proj, act_quant=q_dense)
+            + linear(e, p.e_proj, act_quant=q_dense)[:, None, :]
+        )
+
+        # attention sublayer (spec 5.5)
+        a_in, post, comb = hc_pre(x, p.hc_attn_fn, p.hc_attn_scale, p.hc_attn_base, **hc)
+        a = attention(
+            rms_norm(a_in, p.attn_norm, eps, order=sem.norm_order),
+            positions,
+            p.attn,
+            cfg,
+            seq_lens=lens,
+            kv_cache=caches,
+            rope_mode=sem.rope_mode,
+            fp8_kv=sem.fp8_kv,
+            act_quant=q_dense,
+            norm_order=sem.norm_order,
+        )
+        x = hc_post(a, x, post, comb)  # (T, n, D)
+
+        # MoE sublayer
+        f_in, post, comb = hc_pre(x, p.hc_ffn_fn, p.hc_ffn_scale, p.hc_ffn_base, **hc)
+        f = moe(
+            rms_norm(f_in, p.ffn_norm, eps, order=sem.norm_order),
+            p.ffn,
+            cfg,
+            shared_clamp=sem.shared_clamp,
+            act_quant=sem.act_quant,
+        )
+        x = hc_post(f, x, post, comb)
+        return x.reshape(T, n * D)
+
+    __call__ = forward
+
+    def compute_logits(self, hidden: torch.Tensor, *, spec_step: int = 0) -> torch.Tensor:
+        """hidden (T, hc_mult*D) -> logits (T, vocab) (spec 3.3).
+
+        hc_head with the MTP's own ``hc_head_*``, the MTP's ``norm``, then the shared head in
+        fp32 as the official ``ParallelHead`` (float64 when the layer runs in float64, so the
+        oracle stays exact).  The head is applied in vocab chunks to bound temporary memory.
+        """
+        cfg = self.config
+        if not isinstance(hidden, torch.Tensor) or hidden.dtype != self.dtype:
+            got = hidden.dtype if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            raise InputError(f"hidden: expected dtype {self.dtype} (the layer dtype), got {got}")
+        if hidden.dim() != 2 or hidden.shape[1] != cfg.hc_dim:
+            raise InputError(f"hidden: expected shape (T, {cfg.hc_dim}), got {tuple(hidden.shape)}")
+        p = self.layers[spec_step % len(self.layers)]
+        T = hidden.shape[0]
+        cd = compute_dtype(self.dtype)
+        y = hc_head(
+            hidden.view(T, cfg.hc_mult, cfg.hidden_size),
+            p.hc_head_fn,
+            p.hc_head_scale,
+            p.hc_head_base,
+            rms_norm_eps=cfg.rms_norm_eps,
+            hc_eps=cfg.hc_eps,
+        )  # (T, D)
+        y = rms_norm(y, p.norm, cfg.rms_norm_eps, order=self.semantics.norm_order).to(cd)
+        chunk = 16384
+        parts = [y @ p.head[v : v + chunk].to(cd).T for v in range(0, cfg.vocab_size, chunk)]
+        return torch.cat(parts, dim=1)  # (T, V)
+
+    @torch.no_grad()
+    def draft(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        *,
+        seq_lens: torch.Tensor | None = None,
+        num_tokens: int,
+        greedy: bool = True,
+        temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+        return_logits: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """k-step speculation (spec 3.4) -> drafted ids (B, num_tokens) for the last row of each
+        sequence (+ logits (B, num_tokens, vocab) with ``return_logits``).
+
+        Step 0 runs all rows; step k >= 1 feeds, per sequence, the token drafted at step k-1,
+        position + 1 and the MTP's own residual of that row, through layer
+        ``k % num_nextn_predict_layers``, whose KV cache holds the earlier rows of the sequence.
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise InputError(f"num_tokens: expected an int >= 1, got {num_tokens!r}")
+        if not greedy and not temperature > 0:
+            raise InputError(f"temperature: expected > 0 for sampling, got {temperature}")
+        lens = self._check_inputs(input_ids, positions, prev_hidden, seq_lens)
+        if any(n < 1 for n in lens):
+            raise InputError(
+                f"seq_lens: every sequence needs at least one row to draft from, got {lens}"
+            )
+        B = len(lens)
+        caches = [[self.new_kv_cache() for _ in range(B)] for _ in self.layers]
+        last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # (B,) last row per sequence
+        ids, pos, prev = input_ids, positions, prev_hidden
+        step_lens = torch.tensor(lens, dtype=torch.int64)
+        drafted, step_logits = [], []
+        for k in range(num_tokens):
+            layer = k % len(self.layers)
+            hidden = self.forward(
+                ids, pos, prev, seq_lens=step_lens, kv_cache=caches[layer], spec_step=k
+            )
+            if k == 0:
+                hidden, pos = hidden[last], pos[last]
+            logits = self.compute_logits(hidden, spec_step=k)  # (B, V)
+            if greedy:
+                token = logits.argmax(-1)
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                token = torch.multinomial(probs, 1, generator=generator)[:, 0]
+            drafted.append(token)
+            step_logits.append(logits)
+            ids, pos, prev = token, pos + 1, hidden
+            step_lens = torch.ones(B, dtype=torch.int64)
+        tokens = torch.stack(drafted, dim=1)  # (B, num_tokens)
+        if return_logits:
+            return tokens, torch.stack(step_logits, dim=1)
+        return tokens

@@ -1,0 +1,43 @@
+"""Simulated FP8 rounding of activations (spec 9.3, 9.4): quantize then dequantize.
+
+The official kernels quantize every activation that enters an FP8/FP4 GEMM per row in blocks of
+128 along K, with a power-of-two (ue8m0) scale ``s = 2**ceil(log2(amax / 448))``, and round the
+non-rope dims of the KV latent the same way in blocks of 64.  Because the GEMM then accumulates
+``q * s * w`` in fp32, multiplying the rounded values back by ``s`` before an ordinary GEMM gives
+the same math.  ``amax`` is floored at 1e-4 as in the official ``act_quant``.  ``x / s`` is exact (s is a
+power of two), so the only rounding is e4m3 (correctly rounded for float64 too, see formats).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .checks import FLOAT_DTYPES, check_dtype, compute_dtype
+from .errors import InputError
+from .formats import E4M3_MAX, decode_e4m3, encode_e4m3
+
+__all__ = ["fp8_block_roundtrip"]
+
+AMAX_FLOOR = 1e-4
+
+
+def fp8_block_roundtrip(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Round ``x (..., K)`` through e4m3 with one power-of-two scale per ``block`` values of K.
+
+    A ragged last block (K not a multiple of ``block``) gets its own scale.  Returns x.dtype.
+    """
+    check_dtype("x", x, FLOAT_DTYPES)
+    if block <= 0:
+        raise InputError(f"block: expected a positive block size, got {block}")
+    if x.numel() == 0:
+        return x.clone()
+    cd = compute_dtype(x.dtype)
+    K = x.shape[-1]
+    pad = (-K) % block
+    xf = F.pad(x.to(cd), (0, pad))  # (..., Kp); zero padding never raises a block's amax
+    blocks = xf.unflatten(-1, (-1, block))  # (..., Kp/block, block)
+    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))  # ue8m0: a power of two
+    q = decode_e4m3(encode_e4m3(blocks / scale), dtype=cd)  # saturates at +-448
+    return (q * scale).flatten(-2)[..., :K].to(x.dtype)

@@ -1,0 +1,98 @@
+"""Rotary position embedding of the MTP layer (spec 6.4).
+
+GPT-J / interleaved layout: pairs ``(x[2i], x[2i+1])`` of the last ``qk_rope_head_dim`` dims are
+rotated by ``pos * f_i``.  The MTP layer has compress ratio 0, so the official code uses plain
+RoPE with ``base = rope_theta``; vLLM keeps DeepSeek-YaRN frequency interpolation (spec 11.2).
+Both are offered (``mode="plain" | "yarn"``); the cos/sin magnitude factor is 1 in both.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+
+from .checks import FLOAT_DTYPES, check_dtype, compute_dtype
+from .errors import ConfigError, InputError
+
+__all__ = ["RopeMode", "apply_rope", "rope_frequencies"]
+
+RopeMode = Literal["plain", "yarn"]
+
+
+def _yarn_ramp(
+    rope_dim: int, base: float, scaling: dict[str, Any], dtype: torch.dtype
+) -> torch.Tensor:
+    """ramp_i in [0, 1] per pair i: 0 keeps f_i, 1 divides it by ``factor`` (spec 6.4)."""
+    original = float(scaling.get("original_max_position_embeddings", 65536))
+    beta_fast = float(scaling.get("beta_fast", 32))
+    beta_slow = float(scaling.get("beta_slow", 1))
+
+    def correction_dim(rotations: float) -> float:
+        # the pair index whose wavelength fits `rotations` times into the original context
+        return rope_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = float(max(math.floor(correction_dim(beta_fast)), 0))
+    high = float(min(math.ceil(correction_dim(beta_slow)), rope_dim - 1))
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    pair = torch.arange(rope_dim // 2, dtype=dtype)
+    return ((pair - low) / (high - low)).clamp(0, 1)
+
+
+def rope_frequencies(
+    rope_dim: int,
+    base: float,
+    *,
+    mode: RopeMode = "plain",
+    rope_scaling: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Angular frequency per pair, ``f_i = base**(-2i/rope_dim)`` (YaRN-interpolated in "yarn").
+
+    Returns ``(rope_dim // 2,)`` in ``dtype`` (fp32 as the official table; float64 for the oracle).
+    """
+    if mode not in ("plain", "yarn"):
+        raise ConfigError(f"rope_mode: expected 'plain' or 'yarn', got {mode!r}")
+    if rope_dim % 2:
+        raise ConfigError(f"qk_rope_head_dim: expected an even number, got {rope_dim}")
+    pair_dims = torch.arange(0, rope_dim, 2, dtype=dtype, device=device)
+    freqs = 1.0 / (base ** (pair_dims / rope_dim))  # (Dr/2,)
+    if mode == "plain":
+        return freqs
+    if not rope_scaling or float(rope_scaling.get("factor", 1.0)) <= 1.0:
+        raise ConfigError(
+            f"rope_scaling: rope_mode='yarn' needs a YaRN factor > 1, got {rope_scaling!r}"
+        )
+    factor = float(rope_scaling["factor"])
+    ramp = _yarn_ramp(rope_dim, base, rope_scaling, dtype).to(freqs.device)
+    return freqs / factor * ramp + freqs * (1 - ramp)
+
+
+def apply_rope(
+    x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, *, inverse: bool = False
+) -> torch.Tensor:
+    """Rotate interleaved pairs of ``x (T, ..., Dr)`` by ``positions (T,) * freqs (Dr/2,)``.
+
+    ``inverse=True`` rotates by the negative angle (undoes the rotation).  Math in
+    promote(x.dtype, float32); returns ``x.dtype``.
+    """
+    check_dtype("x", x, FLOAT_DTYPES)
+    if x.shape[-1] != 2 * freqs.shape[0]:
+        raise InputError(
+            f"x: expected last dim {2 * freqs.shape[0]} (rope dims), got {x.shape[-1]}"
+        )
+    if positions.shape != x.shape[:1]:
+        raise InputError(f"positions: expected shape ({x.shape[0]},), got {tuple(positions.shape)}")
+    cd = compute_dtype(x.dtype)
+    angle = positions.to(cd)[:, None] * freqs.to(device=x.device, dtype=cd)[None, :]  # (T, Dr/2)
+    if inverse:
+        angle = -angle
+    angle = angle.view(x.shape[0], *([1] * (x.dim() - 2)), freqs.shape[0])  # broadcast over heads
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    pairs = x.to(cd).unflatten(-1, (-1, 2))  # (T, ..., Dr/2, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    return out.flatten(-2).to(x.dtype)
