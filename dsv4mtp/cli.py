@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import click
 
 from dsv4mtp import __version__
@@ -62,6 +65,239 @@ def demo(
         device=device,
         as_json=as_json,
     )
+
+
+# ----------------------------------------------------------------------------- inspect
+_SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+def _print_inspect(report: Any) -> None:
+    """The :class:`CheckpointReport` as rich tables (stdout)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    head = Table(title="DeepSeek-V4 MTP checkpoint", show_header=False, title_justify="left")
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("checkpoint", report.path)
+    head.add_row(
+        "MTP layers",
+        f"{report.mtp_layers_present} present / {report.mtp_layers_configured} configured "
+        f"(num_nextn_predict_layers)",
+    )
+    head.add_row("tensors", str(report.num_tensors))
+    head.add_row("embedding from", str(report.embed_source))
+    for i, src in report.head_sources.items():
+        head.add_row(f"mtp.{i} head from", str(src))
+    console.print(head)
+    if report.formats:
+        fmt = Table(title="formats per tensor group", title_justify="left")
+        for col in ("layer", "group", "detected", "config claims", "agrees"):
+            fmt.add_column(col)
+        for g in report.formats:
+            ok = "[green]yes" if g.agrees else "[yellow]no"
+            fmt.add_row(f"mtp.{g.layer}", g.group, g.detected, g.claimed, ok)
+        console.print(fmt)
+    for s in report.nvfp4_fold:
+        fold = Table(
+            title=f"mtp.{s.layer} NVFP4 gate/up fold: {s.num_foldable} of {s.num_experts} "
+            f"experts fold",
+            title_justify="left",
+        )
+        fold.add_column("expert")
+        fold.add_column("why it does not fold")
+        for e, why in s.unfoldable.items():
+            fold.add_row(str(e), why)
+        console.print(fold)
+    findings = Table(title="findings", title_justify="left")
+    for col in ("severity", "code", "message"):
+        findings.add_column(col)
+    for f in report.findings:
+        style = _SEVERITY_STYLE[f.severity]
+        findings.add_row(f"[{style}]{f.severity}", f.code, f.message)
+    console.print(findings)
+    n_err, n_warn = len(report.errors), len(report.warnings)
+    verdict = "[bold red]FAIL" if n_err else "[green]OK"
+    console.print(f"{verdict}[/]: {n_err} error(s), {n_warn} warning(s)")
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def inspect(checkpoint: str, as_json: bool) -> None:
+    """Check CHECKPOINT's MTP layers from headers and scales (no full load).
+
+    Reports MTP layers present vs configured, the format of every tensor group vs config.json /
+    quantization_config / hf_quant_config.json, missing, unexpected, mis-shaped and wrong-dtype
+    tensors, non-finite or non-positive scales, NVFP4 gate/up foldability per expert, and where
+    the embedding and head come from.  Exit code 1 when there is any error, else 0.
+    """
+    import json
+
+    from dsv4mtp.reference.checkpoint_report import inspect_checkpoint
+
+    report = inspect_checkpoint(checkpoint)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        _print_inspect(report)
+    sys.exit(report.exit_code)
+
+
+# ----------------------------------------------------------------------------- compare
+def _optimized_builder() -> tuple[Any, str]:
+    """``dsv4mtp.optimized.MTPLayer`` on CUDA when both exist, else None (use the reference)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, "reference (CPU)"
+    try:
+        import dsv4mtp.optimized as optimized
+    except Exception:  # an optional path must not break compare
+        return None, "reference (CPU)"
+    cls = getattr(optimized, "MTPLayer", None)
+    if cls is None or not hasattr(cls, "from_loaded"):
+        return None, "reference (CPU)"
+    return (
+        lambda ck: cls.from_loaded(ck, dtype=torch.bfloat16, device="cuda"),
+        "optimized (CUDA)",
+    )
+
+
+def _print_compare(report: Any) -> None:
+    """The :class:`DriftReport` as rich tables (stdout)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    head = Table(title="MTP draft drift: B vs baseline A", show_header=False, title_justify="left")
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("A (baseline)", report.path_a)
+    head.add_row("B", report.path_b)
+    head.add_row("implementation", f"{report.implementation}, {report.dtype}")
+    head.add_row("inputs", report.inputs)
+    for w in report.warnings:
+        head.add_row("[yellow]warning", w)
+    console.print(head)
+    steps = Table(title="per draft step (B teacher-forced on A's tokens)", title_justify="left")
+    for col in ("step", "top-1 agreement", "KL(p_A || p_B) mean", "KL max"):
+        steps.add_column(col)
+    for s in report.steps:
+        steps.add_row(
+            str(s.step), f"{100 * s.top1_agreement:.1f} %", f"{s.kl_mean:.3g}", f"{s.kl_max:.3g}"
+        )
+    console.print(steps)
+    errs = Table(title="dequantized-weight relative error, worst first", title_justify="left")
+    errs.add_column("tensor group", no_wrap=True)
+    for col in ("||B - A|| / ||A||", "max |B - A|", "format A", "format B"):
+        errs.add_column(col)
+    for g in report.weight_errors:
+        style = "bold" if g.rel_error > 0 else "dim"
+        errs.add_row(
+            f"[{style}]{g.group}",
+            f"{g.rel_error:.3g}",
+            f"{g.max_abs_error:.3g}",
+            g.format_a,
+            g.format_b,
+        )
+    console.print(errs)
+
+
+@main.command()
+@click.argument("dir_a", type=click.Path(exists=True, file_okay=False))
+@click.argument("dir_b", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--steps", "-k", type=click.IntRange(1, 64), default=3, show_default=True, help="Draft steps."
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Synthetic input seed.")
+@click.option(
+    "--sequences",
+    type=click.IntRange(1),
+    default=32,
+    show_default=True,
+    help="Synthetic sequences.",
+)
+@click.option(
+    "--seq-len", type=click.IntRange(1), default=4, show_default=True, help="Rows per sequence."
+)
+@click.option(
+    "--inputs",
+    "inputs_path",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="safetensors file with prev_hidden (T, hc_mult*D), input_ids, positions [, seq_lens].",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float64"]),
+    default="float32",
+    show_default=True,
+    help="Reference activation dtype.",
+)
+@click.option(
+    "--preset",
+    type=click.Choice(["math", "official", "vllm"]),
+    default="math",
+    show_default=True,
+    help="Reference semantics preset.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def compare(
+    dir_a: str,
+    dir_b: str,
+    steps: int,
+    seed: int,
+    sequences: int,
+    seq_len: int,
+    inputs_path: str | None,
+    dtype: str,
+    preset: str,
+    as_json: bool,
+) -> None:
+    """Measure draft drift of DIR_B's MTP layers against DIR_A's (the baseline).
+
+    Both run on the same deterministic inputs; per draft step: top-1 agreement and
+    KL(p_A || p_B); per tensor group: the relative error of the dequantized weights, worst
+    first.  Runs the reference on CPU (the optimized layer on CUDA when available).
+    """
+    import json
+
+    import torch
+    from rich.console import Console
+
+    from dsv4mtp.reference import DSV4Config
+    from dsv4mtp.reference.drift import compare_checkpoints, load_drift_inputs
+    from dsv4mtp.reference.errors import DSV4Error
+
+    build, implementation = _optimized_builder()
+    status = Console(stderr=True).status("comparing")
+    try:
+        with status:
+            inputs = (
+                load_drift_inputs(inputs_path, DSV4Config.from_dir(dir_a)) if inputs_path else None
+            )
+            report = compare_checkpoints(
+                dir_a,
+                dir_b,
+                num_steps=steps,
+                inputs=inputs,
+                seed=seed,
+                num_sequences=sequences,
+                seq_len=seq_len,
+                dtype=getattr(torch, dtype),
+                preset=preset,
+                build_layer=build,
+                implementation=implementation,
+                progress=status.update,
+            )
+    except DSV4Error as e:
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        _print_compare(report)
 
 
 if __name__ == "__main__":

@@ -126,3 +126,15 @@ __all__ += [
     "quantize_nvfp4",
     "unpack_e2m1",
 ]
+
+# --- checkpoint inspection (dsv4-mtp inspect) and draft drift (dsv4-mtp compare) ---
+from .checkpoint_report import CheckpointReport, Finding, inspect_checkpoint  # noqa: E402
+from .drift import DriftReport, compare_checkpoints  # noqa: E402
+
+__all__ += [
+    "CheckpointReport",
+    "DriftReport",
+    "Finding",
+    "compare_checkpoints",
+    "inspect_checkpoint",
+]

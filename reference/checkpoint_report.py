@@ -232,7 +232,7 @@ def _shared_source(
         report.add(
             "info",
             f"{kind}_from_target",
-            f"{kind}: taken from the target's {target} (no {names_prefix(names)}{own})",
+            f"{kind}: taken from the target's {target} (no {_names_prefix(names)}{own})",
         )
         dtypes, shape = optional_layer_tensors(config)[own]
         _check_header(report, ck, target, dtypes, shape)
@@ -240,7 +240,7 @@ def _shared_source(
         report.add(
             "error",
             "missing_tensor",
-            f"{target}: missing, and the MTP layer has no {names_prefix(names)}{own} either",
+            f"{target}: missing, and the MTP layer has no {_names_prefix(names)}{own} either",
         )
         source = None
     if own == "emb.tok_emb.weight":
@@ -248,7 +248,7 @@ def _shared_source(
     return source
 
 
-def names_prefix(names: dict[str, str]) -> str:
+def _names_prefix(names: dict[str, str]) -> str:
     """``mtp.{i}.`` of a layer's name map (rel -> full)."""
     rel, full = next(iter(names.items()))
     return full[: len(full) - len(rel)]

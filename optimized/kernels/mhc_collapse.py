@@ -229,11 +229,15 @@ class CollapseConfig:
             # The (BLOCK_T, NP, BLOCK_D) residual tile stays in registers: 16K elements.
             block_d = 1024 // self.NP
         block_d = max(16, min(256, block_d))
+        # hc_head (FMA mix): 4 tokens x 256 columns x 4 warps was the fastest of six tiles in
+        # the H200 sweep (bench/h200_sweep.py; bench/results/mhc-h200-sweep.log).
         if INTERPRET:
             # Small slices so the CPU tier exercises several splits (two-pass mode there).
             block_d = min(block_d, 64)
         self.BLOCK_D = min(block_d, max(16, next_pow2(D)))
         self.num_warps = 8
+        if not with_post_comb:
+            self.BLOCK_T, self.num_warps = 4, 4
         self.single_pass = single_pass and not INTERPRET
 
 

@@ -56,7 +56,7 @@ def mhc_mix_kernel(
     k_begin = pid_s * K_PER_SPLIT
     x_row = x_ptr + rows.to(tl.int64)[:, None] * K  # (BT, 1)
     acc = tl.zeros((BLOCK_T, MP), dtype=tl.float32)
-    sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)  # reduced once, after the loop
     for k0 in range(0, K_PER_SPLIT, BLOCK_K):  # constexpr bounds: pipelined, interpretable
         ks = k_begin + k0 + tl.arange(0, BLOCK_K)  # (BK,)
         k_ok = ks < K
@@ -69,10 +69,10 @@ def mhc_mix_kernel(
             other=0.0,
         ).to(tl.float32)  # (BK, MP)
         acc = tl.dot(x, w, acc, input_precision="tf32")
-        sq += tl.sum(x * x, axis=1)
+        sq += x * x
     out = mix_ptr + (pid_s * T + rows.to(tl.int64))[:, None] * M + cols[None, :]
     tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
-    tl.store(sq_ptr + pid_s * T + rows, sq, mask=row_ok)
+    tl.store(sq_ptr + pid_s * T + rows, tl.sum(sq, axis=1), mask=row_ok)
 
 
 def mix_num_splits(K: int) -> int:
@@ -115,7 +115,7 @@ def mhc_mix_splitk(
         MP=max(16, next_pow2(M)),
         BLOCK_T=MIX_BLOCK_T,
         BLOCK_K=MIX_BLOCK_K,
-        num_warps=4,
+        num_warps=8,
         num_stages=1 if INTERPRET else 3,
     )
     return mix, sqsum

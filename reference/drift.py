@@ -1,0 +1,375 @@
+"""Draft drift between two checkpoints' MTP layers (``dsv4-mtp compare``).
+
+Checkpoint A is the baseline.  Both MTP layers run on the same deterministic inputs (synthetic
+target residuals and token ids from a seed, or a user's safetensors file); A drafts greedily and
+B is teacher-forced on A's tokens, so one early disagreement does not make every later step
+incomparable.  Per draft step: top-1 agreement (B's argmax == A's token) and KL(p_A || p_B) of
+the softmax distributions, in float64.  Per tensor group: the relative error
+||W_B - W_A|| / ||W_A|| of the dequantized weights, ranked, so a user sees which tensors caused
+the drift.
+
+Which implementation runs is the caller's choice (``build_layer``); the default is the reference
+:class:`~.mtp.MTPLayer` on CPU.  This module never imports the optimized package.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from .checkpoint import load_mtp_checkpoint
+from .checkpoint_weights import MTPCheckpoint, MTPLayerWeights, QuantizedWeight
+from .config import DSV4Config
+from .errors import CheckpointError, InputError
+from .mtp import MTPLayer
+
+__all__ = [
+    "DriftInputs",
+    "DriftReport",
+    "GroupError",
+    "StepDrift",
+    "compare_checkpoints",
+    "draft_drift",
+    "load_drift_inputs",
+    "synthetic_drift_inputs",
+    "teacher_forced_logits",
+    "weight_group_errors",
+]
+
+
+# ----------------------------------------------------------------------------- inputs
+@dataclass(frozen=True)
+class DriftInputs:
+    """input_ids (T,) int64 (already shifted), positions (T,) int64, prev_hidden (T, hc_mult*D)
+    float32 (the target's flat residual), seq_lens (B,) int64 summing to T."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    prev_hidden: torch.Tensor
+    seq_lens: torch.Tensor
+    source: str
+
+
+def synthetic_drift_inputs(
+    config: DSV4Config, *, num_sequences: int = 32, seq_len: int = 4, seed: int = 0
+) -> DriftInputs:
+    """``num_sequences`` sequences of ``seq_len`` rows: random ids, positions starting at a random
+    offset (not 0), residuals N(0, 1).  Deterministic in ``seed``."""
+    if num_sequences < 1 or seq_len < 1:
+        raise InputError(f"num_sequences / seq_len: expected >= 1, got {num_sequences} / {seq_len}")
+    g = torch.Generator().manual_seed(seed)
+    T = num_sequences * seq_len
+    starts = torch.randint(1, 1000, (num_sequences,), generator=g)
+    positions = (starts[:, None] + torch.arange(seq_len)[None, :]).reshape(T)
+    return DriftInputs(
+        input_ids=torch.randint(0, config.vocab_size, (T,), generator=g),
+        positions=positions,
+        prev_hidden=torch.randn(T, config.hc_dim, generator=g),
+        seq_lens=torch.full((num_sequences,), seq_len, dtype=torch.int64),
+        source=f"synthetic (seed {seed}, {num_sequences} x {seq_len} rows)",
+    )
+
+
+def load_drift_inputs(path: str | os.PathLike[str], config: DSV4Config) -> DriftInputs:
+    """A safetensors file with ``prev_hidden`` (T, hc_mult*D) float, ``input_ids`` (T,) and
+    ``positions`` (T,) integer, optional ``seq_lens`` (B,) (default: one sequence)."""
+    path = os.fspath(path)
+    with safe_open(path, framework="pt") as f:
+        keys = set(f.keys())
+        missing = {"prev_hidden", "input_ids", "positions"} - keys
+        if missing:
+            raise InputError(f"{path}: missing tensor(s) {sorted(missing)}; have {sorted(keys)}")
+        t = {
+            k: f.get_tensor(k) for k in keys & {"prev_hidden", "input_ids", "positions", "seq_lens"}
+        }
+    prev = t["prev_hidden"]
+    if not prev.is_floating_point() or prev.dim() != 2 or prev.shape[1] != config.hc_dim:
+        raise InputError(
+            f"prev_hidden: expected a float (T, {config.hc_dim}) = (T, hc_mult*hidden_size) "
+            f"tensor, got {prev.dtype} {tuple(prev.shape)}"
+        )
+    T = prev.shape[0]
+    for name in ("input_ids", "positions", "seq_lens"):
+        if name in t and (t[name].is_floating_point() or t[name].dim() != 1):
+            raise InputError(f"{name}: expected a 1-D integer tensor, got {t[name].dtype}")
+    for name in ("input_ids", "positions"):
+        if t[name].shape[0] != T:
+            raise InputError(f"{name}: expected shape ({T},) like prev_hidden, got {t[name].shape}")
+    seq_lens = t.get("seq_lens", torch.tensor([T]))
+    return DriftInputs(
+        input_ids=t["input_ids"].long(),
+        positions=t["positions"].long(),
+        prev_hidden=prev.float(),
+        seq_lens=seq_lens.long(),
+        source=f"{path} ({len(seq_lens)} sequence(s), {T} rows)",
+    )
+
+
+# ----------------------------------------------------------------------------- weight errors
+@dataclass(frozen=True)
+class GroupError:
+    """||W_B - W_A|| / ||W_A|| and max |W_B - W_A| over one tensor group (dequantized)."""
+
+    group: str
+    rel_error: float
+    max_abs_error: float
+    format_a: str
+    format_b: str
+
+
+def _layer_groups(
+    w: MTPLayerWeights,
+) -> Iterator[tuple[str, str, Callable[[], list[torch.Tensor]]]]:
+    """(group name, format, thunk -> dequantized tensors) of one MTP layer.  Thunks keep only one
+    group in float64 memory at a time."""
+
+    def qw(q: QuantizedWeight) -> Callable[[], list[torch.Tensor]]:
+        return lambda: [q.dequantize(torch.float64)]
+
+    def plain(*ts: torch.Tensor) -> Callable[[], list[torch.Tensor]]:
+        return lambda: [t.double() for t in ts]
+
+    wq_a, wkv = w.fused_wqa_wkv.split_rows()
+    w1, w3 = w.gate_up_proj.split_rows()
+    for name, q in (
+        ("e_proj", w.e_proj),
+        ("h_proj", w.h_proj),
+        ("attn.wq_a", wq_a),
+        ("attn.wkv", wkv),
+        ("attn.wq_b", w.wq_b),
+        ("attn.wo_a", w.wo_a),
+        ("attn.wo_b", w.wo_b),
+        ("ffn.shared_experts.w1", w1),
+        ("ffn.shared_experts.w3", w3),
+        ("ffn.shared_experts.w2", w.down_proj),
+    ):
+        yield name, q.format, qw(q)
+    ex = w.experts
+
+    def experts() -> list[torch.Tensor]:
+        return [
+            t for e in range(ex.num_local_experts) for t in ex.dequantize_expert(e, torch.float64)
+        ]
+
+    yield "ffn.experts", ex.format, experts
+    for name, ts in (
+        ("enorm", (w.enorm,)),
+        ("hnorm", (w.hnorm,)),
+        ("norm", (w.norm,)),
+        ("attn_norm", (w.attn_norm,)),
+        ("ffn_norm", (w.ffn_norm,)),
+        ("attn.q_norm", (w.q_norm,)),
+        ("attn.kv_norm", (w.kv_norm,)),
+        ("attn.attn_sink", (w.attn_sink,)),
+        ("hc_head", (w.hc_head_fn, w.hc_head_base, w.hc_head_scale)),
+        ("hc_attn", (w.hc_attn_fn, w.hc_attn_base, w.hc_attn_scale)),
+        ("hc_ffn", (w.hc_ffn_fn, w.hc_ffn_base, w.hc_ffn_scale)),
+        ("ffn.gate", (w.gate_weight, w.e_score_correction_bias)),
+        ("head", (w.head,)),
+    ):
+        yield name, str(ts[0].dtype).removeprefix("torch."), plain(*ts)
+
+
+def _group_error(name: str, a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float]:
+    diff2 = ref2 = max_abs = 0.0
+    for ta, tb in zip(a, b, strict=True):
+        if ta.shape != tb.shape:
+            raise CheckpointError(
+                f"{name}: checkpoints differ in shape, A {tuple(ta.shape)} vs B {tuple(tb.shape)}"
+            )
+        d = tb - ta
+        diff2 += float((d * d).sum())
+        ref2 += float((ta * ta).sum())
+        max_abs = max(max_abs, float(d.abs().max()) if d.numel() else 0.0)
+    if ref2 == 0.0:
+        return (0.0 if diff2 == 0.0 else math.inf), max_abs
+    return math.sqrt(diff2 / ref2), max_abs
+
+
+def weight_group_errors(a: MTPCheckpoint, b: MTPCheckpoint) -> list[GroupError]:
+    """Per tensor group of every MTP layer (+ the shared embedding), ranked worst first."""
+    if len(a.layers) != len(b.layers):
+        raise CheckpointError(
+            f"num_nextn_predict_layers: A has {len(a.layers)} MTP layers, B {len(b.layers)}"
+        )
+    out = []
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        for (name, fa, ga), (_, fb, gb) in zip(_layer_groups(la), _layer_groups(lb), strict=True):
+            full = f"mtp.{la.index}.{name}"
+            rel, max_abs = _group_error(full, ga(), gb())
+            out.append(GroupError(full, rel, max_abs, fa, fb))
+    rel, max_abs = _group_error("embed", [a.embed_tokens.double()], [b.embed_tokens.double()])
+    fmt = str(a.embed_tokens.dtype).removeprefix("torch.")
+    out.append(
+        GroupError("embed", rel, max_abs, fmt, str(b.embed_tokens.dtype).removeprefix("torch."))
+    )
+    return sorted(out, key=lambda g: -g.rel_error)
+
+
+# ----------------------------------------------------------------------------- draft drift
+@dataclass(frozen=True)
+class StepDrift:
+    """One draft step over B sequences: fraction whose B-argmax equals A's token; KL(p_A || p_B)
+    mean and max over sequences (nats)."""
+
+    step: int
+    top1_agreement: float
+    kl_mean: float
+    kl_max: float
+
+
+def _on(layer: Any, t: torch.Tensor) -> torch.Tensor:
+    return t.to(layer.device)
+
+
+@torch.no_grad()
+def teacher_forced_logits(layer: Any, inputs: DriftInputs, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits (B, k, V) float64 of ``layer`` drafting k steps but fed ``tokens`` (B, k) instead of
+    its own picks; the same step loop as :meth:`MTPLayer.draft`."""
+    B, k = tokens.shape
+    caches = [[layer.new_kv_cache() for _ in range(B)] for _ in layer.layers]
+    last = _on(layer, inputs.seq_lens.cumsum(0) - 1)  # (B,) last row per sequence
+    ids, pos = _on(layer, inputs.input_ids), _on(layer, inputs.positions)
+    prev = _on(layer, inputs.prev_hidden).to(layer.dtype)
+    step_lens, out = inputs.seq_lens, []
+    for step in range(k):
+        hidden = layer.forward(
+            ids, pos, prev, seq_lens=step_lens, kv_cache=caches[step % len(caches)], spec_step=step
+        )
+        if step == 0:
+            hidden, pos = hidden[last], pos[last]
+        out.append(layer.compute_logits(hidden, spec_step=step).double().cpu())
+        ids, pos, prev = _on(layer, tokens[:, step]), pos + 1, hidden
+        step_lens = torch.ones(B, dtype=torch.int64)
+    return torch.stack(out, dim=1)
+
+
+@torch.no_grad()
+def draft_drift(
+    layer_a: Any, layer_b: Any, inputs: DriftInputs, num_steps: int
+) -> tuple[list[StepDrift], torch.Tensor]:
+    """A drafts ``num_steps`` greedy tokens; B is teacher-forced on them.  Returns the per-step
+    drift and A's tokens (B, k)."""
+    tokens, logits_a = layer_a.draft(
+        _on(layer_a, inputs.input_ids),
+        _on(layer_a, inputs.positions),
+        _on(layer_a, inputs.prev_hidden).to(layer_a.dtype),
+        seq_lens=inputs.seq_lens,
+        num_tokens=num_steps,
+        return_logits=True,
+    )
+    tokens, logits_a = tokens.cpu(), logits_a.double().cpu()
+    logits_b = teacher_forced_logits(layer_b, inputs, tokens)
+    log_pa = torch.log_softmax(logits_a, dim=-1)  # (B, k, V)
+    log_pb = torch.log_softmax(logits_b, dim=-1)
+    kl = (log_pa.exp() * (log_pa - log_pb)).sum(-1)  # (B, k)
+    agree = (logits_b.argmax(-1) == tokens).double()  # (B, k)
+    steps = [
+        StepDrift(s, float(agree[:, s].mean()), float(kl[:, s].mean()), float(kl[:, s].max()))
+        for s in range(num_steps)
+    ]
+    return steps, tokens
+
+
+# ----------------------------------------------------------------------------- entry point
+@dataclass
+class DriftReport:
+    """What :func:`compare_checkpoints` measured (plain data; ``to_dict`` is JSON-ready)."""
+
+    path_a: str
+    path_b: str
+    implementation: str
+    dtype: str
+    inputs: str
+    steps: list[StepDrift] = field(default_factory=list)
+    weight_errors: list[GroupError] = field(default_factory=list)
+    draft_tokens: list[list[int]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["weight_errors"] = [
+            {**asdict(g), "rel_error": g.rel_error if math.isfinite(g.rel_error) else "inf"}
+            for g in self.weight_errors
+        ]
+        return d
+
+
+def _load(path: str, label: str, notes: list[str]) -> MTPCheckpoint:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck = load_mtp_checkpoint(path)
+    notes.extend(f"{label}: {w.message}" for w in caught)
+    return ck
+
+
+def compare_checkpoints(
+    path_a: str | os.PathLike[str],
+    path_b: str | os.PathLike[str],
+    *,
+    num_steps: int = 3,
+    inputs: DriftInputs | None = None,
+    seed: int = 0,
+    num_sequences: int = 32,
+    seq_len: int = 4,
+    dtype: torch.dtype = torch.float32,
+    preset: str = "math",
+    build_layer: Callable[[MTPCheckpoint], Any] | None = None,
+    implementation: str = "reference (CPU)",
+    progress: Callable[[str], None] | None = None,
+) -> DriftReport:
+    """Compare the MTP layers of checkpoint directories A (baseline) and B (module docstring).
+
+    ``inputs``: default :func:`synthetic_drift_inputs` (``seed``, ``num_sequences``,
+    ``seq_len``).  ``build_layer``: loaded checkpoint -> a layer with the :class:`MTPLayer`
+    interface (default: the reference in ``dtype`` with ``preset`` on CPU).  ``progress`` is
+    called with a short text before each stage.
+    """
+    say = progress or (lambda _text: None)
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+        raise InputError(f"num_steps: expected an int >= 1, got {num_steps!r}")
+    notes: list[str] = []
+    say("loading checkpoint A")
+    a = _load(os.fspath(path_a), "A", notes)
+    say("loading checkpoint B")
+    b = _load(os.fspath(path_b), "B", notes)
+    if a.config.vocab_size != b.config.vocab_size or a.config.hc_dim != b.config.hc_dim:
+        raise CheckpointError(
+            f"config: A and B differ (vocab_size {a.config.vocab_size} vs {b.config.vocab_size}, "
+            f"hc_mult*hidden_size {a.config.hc_dim} vs {b.config.hc_dim})"
+        )
+    say("dequantized-weight error per tensor group")
+    errors = weight_group_errors(a, b)
+    if inputs is None:
+        inputs = synthetic_drift_inputs(
+            a.config, num_sequences=num_sequences, seq_len=seq_len, seed=seed
+        )
+
+    def reference(ck: MTPCheckpoint) -> MTPLayer:
+        return MTPLayer.from_loaded(ck, preset=preset, dtype=dtype, device="cpu")
+
+    build = build_layer or reference
+    say("building layer A")
+    layer_a = build(a)
+    say("building layer B")
+    layer_b = build(b)
+    say(f"drafting {num_steps} step(s) with A, teacher-forcing B")
+    steps, tokens = draft_drift(layer_a, layer_b, inputs, num_steps)
+    return DriftReport(
+        path_a=os.fspath(path_a),
+        path_b=os.fspath(path_b),
+        implementation=implementation,
+        dtype=str(getattr(layer_a, "dtype", dtype)).removeprefix("torch."),
+        inputs=inputs.source,
+        steps=steps,
+        weight_errors=errors,
+        draft_tokens=tokens.tolist(),
+        warnings=notes,
+    )
