@@ -109,3 +109,39 @@ def test_every_pair_declares_a_reasoned_tolerance() -> None:
                 f"{pair.name}/{dtype}: tolerance out of range"
             )
             assert len(tol.why) > 10, f"{pair.name}/{dtype}: say why the tolerance is what it is"
+
+
+def wrong_rms_norm(x, weight, eps, *, order="official"):  # type: ignore[no-untyped-def]
+    """A deliberately wrong third-party implementation: 1% too large."""
+    return (reference.rms_norm(x, weight, eps, order=order).double() * 1.01).to(x.dtype)
+
+
+def test_impl_option_swaps_in_a_third_party_implementation() -> None:
+    """``--impl`` must really run the given function: the reference itself passes, a 1% wrong
+    implementation fails the same differential test."""
+
+    def run(spec: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "conformance/test_norm.py",
+                "-k",
+                "differential and float32",
+                "--impl",
+                spec,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    assert run("rms_norm=dsv4mtp.reference:rms_norm").returncode == 0
+    bad = run("rms_norm=conformance.test_registry:wrong_rms_norm")
+    assert bad.returncode == 1, bad.stdout[-2000:]
+    assert "exceeds tolerance" in bad.stdout
