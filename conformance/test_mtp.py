@@ -418,3 +418,20 @@ def test_demo_report() -> None:
     a = r["agreement"]["reference_bf16"]
     assert a["top1_agreement"] >= 0.5 and a["rel_logit_error"] < TOL_BF16_VS_F64
     assert r["optimized"].startswith("skipped")
+
+
+def test_draft_forced_tokens_teacher_forcing() -> None:
+    """Forcing the layer's own greedy picks reproduces its free-running draft bit for bit;
+    forcing other tokens changes the later logits but not step 0's; a bad shape is refused."""
+    L = layer(F64)
+    ids, pos, prev = inputs(12, F64)
+    tokens, logits = L.draft(ids, pos, prev, num_tokens=3, return_logits=True)
+    same_t, same_l = L.draft(ids, pos, prev, num_tokens=3, return_logits=True, forced_tokens=tokens)
+    assert torch.equal(same_t, tokens) and torch.equal(same_l, logits)
+    other = (tokens + 1) % CFG.vocab_size
+    _, forced_l = L.draft(ids, pos, prev, num_tokens=3, return_logits=True, forced_tokens=other)
+    assert torch.equal(forced_l[:, 0], logits[:, 0]) and not torch.equal(
+        forced_l[:, 1:], logits[:, 1:]
+    )
+    with pytest.raises(InputError, match=r"forced_tokens: expected shape \(1, 3\)"):
+        L.draft(ids, pos, prev, num_tokens=3, forced_tokens=tokens[:, :2])

@@ -232,23 +232,17 @@ def _on(layer: Any, t: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def teacher_forced_logits(layer: Any, inputs: DriftInputs, tokens: torch.Tensor) -> torch.Tensor:
     """Logits (B, k, V) float64 of ``layer`` drafting k steps but fed ``tokens`` (B, k) instead of
-    its own picks; the same step loop as :meth:`MTPLayer.draft`."""
-    B, k = tokens.shape
-    caches = [[layer.new_kv_cache() for _ in range(B)] for _ in layer.layers]
-    last = _on(layer, inputs.seq_lens.cumsum(0) - 1)  # (B,) last row per sequence
-    ids, pos = _on(layer, inputs.input_ids), _on(layer, inputs.positions)
-    prev = _on(layer, inputs.prev_hidden).to(layer.dtype)
-    step_lens, out = inputs.seq_lens, []
-    for step in range(k):
-        hidden = layer.forward(
-            ids, pos, prev, seq_lens=step_lens, kv_cache=caches[step % len(caches)], spec_step=step
-        )
-        if step == 0:
-            hidden, pos = hidden[last], pos[last]
-        out.append(layer.compute_logits(hidden, spec_step=step).double().cpu())
-        ids, pos, prev = _on(layer, tokens[:, step]), pos + 1, hidden
-        step_lens = torch.ones(B, dtype=torch.int64)
-    return torch.stack(out, dim=1)
+    its own picks (:meth:`MTPLayer.draft` with ``forced_tokens``)."""
+    _, logits = layer.draft(
+        _on(layer, inputs.input_ids),
+        _on(layer, inputs.positions),
+        _on(layer, inputs.prev_hidden).to(layer.dtype),
+        seq_lens=inputs.seq_lens,
+        num_tokens=tokens.shape[1],
+        return_logits=True,
+        forced_tokens=tokens,
+    )
+    return logits.double().cpu()
 
 
 @torch.no_grad()

@@ -393,6 +393,19 @@ def _ceil_log2_ratio(amax: torch.Tensor, denom: float) -> torch.Tensor:
     return torch.where(mantissa == 0.5, exponent - 1, exponent)
 
 
+def _e8m0_bytes_for_exponent(k_exp: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Block scale exponents -> E8M0 bytes: all-zero blocks get 2^0, underflow clamps to 2^-127,
+    overflow (reachable only from float64 input) is an error."""
+    k_exp = torch.where(amax == 0, torch.zeros_like(k_exp), k_exp)  # all-zero block -> 1.0
+    k_exp = k_exp.clamp(min=-E8M0_BIAS)
+    if bool((k_exp > E8M0_BIAS).any()):
+        raise InputError(
+            f"w: block amax {float(amax.max())} needs an E8M0 scale above 2^127 "
+            "(only reachable with float64 input)"
+        )
+    return (k_exp + E8M0_BIAS).to(torch.uint8)
+
+
 def quantize_fp8_block(
     w: torch.Tensor, *, scale_fmt: ScaleFormat = "e8m0", block: int = FP8_BLOCK
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -415,14 +428,7 @@ def quantize_fp8_block(
         stored = scale
     else:
         k_exp = _ceil_log2_ratio(amax.to(torch.float64), E4M3_MAX)
-        k_exp = torch.where(amax == 0, torch.zeros_like(k_exp), k_exp)  # all-zero block -> 1.0
-        k_exp = k_exp.clamp(min=-E8M0_BIAS)
-        if bool((k_exp > E8M0_BIAS).any()):
-            raise InputError(
-                f"w: block amax {float(amax.max())} needs an E8M0 scale above 2^127 "
-                "(only reachable with float64 input)"
-            )
-        scale_bytes = (k_exp + E8M0_BIAS).to(torch.uint8)
+        scale_bytes = _e8m0_bytes_for_exponent(k_exp, amax)
         scale = decode_e8m0(scale_bytes, dtype=torch.float64)  # exact powers of two
         stored = scale_bytes.view(torch.float8_e8m0fnu)
     per_element = _expand_tiles(scale.to(cd), block, block, n, k)  # (N, K)
@@ -471,14 +477,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = blocks.abs().amax(dim=-1)  # (N, K/32)
     _, exponent = torch.frexp(amax)  # amax = m * 2^e, m in [0.5, 1): floor(log2 amax) = e - 1
     k_exp = exponent.to(torch.int32) - 1 - 2  # - emax(E2M1)
-    k_exp = torch.where(amax == 0, torch.zeros_like(k_exp), k_exp)  # all-zero block -> 1.0
-    k_exp = k_exp.clamp(min=-E8M0_BIAS)
-    if bool((k_exp > E8M0_BIAS).any()):
-        raise InputError(
-            f"w: block amax {float(amax.max())} needs an E8M0 scale above 2^127 "
-            "(only reachable with float64 input)"
-        )
-    scale_bytes = (k_exp + E8M0_BIAS).to(torch.uint8)
+    scale_bytes = _e8m0_bytes_for_exponent(k_exp, amax)
     scale = decode_e8m0(scale_bytes, dtype=cd)  # exact powers of two
     codes = encode_e2m1(blocks / scale[..., None]).view(n, k)
     return pack_e2m1(codes), scale_bytes

@@ -479,6 +479,7 @@ class MTPLayer:
         temperature: float = 1.0,
         generator: torch.Generator | None = None,
         return_logits: bool = False,
+        forced_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """k-step speculation (spec 3.4) -> drafted ids (B, num_tokens) for the last row of each
         sequence (+ logits (B, num_tokens, vocab) with ``return_logits``).
@@ -486,6 +487,8 @@ class MTPLayer:
         Step 0 runs all rows; step k >= 1 feeds, per sequence, the token drafted at step k-1,
         position + 1 and the MTP's own residual of that row, through layer
         ``k % num_nextn_predict_layers``, whose KV cache holds the earlier rows of the sequence.
+        ``forced_tokens`` (B, num_tokens): teacher forcing, feed these instead of the layer's own
+        picks (the returned ids are then these tokens; used to compare two layers step by step).
         """
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise InputError(f"num_tokens: expected an int >= 1, got {num_tokens!r}")
@@ -497,6 +500,10 @@ class MTPLayer:
                 f"seq_lens: every sequence needs at least one row to draft from, got {lens}"
             )
         B = len(lens)
+        if forced_tokens is not None and tuple(forced_tokens.shape) != (B, num_tokens):
+            raise InputError(
+                f"forced_tokens: expected shape ({B}, {num_tokens}), got {tuple(forced_tokens.shape)}"
+            )
         caches = [[self.new_kv_cache() for _ in range(B)] for _ in self.layers]
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # (B,) last row per sequence
         ids, pos, prev = input_ids, positions, prev_hidden
@@ -510,7 +517,9 @@ class MTPLayer:
             if k == 0:
                 hidden, pos = hidden[last], pos[last]
             logits = self.compute_logits(hidden, spec_step=k)  # (B, V)
-            if greedy:
+            if forced_tokens is not None:
+                token = forced_tokens[:, k].to(self.device)
+            elif greedy:
                 token = logits.argmax(-1)
             else:
                 probs = torch.softmax(logits / temperature, dim=-1)
