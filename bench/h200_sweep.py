@@ -1,71 +1,204 @@
-"""Tile sweep of the one-pass mHC collapse kernel (hc_head and hc_pre) on the GPU.
+"""Schedule sweep of the mHC collapse (hc_head, hc_pre) and of rms_norm on the GPU.
 
-Times each (BLOCK_T, BLOCK_D, num_warps) at T in {1, 64, 4096}, D in {4096, 7168} with the same
-CUDA-graph / rotating-input method as bench/h200_mhc.py, checks each result bitwise against the
-two-pass schedule of the same tiles, and prints a table.  Used once to pick CollapseConfig's
-defaults; kept so the choice can be re-made on another GPU.
+Picks the defaults of ``collapse_config`` / ``mix_config`` and rms_norm's warps; kept so the
+choice can be re-made on another GPU.  Same timing method as bench/h200_mhc.py (CUDA-graph
+replay over rotating input sets > 2.2x L2).  Every end-to-end row is checked against the
+float64 reference (rel. Frobenius error printed).
 
-    python bench/h200_sweep.py
+    python bench/h200_sweep.py [--out DIR] [--parts a,b,c] [--quick]
+
+Parts: A) the split-K mix producer alone (FlashInfer's feed), per (M, D, T) and config: time
+and bandwidth on its own bytes (x + fn + partials); B) hc_head / hc_pre end to end per
+one-pass collapse schedule (and hc_pre through FlashInfer); C) rms_norm's Triton kernel per
+num_warps.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+from pathlib import Path
 
 import torch
-from h200_mhc import copy_bandwidth, graph_time_us, make_inputs, min_bytes
+from h200_mhc import copy_bandwidth, empty_kernel_us, graph_time_us, make_inputs, min_bytes
 
-from dsv4mtp.optimized.kernels.mhc_collapse import mhc_collapse
+import dsv4mtp.optimized as opt
+import dsv4mtp.reference as ref
+from dsv4mtp.optimized.kernels.mhc_collapse import CollapseConfig
+from dsv4mtp.optimized.kernels.mhc_mix import MixConfig, mhc_mix_splitk
+from dsv4mtp.optimized.kernels.rms_norm import rms_norm_triton
 
-CONFIGS = {
-    "hc_head": [(16, 256, 8), (8, 256, 8), (16, 128, 8), (8, 128, 4), (4, 256, 4), (8, 512, 8)],
-    "hc_pre": [(16, 128, 8), (16, 64, 4), (16, 64, 8), (32, 64, 8), (16, 128, 4)],
-}
+N = 4
+
+# (block_t, block_k, num_splits, num_warps, num_stages)
+MIX_CANDIDATES = [
+    (64, 128, 16, 4, 3),
+    (64, 64, 16, 4, 4),
+    (128, 64, 16, 8, 4),
+    (128, 64, 16, 4, 4),
+    (64, 128, 8, 4, 3),
+    (64, 128, 64, 4, 3),
+]
+# (block_t, d_slice, block_k, apply_d, num_warps, num_stages, fused)
+COLLAPSE_CANDIDATES = [
+    (64, 256, 64, 64, 4, 3, True),
+    (64, 128, 64, 64, 4, 3, True),
+    (64, 512, 64, 64, 4, 3, True),
+    (64, 256, 128, 64, 4, 3, True),
+    (64, 256, 64, 128, 8, 3, True),
+    (128, 256, 64, 64, 8, 3, True),
+    (64, 256, 64, 64, 4, 4, True),
+    (64, 256, 64, 64, 4, 3, False),
+    (64, 512, 64, 64, 4, 3, False),
+]
 
 
-def run(op: str, args, kw, cfg, out, single_pass: bool = True) -> None:
-    x, fn, scale, base = args
-    bt, bd, nw = cfg
-    extra = {}
-    if op == "hc_pre":
-        extra = dict(post=out[1], comb=out[2], post_mult=2.0, sinkhorn_iters=20)
-    mhc_collapse(
-        x, fn, scale, base, out[0], rms_norm_eps=kw["rms_norm_eps"], hc_eps=kw["hc_eps"],
-        single_pass=single_pass, block_t=bt, block_d=bd, num_warps=nw, **extra,
-    )  # fmt: skip
+def rotating_sets(op: str, T: int, D: int, l2: int):
+    probe, kw = make_inputs(op, T, D, seed=0)
+    size = sum(t.numel() * t.element_size() for t in probe)
+    R = max(2, math.ceil(2.2 * l2 / size))
+    return [probe] + [make_inputs(op, T, D, seed=i)[0] for i in range(1, R)], kw, R
+
+
+def timed(calls, T: int, R: int) -> float:
+    return graph_time_us(calls, max(R, 100) if T <= 64 else max(R, 10), 10 if T <= 64 else 5)
+
+
+def part_a(l2: int, bw: float, tokens, log) -> dict:
+    """Producer alone; returns {(M, D): [(us at the largest T, cfg), ...]} sorted."""
+    ranking: dict = {}
+    for op, M in (("hc_pre", (2 + N) * N),):
+        for D in (4096, 7168):
+            K = N * D
+            for T in tokens:
+                sets, _, R = rotating_sets(op, T, D, l2)
+                for c in MIX_CANDIDATES:
+                    cfg = MixConfig(*c)
+                    try:
+                        ws = [
+                            torch.empty(cfg.num_splits * T * M, device="cuda"),
+                            torch.empty(cfg.num_splits * T, device="cuda"),
+                        ]
+                        mix = ws[0].view(cfg.num_splits, T, M)
+                        sq = ws[1].view(cfg.num_splits, T)
+                        calls = [
+                            lambda s=s, cfg=cfg, mix=mix, sq=sq, T=T, K=K: mhc_mix_splitk(
+                                s[0].view(T, K), s[1], cfg, mix, sq
+                            )
+                            for s in sets
+                        ]
+                        # correctness of this config against a float64 matmul
+                        calls[0]()
+                        x64 = sets[0][0].view(T, K).double()
+                        want = x64 @ sets[0][1].double().T
+                        err = float((mix.double().sum(0) - want).norm() / want.norm())
+                        us = timed(calls, T, R)
+                    except Exception as e:
+                        log(f"A {op} D={D} T={T} mix={c}: FAILED {type(e).__name__}: {e}")
+                        continue
+                    nbytes = T * K * 2 + M * K * 4 + cfg.num_splits * T * (M + 1) * 4
+                    log(
+                        f"A {op:7s} D={D} T={T:5d} mix={c}: {us:9.2f} us "
+                        f"{nbytes / (us * 1e-6) / bw * 100:5.1f}% copy  err {err:.1e}"
+                    )
+                    if max(tokens) == T:
+                        ranking.setdefault((M, D), []).append((us, c))
+                del sets
+                torch.cuda.empty_cache()
+    return {k: sorted(v) for k, v in ranking.items()}
+
+
+def part_b(l2: int, bw: float, empty: float, tokens, log, rows: list) -> None:
+    for op in ("hc_head", "hc_pre"):
+        for D in (4096, 7168):
+            for T in tokens:
+                sets, kw, R = rotating_sets(op, T, D, l2)
+                oracle = getattr(ref, op)(*(a.double() for a in sets[0]), **kw)
+                oracle = oracle if isinstance(oracle, tuple) else (oracle,)
+                variants: list[tuple[str, dict]] = [
+                    (f"collapse={c}", dict(schedule=opt.CollapseSchedule(CollapseConfig(*c))))
+                    for c in COLLAPSE_CANDIDATES
+                ]
+                if op == "hc_pre":
+                    for v in variants:
+                        v[1]["backend"] = "triton"
+                    variants.append(("flashinfer default mix", dict(backend="flashinfer")))
+                for name, extra in variants:
+                    f = getattr(opt, op)
+                    try:
+                        got = f(*sets[0], **kw, **extra)
+                        got = got if isinstance(got, tuple) else (got,)
+                        err = max(
+                            float((g.double() - o).norm() / o.norm())
+                            for g, o in zip(got, oracle, strict=True)
+                        )
+                        outs = got if len(got) > 1 else got[0]
+                        calls = [
+                            lambda s=s, e=extra, o=outs, f=f, kw=kw: f(*s, **kw, **e, out=o)
+                            for s in sets
+                        ]
+                        us = timed(calls, T, R)
+                    except Exception as e:
+                        log(f"B {op} D={D} T={T} {name}: FAILED {type(e).__name__}: {e}")
+                        continue
+                    frac = min_bytes(op, T, D) / (us * 1e-6) / bw
+                    log(
+                        f"B {op:7s} D={D} T={T:5d} {name}: {us:9.2f} us {frac * 100:5.1f}% "
+                        f"{us / empty:6.1f}x empty  err {err:.1e}"
+                    )
+                    rows.append(dict(op=op, D=D, T=T, variant=name, us=us, frac=frac, err=err))
+                del sets
+                torch.cuda.empty_cache()
+
+
+def part_c(l2: int, bw: float, empty: float, tokens, log) -> None:
+    for D in (4096, 7168):
+        for T in tokens:
+            sets, kw, R = rotating_sets("rms_norm", T, D, l2)
+            out = torch.empty(T, D, dtype=torch.bfloat16, device="cuda")
+            for nw in (4, 8, 16):
+                calls = [
+                    lambda s=s, nw=nw, kw=kw, out=out: rms_norm_triton(
+                        s[0], s[1], kw["eps"], out, False, nw
+                    )
+                    for s in sets
+                ]
+                us = timed(calls, T, R)
+                frac = min_bytes("rms_norm", T, D) / (us * 1e-6) / bw
+                log(f"C rms_norm D={D} T={T:5d} warps={nw:2d}: {us:8.2f} us {frac * 100:5.1f}% "
+                    f"{us / empty:5.1f}x empty")  # fmt: skip
 
 
 def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--parts", default="b")
+    a = p.parse_args()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     bw = copy_bandwidth()
-    print(f"copy {bw / 1e12:.3f} TB/s")
-    for op, cfgs in CONFIGS.items():
-        for D in (4096, 7168):
-            for T in (1, 64, 4096):
-                probe, kw = make_inputs(op, T, D, seed=0)
-                R = max(2, math.ceil(2.2 * l2 / sum(t.numel() * t.element_size() for t in probe)))
-                sets = [probe] + [make_inputs(op, T, D, seed=i)[0] for i in range(1, R)]
-                outs = [torch.empty(T, D, dtype=torch.bfloat16, device="cuda")]
-                if op == "hc_pre":
-                    outs += [torch.empty(T, 4, device="cuda"), torch.empty(T, 4, 4, device="cuda")]
-                for cfg in cfgs:
-                    try:
-                        run(op, probe, kw, cfg, outs)
-                        a = [o.clone() for o in outs]
-                        run(op, probe, kw, cfg, outs, single_pass=False)
-                        same = all(torch.equal(u, v) for u, v in zip(a, outs, strict=True))
-                        calls = [
-                            lambda s=s, c=cfg, o=op, k=kw, out=outs: run(o, s, k, c, out)
-                            for s in sets
-                        ]
-                        us = graph_time_us(calls, max(R, 100) if T <= 64 else max(R, 10), 5)
-                        frac = min_bytes(op, T, D) / (us * 1e-6) / bw
-                        print(f"{op} D={D} T={T} cfg={cfg}: {us:9.2f} us {frac * 100:5.1f}% "
-                              f"copy  1-pass==2-pass: {same}", flush=True)  # fmt: skip
-                    except Exception as e:
-                        print(f"{op} D={D} T={T} cfg={cfg}: FAILED {type(e).__name__}: {e}")
-                del sets
-                torch.cuda.empty_cache()
+    empty = empty_kernel_us()
+    lines: list[str] = []
+
+    def log(s: str) -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    log(f"copy {bw / 1e12:.3f} TB/s, empty kernel {empty:.2f} us, L2 {l2 / 2**20:.0f} MB")
+    tokens = (1, 64, 4096) if a.quick else (1, 64, 512, 4096)
+    if "a" in a.parts:
+        ranking = part_a(l2, bw, (1, 64, 4096), log)
+        log("A ranking at T=4096: " + json.dumps({str(k): v[:4] for k, v in ranking.items()}))
+    rows: list[dict] = []
+    if "b" in a.parts:
+        part_b(l2, bw, empty, tokens, log, rows)
+    if "c" in a.parts:
+        part_c(l2, bw, empty, (1, 64, 4096), log)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "sweep.log").write_text("\n".join(lines) + "\n")
+        (a.out / "sweep.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ where it does not; every Triton kernel also runs under ``TRITON_INTERPRET=1`` on
 
 __all__: list[str] = []
 
-from .mhc import hc_head, hc_post, hc_pre
+from .mhc import CollapseSchedule, hc_head, hc_post, hc_pre
 from .norm import rms_norm
 
-__all__ += ["hc_head", "hc_post", "hc_pre", "rms_norm"]
+__all__ += ["CollapseSchedule", "hc_head", "hc_post", "hc_pre", "rms_norm"]

@@ -1,14 +1,19 @@
 """mHC (``hc_pre``, ``hc_post``) and ``hc_head`` on the H200.
 
-Same signatures as :mod:`dsv4mtp.reference.mhc` plus keyword-only ``out`` and ``backend``.
+Same signatures as :mod:`dsv4mtp.reference.mhc` plus keyword-only ``out``, ``backend`` and
+(hc_pre / hc_head) ``schedule``.
 
+hc_pre and hc_head run the one-pass Triton collapse (kernels/mhc_collapse.py): each program
+streams its piece of the residual once from HBM into a split-K mix on bf16 tensor cores (fn
+split into two bf16 terms), the last program of each token block turns the partials into
+gates, and every program re-reads its piece from L2 to write the weighted sum.  hc_pre can
+instead feed FlashInfer's consumers from a split-K mix producer (kernels/mhc_mix.py).
 Backends (``backend="auto"`` picks the first that applies; every choice depends on dtype, n and
 D only, never on T, so a token's result does not depend on its batch):
 
 * ``hc_pre``  - n = 4, bf16, CUDA: ``PRE_AUTO_BACKEND`` (picked by measurement on the H200,
-  bench/results/): either the one-pass Triton collapse, or the Triton mix producer feeding
-  FlashInfer's ``mhc_pre_big_fuse`` (Sinkhorn + pre-weighted sum).  Otherwise the Triton
-  collapse (single pass on GPU, two launches under the interpreter).
+  bench/results/): the Triton collapse, or the mix producer feeding FlashInfer's
+  ``mhc_pre_big_fuse`` (Sinkhorn + pre-weighted sum).  Otherwise the Triton collapse.
 * ``hc_post`` - n = 4, bf16 f and residual, CUDA: FlashInfer ``mhc_post``; otherwise Triton.
 * ``hc_head`` - the Triton collapse (no FlashInfer kernel exists for it on sm_90).
 
@@ -19,6 +24,7 @@ with our own ``out`` buffers and V4's multiplier, and return ``(layer_input, pos
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -32,20 +38,34 @@ from .kernels._launch import (
     check_out,
     flashinfer_mhc,
 )
-from .kernels.mhc_collapse import mhc_collapse
-from .kernels.mhc_mix import mhc_mix_splitk, mix_num_splits
+from .kernels.mhc_collapse import CollapseConfig, mhc_collapse
+from .kernels.mhc_mix import MixConfig, mhc_mix_splitk, mix_config
 from .kernels.mhc_post import mhc_post_triton
 
-__all__ = ["PRE_AUTO_BACKEND", "hc_head", "hc_post", "hc_pre"]
+__all__ = ["PRE_AUTO_BACKEND", "CollapseSchedule", "hc_head", "hc_post", "hc_pre"]
 
-PreBackend = Literal["auto", "triton", "triton_two_pass", "flashinfer", "flashinfer_prenorm"]
+PreBackend = Literal["auto", "triton", "flashinfer", "flashinfer_prenorm"]
 PostBackend = Literal["auto", "flashinfer", "triton"]
-HeadBackend = Literal["auto", "triton", "triton_two_pass"]
+HeadBackend = Literal["auto", "triton"]
 
 # What "auto" runs for n = 4 bf16 on CUDA (see bench/results/mhc-h200.md for the measurement).
 PRE_AUTO_BACKEND: PreBackend = "flashinfer"
 
 _FI_HC = 4  # FlashInfer's mHC kernels are compiled for 4 streams only
+
+
+@dataclass(frozen=True)
+class CollapseSchedule:
+    """Override of the kernel schedule of hc_pre / hc_head (for tile sweeps and tests).
+
+    ``collapse`` drives the Triton path (kernels/mhc_collapse.py), ``mix`` the producer in
+    front of FlashInfer's consumers (kernels/mhc_mix.py); ``None`` takes the measured
+    defaults.  Every schedule computes the same function; bits may differ between schedules
+    whose K splits differ, never between batches under one schedule.
+    """
+
+    collapse: CollapseConfig | None = None
+    mix: MixConfig | None = None
 
 
 def _check_streams(x: torch.Tensor) -> tuple[int, int, int]:
@@ -77,6 +97,59 @@ def _fi_mhc_ok(x: torch.Tensor, n: int, D: int, *eps: float) -> bool:
     )
 
 
+def _collapse(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale32: torch.Tensor,
+    base32: torch.Tensor,
+    out: torch.Tensor,
+    post: torch.Tensor | None,
+    comb: torch.Tensor | None,
+    *,
+    rms_norm_eps: float,
+    hc_eps: float,
+    post_mult: float,
+    sinkhorn_iters: int,
+    consumer: str,
+    schedule: CollapseSchedule | None,
+) -> None:
+    """Run one backend on validated, contiguous inputs (T > 0).
+
+    "triton": the one-pass collapse kernel.  "flashinfer" / "flashinfer_prenorm": the split-K
+    mix producer, then FlashInfer's ``mhc_pre_big_fuse`` (S partials and square sums) or
+    ``mhc_pre_big_fuse_with_prenorm`` (one K split; it computes the square sum itself).
+    """
+    sched = schedule or CollapseSchedule()
+    if consumer == "triton":
+        mhc_collapse(
+            x, fn, scale32, base32, out,
+            rms_norm_eps=rms_norm_eps, hc_eps=hc_eps, post=post, comb=comb,
+            post_mult=post_mult, sinkhorn_iters=sinkhorn_iters, cfg=sched.collapse,
+        )  # fmt: skip
+        return
+    assert post is not None and comb is not None
+    T = x.shape[0]
+    M, K = fn.shape
+    mcfg = sched.mix or mix_config(M, K)
+    if consumer == "flashinfer_prenorm":
+        mcfg = replace(mcfg, num_splits=1)
+    S = mcfg.num_splits
+    mix, sq = mhc_mix_splitk(x.view(T, K), fn, mcfg)
+    fi = flashinfer_mhc()
+    assert fi is not None
+    module = fi.get_mhc_module()
+    scalars = (float(rms_norm_eps), float(hc_eps), float(hc_eps), float(post_mult))
+    if consumer == "flashinfer":
+        module.mhc_pre_big_fuse(
+            post, comb, out, mix[0] if S == 1 else mix, sq[0] if S == 1 else sq, x,
+            scale32, base32, K, *scalars, int(sinkhorn_iters), S, 0,
+        )  # fmt: skip
+    else:
+        module.mhc_pre_big_fuse_with_prenorm(
+            post, comb, out, mix[0], x, scale32, base32, *scalars, int(sinkhorn_iters), 0
+        )
+
+
 # ----------------------------------------------------------------------------------- hc_pre
 def hc_pre(
     x: torch.Tensor,
@@ -90,12 +163,17 @@ def hc_pre(
     post_mult: float = 2.0,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     backend: PreBackend = "auto",
+    schedule: CollapseSchedule | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Collapse n streams into the sublayer input; returns ``(layer_input, post, comb)``.
 
     x: (T, n, D) bf16 / fp32; fn: (M, n*D), M = (2+n)*n; scale: (3,); base: (M,).
     layer_input (T, D) in x.dtype; post (T, n) and comb (T, n, n) in fp32.  ``out`` is a
     3-tuple of contiguous tensors of exactly those shapes and dtypes, written in place.
+    backend: "triton" (the one-pass collapse kernel), "flashinfer" (split-K mix producer +
+    FlashInfer ``mhc_pre_big_fuse``), "flashinfer_prenorm" (producer with one split +
+    ``mhc_pre_big_fuse_with_prenorm``), or "auto" (``PRE_AUTO_BACKEND`` where FlashInfer
+    applies, else "triton").
     """
     T, n, D = _check_streams(x)
     M = (2 + n) * n
@@ -113,63 +191,25 @@ def hc_pre(
             check_out(f"out[{i}]", o, s, dt, dev)
             for i, (o, (s, dt)) in enumerate(zip(out, shapes, strict=True))
         )
-    if T == 0:
-        return li, post, comb
-
     fi_ok = _fi_mhc_ok(x, n, D, rms_norm_eps, hc_eps)
     choice = backend
     if backend == "auto":
         choice = PRE_AUTO_BACKEND if fi_ok else "triton"
-    if choice in ("flashinfer", "flashinfer_prenorm") and not fi_ok:
+    if choice not in ("triton", "flashinfer", "flashinfer_prenorm"):
+        raise InputError(f"backend: unknown hc_pre backend {backend!r}")
+    if choice != "triton" and not fi_ok:
         raise InputError(
             f"backend: {choice!r} needs bf16 x with n = 4 on CUDA, positive eps and an "
             "importable flashinfer"
         )
-    if choice not in ("triton", "triton_two_pass", "flashinfer", "flashinfer_prenorm"):
-        raise InputError(f"backend: unknown hc_pre backend {backend!r}")
-
-    x = x.contiguous()
-    fn = fn.contiguous()
-    scale32 = scale.to(torch.float32).contiguous()
-    base32 = base.to(torch.float32).contiguous()
-    if choice.startswith("triton"):
-        mhc_collapse(
-            x,
-            fn,
-            scale32,
-            base32,
-            li,
-            rms_norm_eps=rms_norm_eps,
-            hc_eps=hc_eps,
-            post=post,
-            comb=comb,
-            post_mult=post_mult,
-            sinkhorn_iters=sinkhorn_iters,
-            single_pass=(choice == "triton"),
-        )
+    if T == 0:
         return li, post, comb
-
-    fi = flashinfer_mhc()
-    assert fi is not None
-    module = fi.get_mhc_module()
-    K = n * D
-    if choice == "flashinfer":
-        S = mix_num_splits(K)
-        mix, sq = mhc_mix_splitk(x.view(T, K), fn, S)
-        if S == 1:
-            mix, sq = mix[0], sq[0]
-        module.mhc_pre_big_fuse(
-            post, comb, li, mix, sq, x, scale32, base32, K,
-            float(rms_norm_eps), float(hc_eps), float(hc_eps), float(post_mult),
-            int(sinkhorn_iters), S, 0,
-        )  # fmt: skip
-    else:
-        mix, _ = mhc_mix_splitk(x.view(T, K), fn, 1)
-        module.mhc_pre_big_fuse_with_prenorm(
-            post, comb, li, mix[0], x, scale32, base32,
-            float(rms_norm_eps), float(hc_eps), float(hc_eps), float(post_mult),
-            int(sinkhorn_iters), 0,
-        )  # fmt: skip
+    _collapse(
+        x.contiguous(), fn.contiguous(), scale.to(torch.float32).contiguous(),
+        base.to(torch.float32).contiguous(), li, post, comb,
+        rms_norm_eps=rms_norm_eps, hc_eps=hc_eps, post_mult=post_mult,
+        sinkhorn_iters=sinkhorn_iters, consumer=choice, schedule=schedule,
+    )  # fmt: skip
     return li, post, comb
 
 
@@ -230,17 +270,17 @@ def hc_head(
     hc_eps: float,
     out: torch.Tensor | None = None,
     backend: HeadBackend = "auto",
+    schedule: CollapseSchedule | None = None,
 ) -> torch.Tensor:
     """Collapse the n streams before the LM head: (T, n, D) -> (T, D) in x.dtype.
 
-    fn: (n, n*D); scale: (1,); base: (n,).  One Triton kernel reads each residual byte once.
+    fn: (n, n*D); scale: (1,); base: (n,).  The one-pass Triton collapse (no FlashInfer kernel
+    exists for it on sm_90).
     """
     T, n, D = _check_streams(x)
     _check_params(fn, scale, base, n, n * D, 1)
-    if backend not in ("auto", "triton", "triton_two_pass"):
-        raise InputError(
-            f"backend: expected 'auto', 'triton' or 'triton_two_pass', got {backend!r}"
-        )
+    if backend not in ("auto", "triton"):
+        raise InputError(f"backend: expected 'auto' or 'triton', got {backend!r}")
     dev = check_device([("x", x), ("fn", fn), ("scale", scale), ("base", base)])
     if out is None:
         out = torch.empty((T, D), dtype=x.dtype, device=dev)
@@ -248,14 +288,10 @@ def hc_head(
         check_out("out", out, (T, D), x.dtype, dev)
     if T == 0:
         return out
-    mhc_collapse(
-        x.contiguous(),
-        fn.contiguous(),
-        scale.to(torch.float32).contiguous(),
-        base.to(torch.float32).contiguous(),
-        out,
-        rms_norm_eps=rms_norm_eps,
-        hc_eps=hc_eps,
-        single_pass=(backend != "triton_two_pass"),
-    )
+    _collapse(
+        x.contiguous(), fn.contiguous(), scale.to(torch.float32).contiguous(),
+        base.to(torch.float32).contiguous(), out, None, None,
+        rms_norm_eps=rms_norm_eps, hc_eps=hc_eps, post_mult=1.0, sinkhorn_iters=1,
+        consumer="triton", schedule=schedule,
+    )  # fmt: skip
     return out

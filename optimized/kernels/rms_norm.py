@@ -65,12 +65,20 @@ def rms_norm_kernel(
         tl.store(o_row + d, y.to(out_ty), mask=ok)
 
 
+def default_num_warps(block: int) -> int:
+    """Warps per row program: 4 / 8 / 16 for chunks of <= 1024 / <= 4096 / 8192 columns
+    (H200 sweep, bench/results/mhc-h200-sweep.log: 16 warps took D 7168 at T 1 from 3.5 to
+    2.8 us; 8 were best at D 4096)."""
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
 def rms_norm_triton(
     x2d: torch.Tensor,
     weight: torch.Tensor | None,
     eps: float,
     out2d: torch.Tensor,
     vllm_order: bool,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Launch :func:`rms_norm_kernel` over the rows of a contiguous (R, D) tensor."""
     R, D = x2d.shape
@@ -88,6 +96,6 @@ def rms_norm_triton(
         BLOCK_D=block,
         NUM_CHUNKS=triton.cdiv(D, block),
         INTERP=INTERPRET,
-        num_warps=4 if block <= 1024 else 8,
+        num_warps=num_warps or default_num_warps(block),
     )
     return out2d
