@@ -109,8 +109,8 @@ def part_a(l2: int, bw: float, tokens, log) -> dict:
     return {k: sorted(v) for k, v in ranking.items()}
 
 
-def part_b(l2: int, bw: float, empty: float, tokens, log, rows: list) -> None:
-    for op in ("hc_head", "hc_pre"):
+def part_b(l2: int, bw: float, empty: float, tokens, log, rows: list, ops, candidates) -> None:
+    for op in ops:
         for D in (4096, 7168):
             for T in tokens:
                 sets, kw, R = rotating_sets(op, T, D, l2)
@@ -118,7 +118,7 @@ def part_b(l2: int, bw: float, empty: float, tokens, log, rows: list) -> None:
                 oracle = oracle if isinstance(oracle, tuple) else (oracle,)
                 variants: list[tuple[str, dict]] = [
                     (f"collapse={c}", dict(schedule=opt.CollapseSchedule(CollapseConfig(*c))))
-                    for c in COLLAPSE_CANDIDATES
+                    for c in candidates
                 ]
                 if op == "hc_pre":
                     for v in variants:
@@ -175,6 +175,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--parts", default="b")
+    p.add_argument("--ops", default="hc_head,hc_pre", help="part B ops")
+    p.add_argument(
+        "--collapse",
+        default=None,
+        help="part B schedules as a JSON list of 7-tuples (CollapseConfig fields)",
+    )
     a = p.parse_args()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     bw = copy_bandwidth()
@@ -192,7 +198,8 @@ def main() -> None:
         log("A ranking at T=4096: " + json.dumps({str(k): v[:4] for k, v in ranking.items()}))
     rows: list[dict] = []
     if "b" in a.parts:
-        part_b(l2, bw, empty, tokens, log, rows)
+        cands = json.loads(a.collapse) if a.collapse else COLLAPSE_CANDIDATES
+        part_b(l2, bw, empty, tokens, log, rows, a.ops.split(","), [tuple(c) for c in cands])
     if "c" in a.parts:
         part_c(l2, bw, empty, (1, 64, 4096), log)
     if a.out:

@@ -152,19 +152,19 @@ def mhc_collapse_kernel(
         m = tl.arange(0, MP)
         acc = tl.zeros((BLOCK_T, MP), dtype=tl.float32)
         sq = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
-        for j in tl.static_range(N):
-            for c in range(0, D_SLICE, BLOCK_K):  # constexpr bounds: pipelined
-                d = s * D_SLICE + c + tl.arange(0, BLOCK_K)
-                d_ok = d < D
-                x = tl.load(
-                    x_row + j * D + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0
-                )
-                w = tl.load(
-                    fn_ptr + m[:, None] * K + j * D + d[None, :],
-                    mask=(m[:, None] < M) & d_ok[None, :],
-                    other=0.0,
-                )
-                acc, sq = mix_step(x, w, acc, sq, X_IS_BF16, INTERP)
+        # One loop over the n * D_SLICE / BLOCK_K steps (stream-major), not a loop per stream:
+        # Triton pipelines the loads of one loop, and four short loops each paid its fill.
+        for kk in range(0, N * D_SLICE, BLOCK_K):  # constexpr bounds
+            j = kk // D_SLICE
+            d = s * D_SLICE + kk % D_SLICE + tl.arange(0, BLOCK_K)
+            d_ok = d < D
+            x = tl.load(x_row + j * D + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+            w = tl.load(
+                fn_ptr + m[:, None] * K + j * D + d[None, :],
+                mask=(m[:, None] < M) & d_ok[None, :],
+                other=0.0,
+            )
+            acc, sq = mix_step(x, w, acc, sq, X_IS_BF16, INTERP)
         slab = s * T.to(tl.int64)
         tl.store(
             part_ptr + (slab + t64)[:, None] * M + m[None, :],
@@ -228,11 +228,12 @@ class CollapseConfig:
 def collapse_config(n: int, D: int, with_post_comb: bool = False) -> CollapseConfig:
     """The schedule for (n, D, op); never a function of T (batch invariance).
 
-    From the H200 sweep (bench/h200_sweep.py; bench/results/mhc-h200-sweep.log): 64 tokens x
-    256-column slices x 64-column K steps, 4 warps, 3 stages.  hc_head runs fused.  hc_pre runs
-    as three launches: a kernel's registers are sized for its heaviest phase, and the fused
-    kernel carrying the Sinkhorn streamed the residual with fewer programs per SM (T 4096,
-    D 7168: 250 us fused vs 223 us in three launches).
+    From the H200 sweep (bench/h200_sweep.py; bench/results/mhc-h200-sweep-2-collapse.log):
+    64 tokens x 256-column slices x 64-column K steps, 4 warps, 3 stages.  hc_head runs
+    fused.  hc_pre runs as three launches: a kernel's registers are sized for its heaviest
+    phase, and the fused kernel carrying the Sinkhorn streamed the residual with fewer
+    programs per SM (T 4096, D 7168: 250 us fused vs 223 us in three launches).  Narrower
+    slices cut T = 1 from 17.5 to 13 us but cost 1.3-4x at T >= 512 (sweep-4-small-t.log).
     """
     if INTERPRET:
         # CPU tier: small shapes; several slices and K steps; three launches (the interpreter

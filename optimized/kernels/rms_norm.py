@@ -67,8 +67,8 @@ def rms_norm_kernel(
 
 def default_num_warps(block: int) -> int:
     """Warps per row program: 4 / 8 / 16 for chunks of <= 1024 / <= 4096 / 8192 columns
-    (H200 sweep, bench/results/mhc-h200-sweep.log: 16 warps took D 7168 at T 1 from 3.5 to
-    2.8 us; 8 were best at D 4096)."""
+    (H200 sweep, bench/results/mhc-h200-sweep-1-producer.log, part C: 16 warps took D 7168 at
+    T 1 from 3.5 to 2.8 us; 8 were best at D 4096)."""
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
