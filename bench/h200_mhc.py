@@ -156,7 +156,7 @@ def variants(op: str, compile_ref: bool) -> dict[str, tuple[Callable[..., Any], 
     r = getattr(ref, op)
     backends = {
         "hc_pre": ["triton", "flashinfer", "flashinfer_prenorm"],
-        "hc_head": ["triton"],
+        "hc_head": ["triton_fma", "triton_mma"],
         "hc_post": ["flashinfer", "triton"],
         "rms_norm": ["flashinfer", "triton"],
     }[op]

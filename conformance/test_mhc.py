@@ -287,7 +287,7 @@ import dataclasses  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 import dsv4mtp.optimized as opt  # noqa: E402
-from dsv4mtp.optimized.mhc import PRE_AUTO_BACKEND  # noqa: E402
+from dsv4mtp.optimized.mhc import HEAD_AUTO_BACKEND, PRE_AUTO_BACKEND  # noqa: E402
 
 _PRE_KW = dict(rms_norm_eps=EPS, hc_eps=EPS, sinkhorn_iters=20, post_mult=2.0)
 _HEAD_KW = dict(rms_norm_eps=EPS, hc_eps=EPS)
@@ -336,24 +336,28 @@ def _reference_f64(op: str, args, kw) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", _GPU_OPS)
+@pytest.mark.parametrize("op", [*_GPU_OPS, "hc_head:triton_mma", "hc_pre:triton"])
 @settings(max_examples=10)  # each example runs up to 5 batches of up to 8192 x 4 x 7168
 @given(T=st.integers(2, 8192), D=st.sampled_from([4096, 7168]), data=st.data())
 def test_optimized_batch_invariance_bitwise(op: str, T: int, D: int, data) -> None:
     """A token's result is bitwise the same whichever batch it sits in: the full batch, a
     drawn sub-range of it, and each of three single tokens."""
+    op, _, backend = op.partition(":")
+    extra = {"backend": backend} if backend else {}
     args, kw = _opt_inputs(op, T, 4, D, torch.bfloat16, "cuda", seed=T + D)
-    full = _call(op, args, kw)
+    full = _call(op, args, kw, **extra)
     lo = data.draw(st.integers(0, T - 1), label="lo")
     hi = data.draw(st.integers(lo + 1, T), label="hi")
     for a, b in [(lo, hi), (0, 1), (T - 1, T), (lo, lo + 1)]:
-        part = _call(op, _rows(args, op, a, b), kw)
+        part = _call(op, _rows(args, op, a, b), kw, **extra)
         for name, f, p in zip(("out0", "out1", "out2"), full, part, strict=False):
             assert torch.equal(f[a:b], p), f"{op}.{name}: tokens [{a}, {b}) of T={T} differ"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", [*_GPU_OPS, "hc_pre:flashinfer", "hc_pre:triton"])
+@pytest.mark.parametrize(
+    "op", [*_GPU_OPS, "hc_pre:flashinfer", "hc_pre:triton", "hc_head:triton_mma"]
+)
 @pytest.mark.parametrize(("T", "D"), [(1, 7168), (8, 4096), (64, 7168), (513, 4096)])
 def test_optimized_cuda_graph_replay_equals_eager(op: str, T: int, D: int) -> None:
     """Capture the op writing into out= buffers, replay it on fresh inputs copied into the
@@ -412,6 +416,30 @@ def test_optimized_hc_pre_backends_agree(T: int, D: int) -> None:
         # Scaled max-abs: the weighted sum cancels, so ulps at tiny outputs mean nothing.
         scaled = (li.double() - li_t.double()).abs().max() / li_t.double().abs().max()
         assert float(scaled) <= 2.0**-7, b
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_optimized_hc_head_backends_agree(dtype: torch.dtype, device: str) -> None:
+    """hc_head's two kernels (fp32 FMA mix; bf16 hi/lo tensor-core mix) compute one function:
+    both within the registry's tolerance of the float64 oracle, outputs within one rounding of
+    each other's scale.  A schedule is refused by the backend that has none."""
+    from conformance.differential import compare
+    from conformance.registry import REGISTRY
+
+    shapes = [(1, 4096), (77, 7168), (700, 4096)] if device == "cuda" else [(1, 96), (37, 160)]
+    tol = REGISTRY["hc_head"].tolerances[dtype]
+    for T, D in shapes:
+        args, kw = _opt_inputs("hc_head", T, 4, D, dtype, device, seed=T)
+        (oracle,) = _reference_f64("hc_head", args, kw)
+        fma = opt.hc_head(*args, **kw, backend="triton_fma")
+        mma = opt.hc_head(*args, **kw, backend="triton_mma")
+        for name, got in (("triton_fma", fma), ("triton_mma", mma)):
+            rep = compare(got, oracle)
+            assert rep.within(tol), f"hc_head {name} T={T} D={D} {dtype}: {rep}"
+        scaled = (fma.double() - mma.double()).abs().max() / mma.double().abs().max()
+        assert float(scaled) <= 2.0**-7, f"T={T} D={D}: backends differ by {float(scaled):.2e}"
+    with pytest.raises(InputError, match="schedule: only the 'triton_mma' backend"):
+        opt.hc_head(*args, **kw, schedule=opt.CollapseSchedule())
 
 
 @pytest.mark.gpu
@@ -523,8 +551,9 @@ def test_optimized_mhc_empty_and_out_in_place(device: str) -> None:
     assert not any(bool(torch.isnan(g).any()) for g in got)
 
 
-def test_optimized_hc_pre_auto_backend_is_declared() -> None:
+def test_optimized_auto_backends_are_declared() -> None:
     assert PRE_AUTO_BACKEND in ("triton", "flashinfer", "flashinfer_prenorm")
+    assert HEAD_AUTO_BACKEND in ("triton_fma", "triton_mma")
 
 
 @pytest.mark.gpu
@@ -540,7 +569,7 @@ def test_optimized_fused_collapse_equals_three_launches(
     from dsv4mtp.optimized.kernels.mhc_collapse import collapse_config
 
     args, kw = _opt_inputs(op, T, 4, D, dtype, "cuda", seed=T + 1)
-    extra = {"backend": "triton"} if op == "hc_pre" else {}
+    extra = {"backend": "triton" if op == "hc_pre" else "triton_mma"}
     cfg = dataclasses.replace(collapse_config(4, D, with_post_comb=op == "hc_pre"), fused=True)
     fused = opt.CollapseSchedule(collapse=cfg)
     split = opt.CollapseSchedule(collapse=dataclasses.replace(cfg, fused=False))

@@ -3,11 +3,12 @@
 Same signatures as :mod:`dsv4mtp.reference.mhc` plus keyword-only ``out``, ``backend`` and
 (hc_pre / hc_head) ``schedule``.
 
-hc_pre and hc_head run the one-pass Triton collapse (kernels/mhc_collapse.py): each program
-streams its piece of the residual once from HBM into a split-K mix on bf16 tensor cores (fn
-split into two bf16 terms), the last program of each token block turns the partials into
-gates, and every program re-reads its piece from L2 to write the weighted sum.  hc_pre can
-instead feed FlashInfer's consumers from a split-K mix producer (kernels/mhc_mix.py).
+Kernels.  The Triton collapse (kernels/mhc_collapse.py) serves hc_pre and, at large T,
+hc_head: each program streams its piece of the residual once from HBM into a split-K mix on
+bf16 tensor cores (fn split into two bf16 terms), the last program of each token block turns
+the partials into gates, and every program re-reads its piece to write the weighted sum.
+hc_pre can instead feed FlashInfer's consumer from a split-K mix producer (kernels/mhc_mix.py).
+hc_head has a latency-first kernel for the small T at which MTP calls it (kernels/mhc_head.py).
 Backends (``backend="auto"`` picks the first that applies; every choice depends on dtype, n and
 D only, never on T, so a token's result does not depend on its batch):
 
@@ -15,7 +16,8 @@ D only, never on T, so a token's result does not depend on its batch):
   bench/results/): the Triton collapse, or the mix producer feeding FlashInfer's
   ``mhc_pre_big_fuse`` (Sinkhorn + pre-weighted sum).  Otherwise the Triton collapse.
 * ``hc_post`` - n = 4, bf16 f and residual, CUDA: FlashInfer ``mhc_post``; otherwise Triton.
-* ``hc_head`` - the Triton collapse (no FlashInfer kernel exists for it on sm_90).
+* ``hc_head`` - ``HEAD_AUTO_BACKEND``: the small-batch one-pass FMA kernel (kernels/mhc_head.py)
+  or the Triton collapse (no FlashInfer kernel exists for it on sm_90).
 
 FlashInfer conventions handled here: its pre kernel returns ``(post (..., 4, 1), comb,
 layer_input)`` and defaults ``mhc_post_mult_value`` to 1.0 (V4 uses 2.0); we call its kernels
@@ -39,17 +41,28 @@ from .kernels._launch import (
     flashinfer_mhc,
 )
 from .kernels.mhc_collapse import CollapseConfig, mhc_collapse
+from .kernels.mhc_head import mhc_head_fma
 from .kernels.mhc_mix import MixConfig, mhc_mix_splitk, mix_config
 from .kernels.mhc_post import mhc_post_triton
 
-__all__ = ["PRE_AUTO_BACKEND", "CollapseSchedule", "hc_head", "hc_post", "hc_pre"]
+__all__ = [
+    "HEAD_AUTO_BACKEND",
+    "PRE_AUTO_BACKEND",
+    "CollapseSchedule",
+    "hc_head",
+    "hc_post",
+    "hc_pre",
+]
 
 PreBackend = Literal["auto", "triton", "flashinfer", "flashinfer_prenorm"]
 PostBackend = Literal["auto", "flashinfer", "triton"]
-HeadBackend = Literal["auto", "triton"]
+HeadBackend = Literal["auto", "triton_fma", "triton_mma"]
 
-# What "auto" runs for n = 4 bf16 on CUDA (see bench/results/mhc-h200.md for the measurement).
+# What "auto" runs (see bench/results/mhc-h200.md for the measurements).  hc_pre: n = 4 bf16 on
+# CUDA (else "triton").  hc_head: every case; picked for the T of MTP's compute_logits (the
+# sampled positions, usually <= 64), where it is 2x faster; "triton_mma" wins at T >= 512.
 PRE_AUTO_BACKEND: PreBackend = "flashinfer"
+HEAD_AUTO_BACKEND: HeadBackend = "triton_fma"
 
 _FI_HC = 4  # FlashInfer's mHC kernels are compiled for 4 streams only
 
@@ -274,13 +287,19 @@ def hc_head(
 ) -> torch.Tensor:
     """Collapse the n streams before the LM head: (T, n, D) -> (T, D) in x.dtype.
 
-    fn: (n, n*D); scale: (1,); base: (n,).  The one-pass Triton collapse (no FlashInfer kernel
-    exists for it on sm_90).
+    fn: (n, n*D); scale: (1,); base: (n,).  No FlashInfer kernel exists for it on sm_90.
+    backend: "triton_fma" (kernels/mhc_head.py: one memory round trip per 4-token tile, fp32
+    FMA mix; the fastest at T <= 64, where MTP calls it), "triton_mma" (the tensor-core
+    collapse, kernels/mhc_collapse.py: 1.4-2.3x faster at T >= 512), or "auto" = "triton_fma".
+    ``schedule`` tunes "triton_mma" only.
     """
     T, n, D = _check_streams(x)
     _check_params(fn, scale, base, n, n * D, 1)
-    if backend not in ("auto", "triton"):
-        raise InputError(f"backend: expected 'auto' or 'triton', got {backend!r}")
+    if backend not in ("auto", "triton_fma", "triton_mma"):
+        raise InputError(f"backend: expected 'auto', 'triton_fma' or 'triton_mma', got {backend!r}")
+    choice = HEAD_AUTO_BACKEND if backend == "auto" else backend
+    if schedule is not None and choice != "triton_mma":
+        raise InputError(f"schedule: only the 'triton_mma' backend takes one, not {choice!r}")
     dev = check_device([("x", x), ("fn", fn), ("scale", scale), ("base", base)])
     if out is None:
         out = torch.empty((T, D), dtype=x.dtype, device=dev)
@@ -288,9 +307,15 @@ def hc_head(
         check_out("out", out, (T, D), x.dtype, dev)
     if T == 0:
         return out
-    _collapse(
+    args = (
         x.contiguous(), fn.contiguous(), scale.to(torch.float32).contiguous(),
-        base.to(torch.float32).contiguous(), out, None, None,
+        base.to(torch.float32).contiguous(), out,
+    )  # fmt: skip
+    if choice == "triton_fma":
+        mhc_head_fma(*args, rms_norm_eps=rms_norm_eps, hc_eps=hc_eps)
+        return out
+    _collapse(
+        *args, None, None,
         rms_norm_eps=rms_norm_eps, hc_eps=hc_eps, post_mult=1.0, sinkhorn_iters=1,
         consumer="triton", schedule=schedule,
     )  # fmt: skip

@@ -152,19 +152,23 @@ def mhc_collapse_kernel(
         m = tl.arange(0, MP)
         acc = tl.zeros((BLOCK_T, MP), dtype=tl.float32)
         sq = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
-        # One loop over the n * D_SLICE / BLOCK_K steps (stream-major), not a loop per stream:
-        # Triton pipelines the loads of one loop, and four short loops each paid its fill.
-        for kk in range(0, N * D_SLICE, BLOCK_K):  # constexpr bounds
-            j = kk // D_SLICE
-            d = s * D_SLICE + kk % D_SLICE + tl.arange(0, BLOCK_K)
-            d_ok = d < D
-            x = tl.load(x_row + j * D + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-            w = tl.load(
-                fn_ptr + m[:, None] * K + j * D + d[None, :],
-                mask=(m[:, None] < M) & d_ok[None, :],
-                other=0.0,
-            )
-            acc, sq = mix_step(x, w, acc, sq, X_IS_BF16, INTERP)
+        # One inner loop per stream.  (A single loop over all n * D_SLICE / BLOCK_K steps, with
+        # the stream index computed from the step, ran 2x slower on the H200 and changed the
+        # fused kernel's bits relative to the three-launch form: bench/results/
+        # mhc-h200-flattened-loop-experiment.log.)
+        for j in tl.static_range(N):
+            for c in range(0, D_SLICE, BLOCK_K):  # constexpr bounds: pipelined
+                d = s * D_SLICE + c + tl.arange(0, BLOCK_K)
+                d_ok = d < D
+                x = tl.load(
+                    x_row + j * D + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0
+                )
+                w = tl.load(
+                    fn_ptr + m[:, None] * K + j * D + d[None, :],
+                    mask=(m[:, None] < M) & d_ok[None, :],
+                    other=0.0,
+                )
+                acc, sq = mix_step(x, w, acc, sq, X_IS_BF16, INTERP)
         slab = s * T.to(tl.int64)
         tl.store(
             part_ptr + (slab + t64)[:, None] * M + m[None, :],
