@@ -30,6 +30,7 @@ __all__ = [
     "flashinfer_norm",
     "next_pow2",
     "rne_bf16_if_interpreted",
+    "sigmoid",
 ]
 
 # Under TRITON_INTERPRET=1 every kernel runs program by program, in order, on the CPU.  Kernels
@@ -125,3 +126,9 @@ def rne_bf16_if_interpreted(y, out_dtype: tl.constexpr, INTERP: tl.constexpr):
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         y = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
     return y
+
+
+@triton.jit
+def sigmoid(v):
+    """``1 / (1 + exp(-v))`` (fp32 operands in our kernels); shared by the mHC kernels."""
+    return 1.0 / (1.0 + tl.exp(-v))

@@ -48,15 +48,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, next_pow2, rne_bf16_if_interpreted
+from ._launch import INTERPRET, next_pow2, rne_bf16_if_interpreted, sigmoid
 from .mhc_mix import mix_step
 
 __all__ = ["CollapseConfig", "collapse_config", "mhc_collapse"]
-
-
-@triton.jit
-def _sigmoid(v):
-    return 1.0 / (1.0 + tl.exp(-v))
 
 
 @triton.jit
@@ -98,7 +93,7 @@ def _reduce_gates(
     rstd = tl.math.rsqrt(sq_tot / K + rms_eps)[:, None]  # (BT, 1)
     s_pre = tl.load(scale_ptr).to(tl.float32)
     b_pre = tl.load(base_ptr + j2, mask=j2 < N, other=0.0).to(tl.float32)
-    gate = _sigmoid(pre_l * rstd * s_pre + b_pre) + hc_eps  # (BT, NP)
+    gate = sigmoid(pre_l * rstd * s_pre + b_pre) + hc_eps  # (BT, NP)
     tl.store(gate_ptr + t64[:, None] * NP + j2, gate, mask=t_ok[:, None])
 
     if WITH_POST_COMB:
@@ -107,7 +102,7 @@ def _reduce_gates(
         s_post = tl.load(scale_ptr + 1).to(tl.float32)
         s_comb = tl.load(scale_ptr + 2).to(tl.float32)
         b_post = tl.load(base_ptr + N + j2, mask=j2 < N, other=0.0).to(tl.float32)
-        post = _sigmoid(post_l * rstd * s_post + b_post) * post_mult
+        post = sigmoid(post_l * rstd * s_post + b_post) * post_mult
         tl.store(post_ptr + t64[:, None] * N + j2, post, mask=t_ok[:, None] & (j2 < N))
         b_comb = tl.load(base_ptr + crow, mask=ok3, other=0.0).to(tl.float32)
         c = comb_l * rstd[:, :, None] * s_comb + b_comb

@@ -34,14 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, next_pow2, rne_bf16_if_interpreted
+from ._launch import INTERPRET, next_pow2, rne_bf16_if_interpreted, sigmoid
 
 __all__ = ["mhc_head_fma"]
-
-
-@triton.jit
-def _sigmoid(v):
-    return 1.0 / (1.0 + tl.exp(-v))
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -111,7 +106,7 @@ def mhc_head_fma_kernel(
         rstd = tl.math.rsqrt(sq_tot / K + rms_eps)[:, None]  # (BT, 1)
         s_pre = tl.load(scale_ptr).to(tl.float32)
         b_pre = tl.load(base_ptr + j2, mask=j2 < N, other=0.0).to(tl.float32)
-        gate = _sigmoid(pre_l * rstd * s_pre + b_pre) + hc_eps  # (BT, NP)
+        gate = sigmoid(pre_l * rstd * s_pre + b_pre) + hc_eps  # (BT, NP)
         y = tl.sum(gate[:, :, None] * x.to(tl.float32), axis=1)  # (BT, BD)
         out_ok = t_ok[:, None] & (d[None, :] < D)
         out_ptrs = out_ptr + t.to(tl.int64)[:, None] * D + d[None, :]
