@@ -213,15 +213,16 @@ def mhc_collapse_kernel(
 @dataclass(frozen=True)
 class CollapseConfig:
     """Schedule of the collapse: tokens per block, columns per slice, K step of the mix,
-    columns per apply step, warps, pipeline stages, and one launch (``fused``) or three."""
+    columns per apply step, warps, pipeline stages, and one launch (``fused``) or three.
+    :func:`collapse_config` holds the measured values."""
 
-    block_t: int = 64
-    d_slice: int = 256
-    block_k: int = 64
-    apply_d: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
-    fused: bool = True
+    block_t: int
+    d_slice: int
+    block_k: int
+    apply_d: int
+    num_warps: int
+    num_stages: int
+    fused: bool
 
 
 def collapse_config(n: int, D: int, with_post_comb: bool = False) -> CollapseConfig:
@@ -240,8 +241,8 @@ def collapse_config(n: int, D: int, with_post_comb: bool = False) -> CollapseCon
         d_slice = min(32, max(16, next_pow2(D)))
         return CollapseConfig(16, d_slice, 16, 16, num_warps=4, num_stages=1, fused=False)
     d_slice = min(256, max(64, next_pow2(D)))
-    return CollapseConfig(block_t=64, d_slice=d_slice, block_k=64, apply_d=64,
-                          fused=not with_post_comb)  # fmt: skip
+    return CollapseConfig(block_t=64, d_slice=d_slice, block_k=64, apply_d=64, num_warps=4,
+                          num_stages=3, fused=not with_post_comb)  # fmt: skip
 
 
 def mhc_collapse(

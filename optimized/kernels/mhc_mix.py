@@ -126,13 +126,14 @@ def mhc_mix_kernel(
 
 @dataclass(frozen=True)
 class MixConfig:
-    """Producer schedule: tokens per program, K step, K splits, warps, pipeline stages."""
+    """Producer schedule: tokens per program, K step, K splits, warps, pipeline stages.
+    :func:`mix_config` holds the measured values."""
 
-    block_t: int = 64
-    block_k: int = 128
-    num_splits: int = 16
-    num_warps: int = 4
-    num_stages: int = 3
+    block_t: int
+    block_k: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
 
 
 # FlashInfer's mhc_pre_big_fuse accepts these split counts for its mix / sqrsum inputs.
