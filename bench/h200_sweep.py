@@ -43,14 +43,14 @@ MIX_CANDIDATES = [
 # (block_t, d_slice, block_k, apply_d, num_warps, num_stages, fused)
 COLLAPSE_CANDIDATES = [
     (64, 256, 64, 64, 4, 3, True),
-    (64, 128, 64, 64, 4, 3, True),
-    (64, 512, 64, 64, 4, 3, True),
+    (64, 256, 64, 16, 4, 3, True),
+    (64, 256, 64, 32, 4, 3, True),
+    (64, 256, 32, 16, 4, 3, True),
     (64, 256, 128, 64, 4, 3, True),
-    (64, 256, 64, 128, 8, 3, True),
-    (128, 256, 64, 64, 8, 3, True),
-    (64, 256, 64, 64, 4, 4, True),
+    (64, 512, 64, 64, 4, 3, True),
+    (64, 128, 64, 64, 4, 3, True),
+    (32, 256, 64, 64, 4, 3, True),
     (64, 256, 64, 64, 4, 3, False),
-    (64, 512, 64, 64, 4, 3, False),
 ]
 
 
@@ -120,10 +120,15 @@ def part_b(l2: int, bw: float, empty: float, tokens, log, rows: list, ops, candi
                     (f"collapse={c}", dict(schedule=opt.CollapseSchedule(CollapseConfig(*c))))
                     for c in candidates
                 ]
+                # a schedule drives the collapse backend; the other backend is the baseline
                 if op == "hc_pre":
                     for v in variants:
                         v[1]["backend"] = "triton"
                     variants.append(("flashinfer default mix", dict(backend="flashinfer")))
+                else:
+                    for v in variants:
+                        v[1]["backend"] = "triton_mma"
+                    variants.append(("triton_fma", dict(backend="triton_fma")))
                 for name, extra in variants:
                     f = getattr(opt, op)
                     try:

@@ -6,12 +6,16 @@ Registers per thread bound how many programs an SM holds (65536 registers per SM
 STACK is spilled registers, i.e. local-memory traffic.  Useful before spending GPU time: it
 explains a kernel that streams well alone but slowly inside a fused kernel.
 
-    python bench/sm90_resources.py            # prints one line per kernel variant
+    python bench/sm90_resources.py            # default schedules, one line per kernel phase
+    python bench/sm90_resources.py --collapse '[[64, 256, 32, 16, 4, 3, true]]'  # candidates
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import glob
+import json
 import os
 import subprocess
 import tempfile
@@ -21,9 +25,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dsv4mtp.optimized.kernels.mhc_collapse import mhc_collapse_kernel
+from dsv4mtp.optimized.kernels.mhc_collapse import (
+    CollapseConfig,
+    collapse_config,
+    mhc_collapse_kernel,
+    tokens_per_reducer,
+)
 from dsv4mtp.optimized.kernels.mhc_head import mhc_head_fma_kernel
-from dsv4mtp.optimized.kernels.mhc_mix import mhc_mix_kernel
+from dsv4mtp.optimized.kernels.mhc_mix import mhc_mix_kernel, mix_config
 
 TARGET = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM = 65536
@@ -40,8 +49,15 @@ def _cuobjdump() -> str:
 def resources(fn: Any, signature: dict[str, str], consts: dict[str, Any], **options: Any) -> str:
     """One line: shared memory, registers, stack (spills) and the register-bound occupancy."""
     sig = {**signature, **{c: "constexpr" for c in consts}}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET,
-                       options=options)  # fmt: skip
+    # The launcher marks 16-byte-aligned pointers (every torch allocation) divisible by 16;
+    # without that mark the compiler cannot vectorize loads and the counts below are wrong.
+    aligned = {
+        (fn.arg_names.index(name),): [["tt.divisibility", 16]]
+        for name, ty in signature.items()
+        if ty.startswith("*")
+    }
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned)
+    k = triton.compile(src, target=TARGET, options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
@@ -58,33 +74,64 @@ def resources(fn: Any, signature: dict[str, str], consts: dict[str, Any], **opti
     )
 
 
-def main() -> None:
+def collapse_lines(op: str, D: int, cfg: CollapseConfig, phases: tuple[str, ...]) -> list[str]:
+    """One line per phase of the collapse kernel at (op, D, schedule)."""
     f32 = "*fp32"
-    collapse_sig = dict(
+    sig = dict(
         x_ptr="*bf16", fn_ptr=f32, scale_ptr=f32, base_ptr=f32, part_ptr=f32, sq_ptr=f32,
         gate_ptr=f32, count_ptr="*i32", out_ptr="*bf16", post_ptr=f32, comb_ptr=f32,
-        T="i32", D="i32", rms_eps="fp32", hc_eps="fp32", post_mult="fp32",
+        trace_ptr="*i64", T="i32", rms_eps="fp32", hc_eps="fp32", post_mult="fp32",
     )  # fmt: skip
-    phases = {
+    flags = {
         "fused": (True, True, True, True),
         "mix": (True, False, False, False),
         "reduce": (False, True, False, False),
         "apply": (False, False, True, False),
     }
-    for op, M, MP in (("hc_head", 4, 16), ("hc_pre", 24, 32)):
-        for phase, (mix, red, app, fused) in phases.items():
-            consts = dict(
-                S=16, D_SLICE=256, SINKHORN_ITERS=20, N=4, NP=4, M=M, MP=MP, BLOCK_T=64,
-                BLOCK_K=64, APPLY_D=64, DO_MIX=mix, DO_REDUCE=red, DO_APPLY=app, FUSED=fused,
-                WITH_POST_COMB=op == "hc_pre", X_IS_BF16=True, INTERP=False,
-            )  # fmt: skip
-            line = resources(mhc_collapse_kernel, collapse_sig, consts, num_warps=4, num_stages=3)
-            print(f"collapse {op:7s} {phase:6s} (64 x 256, 4 warps): {line}", flush=True)
+    M, MP = (4, 16) if op == "hc_head" else (24, 32)
+    S = triton.cdiv(D, cfg.d_slice)
+    lines = []
+    for phase in phases:
+        mix, red, app, fused = flags[phase]
+        consts = dict(
+            D=D, S=S, D_SLICE=cfg.d_slice, SINKHORN_ITERS=20, N=4, NP=4, M=M, MP=MP,
+            BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, APPLY_D=cfg.apply_d,
+            TPP=tokens_per_reducer(cfg.block_t, S), DO_MIX=mix, DO_REDUCE=red, DO_APPLY=app,
+            FUSED=fused, WITH_POST_COMB=op == "hc_pre", X_IS_BF16=True, INTERP=False, TRACE=False,
+        )  # fmt: skip
+        line = resources(mhc_collapse_kernel, sig, consts, num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages)  # fmt: skip
+        tile = tuple(dataclasses.astuple(cfg))
+        lines.append(f"collapse {op:7s} D={D} {phase:6s} {tile}: {line}")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--collapse",
+        default=None,
+        help="JSON list of collapse 7-tuples (block_t, d_slice, block_k, apply_d, num_warps, "
+        "num_stages, fused); default: collapse_config's schedules",
+    )
+    args = p.parse_args()
+    for op in ("hc_head", "hc_pre"):
+        for D in (4096, 7168):
+            if args.collapse:
+                cfgs = [CollapseConfig(*c) for c in json.loads(args.collapse)]
+            else:
+                cfgs = [collapse_config(4, D, with_post_comb=op == "hc_pre")]
+            for cfg in cfgs:
+                for line in collapse_lines(op, D, cfg, ("fused", "mix", "reduce", "apply")):
+                    print(line, flush=True)
+    f32 = "*fp32"
     mix_sig = dict(x_ptr="*bf16", fn_ptr=f32, mix_ptr=f32, sq_ptr=f32, T="i32", K="i32")
-    consts = dict(K_PER_SPLIT=1024, M=24, MP=32, BLOCK_T=128, BLOCK_K=64, X_IS_BF16=True,
-                  UPCAST=False)  # fmt: skip
-    line = resources(mhc_mix_kernel, mix_sig, consts, num_warps=8, num_stages=4)
-    print(f"mix producer M=24 (128 x 64, 8 warps): {line}", flush=True)
+    mc = mix_config(24, 4 * 4096)
+    consts = dict(K_PER_SPLIT=1024, M=24, MP=32, BLOCK_T=mc.block_t, BLOCK_K=mc.block_k,
+                  X_IS_BF16=True, UPCAST=False)  # fmt: skip
+    line = resources(mhc_mix_kernel, mix_sig, consts, num_warps=mc.num_warps,
+                     num_stages=mc.num_stages)  # fmt: skip
+    print(f"mix producer M=24 {tuple(dataclasses.astuple(mc))}: {line}", flush=True)
     head_sig = dict(
         x_ptr="*bf16", fn_ptr=f32, scale_ptr=f32, base_ptr=f32, part_ptr=f32, sq_ptr=f32,
         count_ptr="*i32", out_ptr="*bf16", T="i32", D="i32", rms_eps="fp32", hc_eps="fp32",

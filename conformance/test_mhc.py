@@ -580,6 +580,47 @@ def test_optimized_fused_collapse_equals_three_launches(
             assert torch.equal(a, b), f"{op} {dtype} T={T} D={D}: fused != three launches"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["hc_pre", "hc_head"])
+def test_optimized_collapse_trace_is_a_pure_observer(op: str) -> None:
+    """The collapse's diagnostics (``trace=``, read by bench/h200_trace.py) change no output
+    bit, and its stamps are ordered: each program's six phase stamps never decrease and it
+    ends after it starts on the global timer."""
+    from dsv4mtp.optimized.kernels.mhc_collapse import (
+        TRACE_WIDTH,
+        collapse_config,
+        collapse_grid,
+        mhc_collapse,
+    )
+
+    T, D = 300, 4096
+    (x, fn, scale, base), kw = _opt_inputs(op, T, 4, D, torch.bfloat16, "cuda", seed=5)
+    cfg = collapse_config(4, D, with_post_comb=op == "hc_pre")
+    outs = []
+    trace = torch.zeros(collapse_grid(T, D, cfg), TRACE_WIDTH, dtype=torch.int64, device="cuda")
+    for tr in (None, trace):
+        out = torch.full((T, D), float("nan"), dtype=x.dtype, device="cuda")
+        pc = {}
+        if op == "hc_pre":
+            pc = dict(
+                post=torch.full((T, 4), float("nan"), device="cuda"),
+                comb=torch.full((T, 4, 4), float("nan"), device="cuda"),
+                post_mult=kw["post_mult"],
+                sinkhorn_iters=kw["sinkhorn_iters"],
+            )
+        mhc_collapse(x, fn, scale.float(), base.float(), out, rms_norm_eps=kw["rms_norm_eps"],
+                     hc_eps=kw["hc_eps"], cfg=cfg, trace=tr, **pc)  # fmt: skip
+        outs.append([out, *(v for v in pc.values() if isinstance(v, torch.Tensor))])
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+    t = trace.cpu()
+    assert bool((t[:, 1:6] >= t[:, 0:5]).all()), "phase stamps out of order"
+    assert bool((t[:, 8] >= t[:, 7]).all()) and bool((t[:, 7] > 0).all())
+    with pytest.raises(ValueError, match="trace"):
+        mhc_collapse(x, fn, scale.float(), base.float(), out, rms_norm_eps=1e-6, hc_eps=1e-6,
+                     cfg=dataclasses.replace(cfg, fused=False), trace=trace)  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_optimized_mix_producer_is_exact_to_fp32_accumulation(
     dtype: torch.dtype, device: str

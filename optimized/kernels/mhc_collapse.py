@@ -19,18 +19,25 @@ Schedule.  Program (token block b, slice s) owns BLOCK_T tokens x all n streams 
  1. Mix: it streams its piece from HBM in BLOCK_K steps (``mix_step``: bf16 tensor cores with
     fn split into two bf16 terms, fp32 square sums) and stores its partial mix and square sum
     to slot s of the workspace.
- 2. Reduce: it arrives on the block's counter; the last of the S programs to arrive sums the S
-    partials in the fixed order 0..S-1, forms the gates (and post / comb with the Sinkhorn)
-    and publishes them; the others wait for that.  The S programs of a block have
+ 2. Reduce: the block's S programs meet at a barrier (an arrival counter per block); then
+    each sums the S partials of its own BLOCK_T / S tokens in the fixed slot order 0..S-1,
+    forms their gates (and post / comb with the Sinkhorn) and publishes them; a second
+    barrier waits for all of the block's gates.  The S programs of a block have
     consecutive ids and so are resident together (blocks are dispatched in id order, and at
     least S programs fit on the GPU), so no program waits on one that cannot start.
  3. Apply: it re-reads its piece, which it streamed microseconds ago and so finds in L2, and
     writes its D-slice of the output.
 So HBM sees each residual byte once.  ``fused=False`` runs the three phases as three launches
 (no in-kernel waiting; the re-read then comes from HBM): the CPU interpreter runs programs one
-at a time and needs it, hc_pre uses it by default (see :func:`collapse_config`), and it is a
-fallback if co-residency cannot be assumed.  The phases do the same arithmetic in both modes
-(tested bitwise on the GPU).
+at a time and needs it, and it is a fallback if co-residency cannot be assumed.  The phases do
+the same arithmetic in both forms (tested bitwise on the GPU): the weighted sum adds the
+streams in the order 0..n-1 whatever the tile layout, and the slot sums run in slot order.
+
+Where the time goes (``trace=``, bench/h200_trace.py; H200, hc_head, D 4096, T 4096): a
+program lives ~40 us - ~23 us streaming its 128 KB piece, ~4 us in the two barriers, ~0.6 us
+reducing (~4 us with hc_pre's Sinkhorn), ~12 us re-reading and writing - with ~3.7 programs
+per SM resident.  The streaming phase is bound by the bytes each program keeps in flight, and
+nothing streams from HBM while a program waits or applies.
 
 Arithmetic: fp32 throughout; the mix as in :mod:`.mhc_mix` (~16 mantissa bits of fn).  No tile
 size or reduction order depends on T: a token's result does not depend on its batch.
@@ -51,37 +58,54 @@ import triton.language as tl
 from ._launch import INTERPRET, next_pow2, rne_bf16_if_interpreted, sigmoid
 from .mhc_mix import mix_step
 
-__all__ = ["CollapseConfig", "collapse_config", "mhc_collapse"]
+# Diagnostics layout (``mhc_collapse(..., trace=...)``), int64 per program: TRACE_EVENTS clock64
+# stamps (start, mix stored, barrier 1 passed, gates stored, barrier 2 passed, end), the SM id,
+# and the global ns timer at start and at end (the only clock comparable across SMs).
+TRACE_WIDTH = 9
+TRACE_EVENTS = tl.constexpr(6)
+TRACE_FIELDS = tl.constexpr(TRACE_WIDTH)
+
+__all__ = [
+    "TRACE_WIDTH",
+    "CollapseConfig",
+    "collapse_config",
+    "collapse_grid",
+    "mhc_collapse",
+    "tokens_per_reducer",
+]
 
 
 @triton.jit
 def _reduce_gates(
     part_ptr, sq_ptr, scale_ptr, base_ptr, gate_ptr, post_ptr, comb_ptr,
-    t, T, K, rms_eps, hc_eps, post_mult,
+    t, t_ok, T, K, rms_eps, hc_eps, post_mult,
     S: tl.constexpr, SINKHORN_ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-    M: tl.constexpr, BLOCK_T: tl.constexpr, WITH_POST_COMB: tl.constexpr,
+    M: tl.constexpr, TPP: tl.constexpr, WITH_POST_COMB: tl.constexpr,
 ):  # fmt: skip
-    """Sum the S partials of tokens ``t`` (BT,) in slot order 0..S-1 (independent of T and of
-    timing), write gates (and post / comb).  Reading G slots per step as one tile measured
-    slower on the H200 (the wider tiles cost registers), so it is one slot per step."""
-    t_ok = t < T
+    """Sum the S partials of the TPP tokens ``t`` in slot order 0..S-1 (independent of T and
+    of timing) and write their gates (and post / comb).
+
+    The slot loop is unrolled (static_range), so its S independent loads are all in flight
+    before the first add: one L2 round trip, not S of them.  Each program of a block reduces
+    its own TPP tokens, so the reduction is spread over the block's S programs (a single
+    reducer summing all BLOCK_T tokens serially left the other S-1 programs idle for it)."""
     t64 = t.to(tl.int64)
     j = tl.arange(0, NP)
     j2 = j[None, :]
-    row = part_ptr + t64[:, None] * M  # (BT, 1) within one slot's slab
+    row = part_ptr + t64[:, None] * M  # (TPP, 1) within one slot's slab
     row_ok = t_ok[:, None] & (j2 < N)
-    sq_tot = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    pre_l = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
+    sq_tot = tl.zeros((TPP,), dtype=tl.float32)
+    pre_l = tl.zeros((TPP, NP), dtype=tl.float32)
     if WITH_POST_COMB:
         # comb logits: rows 2N + jr*N + kc of the mix, jr = source stream, kc = destination.
         t3 = t64[:, None, None]
         jr = j[None, :, None]
         kc = j[None, None, :]
         crow = 2 * N + jr * N + kc
-        comb_ok = (t3 < T) & (jr < N) & (kc < N)
-        post_l = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
-        comb_l = tl.zeros((BLOCK_T, NP, NP), dtype=tl.float32)
-    for ss in range(0, S):  # constexpr bounds
+        comb_ok = t_ok[:, None, None] & (jr < N) & (kc < N)
+        post_l = tl.zeros((TPP, NP), dtype=tl.float32)
+        comb_l = tl.zeros((TPP, NP, NP), dtype=tl.float32)
+    for ss in tl.static_range(S):
         slab = ss * T.to(tl.int64)
         sq_tot += tl.load(sq_ptr + slab + t64, mask=t_ok, other=0.0, cache_modifier=".cg")
         pre_l += tl.load(row + slab * M + j2, mask=row_ok, other=0.0, cache_modifier=".cg")
@@ -90,10 +114,10 @@ def _reduce_gates(
             comb_l += tl.load(
                 part_ptr + (slab + t3) * M + crow, mask=comb_ok, other=0.0, cache_modifier=".cg"
             )
-    rstd = tl.math.rsqrt(sq_tot / K + rms_eps)[:, None]  # (BT, 1)
+    rstd = tl.math.rsqrt(sq_tot / K + rms_eps)[:, None]  # (TPP, 1)
     s_pre = tl.load(scale_ptr).to(tl.float32)
     b_pre = tl.load(base_ptr + j2, mask=j2 < N, other=0.0).to(tl.float32)
-    gate = sigmoid(pre_l * rstd * s_pre + b_pre) + hc_eps  # (BT, NP)
+    gate = sigmoid(pre_l * rstd * s_pre + b_pre) + hc_eps  # (TPP, NP)
     tl.store(gate_ptr + t64[:, None] * NP + j2, gate, mask=t_ok[:, None])
 
     if WITH_POST_COMB:
@@ -107,7 +131,7 @@ def _reduce_gates(
         b_comb = tl.load(base_ptr + crow, mask=ok3, other=0.0).to(tl.float32)
         c = comb_l * rstd[:, :, None] * s_comb + b_comb
         c = tl.where(ok3, c, float("-inf"))
-        row_max = tl.max(c, axis=2)  # (BT, NP)
+        row_max = tl.max(c, axis=2)  # (TPP, NP)
         row_max = tl.where(j2 < N, row_max, 0.0)
         e = tl.exp(c - row_max[:, :, None])  # padded entries: exp(-inf) = 0
         # Sinkhorn (spec 5.3): row softmax + eps, a column normalization, then
@@ -118,21 +142,75 @@ def _reduce_gates(
         for _ in range(1, SINKHORN_ITERS):
             p = p / (tl.sum(p, axis=2)[:, :, None] + hc_eps)
             p = p / (tl.sum(p, axis=1)[:, None, :] + hc_eps)
-        tl.store(comb_ptr + t3 * (N * N) + jr * N + kc, p, mask=(t3 < T) & ok3)
+        tl.store(comb_ptr + t3 * (N * N) + jr * N + kc, p, mask=comb_ok)
+
+
+@triton.jit
+def _stamp(trace_ptr, k: tl.constexpr, TRACE: tl.constexpr):
+    """Diagnostics (``TRACE`` only): record the SM's cycle counter as event ``k`` of this
+    program; the first and last events also record the global ns timer (and the SM id)."""
+    if TRACE:
+        row = trace_ptr + tl.program_id(0).to(tl.int64) * TRACE_FIELDS
+        if k == 0 or k == TRACE_EVENTS - 1:
+            ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [],
+                                           dtype=tl.int64, is_pure=False, pack=1)  # fmt: skip
+            tl.store(row + TRACE_EVENTS + 1 + (k > 0), ns)
+        if k == 0:
+            sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
+                                           is_pure=False, pack=1)  # fmt: skip
+            tl.store(row + TRACE_EVENTS, sm.to(tl.int64))
+        clk = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64,
+                                        is_pure=False, pack=1)  # fmt: skip
+        tl.store(row + k, clk)
+
+
+@triton.jit
+def _block_barrier(count_ptr, target):
+    """Arrive on the block's counter and wait until ``target`` arrivals (all S programs).
+
+    Release on arrival publishes this program's stores, acquire on the spin makes the other
+    programs' stores visible; the thread barriers order every thread's stores before the
+    arrival and every thread's later loads after the wait."""
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+    ready = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    while ready < target:
+        ready = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _apply_tile(x, gate_ptr, out_ptr, t64, t_ok, d, D: tl.constexpr, N: tl.constexpr,
+                NP: tl.constexpr, out_ty: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """out[t, d] = sum_j gate[t, j] * x[t, j, d] for an x tile (BT, NP, AD), streams summed
+    in the order 0..n-1 whatever the tile's layout: stream j is picked out exactly (a sum of
+    zeros and one value), so every schedule and launch form rounds the same way."""
+    jj = tl.arange(0, NP)[None, :, None]
+    xf = x.to(tl.float32)
+    y = tl.zeros((x.shape[0], x.shape[2]), dtype=tl.float32)
+    for j in tl.static_range(N):
+        g = tl.load(gate_ptr + t64 * NP + j, mask=t_ok, other=0.0, cache_modifier=".cg")
+        xj = tl.sum(tl.where(jj == j, xf, 0.0), axis=1)  # (BT, AD), exact
+        y += g[:, None] * xj
+    y = rne_bf16_if_interpreted(y, out_ty, INTERP)
+    ok = t_ok[:, None] & (d[None, :] < D)
+    tl.store(out_ptr + t64[:, None] * D + d[None, :], y.to(out_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["T"])
 def mhc_collapse_kernel(
     x_ptr, fn_ptr, scale_ptr, base_ptr, part_ptr, sq_ptr, gate_ptr, count_ptr,
-    out_ptr, post_ptr, comb_ptr,
-    T, D, rms_eps, hc_eps, post_mult,
-    S: tl.constexpr, D_SLICE: tl.constexpr, SINKHORN_ITERS: tl.constexpr,
+    out_ptr, post_ptr, comb_ptr, trace_ptr,
+    T, rms_eps, hc_eps, post_mult,
+    D: tl.constexpr, S: tl.constexpr, D_SLICE: tl.constexpr, SINKHORN_ITERS: tl.constexpr,
     N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, APPLY_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, APPLY_D: tl.constexpr, TPP: tl.constexpr,
     DO_MIX: tl.constexpr, DO_REDUCE: tl.constexpr, DO_APPLY: tl.constexpr, FUSED: tl.constexpr,
     WITH_POST_COMB: tl.constexpr, X_IS_BF16: tl.constexpr, INTERP: tl.constexpr,
+    TRACE: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(T, BLOCK_T) * S,); program id = block * S + slice."""
+    _stamp(trace_ptr, 0, TRACE)
     pid = tl.program_id(0)
     blk = pid // S
     s = pid % S
@@ -147,12 +225,13 @@ def mhc_collapse_kernel(
         m = tl.arange(0, MP)
         acc = tl.zeros((BLOCK_T, MP), dtype=tl.float32)
         sq = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
-        # One inner loop per stream.  (A single loop over all n * D_SLICE / BLOCK_K steps, with
-        # the stream index computed from the step, ran 2x slower on the H200 and changed the
-        # fused kernel's bits relative to the three-launch form: bench/results/
-        # mhc-h200-flattened-loop-experiment.log.)
+        # One inner loop per stream, over 2-D (BLOCK_T, BLOCK_K) tiles.  Measured slower on
+        # the H200 (bench/results/mhc-h200-trace-ab.log): one loop over (BT, n, BK) tiles of all
+        # streams (its pipeline buffers take more shared memory: fewer programs per SM), and a
+        # flattened loop computing the stream from the step (2x slower,
+        # mhc-h200-flattened-loop-experiment.log).
         for j in tl.static_range(N):
-            for c in range(0, D_SLICE, BLOCK_K):  # constexpr bounds: pipelined
+            for c in range(0, D_SLICE, BLOCK_K):  # constexpr bounds: software-pipelined
                 d = s * D_SLICE + c + tl.arange(0, BLOCK_K)
                 d_ok = d < D
                 x = tl.load(
@@ -171,43 +250,42 @@ def mhc_collapse_kernel(
             mask=t_ok[:, None] & (m[None, :] < M),
         )
         tl.store(sq_ptr + slab + t64, tl.sum(sq, axis=1), mask=t_ok)
+        _stamp(trace_ptr, 1, TRACE)
+        if FUSED:
+            _block_barrier(count_ptr + blk, S)  # every slot of the block is written
+        _stamp(trace_ptr, 2, TRACE)
 
     # ------------------------------------------------------------------ 2. gates
     if DO_REDUCE:
+        # Program s reduces the block's tokens [s*TPP, (s+1)*TPP) (none if s*TPP >= BLOCK_T).
+        local = s * TPP + tl.arange(0, TPP)
+        tr = blk * BLOCK_T + local
+        _reduce_gates(
+            part_ptr, sq_ptr, scale_ptr, base_ptr, gate_ptr, post_ptr, comb_ptr,
+            tr, (local < BLOCK_T) & (tr < T), T, K, rms_eps, hc_eps, post_mult,
+            S, SINKHORN_ITERS, N, NP, M, TPP, WITH_POST_COMB,
+        )  # fmt: skip
+        _stamp(trace_ptr, 3, TRACE)
         if FUSED:
-            tl.debug_barrier()  # every thread's partial stores precede the release below
-            arrived = tl.atomic_add(count_ptr + blk, 1, sem="acq_rel", scope="gpu")
-            is_reducer = arrived == S - 1  # the last of the block's S programs to arrive
-        else:
-            is_reducer = s == 0
-        if is_reducer:
-            _reduce_gates(
-                part_ptr, sq_ptr, scale_ptr, base_ptr, gate_ptr, post_ptr, comb_ptr,
-                t, T, K, rms_eps, hc_eps, post_mult,
-                S, SINKHORN_ITERS, N, NP, M, BLOCK_T, WITH_POST_COMB,
-            )  # fmt: skip
-            if FUSED:
-                tl.debug_barrier()  # the gate stores precede the release below
-                tl.atomic_add(count_ptr + blk, S, sem="release", scope="gpu")
-        if FUSED:
-            ready = tl.atomic_add(count_ptr + blk, 0, sem="acquire", scope="gpu")
-            while ready < 2 * S:
-                ready = tl.atomic_add(count_ptr + blk, 0, sem="acquire", scope="gpu")
-            tl.debug_barrier()  # every thread's gate loads come after the acquire
+            _block_barrier(count_ptr + blk, 2 * S)  # every gate of the block is written
+        _stamp(trace_ptr, 4, TRACE)
 
     # ------------------------------------------------------------------ 3. weighted sum
     if DO_APPLY:
         out_ty = out_ptr.dtype.element_ty
-        for c in range(0, D_SLICE, APPLY_D):
-            d = s * D_SLICE + c + tl.arange(0, APPLY_D)
-            ok = t_ok[:, None] & (d[None, :] < D)
-            y = tl.zeros((BLOCK_T, APPLY_D), dtype=tl.float32)
-            for j in tl.static_range(N):
-                g = tl.load(gate_ptr + t64 * NP + j, mask=t_ok, other=0.0, cache_modifier=".cg")
-                xj = tl.load(x_row + j * D + d[None, :], mask=ok, other=0.0)
-                y += g[:, None] * xj.to(tl.float32)
-            y = rne_bf16_if_interpreted(y, out_ty, INTERP)
-            tl.store(out_ptr + t64[:, None] * D + d[None, :], y.to(out_ty), mask=ok)
+        jj = tl.arange(0, NP)
+        x_base = x_row[:, :, None] + jj[None, :, None] * D  # (BT, NP, 1): all streams per step
+        ok_tj = t_ok[:, None, None] & (jj[None, :, None] < N)
+        # Not software-pipelined (num_stages=1), not unrolled: prefetched tiles kept in
+        # registers cost more programs per SM than the prefetch gained (H200 sweeps).
+        for c in tl.range(0, D_SLICE, APPLY_D, num_stages=1, loop_unroll_factor=1):
+            # multiple_of: the loop variable's alignment is not inferred, and without it the
+            # loads are not vectorized (2-byte loads, one pointer per element).
+            d = s * D_SLICE + tl.multiple_of(c, APPLY_D) + tl.arange(0, APPLY_D)
+            d3 = d[None, None, :]
+            xa = tl.load(x_base + d3, mask=ok_tj & (d3 < D), other=0.0)  # (BT, NP, AD)
+            _apply_tile(xa, gate_ptr, out_ptr, t64, t_ok, d, D, N, NP, out_ty, INTERP)
+    _stamp(trace_ptr, 5, TRACE)
 
 
 @dataclass(frozen=True)
@@ -225,15 +303,25 @@ class CollapseConfig:
     fused: bool
 
 
+def collapse_grid(T: int, D: int, cfg: CollapseConfig) -> int:
+    """Programs the collapse launches: token blocks x D-slices."""
+    return triton.cdiv(T, cfg.block_t) * triton.cdiv(D, cfg.d_slice)
+
+
+def tokens_per_reducer(block_t: int, S: int) -> int:
+    """Tokens each of a block's S programs reduces: ceil(BLOCK_T / S), a power of two."""
+    return next_pow2(triton.cdiv(block_t, S))
+
+
 def collapse_config(n: int, D: int, with_post_comb: bool = False) -> CollapseConfig:
     """The schedule for (n, D, op); never a function of T (batch invariance).
 
-    From the H200 sweep (bench/h200_sweep.py; bench/results/mhc-h200-sweep-2-collapse.log):
-    64 tokens x 256-column slices x 64-column K steps, 4 warps, 3 stages.  hc_head runs
-    fused.  hc_pre runs as three launches: a kernel's registers are sized for its heaviest
-    phase, and the fused kernel carrying the Sinkhorn streamed the residual with fewer
-    programs per SM (T 4096, D 7168: 250 us fused vs 223 us in three launches).  Narrower
-    slices cut T = 1 from 17.5 to 13 us but cost 1.3-4x at T >= 512 (sweep-4-small-t.log).
+    From the H200 sweeps (bench/h200_sweep.py, bench/h200_trace.py; bench/results/
+    mhc-h200.md): 64 tokens x 256-column slices x 64-column K steps, 64-column apply steps,
+    4 warps, 3 stages, one launch, for hc_head and hc_pre alike (with the reduction spread
+    over the block's programs the Sinkhorn no longer makes the fused hc_pre slower).  At
+    T 4096 it beat every other tile tried: 32-column K steps (more programs per SM, each
+    streaming slower), 16-column apply steps, 128- or 512-column slices, 32 or 128 tokens.
     """
     if INTERPRET:
         # CPU tier: small shapes; several slices and K steps; three launches (the interpreter
@@ -242,7 +330,7 @@ def collapse_config(n: int, D: int, with_post_comb: bool = False) -> CollapseCon
         return CollapseConfig(16, d_slice, 16, 16, num_warps=4, num_stages=1, fused=False)
     d_slice = min(256, max(64, next_pow2(D)))
     return CollapseConfig(block_t=64, d_slice=d_slice, block_k=64, apply_d=64, num_warps=4,
-                          num_stages=3, fused=not with_post_comb)  # fmt: skip
+                          num_stages=3, fused=True)  # fmt: skip
 
 
 def mhc_collapse(
@@ -259,10 +347,13 @@ def mhc_collapse(
     post_mult: float = 2.0,
     sinkhorn_iters: int = 1,
     cfg: CollapseConfig | None = None,
+    trace: torch.Tensor | None = None,
 ) -> None:
     """Collapse x (T, n, D) into ``out`` (and ``post`` / ``comb`` for hc_pre).
 
     All tensors contiguous on one device, scale / base in fp32 (validated by the caller).
+    ``trace`` (diagnostics, GPU only): an int64 (programs, TRACE_WIDTH) tensor that receives
+    per-program phase timestamps (bench/h200_trace.py reads them); fused schedules only.
     """
     T, n, D = x.shape
     if T == 0:
@@ -282,10 +373,11 @@ def mhc_collapse(
     with_pc = post is not None
     args = (
         x, fn, scale, base, part, sq, gate, count, out,
-        post if with_pc else out, comb if with_pc else out,
-        T, D, float(rms_norm_eps), float(hc_eps), float(post_mult),
+        post if with_pc else out, comb if with_pc else out, trace if trace is not None else count,
+        T, float(rms_norm_eps), float(hc_eps), float(post_mult),
     )  # fmt: skip
     meta = dict(
+        D=D,
         S=S,
         D_SLICE=cfg.d_slice,
         SINKHORN_ITERS=int(sinkhorn_iters),
@@ -296,13 +388,17 @@ def mhc_collapse(
         BLOCK_T=cfg.block_t,
         BLOCK_K=cfg.block_k,
         APPLY_D=cfg.apply_d,
+        TPP=tokens_per_reducer(cfg.block_t, S),
         WITH_POST_COMB=with_pc,
         X_IS_BF16=(x.dtype == torch.bfloat16),
         INTERP=INTERPRET,
+        TRACE=trace is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     grid = (blocks * S,)
+    if trace is not None and (not cfg.fused or tuple(trace.shape) != (grid[0], TRACE_WIDTH)):
+        raise ValueError(f"trace: needs a fused schedule and shape ({grid[0]}, {TRACE_WIDTH})")
     if cfg.fused:
         mhc_collapse_kernel[grid](
             *args, DO_MIX=True, DO_REDUCE=True, DO_APPLY=True, FUSED=True, **meta
