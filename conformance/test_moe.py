@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from conformance._mtp_random import random_moe_params
@@ -147,15 +147,37 @@ def test_only_routed_experts_are_decoded_once_each() -> None:
     assert torch.equal(out, moe(x, p, CFG))
 
 
+# Permuting tokens may move a row between the SIMD body and the scalar tail of torch's CPU
+# elementwise kernels, whose exp / log1p differ in the last ulp (seen on the H200 host: AVX-512,
+# torch 2.11, seed 255, T 3: route weights 1.4e-14 apart in float64; bench/diag/
+# moe_perm_probe.py).  So the reference promises no cross-token coupling, not bitwise position
+# invariance: the same experts, and values within a few ulps of the compute dtype (bf16
+# output: one rounding of a value that may sit on a rounding boundary).
+_PERM_TOL = {F64: (1e-12, 1e-12), BF16: (2**-7, 2**-7)}  # (rtol, atol of the output's scale)
+
+
 @given(seed=st.integers(0, 2**16), T=st.integers(1, 24))
+@example(seed=255, T=3)  # differed in the last ulp on the H200 host (see above)
 def test_tokens_are_independent(seed, T) -> None:
-    """Permuting tokens permutes the output bit for bit (no cross-token coupling, row-independent
-    GEMMs), in float64 and bf16."""
+    """Permuting tokens permutes the routing exactly and the output to last-ulp differences
+    (no cross-token coupling), in float64 and bf16."""
     x, p = make(seed, T, x_gain=4.0)
     perm = torch.randperm(T, generator=torch.Generator().manual_seed(seed))
     for dtype in (F64, BF16):
         pd, xd = cast_params(p, dtype), x.to(dtype)
-        assert torch.equal(moe(xd[perm], pd, CFG), moe(xd, pd, CFG)[perm])
+        _, ids_p = route(xd[perm], pd.gate_weight, pd.gate_bias, CFG)
+        _, ids = route(xd, pd.gate_weight, pd.gate_bias, CFG)
+        scores = torch.sqrt(F.softplus(xd.double() @ pd.gate_weight.double().T))
+        biased = (scores + pd.gate_bias.double()).sort(dim=-1, descending=True).values
+        k = CFG.num_experts_per_tok
+        near_tie = (biased[:, k - 1] - biased[:, k]) < 1e-6 * biased[:, 0].abs()  # (T,)
+        same = (ids_p.sort(-1).values == ids[perm].sort(-1).values).all(-1)
+        assert bool((same | near_tie[perm]).all()), "routing depends on the token's position"
+        got, want = moe(xd[perm], pd, CFG).double(), moe(xd, pd, CFG)[perm].double()
+        rtol, atol = _PERM_TOL[dtype]
+        rows = same & ~near_tie[perm]
+        scale = float(want[rows].abs().max()) if bool(rows.any()) else 1.0
+        assert torch.allclose(got[rows], want[rows], rtol=rtol, atol=atol * scale)
 
 
 # ------------------------------------------------------------------ packed NVFP4, folded or not
