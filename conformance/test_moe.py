@@ -28,14 +28,18 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
+def scores64(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """Unbiased sqrtsoftplus router scores in float64 (spec 7.1): (T, E)."""
+    return torch.sqrt(F.softplus(x.double() @ gate_weight.double().T))
+
+
 def oracle(
     x: torch.Tensor, p: MoEParams, cfg: DSV4Config, *, shared_clamp: bool = True
 ) -> torch.Tensor:
     """Every expert on every token in float64, weighted by a dense (T, E) routing matrix."""
     x = x.double()
     L = cfg.swiglu_limit
-    logits = x @ p.gate_weight.double().T
-    s = torch.sqrt(F.softplus(logits))
+    s = scores64(x, p.gate_weight)
     sel = torch.topk(s + p.gate_bias.double(), cfg.num_experts_per_tok).indices
     dense_w = torch.zeros_like(s).scatter(1, sel, s.gather(1, sel))
     dense_w = dense_w / dense_w.sum(-1, keepdim=True) * cfg.routed_scaling_factor  # (T, E)
@@ -94,8 +98,7 @@ def test_router_bias_selects_but_does_not_weight() -> None:
     bias[3] = 100.0  # always selected, yet its weight comes from its unbiased score
     w2, ids2 = route(x, p.gate_weight, bias, CFG)
     assert (ids2 == 3).any(-1).all()
-    s = torch.sqrt(F.softplus(x @ p.gate_weight.T))
-    raw = s.gather(1, ids2)
+    raw = scores64(x, p.gate_weight).gather(1, ids2)
     assert torch.allclose(
         w2, raw / raw.sum(-1, keepdim=True) * CFG.routed_scaling_factor, rtol=1e-14
     )
@@ -167,8 +170,11 @@ def test_tokens_are_independent(seed, T) -> None:
         pd, xd = cast_params(p, dtype), x.to(dtype)
         _, ids_p = route(xd[perm], pd.gate_weight, pd.gate_bias, CFG)
         _, ids = route(xd, pd.gate_weight, pd.gate_bias, CFG)
-        scores = torch.sqrt(F.softplus(xd.double() @ pd.gate_weight.double().T))
-        biased = (scores + pd.gate_bias.double()).sort(dim=-1, descending=True).values
+        biased = (
+            (scores64(xd, pd.gate_weight) + pd.gate_bias.double())
+            .sort(dim=-1, descending=True)
+            .values
+        )
         k = CFG.num_experts_per_tok
         near_tie = (biased[:, k - 1] - biased[:, k]) < 1e-6 * biased[:, 0].abs()  # (T,)
         same = (ids_p.sort(-1).values == ids[perm].sort(-1).values).all(-1)
