@@ -442,6 +442,26 @@ def test_optimized_hc_head_backends_agree(dtype: torch.dtype, device: str) -> No
         opt.hc_head(*args, **kw, schedule=opt.CollapseSchedule())
 
 
+@pytest.mark.parametrize(
+    ("tiles", "message"),
+    [
+        ((48, 256, 64, 64), "block_t: expected a power of two, got 48"),
+        ((64, 256, 0, 64), "block_k: expected a power of two, got 0"),
+        ((64, 64, 128, 64), r"block_k \(128\) and apply_d \(64\) must not exceed d_slice \(64\)"),
+        ((64, 64, 64, 128), r"apply_d \(128\) must not exceed d_slice \(64\)"),
+    ],
+)
+def test_collapse_config_rejects_unusable_tiles(tiles: tuple[int, ...], message: str) -> None:
+    """A hand-made collapse schedule with tiles the kernel cannot run (tl.arange needs powers
+    of two; the mix and apply step through a slice) is refused when it is built, naming the
+    field, before anything is compiled."""
+    from dsv4mtp.optimized.kernels.mhc_collapse import CollapseConfig
+    from dsv4mtp.reference.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        CollapseConfig(*tiles, num_warps=4, num_stages=3, fused=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [4096, 7168])
 @pytest.mark.parametrize("T", [1, 100, 4096])

@@ -55,6 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4mtp.reference.errors import ConfigError
+
 from ._launch import INTERPRET, next_pow2, rne_bf16_if_interpreted, sigmoid
 from .mhc_mix import mix_step
 
@@ -194,7 +196,10 @@ def _apply_tile(x, gate_ptr, out_ptr, t64, t_ok, d, D: tl.constexpr, N: tl.const
         y += g[:, None] * xj
     y = rne_bf16_if_interpreted(y, out_ty, INTERP)
     ok = t_ok[:, None] & (d[None, :] < D)
-    tl.store(out_ptr + t64[:, None] * D + d[None, :], y.to(out_ty), mask=ok)
+    # .cs (streaming): the output is not read again here; it should not displace the pieces
+    # that the block's programs are about to re-read from L2.
+    out_ptrs = out_ptr + t64[:, None] * D + d[None, :]
+    tl.store(out_ptrs, y.to(out_ty), mask=ok, cache_modifier=".cs")
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -225,24 +230,24 @@ def mhc_collapse_kernel(
         m = tl.arange(0, MP)
         acc = tl.zeros((BLOCK_T, MP), dtype=tl.float32)
         sq = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
-        # One inner loop per stream, over 2-D (BLOCK_T, BLOCK_K) tiles.  Measured slower on
-        # the H200 (bench/results/mhc-h200-trace-ab.log): one loop over (BT, n, BK) tiles of all
-        # streams (its pipeline buffers take more shared memory: fewer programs per SM), and a
-        # flattened loop computing the stream from the step (2x slower,
-        # mhc-h200-flattened-loop-experiment.log).
-        for j in tl.static_range(N):
-            for c in range(0, D_SLICE, BLOCK_K):  # constexpr bounds: software-pipelined
-                d = s * D_SLICE + c + tl.arange(0, BLOCK_K)
-                d_ok = d < D
-                x = tl.load(
-                    x_row + j * D + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0
-                )
-                w = tl.load(
-                    fn_ptr + m[:, None] * K + j * D + d[None, :],
-                    mask=(m[:, None] < M) & d_ok[None, :],
-                    other=0.0,
-                )
-                acc, sq = mix_step(x, w, acc, sq, X_IS_BF16, INTERP)
+        # One software-pipelined loop over the n * D_SLICE / BLOCK_K steps of all streams, in
+        # the order (stream 0: its K steps, stream 1: ..., ...).  One loop per stream restarted
+        # the pipeline n times, and its n copies of the loop body took 123 registers (hc_head)
+        # against 96 for this one, 166 against 128 for hc_pre: one more program per SM
+        # (bench/results/mhc-h200.md, "flat mix loop").  c is a multiple of BLOCK_K (k steps
+        # by BLOCK_K, D_SLICE is a multiple of it); saying so keeps the loads vectorized.
+        for k in range(0, N * D_SLICE, BLOCK_K):  # constexpr bounds: software-pipelined
+            j = k // D_SLICE
+            c = tl.multiple_of(k % D_SLICE, BLOCK_K)
+            d = s * D_SLICE + c + tl.arange(0, BLOCK_K)
+            d_ok = d < D
+            x = tl.load(x_row + j * D + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+            w = tl.load(
+                fn_ptr + m[:, None] * K + j * D + d[None, :],
+                mask=(m[:, None] < M) & d_ok[None, :],
+                other=0.0,
+            )
+            acc, sq = mix_step(x, w, acc, sq, X_IS_BF16, INTERP)
         slab = s * T.to(tl.int64)
         tl.store(
             part_ptr + (slab + t64)[:, None] * M + m[None, :],
@@ -283,7 +288,11 @@ def mhc_collapse_kernel(
             # loads are not vectorized (2-byte loads, one pointer per element).
             d = s * D_SLICE + tl.multiple_of(c, APPLY_D) + tl.arange(0, APPLY_D)
             d3 = d[None, None, :]
-            xa = tl.load(x_base + d3, mask=ok_tj & (d3 < D), other=0.0)  # (BT, NP, AD)
+            # evict_first: these lines are dead after this read; in L2 they would only push
+            # out lines that other programs have yet to re-read.
+            xa = tl.load(
+                x_base + d3, mask=ok_tj & (d3 < D), other=0.0, eviction_policy="evict_first"
+            )  # (BT, NP, AD)
             _apply_tile(xa, gate_ptr, out_ptr, t64, t_ok, d, D, N, NP, out_ty, INTERP)
     _stamp(trace_ptr, 5, TRACE)
 
@@ -302,6 +311,20 @@ class CollapseConfig:
     num_stages: int
     fused: bool
 
+    def __post_init__(self) -> None:
+        tiles = dict(block_t=self.block_t, d_slice=self.d_slice, block_k=self.block_k,
+                     apply_d=self.apply_d)  # fmt: skip
+        for name, v in tiles.items():
+            if v < 1 or v & (v - 1):
+                raise ConfigError(f"CollapseConfig.{name}: expected a power of two, got {v}")
+        # The mix steps through a slice in BLOCK_K columns (and tells the compiler its column
+        # offsets are multiples of BLOCK_K); the apply in APPLY_D columns.
+        if self.block_k > self.d_slice or self.apply_d > self.d_slice:
+            raise ConfigError(
+                f"CollapseConfig: block_k ({self.block_k}) and apply_d ({self.apply_d}) must "
+                f"not exceed d_slice ({self.d_slice})"
+            )
+
 
 def collapse_grid(T: int, D: int, cfg: CollapseConfig) -> int:
     """Programs the collapse launches: token blocks x D-slices."""
@@ -318,10 +341,12 @@ def collapse_config(n: int, D: int, with_post_comb: bool = False) -> CollapseCon
 
     From the H200 sweeps (bench/h200_sweep.py, bench/h200_trace.py; bench/results/
     mhc-h200.md): 64 tokens x 256-column slices x 64-column K steps, 64-column apply steps,
-    4 warps, 3 stages, one launch, for hc_head and hc_pre alike (with the reduction spread
-    over the block's programs the Sinkhorn no longer makes the fused hc_pre slower).  At
-    T 4096 it beat every other tile tried: 32-column K steps (more programs per SM, each
-    streaming slower), 16-column apply steps, 128- or 512-column slices, 32 or 128 tokens.
+    4 warps, 3 stages, one launch, for hc_head and hc_pre alike.  With the single mix loop
+    (sweep 9) it is within a few per cent of the best tile tried at each (op, D, T 4096) and
+    the fastest at T <= 64; 32-token blocks, 128-column slices, 128-column apply steps and
+    8-warp 128-token blocks each won or lost by D, so no per-D exception is kept.  Smaller
+    pieces (128-column slices) keep more of the re-read in L2 (ncu: 157 vs 201 MB read,
+    hc_head D 4096) but pay it back in barriers and per-program overhead.
     """
     if INTERPRET:
         # CPU tier: small shapes; several slices and K steps; three launches (the interpreter
