@@ -230,15 +230,18 @@ def mhc_collapse_kernel(
         m = tl.arange(0, MP)
         acc = tl.zeros((BLOCK_T, MP), dtype=tl.float32)
         sq = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
-        # One software-pipelined loop over the n * D_SLICE / BLOCK_K steps of all streams, in
-        # the order (stream 0: its K steps, stream 1: ..., ...).  One loop per stream restarted
-        # the pipeline n times, and its n copies of the loop body took 123 registers (hc_head)
-        # against 96 for this one, 166 against 128 for hc_pre: one more program per SM
-        # (bench/results/mhc-h200.md, "flat mix loop").  c is a multiple of BLOCK_K (k steps
-        # by BLOCK_K, D_SLICE is a multiple of it); saying so keeps the loads vectorized.
+        # One software-pipelined loop over the n * D_SLICE / BLOCK_K steps of all streams,
+        # column-major: (columns 0.., stream 0), (columns 0.., stream 1), ..., then the next
+        # BLOCK_K columns.  One loop per stream restarted the pipeline n times, and its n
+        # copies of the loop body took 123 registers (hc_head) against 83 for this one, 166
+        # against 128 for hc_pre: one more program per SM.  Column-major, with the apply
+        # walking the columns backwards, the last columns streamed are the first re-read, so
+        # the distances between a line's two reads spread out and more re-reads hit L2
+        # (hc_head D 4096, T 4096: 74.5 vs 82.7 us; bench/results/mhc-h200.md, sweep 10).
+        # c is a multiple of BLOCK_K; saying so keeps the loads vectorized.
         for k in range(0, N * D_SLICE, BLOCK_K):  # constexpr bounds: software-pipelined
-            j = k // D_SLICE
-            c = tl.multiple_of(k % D_SLICE, BLOCK_K)
+            j = (k // BLOCK_K) % N
+            c = tl.multiple_of((k // (BLOCK_K * N)) * BLOCK_K, BLOCK_K)
             d = s * D_SLICE + c + tl.arange(0, BLOCK_K)
             d_ok = d < D
             x = tl.load(x_row + j * D + d[None, :], mask=t_ok[:, None] & d_ok[None, :], other=0.0)
@@ -284,9 +287,10 @@ def mhc_collapse_kernel(
         # Not software-pipelined (num_stages=1), not unrolled: prefetched tiles kept in
         # registers cost more programs per SM than the prefetch gained (H200 sweeps).
         for c in tl.range(0, D_SLICE, APPLY_D, num_stages=1, loop_unroll_factor=1):
-            # multiple_of: the loop variable's alignment is not inferred, and without it the
-            # loads are not vectorized (2-byte loads, one pointer per element).
-            d = s * D_SLICE + tl.multiple_of(c, APPLY_D) + tl.arange(0, APPLY_D)
+            # Columns backwards (see the mix).  multiple_of: the offset's alignment is not
+            # inferred, and without it the loads are not vectorized (2-byte loads).
+            c_rev = tl.multiple_of(D_SLICE - APPLY_D - c, APPLY_D)
+            d = s * D_SLICE + c_rev + tl.arange(0, APPLY_D)
             d3 = d[None, None, :]
             # evict_first: these lines are dead after this read; in L2 they would only push
             # out lines that other programs have yet to re-read.
