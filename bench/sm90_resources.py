@@ -66,8 +66,9 @@ def resources(fn: Any, signature: dict[str, str], consts: dict[str, Any], **opti
         kv.split(":") for line in out.stdout.splitlines() if "REG:" in line for kv in line.split()
     )
     regs, stack = int(fields["REG"]), int(fields["STACK"])
-    threads = 32 * options["num_warps"]
-    ctas = REGISTERS_PER_SM // (regs * threads)
+    # sm_90 allocates registers per warp, rounded up to 8 per thread (256 per warp).
+    warps_by_regs = REGISTERS_PER_SM // (-(-regs // 8) * 8 * 32)
+    ctas = warps_by_regs // options["num_warps"]
     return (
         f"regs {regs:3d}  stack(spill) {stack:5d} B  smem {k.metadata.shared:6d} B  "
         f"<= {ctas} programs/SM by registers ({ctas * options['num_warps']} warps of 64)"

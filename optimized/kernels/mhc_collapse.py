@@ -25,26 +25,28 @@ Schedule.  Program (token block b, slice s) owns BLOCK_T tokens x all n streams 
     barrier waits for all of the block's gates.  The S programs of a block have
     consecutive ids and so are resident together (blocks are dispatched in id order, and at
     least S programs fit on the GPU), so no program waits on one that cannot start.
- 3. Apply: it re-reads its piece, which it streamed microseconds ago and so finds in L2, and
-    writes its D-slice of the output.
-So HBM sees each residual byte once.  ``fused=False`` runs the three phases as three launches
-(no in-kernel waiting; the re-read then comes from HBM): the CPU interpreter runs programs one
-at a time and needs it, and it is a fallback if co-residency cannot be assumed.  The phases do
-the same arithmetic in both forms (tested bitwise on the GPU): the weighted sum adds the
-streams in the order 0..n-1 whatever the tile layout, and the slot sums run in slot order.
+ 3. Apply: it re-reads its piece, streamed some 25 us earlier, from L2 when it is still there,
+    and writes its D-slice of the output.
+``fused=False`` runs the three phases as three launches (no in-kernel waiting; the re-read then
+comes from HBM): the CPU interpreter runs programs one at a time and needs it, and it is a
+fallback if co-residency cannot be assumed.  The phases do the same arithmetic in both forms
+(tested bitwise on the GPU): the weighted sum adds the streams in the order 0..n-1 whatever the
+tile layout, and the slot sums run in slot order.
 
-Where the time goes (``trace=``, bench/h200_trace.py; H200, hc_head, D 4096, T 4096): a
-program lives ~40 us - ~23 us streaming its 128 KB piece, ~4 us in the two barriers, ~0.6 us
-reducing (~4 us with hc_pre's Sinkhorn), ~12 us re-reading and writing - with ~3.7 programs
-per SM resident.  The streaming phase is bound by the bytes each program keeps in flight, and
-nothing streams from HBM while a program waits or applies.
+Where the bytes and the time go (H200, T 4096; bench/results/mhc-h200.md).  The pieces of the
+~500 resident programs (~65 MB) outgrow the L2, so part of the re-read comes from HBM again:
+Nsight Compute counted 202 MB read for hc_head at D 4096 (commit 0d8d825; 245 MB before it)
+where 134 MB is the minimum.  Hence the apply's evict-first loads, the streaming output
+stores, and the column-major mix with a backwards apply (later than that count).  A program lives
+~45 us (``trace=``, bench/h200_trace.py): ~25 us streaming its 128 KB piece, ~5 us in the two
+barriers, ~0.6 us reducing (~5 us with hc_pre's Sinkhorn), ~13 us re-reading and writing.
 
 Arithmetic: fp32 throughout; the mix as in :mod:`.mhc_mix` (~16 mantissa bits of fn).  No tile
 size or reduction order depends on T: a token's result does not depend on its batch.
 
-Bytes: x once from HBM (T*n*D*itemsize) plus once from L2, fn once per token block (L2),
-out once (T*D*itemsize), post / comb (T*(n+n*n)*4); the workspace S*T*(M+1)*4 + T*NP*4 stays in
-L2.
+Bytes: x from HBM once, plus once more from L2 or (where L2 lost it) HBM; fn once per token
+block (L2); out once (T*D*itemsize); post / comb (T*(n+n*n)*4); the workspace S*T*(M+1)*4 +
+T*NP*4 stays in L2.
 """
 
 from __future__ import annotations
