@@ -7,7 +7,7 @@ Kernels.  The Triton collapse (kernels/mhc_collapse.py) serves hc_pre and, at la
 hc_head: each program streams its piece of the residual once from HBM into a split-K mix on
 bf16 tensor cores (fn split into two bf16 terms), the programs of each token block meet at a
 barrier and each turns its share of the partials into gates, and after a second barrier every
-program re-reads its piece (from L2) to write the weighted sum.
+program re-reads its piece (from L2, where it still is) to write the weighted sum.
 hc_pre can instead feed FlashInfer's consumer from a split-K mix producer (kernels/mhc_mix.py).
 hc_head has a latency-first kernel for the small T at which MTP calls it (kernels/mhc_head.py).
 Backends (``backend="auto"`` picks the first that applies; every choice depends on dtype, n and
@@ -61,8 +61,8 @@ HeadBackend = Literal["auto", "triton_fma", "triton_mma"]
 
 # What "auto" runs (see bench/results/mhc-h200.md for the measurements).  hc_pre: n = 4 bf16 on
 # CUDA (else "triton", the only other choice); the one-pass collapse beat the producer +
-# FlashInfer pair at every measured T and D (T 4096: 116 vs 175 us at D 4096, 190 vs 232 us
-# at D 7168).  hc_head: every case; picked for the T of MTP's compute_logits (the sampled
+# FlashInfer pair at every measured T and D (T 4096, commit 0d8d825: 89 vs 174 us at D 4096,
+# 177 vs 232 us at D 7168).  hc_head: every case; picked for the T of MTP's compute_logits (the sampled
 # positions, usually <= 64), where it is ~2x faster; "triton_mma" wins at T >= 512.
 PRE_AUTO_BACKEND: PreBackend = "triton"
 HEAD_AUTO_BACKEND: HeadBackend = "triton_fma"
