@@ -16,6 +16,7 @@ starts with a cold L2, like the benchmark's rotating buffers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -63,41 +64,37 @@ def main() -> None:
                    help="JSON list of CollapseConfig 7-tuples: only these, for every --module "
                    "(and the default kernel), both ops, D 4096 and 7168")  # fmt: skip
     args = p.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    variants = [(Path(m).stem, load_module(m)) for m in args.module]  # each compiled once
     cases = []
     if args.collapse:
-        mods = [("default", default_collapse)] + [
-            (Path(m).stem, load_module(m)) for m in args.module
-        ]
         for c in json.loads(args.collapse):
-            for label, mod in mods:
+            for label, mod in [("default", default_collapse), *variants]:
                 for op in ("hc_head", "hc_pre"):
                     for D in (4096, 7168):
-                        for T in [int(t) for t in args.tokens.split(",")]:
+                        for T in tokens:
                             cases.append((label, mod, op, T, D, CollapseConfig(*c)))
-        for i, (label, mod, op, T, D, cfg) in enumerate(cases):
-            print(f"CASE {i}: {label} {op} T={T} D={D} {tuple(vars(cfg).values())}", flush=True)
-            run_collapse(mod, op, T, D, cfg)
-        return
-    for T in [int(t) for t in args.tokens.split(",")]:
-        for op, D in (("hc_head", 4096), ("hc_pre", 4096), ("hc_head", 7168)):
-            cases.append(
-                ("default", default_collapse, op, T, D, collapse_config(4, D, op == "hc_pre"))
-            )
+    else:
         cfg = collapse_config(4, 4096)
-        three = CollapseConfig(cfg.block_t, cfg.d_slice, cfg.block_k, cfg.apply_d, cfg.num_warps,
-                               cfg.num_stages, False)  # fmt: skip
-        cases.append(("three-launch (3 kernels)", default_collapse, "hc_head", T, 4096, three))
-        for path in args.module:
-            cases.append((Path(path).stem, load_module(path), "hc_head", T, 4096, cfg))
-    if args.small:
-        cases.append(("default", default_collapse, "hc_head", 1, 4096, collapse_config(4, 4096)))
-    for i, (label, mod, op, T, D, cfg) in enumerate(cases):
-        print(f"CASE {i}: {label} {op} T={T} D={D} {tuple(vars(cfg).values())}", flush=True)
-        run_collapse(mod, op, T, D, cfg)
+        for T in tokens:
+            for op, D in (("hc_head", 4096), ("hc_pre", 4096), ("hc_head", 7168)):
+                op_cfg = collapse_config(4, D, op == "hc_pre")
+                cases.append(("default", default_collapse, op, T, D, op_cfg))
+            three = dataclasses.replace(cfg, fused=False)
+            cases.append(("three-launch (3 kernels)", default_collapse, "hc_head", T, 4096, three))
+            for label, mod in variants:
+                cases.append((label, mod, "hc_head", T, 4096, cfg))
+        if args.small:
+            cases.append(("default", default_collapse, "hc_head", 1, 4096, cfg))
+    for i, (label, mod, op, T, D, c) in enumerate(cases):
+        print(f"CASE {i}: {label} {op} T={T} D={D} {tuple(vars(c).values())}", flush=True)
+        run_collapse(mod, op, T, D, c)
+    if args.collapse:
+        return
     # The split-K mix producer alone (reads x once, like the collapse's mix phase).
-    for T in [int(t) for t in args.tokens.split(",")]:
+    for i, T in enumerate(tokens, start=len(cases)):
         (x, fn, _, _), _ = make_inputs("hc_pre", T, 4096, seed=0)
-        print(f"CASE {len(cases)}: mix producer M=24 T={T} D=4096", flush=True)
+        print(f"CASE {i}: mix producer M=24 T={T} D=4096", flush=True)
         mhc_mix_splitk(x.view(T, -1), fn, mix_config(24, 4 * 4096))
         torch.cuda.synchronize()
 
