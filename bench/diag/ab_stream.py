@@ -46,6 +46,21 @@ VARIANTS = {
     "mix": C(mode=1, trace=True),
     "mixfin": C(mode=2, trace=True),
 }
+# Last sweep: lookaheads sized from the grid (in tickets), fewer programs per SM with deeper
+# pipelines and 64 KB items, so the data between a line's two reads stays well inside the L2
+# (programs x item bytes + lookahead blocks x block bytes).
+_W = dict(d_slice=128, a_slice=128, tpf=4, programs_per_sm=2, num_stages=5, dynamic=True,
+          la_f=1.2, la=1.8)  # fmt: skip
+VARIANTS.update({
+    "w1": C(**_W),
+    "w2": C(**{**_W, "dynamic": False}),
+    "w3": C(**{**_W, "programs_per_sm": 3, "num_stages": 4}),
+    "w4": C(**{**_W, "d_slice": 256, "a_slice": 256, "tpf": 8}),
+    "w5": C(**{**_W, "programs_per_sm": 4, "num_stages": 3}),
+    "w6": C(**{**_W, "la_f": 1.6, "la": 2.4}),
+    "w1tr": C(**{**_W, "trace": True}),
+    "w3tr": C(**{**_W, "programs_per_sm": 3, "num_stages": 4, "trace": True}),
+})  # fmt: skip
 # Streaming-pattern sweep (mix only): slice width (contiguous run per token and stream), step
 # order (stream-major "r" or column-major "c"), programs per SM, 5 stages, 32-token blocks, and
 # a plain square sum without the MMA ("q": Triton then does not pipeline the loads).
@@ -163,7 +178,7 @@ def main() -> None:
                         t = timed(E.mhc_collapse, op, xs, params, kw, a.n_calls, cfg)
                         print(f"  {name:6s} {t:7.1f} us ({mb / (t * 1e-6) / bw * 100:4.1f} %)"
                               f" x{t_ref / t:4.2f}  regs {info['regs']} smem {info['smem']}"
-                              f" resident/SM {info['per_sm']} grid {info['grid']}"
+                              f" resident/SM {info['per_sm']} grid {info['grid']} look {info['look']}"
                               f" | vs committed {cmp} | batch-inv {bi} rerun {again}"
                               f" stuck {stuck} | {trs}", flush=True)  # fmt: skip
                     except Exception as e:  # keep sweeping

@@ -99,14 +99,13 @@ def _apply_item(x_ptr, gate_ptr, out_ptr, blk, a, T,
         _apply_tile(xa, gate_ptr, out_ptr, t64, t_ok, d, D, N, NP, out_ty, INTERP)
 
 
-@triton.jit(do_not_specialize=["T", "n_blocks"])
+@triton.jit(do_not_specialize=["T", "n_blocks", "LOOKAHEAD", "LOOKAHEAD_F"])
 def mhc_stream_kernel(
     x_ptr, fn_ptr, scale_ptr, base_ptr, part_ptr, sq_ptr, gate_ptr, sync_ptr,
     out_ptr, post_ptr, comb_ptr,
-    T, n_blocks, rms_eps, hc_eps, post_mult,
+    T, n_blocks, rms_eps, hc_eps, post_mult, LOOKAHEAD, LOOKAHEAD_F,
     D: tl.constexpr, S_MIX: tl.constexpr, D_SLICE: tl.constexpr, S_APPLY: tl.constexpr,
-    A_SLICE: tl.constexpr, LOOKAHEAD: tl.constexpr, LOOKAHEAD_F: tl.constexpr, TPF: tl.constexpr,
-
+    A_SLICE: tl.constexpr, TPF: tl.constexpr,
     SINKHORN_ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr,
     MP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, APPLY_D: tl.constexpr,
     DYNAMIC: tl.constexpr, WITH_POST_COMB: tl.constexpr, X_IS_BF16: tl.constexpr,
@@ -208,8 +207,12 @@ class StreamConfig:
     a_slice: int = 128
     block_k: int = 64
     apply_d: int = 64
-    lookahead: int = 8
-    lookahead_f: int = 2
+    lookahead: int = 8  # groups (token blocks) between a block's mix and its apply items
+    lookahead_f: int = 2  # ... and its finalize items
+    # If set, the lookaheads in tickets as multiples of the grid (overrides the group counts):
+    # a block's finalize items come la_f * grid tickets after its mix items, the apply la * grid.
+    la_f: float | None = None
+    la: float | None = None
     tpf: int = 8
     programs_per_sm: int = 3
     num_warps: int = 4
@@ -260,10 +263,17 @@ def mhc_collapse(
     sync = torch.zeros((2 + n_blocks,), dtype=torch.int32, device=dev)
     LAST_INFO["sync"] = sync
     with_pc = post is not None
+    sms = 1 if INTERPRET else torch.cuda.get_device_properties(dev).multi_processor_count
+    GS = S_MIX + cfg.block_t // cfg.tpf + S_APPLY
+    look, look_f = cfg.lookahead, cfg.lookahead_f
+    if cfg.la_f is not None and cfg.la is not None:
+        cap = 1 if INTERPRET else sms * cfg.programs_per_sm  # grid upper bound
+        look_f = max(1, -(-int(cfg.la_f * cap) // GS))
+        look = max(look_f + 1, -(-int(cfg.la * cap) // GS))
     args = (
         x, fn, scale, base, part, sq, gate, sync, out,
         post if with_pc else out, comb if with_pc else out,
-        T, n_blocks, float(rms_norm_eps), float(hc_eps), float(post_mult),
+        T, n_blocks, float(rms_norm_eps), float(hc_eps), float(post_mult), look, look_f,
     )  # fmt: skip
     meta = dict(
         D=D,
@@ -271,8 +281,6 @@ def mhc_collapse(
         D_SLICE=cfg.d_slice,
         S_APPLY=S_APPLY,
         A_SLICE=cfg.a_slice,
-        LOOKAHEAD=cfg.lookahead,
-        LOOKAHEAD_F=cfg.lookahead_f,
         TPF=cfg.tpf,
         SINKHORN_ITERS=int(sinkhorn_iters),
         N=n,
@@ -295,7 +303,7 @@ def mhc_collapse(
     )
     if cfg.maxnreg:
         meta["maxnreg"] = cfg.maxnreg  # fmt: skip
-    total = (n_blocks + cfg.lookahead) * (S_MIX + cfg.block_t // cfg.tpf + S_APPLY)
+    total = (n_blocks + look) * GS
     tr = None
     if cfg.trace:
         sms0 = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -310,7 +318,6 @@ def mhc_collapse(
             _RESIDENT[key] = (resident_per_sm(compiled, cfg.num_warps), compiled.n_regs,
                               compiled.metadata.shared)  # fmt: skip
         per_sm, regs, smem = _RESIDENT[key]
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
         grid = min(total, sms * min(per_sm, cfg.programs_per_sm))
-        LAST_INFO.update(per_sm=per_sm, regs=regs, smem=smem, grid=grid)
+        LAST_INFO.update(per_sm=per_sm, regs=regs, smem=smem, grid=grid, look=(look_f, look))
     mhc_stream_kernel[(grid,)](*args, trace_ptr=tr, **meta)
