@@ -61,7 +61,7 @@ HeadBackend = Literal["auto", "triton_fma", "triton_mma"]
 
 # What "auto" runs (see bench/results/mhc-h200.md for the measurements).  hc_pre: n = 4 bf16 on
 # CUDA (else "triton", the only other choice); the one-pass collapse beat the producer +
-# FlashInfer pair at every measured T and D (T 4096, commit 0d8d825: 89 vs 174 us at D 4096,
+# FlashInfer pair at every measured T and D (T 4096, commit aebe31b: 88 vs 173 us at D 4096,
 # 177 vs 232 us at D 7168).  hc_head: every case; picked for the T of MTP's compute_logits (the sampled
 # positions, usually <= 64), where it is ~2x faster; "triton_mma" wins at T >= 512.
 PRE_AUTO_BACKEND: PreBackend = "triton"

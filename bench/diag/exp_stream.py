@@ -20,15 +20,17 @@ items with smaller tickets, which running programs hold.  Same bits as the commi
 (same slot order, same reduce and apply helpers).  MODE 1 runs the mix items only, MODE 2 mix and
 finalize (apply skipped): streaming ceilings of this item shape.
 
-What it measured (H200, bench/results/mhc-h200-stream-*.log; mhc-h200.md, session 11): slower
-than the committed kernel in every case but one (hc_head D 4096 T 4096 with 128-column slices:
-80.0 vs 82.6 us), up to 2x slower for hc_pre at T 512.  Programs spent 20-50 % of their time
-spinning for gates: a block's last partial lands late (HBM queueing), and a finalize under load
-takes tens of us.  The first version (one finalizer per block, the last mix item to arrive)
+What it measured (H200; bench/results/mhc-h200.md, "The persistent-stream collapse", and
+mhc-h200-stream-*.log): slower than the committed kernel at T 4096 in every case but two (+3 %),
+up to 2x slower for hc_pre at T 512.  With short lookaheads programs spun 20-76 % of their time
+waiting for gates (a block's last partial lands late under full HBM load, and a finalize under
+load takes tens of us); the first version (one finalizer per block, the last mix item to arrive)
 also convoyed: the finalizing program fell behind, arrived last again and finalized again (one
-program spent 470 us finalizing).  The mix items alone stream at most 3.1 TB/s (hc_head D 4096,
-256-column slices, 4 programs/SM, 5 stages: 43 us for 134 MB), so even a perfect overlap of
-this item shape would not reach the issue's 75 % of copy.
+program spent 470 us finalizing).  Lookaheads sized from the grid ("w" variants) cut the spin to
+4-23 %, but at the 2-3 programs per SM that keeps the working set inside the L2 the mix items
+stream too slowly.  The mix items alone stream at most 3.1 TB/s (hc_head D 4096, 256-column
+slices, 4 programs/SM, 5 stages: 43 us for 134 MB), so even a perfect overlap of this item
+shape would not reach the issue's 75 % of copy.
 """
 
 from __future__ import annotations

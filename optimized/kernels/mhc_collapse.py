@@ -37,7 +37,8 @@ Where the bytes and the time go (H200, T 4096; bench/results/mhc-h200.md).  The 
 ~500 resident programs (~65 MB) outgrow the L2, so part of the re-read comes from HBM again:
 Nsight Compute counted 202 MB read for hc_head at D 4096 (commit 0d8d825; 245 MB before it)
 where 134 MB is the minimum.  Hence the apply's evict-first loads, the streaming output
-stores, and the column-major mix with a backwards apply (later than that count).  A program lives
+stores, and the column-major mix with a backwards apply (later than that count, ~1 % in the
+benchmark).  A program lives
 ~45 us (``trace=``, bench/h200_trace.py): ~25 us streaming its 128 KB piece, ~5 us in the two
 barriers, ~0.6 us reducing (~5 us with hc_pre's Sinkhorn), ~13 us re-reading and writing.
 
@@ -238,8 +239,9 @@ def mhc_collapse_kernel(
         # copies of the loop body took 123 registers (hc_head) against 83 for this one, 166
         # against 128 for hc_pre: one more program per SM.  Column-major, with the apply
         # walking the columns backwards, the last columns streamed are the first re-read, so
-        # the distances between a line's two reads spread out and more re-reads hit L2
-        # (hc_head D 4096, T 4096: 74.5 vs 82.7 us; bench/results/mhc-h200.md, sweep 10).
+        # the distances between a line's two reads spread out.  The phase tracer saw hc_head
+        # D 4096 T 4096 go 82.7 -> 74.5 us (sweep 10); the benchmark (graph replay, rotating
+        # inputs) saw 84.6 -> 83.5 us, other cases within 1 % (bench/results/mhc-h200.md).
         # c is a multiple of BLOCK_K; saying so keeps the loads vectorized.
         for k in range(0, N * D_SLICE, BLOCK_K):  # constexpr bounds: software-pipelined
             j = (k // BLOCK_K) % N
