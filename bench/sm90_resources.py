@@ -100,8 +100,9 @@ def collapse_lines(op: str, D: int, cfg: CollapseConfig, phases: tuple[str, ...]
             TPP=tokens_per_reducer(cfg.block_t, S), DO_MIX=mix, DO_REDUCE=red, DO_APPLY=app,
             FUSED=fused, WITH_POST_COMB=op == "hc_pre", X_IS_BF16=True, INTERP=False, TRACE=False,
         )  # fmt: skip
+        cap = {} if cfg.max_registers is None else dict(maxnreg=cfg.max_registers)
         line = resources(mhc_collapse_kernel, sig, consts, num_warps=cfg.num_warps,
-                         num_stages=cfg.num_stages)  # fmt: skip
+                         num_stages=cfg.num_stages, **cap)  # fmt: skip
         tile = tuple(dataclasses.astuple(cfg))
         lines.append(f"collapse {op:7s} D={D} {phase:6s} {tile}: {line}")
     return lines

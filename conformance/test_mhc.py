@@ -449,17 +449,21 @@ def test_optimized_hc_head_backends_agree(dtype: torch.dtype, device: str) -> No
         ((64, 256, 0, 64), "block_k: expected a power of two, got 0"),
         ((64, 64, 128, 64), r"block_k \(128\) and apply_d \(64\) must not exceed d_slice \(64\)"),
         ((64, 64, 64, 128), r"apply_d \(128\) must not exceed d_slice \(64\)"),
+        ((64, 256, 64, 64, 16), r"max_registers: expected None or 24\.\.255, got 16"),
+        ((64, 256, 64, 64, 256), r"max_registers: expected None or 24\.\.255, got 256"),
     ],
 )
 def test_collapse_config_rejects_unusable_tiles(tiles: tuple[int, ...], message: str) -> None:
     """A hand-made collapse schedule with tiles the kernel cannot run (tl.arange needs powers
-    of two; the mix and apply step through a slice) is refused when it is built, naming the
-    field, before anything is compiled."""
+    of two; the mix and apply step through a slice) or a register cap ptxas refuses is refused
+    when it is built, naming the field, before anything is compiled."""
     from dsv4mtp.optimized.kernels.mhc_collapse import CollapseConfig
     from dsv4mtp.reference.errors import ConfigError
 
+    block_t, d_slice, block_k, apply_d, *cap = tiles
     with pytest.raises(ConfigError, match=message):
-        CollapseConfig(*tiles, num_warps=4, num_stages=3, fused=True)
+        CollapseConfig(block_t, d_slice, block_k, apply_d, num_warps=4, num_stages=3, fused=True,
+                       max_registers=cap[0] if cap else None)  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -134,20 +134,78 @@ def _reduce_gates(
         post = sigmoid(post_l * rstd * s_post + b_post) * post_mult
         tl.store(post_ptr + t64[:, None] * N + j2, post, mask=t_ok[:, None] & (j2 < N))
         b_comb = tl.load(base_ptr + crow, mask=ok3, other=0.0).to(tl.float32)
-        c = comb_l * rstd[:, :, None] * s_comb + b_comb
-        c = tl.where(ok3, c, float("-inf"))
-        row_max = tl.max(c, axis=2)  # (TPP, NP)
-        row_max = tl.where(j2 < N, row_max, 0.0)
-        e = tl.exp(c - row_max[:, :, None])  # padded entries: exp(-inf) = 0
-        # Sinkhorn (spec 5.3): row softmax + eps, a column normalization, then
-        # (iters - 1) x (rows, columns).  Padded entries stay exactly 0.
-        row_sum = tl.where(j2 < N, tl.sum(e, axis=2), 1.0)  # padded rows: no 0/0
-        p = tl.where(ok3, e / row_sum[:, :, None] + hc_eps, 0.0)
-        p = p / (tl.sum(p, axis=1)[:, None, :] + hc_eps)
-        for _ in range(1, SINKHORN_ITERS):
-            p = p / (tl.sum(p, axis=2)[:, :, None] + hc_eps)
-            p = p / (tl.sum(p, axis=1)[:, None, :] + hc_eps)
+        c = comb_l * rstd[:, :, None] * s_comb + b_comb  # (TPP, NP, NP); padding unused
+        p = _sinkhorn_per_entry(c, jr, kc, hc_eps, N, SINKHORN_ITERS)
         tl.store(comb_ptr + t3 * (N * N) + jr * N + kc, p, mask=comb_ok)
+
+
+@triton.jit
+def _sinkhorn_per_entry(c, jr, kc, eps, N: tl.constexpr, ITERS: tl.constexpr):
+    """Sinkhorn (spec 5.3) of every token's N x N comb logits ``c`` (TPP, NP, NP): row softmax,
+    + eps, one column normalization, then ITERS - 1 rounds of (rows, columns); padding -> 0.
+
+    The matrix is unpacked into N*N per-entry (TPP,) tensors (a tuple; each an exact pick), so
+    every row and column sum is a chain of elementwise adds in the order 0..N-1.  (Tuples grow
+    by concatenation: Triton's frontend has no starred ``(*t, x)``.)  Reducing the
+    (TPP, NP, NP) tile along axis 1 or 2 instead costs cross-lane shuffles in each of the
+    2 * ITERS normalizations, and that latency was most of hc_pre's reduce phase (4.6-5.7 us
+    per program against 0.6 us for hc_head; bench/results/mhc-h200.md)."""
+    e = ()  # type: tuple
+    for r in tl.static_range(N):
+        for k in tl.static_range(N):
+            pick = tl.where((jr == r) & (kc == k), c, 0.0)
+            e = e + (tl.sum(tl.sum(pick, axis=2), axis=1),)  # noqa: RUF005
+    p = ()  # type: tuple
+    for r in tl.static_range(N):  # row softmax, + eps
+        row_max = e[r * N]
+        for k in tl.static_range(1, N):
+            row_max = tl.maximum(row_max, e[r * N + k])
+        ex = ()  # type: tuple
+        for k in tl.static_range(N):
+            ex = ex + (tl.exp(e[r * N + k] - row_max),)  # noqa: RUF005
+        row_sum = ex[0]
+        for k in tl.static_range(1, N):
+            row_sum = row_sum + ex[k]
+        for k in tl.static_range(N):
+            p = p + (ex[k] / row_sum + eps,)  # noqa: RUF005
+    p = _normalize_columns(p, eps, N)
+    for _ in tl.static_range(1, ITERS):
+        p = _normalize_rows(p, eps, N)
+        p = _normalize_columns(p, eps, N)
+    out = tl.zeros_like(c)
+    for r in tl.static_range(N):
+        for k in tl.static_range(N):
+            out = tl.where((jr == r) & (kc == k), p[r * N + k][:, None, None], out)
+    return out
+
+
+@triton.jit
+def _normalize_rows(p, eps, N: tl.constexpr):
+    """p[r, k] / (sum_k p[r, k] + eps) on a tuple of N*N per-entry tensors (row-major)."""
+    q = ()  # type: tuple
+    for r in tl.static_range(N):
+        s = p[r * N]
+        for k in tl.static_range(1, N):
+            s = s + p[r * N + k]
+        for k in tl.static_range(N):
+            q = q + (p[r * N + k] / (s + eps),)  # noqa: RUF005
+    return q
+
+
+@triton.jit
+def _normalize_columns(p, eps, N: tl.constexpr):
+    """p[r, k] / (sum_r p[r, k] + eps) on a tuple of N*N per-entry tensors (row-major)."""
+    col = ()  # type: tuple
+    for k in tl.static_range(N):
+        s = p[k]
+        for r in tl.static_range(1, N):
+            s = s + p[r * N + k]
+        col = col + (s + eps,)  # noqa: RUF005
+    q = ()  # type: tuple
+    for r in tl.static_range(N):
+        for k in tl.static_range(N):
+            q = q + (p[r * N + k] / col[k],)  # noqa: RUF005
+    return q
 
 
 @triton.jit
@@ -308,8 +366,9 @@ def mhc_collapse_kernel(
 @dataclass(frozen=True)
 class CollapseConfig:
     """Schedule of the collapse: tokens per block, columns per slice, K step of the mix,
-    columns per apply step, warps, pipeline stages, and one launch (``fused``) or three.
-    :func:`collapse_config` holds the measured values."""
+    columns per apply step, warps, pipeline stages, one launch (``fused``) or three, and an
+    optional register cap per thread (ptxas ``maxnreg``).  :func:`collapse_config` holds the
+    measured values."""
 
     block_t: int
     d_slice: int
@@ -318,6 +377,7 @@ class CollapseConfig:
     num_warps: int
     num_stages: int
     fused: bool
+    max_registers: int | None = None
 
     def __post_init__(self) -> None:
         tiles = dict(block_t=self.block_t, d_slice=self.d_slice, block_k=self.block_k,
@@ -331,6 +391,11 @@ class CollapseConfig:
             raise ConfigError(
                 f"CollapseConfig: block_k ({self.block_k}) and apply_d ({self.apply_d}) must "
                 f"not exceed d_slice ({self.d_slice})"
+            )
+        # ptxas accepts 24..255 registers per thread (a multiple of 8 is what sm_90 allocates).
+        if self.max_registers is not None and not 24 <= self.max_registers <= 255:
+            raise ConfigError(
+                f"CollapseConfig.max_registers: expected None or 24..255, got {self.max_registers}"
             )
 
 
@@ -362,8 +427,11 @@ def collapse_config(n: int, D: int, with_post_comb: bool = False) -> CollapseCon
         d_slice = min(32, max(16, next_pow2(D)))
         return CollapseConfig(16, d_slice, 16, 16, num_warps=4, num_stages=1, fused=False)
     d_slice = min(256, max(64, next_pow2(D)))
+    # hc_pre's fused kernel compiles to 130 (D 4096) / 158 (D 7168) registers per thread, 3
+    # programs per SM; capped at 128 it has no spills (bench/sm90_resources.py) and 4 fit.
     return CollapseConfig(block_t=64, d_slice=d_slice, block_k=64, apply_d=64, num_warps=4,
-                          num_stages=3, fused=True)  # fmt: skip
+                          num_stages=3, fused=True,
+                          max_registers=128 if with_post_comb else None)  # fmt: skip
 
 
 def mhc_collapse(
@@ -429,6 +497,8 @@ def mhc_collapse(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    if cfg.max_registers is not None and not INTERPRET:
+        meta["maxnreg"] = cfg.max_registers
     grid = (blocks * S,)
     if trace is not None and (not cfg.fused or tuple(trace.shape) != (grid[0], TRACE_WIDTH)):
         raise ValueError(f"trace: needs a fused schedule and shape ({grid[0]}, {TRACE_WIDTH})")
