@@ -37,10 +37,10 @@ Where the bytes and the time go (H200, T 4096; bench/results/mhc-h200.md).  The 
 ~500 resident programs (~65 MB) outgrow the L2, so part of the re-read comes from HBM again:
 Nsight Compute counted 202 MB read for hc_head at D 4096 (commit 0d8d825; 245 MB before it)
 where 134 MB is the minimum.  Hence the apply's evict-first loads, the streaming output
-stores, and the column-major mix with a backwards apply (later than that count, ~1 % in the
-benchmark).  A program lives
-~45 us (``trace=``, bench/h200_trace.py): ~25 us streaming its 128 KB piece, ~5 us in the two
-barriers, ~0.6 us reducing (~5 us with hc_pre's Sinkhorn), ~13 us re-reading and writing.
+stores, and the column-major mix with a backwards apply (later than that count; ~1 % in the
+benchmark).  A program lives ~45 us (``trace=``, bench/h200_trace.py): ~25 us streaming its
+128 KB piece, ~5 us in the two barriers, ~0.6 us reducing (~5 us with hc_pre's Sinkhorn),
+~13 us re-reading and writing.
 
 Arithmetic: fp32 throughout; the mix as in :mod:`.mhc_mix` (~16 mantissa bits of fn).  No tile
 size or reduction order depends on T: a token's result does not depend on its batch.
@@ -134,78 +134,20 @@ def _reduce_gates(
         post = sigmoid(post_l * rstd * s_post + b_post) * post_mult
         tl.store(post_ptr + t64[:, None] * N + j2, post, mask=t_ok[:, None] & (j2 < N))
         b_comb = tl.load(base_ptr + crow, mask=ok3, other=0.0).to(tl.float32)
-        c = comb_l * rstd[:, :, None] * s_comb + b_comb  # (TPP, NP, NP); padding unused
-        p = _sinkhorn_per_entry(c, jr, kc, hc_eps, N, SINKHORN_ITERS)
+        c = comb_l * rstd[:, :, None] * s_comb + b_comb
+        c = tl.where(ok3, c, float("-inf"))
+        row_max = tl.max(c, axis=2)  # (TPP, NP)
+        row_max = tl.where(j2 < N, row_max, 0.0)
+        e = tl.exp(c - row_max[:, :, None])  # padded entries: exp(-inf) = 0
+        # Sinkhorn (spec 5.3): row softmax + eps, a column normalization, then
+        # (iters - 1) x (rows, columns).  Padded entries stay exactly 0.
+        row_sum = tl.where(j2 < N, tl.sum(e, axis=2), 1.0)  # padded rows: no 0/0
+        p = tl.where(ok3, e / row_sum[:, :, None] + hc_eps, 0.0)
+        p = p / (tl.sum(p, axis=1)[:, None, :] + hc_eps)
+        for _ in range(1, SINKHORN_ITERS):
+            p = p / (tl.sum(p, axis=2)[:, :, None] + hc_eps)
+            p = p / (tl.sum(p, axis=1)[:, None, :] + hc_eps)
         tl.store(comb_ptr + t3 * (N * N) + jr * N + kc, p, mask=comb_ok)
-
-
-@triton.jit
-def _sinkhorn_per_entry(c, jr, kc, eps, N: tl.constexpr, ITERS: tl.constexpr):
-    """Sinkhorn (spec 5.3) of every token's N x N comb logits ``c`` (TPP, NP, NP): row softmax,
-    + eps, one column normalization, then ITERS - 1 rounds of (rows, columns); padding -> 0.
-
-    The matrix is unpacked into N*N per-entry (TPP,) tensors (a tuple; each an exact pick), so
-    every row and column sum is a chain of elementwise adds in the order 0..N-1.  (Tuples grow
-    by concatenation: Triton's frontend has no starred ``(*t, x)``.)  Reducing the
-    (TPP, NP, NP) tile along axis 1 or 2 instead costs cross-lane shuffles in each of the
-    2 * ITERS normalizations, and that latency was most of hc_pre's reduce phase (4.6-5.7 us
-    per program against 0.6 us for hc_head; bench/results/mhc-h200.md)."""
-    e = ()  # type: tuple
-    for r in tl.static_range(N):
-        for k in tl.static_range(N):
-            pick = tl.where((jr == r) & (kc == k), c, 0.0)
-            e = e + (tl.sum(tl.sum(pick, axis=2), axis=1),)  # noqa: RUF005
-    p = ()  # type: tuple
-    for r in tl.static_range(N):  # row softmax, + eps
-        row_max = e[r * N]
-        for k in tl.static_range(1, N):
-            row_max = tl.maximum(row_max, e[r * N + k])
-        ex = ()  # type: tuple
-        for k in tl.static_range(N):
-            ex = ex + (tl.exp(e[r * N + k] - row_max),)  # noqa: RUF005
-        row_sum = ex[0]
-        for k in tl.static_range(1, N):
-            row_sum = row_sum + ex[k]
-        for k in tl.static_range(N):
-            p = p + (ex[k] / row_sum + eps,)  # noqa: RUF005
-    p = _normalize_columns(p, eps, N)
-    for _ in tl.static_range(1, ITERS):
-        p = _normalize_rows(p, eps, N)
-        p = _normalize_columns(p, eps, N)
-    out = tl.zeros_like(c)
-    for r in tl.static_range(N):
-        for k in tl.static_range(N):
-            out = tl.where((jr == r) & (kc == k), p[r * N + k][:, None, None], out)
-    return out
-
-
-@triton.jit
-def _normalize_rows(p, eps, N: tl.constexpr):
-    """p[r, k] / (sum_k p[r, k] + eps) on a tuple of N*N per-entry tensors (row-major)."""
-    q = ()  # type: tuple
-    for r in tl.static_range(N):
-        s = p[r * N]
-        for k in tl.static_range(1, N):
-            s = s + p[r * N + k]
-        for k in tl.static_range(N):
-            q = q + (p[r * N + k] / (s + eps),)  # noqa: RUF005
-    return q
-
-
-@triton.jit
-def _normalize_columns(p, eps, N: tl.constexpr):
-    """p[r, k] / (sum_r p[r, k] + eps) on a tuple of N*N per-entry tensors (row-major)."""
-    col = ()  # type: tuple
-    for k in tl.static_range(N):
-        s = p[k]
-        for r in tl.static_range(1, N):
-            s = s + p[r * N + k]
-        col = col + (s + eps,)  # noqa: RUF005
-    q = ()  # type: tuple
-    for r in tl.static_range(N):
-        for k in tl.static_range(N):
-            q = q + (p[r * N + k] / col[k],)  # noqa: RUF005
-    return q
 
 
 @triton.jit
@@ -427,11 +369,8 @@ def collapse_config(n: int, D: int, with_post_comb: bool = False) -> CollapseCon
         d_slice = min(32, max(16, next_pow2(D)))
         return CollapseConfig(16, d_slice, 16, 16, num_warps=4, num_stages=1, fused=False)
     d_slice = min(256, max(64, next_pow2(D)))
-    # hc_pre's fused kernel compiles to 130 (D 4096) / 158 (D 7168) registers per thread, 3
-    # programs per SM; capped at 128 it has no spills (bench/sm90_resources.py) and 4 fit.
     return CollapseConfig(block_t=64, d_slice=d_slice, block_k=64, apply_d=64, num_warps=4,
-                          num_stages=3, fused=True,
-                          max_registers=128 if with_post_comb else None)  # fmt: skip
+                          num_stages=3, fused=True)  # fmt: skip
 
 
 def mhc_collapse(
