@@ -15,21 +15,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from diag.ab_stream import call_factory
 from h200_mhc import make_inputs
 
 from dsv4mtp.optimized.kernels.mhc_collapse import mhc_collapse
 
 
 def outputs(collapse, op: str, T: int, D: int) -> list[torch.Tensor]:
-    (x, fn, scale, base), kw = make_inputs(op, T, D, seed=T + D)
-    out = torch.full((T, D), float("nan"), dtype=x.dtype, device="cuda")
-    pc = {}
-    if op == "hc_pre":
-        pc = dict(post=torch.full((T, 4), float("nan"), device="cuda"),
-                  comb=torch.full((T, 4, 4), float("nan"), device="cuda"),
-                  post_mult=kw["post_mult"], sinkhorn_iters=kw["sinkhorn_iters"])  # fmt: skip
-    collapse(x, fn, scale, base, out, rms_norm_eps=kw["rms_norm_eps"], hc_eps=kw["hc_eps"], **pc)
-    return [out, *pc.values()][: 3 if op == "hc_pre" else 1]
+    (x, *params), kw = make_inputs(op, T, D, seed=T + D)
+    call, outs = call_factory(collapse, op, x, params, kw)
+    call()
+    return outs
 
 
 def main() -> None:

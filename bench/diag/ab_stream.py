@@ -128,6 +128,21 @@ def timed(collapse, op, xs, params, kw, n_calls: int, cfg=None) -> float:
     return graph_time_us(calls, n_calls, 5)
 
 
+def committed_baseline(op: str, T: int, D: int, l2: int, bw: float, n_calls: int):
+    """Inputs of one (op, T, D) case, rotated through > 3x the L2 (``xs``), and the committed
+    kernel's outputs on the first set and its time per call (printed as the case's header)."""
+    (x0, *params), kw = make_inputs(op, T, D, seed=T + D)
+    copies = max(2, min(64, -(-3 * l2 // (x0.numel() * 2))))
+    xs = [x0] + [x0.clone() for _ in range(copies - 1)]
+    mb = min_bytes(op, T, D)
+    ref_call, ref_outs = call_factory(mhc_collapse, op, x0, params, kw)
+    ref_call()
+    t_ref = timed(mhc_collapse, op, xs, params, kw, n_calls)
+    print(f"{op} D={D} T={T}: committed {t_ref:7.1f} us "
+          f"({mb / (t_ref * 1e-6) / bw * 100:4.1f} % of copy)", flush=True)  # fmt: skip
+    return xs, params, kw, mb, ref_outs, t_ref
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="4096")
@@ -144,17 +159,10 @@ def main() -> None:
     for op in a.ops.split(","):
         for D in map(int, a.widths.split(",")):
             for T in map(int, a.tokens.split(",")):
-                (x0, *params), kw = make_inputs(op, T, D, seed=T + D)
-                per = x0.numel() * 2
-                copies = max(2, min(64, -(-3 * l2 // per)))
-                xs = [x0] + [x0.clone() for _ in range(copies - 1)]
-                mb = min_bytes(op, T, D)
-
-                ref_call, ref_outs = call_factory(mhc_collapse, op, x0, params, kw)
-                ref_call()
-                t_ref = timed(mhc_collapse, op, xs, params, kw, a.n_calls)
-                print(f"{op} D={D} T={T}: committed {t_ref:7.1f} us "
-                      f"({mb / (t_ref * 1e-6) / bw * 100:4.1f} % of copy)", flush=True)  # fmt: skip
+                xs, params, kw, mb, ref_outs, t_ref = committed_baseline(
+                    op, T, D, l2, bw, a.n_calls
+                )
+                x0 = xs[0]
                 for name in names:
                     cfg = VARIANTS[name]
                     try:

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from diag.ab_stream import call_factory, compare, timed
-from h200_mhc import copy_bandwidth, make_inputs, min_bytes
+from diag.ab_stream import call_factory, committed_baseline, compare, timed
+from h200_mhc import copy_bandwidth
 
 from dsv4mtp.optimized.kernels.mhc_collapse import collapse_config, mhc_collapse
 
@@ -45,15 +45,10 @@ def main() -> None:
             if a.uncapped and cfg.max_registers is not None:
                 runs["uncapped"] = (mhc_collapse, dataclasses.replace(cfg, max_registers=None))
             for T in map(int, a.tokens.split(",")):
-                (x0, *params), kw = make_inputs(op, T, D, seed=T + D)
-                per = x0.numel() * 2
-                xs = [x0] + [x0.clone() for _ in range(max(2, min(64, -(-3 * l2 // per))) - 1)]
-                mb = min_bytes(op, T, D)
-                ref_call, ref_outs = call_factory(mhc_collapse, op, x0, params, kw)
-                ref_call()
-                t_ref = timed(mhc_collapse, op, xs, params, kw, a.n_calls)
-                print(f"{op} D={D} T={T}: committed {t_ref:7.1f} us "
-                      f"({mb / (t_ref * 1e-6) / bw * 100:4.1f} % of copy)", flush=True)  # fmt: skip
+                xs, params, kw, mb, ref_outs, t_ref = committed_baseline(
+                    op, T, D, l2, bw, a.n_calls
+                )
+                x0 = xs[0]
                 for name, (collapse, vcfg) in runs.items():
                     call, outs = call_factory(collapse, op, x0, params, kw, vcfg)
                     call()
