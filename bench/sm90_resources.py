@@ -46,6 +46,13 @@ def _cuobjdump() -> str:
     return found[0]
 
 
+def programs_by_registers(regs: int, num_warps: int) -> int:
+    """Programs of ``num_warps`` warps that fit one SM's register file at ``regs`` registers
+    per thread: sm_90 allocates per warp, rounded up to 8 registers per thread."""
+    warps = REGISTERS_PER_SM // (-(-regs // 8) * 8 * 32)
+    return warps // num_warps
+
+
 def resources(fn: Any, signature: dict[str, str], consts: dict[str, Any], **options: Any) -> str:
     """One line: shared memory, registers, stack (spills) and the register-bound occupancy."""
     sig = {**signature, **{c: "constexpr" for c in consts}}
@@ -66,9 +73,7 @@ def resources(fn: Any, signature: dict[str, str], consts: dict[str, Any], **opti
         kv.split(":") for line in out.stdout.splitlines() if "REG:" in line for kv in line.split()
     )
     regs, stack = int(fields["REG"]), int(fields["STACK"])
-    # sm_90 allocates registers per warp, rounded up to 8 per thread (256 per warp).
-    warps_by_regs = REGISTERS_PER_SM // (-(-regs // 8) * 8 * 32)
-    ctas = warps_by_regs // options["num_warps"]
+    ctas = programs_by_registers(regs, options["num_warps"])
     return (
         f"regs {regs:3d}  stack(spill) {stack:5d} B  smem {k.metadata.shared:6d} B  "
         f"<= {ctas} programs/SM by registers ({ctas * options['num_warps']} warps of 64)"

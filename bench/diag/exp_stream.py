@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from sm90_resources import programs_by_registers
 
 from dsv4mtp.optimized.kernels._launch import INTERPRET, next_pow2
 from dsv4mtp.optimized.kernels.mhc_collapse import _apply_tile, _reduce_gates
@@ -227,15 +228,13 @@ class StreamConfig:
     maxnreg: int | None = None
 
 
-REGISTERS_PER_SM = 65536
 SMEM_PER_SM = 233472  # 228 KB; 1 KB of it reserved per resident block
 
 
 def resident_per_sm(compiled, num_warps: int) -> int:
+    """Programs of this compiled kernel one SM holds: registers, shared memory, threads."""
     compiled._init_handles()
-    regs = compiled.n_regs
-    per_warp = -(-regs * 32 // 256) * 256
-    by_regs = (REGISTERS_PER_SM // per_warp) // num_warps
+    by_regs = programs_by_registers(compiled.n_regs, num_warps)
     by_smem = SMEM_PER_SM // (compiled.metadata.shared + 1024)
     by_threads = 2048 // (num_warps * 32)
     return max(1, min(by_regs, by_smem, by_threads, 32))
@@ -304,12 +303,11 @@ def mhc_collapse(
         num_stages=cfg.num_stages,
     )
     if cfg.maxnreg:
-        meta["maxnreg"] = cfg.maxnreg  # fmt: skip
+        meta["maxnreg"] = cfg.maxnreg
     total = (n_blocks + look) * GS
     tr = None
     if cfg.trace:
-        sms0 = torch.cuda.get_device_properties(dev).multi_processor_count
-        tr = torch.zeros((sms0 * 32, 8), dtype=torch.int64, device=dev)
+        tr = torch.zeros((sms * 32, 8), dtype=torch.int64, device=dev)
         LAST_INFO["trace"] = tr
     if INTERPRET:
         grid = 1
