@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv4mtp.config import DSV4Config
 from dsv4mtp.reference.attention import AttentionParams
-from dsv4mtp.reference.config import DSV4Config
 from dsv4mtp.reference.moe import DenseExperts, MoEParams
 from dsv4mtp.reference.mtp import MTPLayer, MTPLayerParams, resolve_semantics
 

@@ -9,6 +9,9 @@ import warnings
 import pytest
 import torch
 
+from dsv4mtp.checkpoint.io import INDEX_FILE
+from dsv4mtp.checkpoint.names import expert_params_mapping
+from dsv4mtp.checkpoint.synthetic import synthetic_checkpoint_tensors
 from dsv4mtp.reference import (
     CheckpointError,
     ConfigError,
@@ -20,9 +23,6 @@ from dsv4mtp.reference import (
     remap_mtp_weight_name,
     write_sharded_checkpoint,
 )
-from dsv4mtp.reference.checkpoint_io import INDEX_FILE
-from dsv4mtp.reference.checkpoint_names import expert_params_mapping
-from dsv4mtp.reference.synthetic import synthetic_checkpoint_tensors
 
 FLASH = DSV4Config.flash()  # N = 43
 FLASH_FP8 = FLASH.replace(expert_dtype="fp8")

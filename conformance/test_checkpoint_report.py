@@ -12,11 +12,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dsv4mtp.cli import main
+from dsv4mtp.checkpoint.io import INDEX_FILE
+from dsv4mtp.checkpoint.report import inspect_checkpoint
+from dsv4mtp.checkpoint.synthetic import make_synthetic_checkpoint, synthetic_checkpoint_tensors
 from dsv4mtp.reference import DSV4Config, write_sharded_checkpoint
-from dsv4mtp.reference.checkpoint_io import INDEX_FILE
-from dsv4mtp.reference.checkpoint_report import inspect_checkpoint
-from dsv4mtp.reference.synthetic import make_synthetic_checkpoint, synthetic_checkpoint_tensors
+from dsv4mtp.tools.cli import main
 
 TINY = DSV4Config.tiny()
 Tensors = dict[str, torch.Tensor]

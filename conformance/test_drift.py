@@ -13,15 +13,15 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from dsv4mtp.cli import main
+from dsv4mtp.checkpoint.synthetic import make_synthetic_checkpoint, synthetic_checkpoint_tensors
 from dsv4mtp.reference import DSV4Config, InputError, formats, write_sharded_checkpoint
-from dsv4mtp.reference.drift import (
+from dsv4mtp.tools.cli import main
+from dsv4mtp.tools.drift import (
     DriftReport,
     compare_checkpoints,
     load_drift_inputs,
     synthetic_drift_inputs,
 )
-from dsv4mtp.reference.synthetic import make_synthetic_checkpoint, synthetic_checkpoint_tensors
 
 TINY = DSV4Config.tiny()
 NOISY_GROUP = "attn.wq_b"

@@ -23,8 +23,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dsv4mtp.reference import InputError
-from dsv4mtp.reference.formats import (
+from dsv4mtp.formats import (
     E2M1_VALUES,
     decode_e2m1,
     decode_e4m3,
@@ -41,6 +40,7 @@ from dsv4mtp.reference.formats import (
     quantize_nvfp4,
     unpack_e2m1,
 )
+from dsv4mtp.reference import InputError
 
 ALL_BYTES = torch.arange(256, dtype=torch.uint8)
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16

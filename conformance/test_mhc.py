@@ -457,8 +457,8 @@ def test_collapse_config_rejects_unusable_tiles(tiles: tuple[int, ...], message:
     """A hand-made collapse schedule with tiles the kernel cannot run (tl.arange needs powers
     of two; the mix and apply step through a slice) or a register cap ptxas refuses is refused
     when it is built, naming the field, before anything is compiled."""
+    from dsv4mtp.errors import ConfigError
     from dsv4mtp.optimized.kernels.mhc_collapse import CollapseConfig
-    from dsv4mtp.reference.errors import ConfigError
 
     block_t, d_slice, block_k, apply_d, *cap = tiles
     with pytest.raises(ConfigError, match=message):

@@ -189,8 +189,8 @@ def test_tokens_are_independent(seed, T) -> None:
 # ------------------------------------------------------------------ packed NVFP4, folded or not
 @pytest.fixture(scope="module")
 def nvfp4_experts(tmp_path_factory):
-    from dsv4mtp.reference.checkpoint import load_mtp_checkpoint
-    from dsv4mtp.reference.synthetic import make_synthetic_checkpoint
+    from dsv4mtp.checkpoint.load import load_mtp_checkpoint
+    from dsv4mtp.checkpoint.synthetic import make_synthetic_checkpoint
 
     path = make_synthetic_checkpoint(
         tmp_path_factory.mktemp("nvfp4"), expert_format="nvfp4", seed=2
@@ -203,8 +203,8 @@ def test_nvfp4_folded_equals_unfolded_near_the_clamp_limit(nvfp4_experts) -> Non
     """The folded pack (up block scales x 2, one fc1_alpha = gate's global scale) must give the
     unfolded MoE output with gate/up driven around +-swiglu_limit.  The ratio is a power of two,
     so the decoded weights are identical and the outputs must be bitwise equal (float64)."""
+    from dsv4mtp.checkpoint.nvfp4 import fold_nvfp4_experts
     from dsv4mtp.reference.moe import PackedExperts
-    from dsv4mtp.reference.nvfp4 import fold_nvfp4_experts
 
     experts, cfg = nvfp4_experts
     folded = fold_nvfp4_experts(experts)
@@ -239,11 +239,11 @@ def test_nvfp4_folded_equals_unfolded_near_the_clamp_limit(nvfp4_experts) -> Non
 
 
 def test_unfoldable_nvfp4_is_refused_by_the_fold_but_runs_unfolded(tmp_path) -> None:
+    from dsv4mtp.checkpoint.load import load_mtp_checkpoint
+    from dsv4mtp.checkpoint.nvfp4 import fold_nvfp4_experts
+    from dsv4mtp.checkpoint.synthetic import make_synthetic_checkpoint
     from dsv4mtp.reference import FoldError
-    from dsv4mtp.reference.checkpoint import load_mtp_checkpoint
     from dsv4mtp.reference.moe import PackedExperts
-    from dsv4mtp.reference.nvfp4 import fold_nvfp4_experts
-    from dsv4mtp.reference.synthetic import make_synthetic_checkpoint
 
     path = make_synthetic_checkpoint(tmp_path, expert_format="nvfp4", seed=3, nvfp4_unfoldable=True)
     ck = load_mtp_checkpoint(path)

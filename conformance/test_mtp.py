@@ -323,7 +323,7 @@ def _as_float64(lb: MTPLayer) -> MTPLayer:
 # ------------------------------------------------------------------ synthetic checkpoints
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
-    from dsv4mtp.reference.synthetic import make_synthetic_checkpoint
+    from dsv4mtp.checkpoint.synthetic import make_synthetic_checkpoint
 
     root = tmp_path_factory.mktemp("ckpt")
     return {
@@ -401,7 +401,7 @@ def test_from_checkpoint_presets_and_errors(checkpoints) -> None:
         assert torch.isfinite(L.compute_logits(L.forward(ids, pos, prev))).all()
     with pytest.raises(ConfigError, match="fp8kv"):
         MTPLayer.from_checkpoint(checkpoints["nvfp4"], fp8kv=True)
-    from dsv4mtp.reference.checkpoint import load_mtp_checkpoint
+    from dsv4mtp.checkpoint.load import load_mtp_checkpoint
 
     ck = load_mtp_checkpoint(checkpoints["mxfp4"], ep_rank=0, ep_size=2)
     with pytest.raises(ConfigError, match="ep_size"):
@@ -410,7 +410,7 @@ def test_from_checkpoint_presets_and_errors(checkpoints) -> None:
 
 def test_demo_report() -> None:
     """The demo's report data on a synthetic NVFP4 checkpoint (no console, CPU)."""
-    from dsv4mtp.demo import run_demo
+    from dsv4mtp.tools.demo import run_demo
 
     r = run_demo(None, expert_format="nvfp4", num_tokens=2, batch=2, seed=1, device="cpu")
     assert r["formats"]["routed_experts"] == ["nvfp4"] and r["tensors_loaded"] > 0

@@ -17,6 +17,12 @@ import torch
 from hypothesis import event, given
 from hypothesis import strategies as st
 
+from dsv4mtp.checkpoint.nvfp4 import (
+    MoEWeightPackSpec,
+    check_moe_weight_pack,
+    nvfp4_moe_weight_pack,
+    to_flashinfer_weight_pack,
+)
 from dsv4mtp.reference import (
     DSV4Config,
     FoldError,
@@ -27,12 +33,6 @@ from dsv4mtp.reference import (
     formats,
     load_mtp_checkpoint,
     make_synthetic_checkpoint,
-)
-from dsv4mtp.reference.nvfp4 import (
-    MoEWeightPackSpec,
-    check_moe_weight_pack,
-    nvfp4_moe_weight_pack,
-    to_flashinfer_weight_pack,
 )
 
 E4M3 = torch.float8_e4m3fn

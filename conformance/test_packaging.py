@@ -33,7 +33,8 @@ def test_built_wheel_contains_and_imports_both_implementations(tmp_path: Path) -
     names = zipfile.ZipFile(wheel).namelist()
     for module in (
         "dsv4mtp/__init__.py",
-        "dsv4mtp/cli.py",
+        "dsv4mtp/tools/cli.py",
+        "dsv4mtp/checkpoint/load.py",
         "dsv4mtp/reference/mhc.py",
         "dsv4mtp/optimized/__init__.py",
     ):
@@ -62,7 +63,7 @@ def test_built_wheel_contains_and_imports_both_implementations(tmp_path: Path) -
 
 def test_console_script_help() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "dsv4mtp.cli", "--help"],
+        [sys.executable, "-m", "dsv4mtp.tools.cli", "--help"],
         check=True,
         capture_output=True,
         text=True,
@@ -74,7 +75,7 @@ def test_console_script_help() -> None:
 def test_every_command_has_help() -> None:
     from click.testing import CliRunner
 
-    from dsv4mtp.cli import main
+    from dsv4mtp.tools.cli import main
 
     runner = CliRunner()
     assert main.commands, "the CLI has no commands"

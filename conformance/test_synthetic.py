@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from dsv4mtp.checkpoint.io import INDEX_FILE
+from dsv4mtp.checkpoint.synthetic import EXPERT_FORMATS
 from dsv4mtp.reference import (
     ConfigError,
     DSV4Config,
@@ -22,8 +24,6 @@ from dsv4mtp.reference import (
     load_mtp_checkpoint,
     make_synthetic_checkpoint,
 )
-from dsv4mtp.reference.checkpoint_io import INDEX_FILE
-from dsv4mtp.reference.synthetic import EXPERT_FORMATS
 
 TINY = DSV4Config.tiny()
 

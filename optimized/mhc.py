@@ -32,8 +32,8 @@ from typing import Literal
 
 import torch
 
-from dsv4mtp.reference.checks import check_ndim, check_shape
-from dsv4mtp.reference.errors import InputError
+from dsv4mtp.checks import check_ndim, check_shape
+from dsv4mtp.errors import InputError
 
 from .kernels._launch import (
     check_device,

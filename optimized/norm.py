@@ -12,9 +12,9 @@ from typing import Literal
 
 import torch
 
-from dsv4mtp.reference.checks import check_shape
-from dsv4mtp.reference.errors import InputError
-from dsv4mtp.reference.norm import NormOrder
+from dsv4mtp.checks import check_shape
+from dsv4mtp.errors import InputError
+from dsv4mtp.semantics import NormOrder
 
 from .kernels._launch import check_device, check_kernel_dtype, check_out, flashinfer_norm
 from .kernels.rms_norm import rms_norm_triton

@@ -1,97 +1,21 @@
-"""Readable, CPU-runnable PyTorch reference of the DeepSeek-V4 MTP draft layer.
+"""Readable, CPU-runnable PyTorch reference of the DeepSeek-V4 MTP draft layer: the oracle.
 
-Runs in bfloat16, float32 or float64.  Nothing here imports ``dsv4mtp.optimized``.
+Runs in bfloat16, float32 or float64.  The modules here hold only the math (``norm``, ``mhc``,
+``rope``, ``linear``, ``quant_sim``, ``attention``, ``moe``, ``mtp``); config, formats, parameter
+containers, checkpoint loading and the tools live in the shared core (``dsv4mtp.*``) and are
+re-exported below, grouped by concept, so ``dsv4mtp.reference`` stays one import.  Nothing here
+imports ``dsv4mtp.optimized``.
 """
 
-from .config import DSV4Config
-from .errors import CheckpointError, ConfigError, DSV4Error, FoldError, InputError
-from .mhc import hc_head, hc_post, hc_pre, sinkhorn
-from .norm import rms_norm
+# ruff: noqa: I001  (grouped by concept, not alphabetically)
 
-__all__ = [
-    "CheckpointError",
-    "ConfigError",
-    "DSV4Config",
-    "DSV4Error",
-    "FoldError",
-    "InputError",
-    "hc_head",
-    "hc_post",
-    "hc_pre",
-    "rms_norm",
-    "sinkhorn",
-]
+# --- errors and config (core)
+from dsv4mtp.config import DSV4Config
+from dsv4mtp.errors import CheckpointError, ConfigError, DSV4Error, FoldError, InputError
 
-# --- checkpoint layer (names, loaded object) ---
-from .checkpoint_names import MTPWeightName, remap_mtp_weight_name
-from .checkpoint_weights import (
-    MTPCheckpoint,
-    MTPLayerWeights,
-    QuantizedWeight,
-    RoutedExperts,
-)
-
-__all__ += [
-    "MTPCheckpoint",
-    "MTPLayerWeights",
-    "MTPWeightName",
-    "QuantizedWeight",
-    "RoutedExperts",
-    "remap_mtp_weight_name",
-]
-
-# --- MTP layer: attention, MoE, RoPE, presets (issue 4) ---
-from .attention import AttentionParams, KVCache, attention, sink_attention  # noqa: E402
-from .moe import DenseExperts, MoEParams, PackedExperts, moe, route, swiglu_expert  # noqa: E402
-from .mtp import PRESETS, MTPLayer, MTPLayerParams, Semantics, resolve_semantics  # noqa: E402
-from .quant_sim import fp8_block_roundtrip  # noqa: E402
-from .rope import apply_rope, rope_frequencies  # noqa: E402
-
-__all__ += [
-    "PRESETS",
-    "AttentionParams",
-    "DenseExperts",
-    "KVCache",
-    "MTPLayer",
-    "MTPLayerParams",
-    "MoEParams",
-    "PackedExperts",
-    "Semantics",
-    "apply_rope",
-    "attention",
-    "fp8_block_roundtrip",
-    "moe",
-    "resolve_semantics",
-    "rope_frequencies",
-    "route",
-    "sink_attention",
-    "swiglu_expert",
-]
-
-# --- checkpoint layer (loader, NVFP4 fold, synthetic checkpoints) ---
-from .checkpoint import ExpertFormatWarning, load_mtp_checkpoint  # noqa: E402
-from .checkpoint_io import write_sharded_checkpoint  # noqa: E402
-from .nvfp4 import (  # noqa: E402
-    MoEWeightPackSpec,
-    apply_routing_padding_mask,
-    fold_nvfp4_experts,
-    fold_nvfp4_gate_up_scales,
-)
-from .synthetic import make_synthetic_checkpoint  # noqa: E402
-
-__all__ += [
-    "ExpertFormatWarning",
-    "MoEWeightPackSpec",
-    "apply_routing_padding_mask",
-    "fold_nvfp4_experts",
-    "fold_nvfp4_gate_up_scales",
-    "load_mtp_checkpoint",
-    "make_synthetic_checkpoint",
-    "write_sharded_checkpoint",
-]
-
-# --- checkpoint number formats: E4M3 / E2M1 / E8M0, FP8 block, MXFP4, NVFP4 ---
-from .formats import (  # noqa: E402
+# --- number formats: E4M3 / E2M1 / E8M0, FP8 block, MXFP4, NVFP4 (core)
+from dsv4mtp import formats
+from dsv4mtp.formats import (
     E2M1_VALUES,
     decode_e2m1,
     decode_e4m3,
@@ -109,8 +33,73 @@ from .formats import (  # noqa: E402
     unpack_e2m1,
 )
 
-__all__ += [
+# --- the ops of the oracle
+from .norm import rms_norm
+from .mhc import hc_head, hc_post, hc_pre, sinkhorn
+from .rope import apply_rope, rope_frequencies
+from .quant_sim import fp8_block_roundtrip
+from .attention import attention, sink_attention
+from .moe import moe, route, swiglu_expert
+
+# --- the layer: parameters, KV cache, semantics switches (core) and the reference MTPLayer
+from dsv4mtp.kv_cache import KVCache
+from dsv4mtp.params import AttentionParams, DenseExperts, MoEParams, MTPLayerParams, PackedExperts
+from dsv4mtp.semantics import PRESETS, Semantics, resolve_semantics
+from .mtp import MTPLayer
+
+# --- checkpoints: names, loading, the loaded objects, the NVFP4 fold, synthetic ones (core)
+from dsv4mtp.checkpoint.io import write_sharded_checkpoint
+from dsv4mtp.checkpoint.load import ExpertFormatWarning, load_mtp_checkpoint
+from dsv4mtp.checkpoint.names import MTPWeightName, remap_mtp_weight_name
+from dsv4mtp.checkpoint.nvfp4 import (
+    MoEWeightPackSpec,
+    apply_routing_padding_mask,
+    fold_nvfp4_experts,
+    fold_nvfp4_gate_up_scales,
+)
+from dsv4mtp.checkpoint.synthetic import make_synthetic_checkpoint
+from dsv4mtp.checkpoint.weights import (
+    MTPCheckpoint,
+    MTPLayerWeights,
+    QuantizedWeight,
+    RoutedExperts,
+)
+
+# --- tools: checkpoint inspection (dsv4-mtp inspect) and draft drift (dsv4-mtp compare)
+from dsv4mtp.checkpoint.report import CheckpointReport, Finding, inspect_checkpoint
+from dsv4mtp.tools.drift import DriftReport, compare_checkpoints
+
+__all__ = [
     "E2M1_VALUES",
+    "PRESETS",
+    "AttentionParams",
+    "CheckpointError",
+    "CheckpointReport",
+    "ConfigError",
+    "DSV4Config",
+    "DSV4Error",
+    "DenseExperts",
+    "DriftReport",
+    "ExpertFormatWarning",
+    "Finding",
+    "FoldError",
+    "InputError",
+    "KVCache",
+    "MTPCheckpoint",
+    "MTPLayer",
+    "MTPLayerParams",
+    "MTPLayerWeights",
+    "MTPWeightName",
+    "MoEParams",
+    "MoEWeightPackSpec",
+    "PackedExperts",
+    "QuantizedWeight",
+    "RoutedExperts",
+    "Semantics",
+    "apply_rope",
+    "apply_routing_padding_mask",
+    "attention",
+    "compare_checkpoints",
     "decode_e2m1",
     "decode_e4m3",
     "decode_e8m0",
@@ -120,21 +109,29 @@ __all__ += [
     "encode_e2m1",
     "encode_e4m3",
     "encode_e8m0",
+    "fold_nvfp4_experts",
+    "fold_nvfp4_gate_up_scales",
+    "formats",
+    "fp8_block_roundtrip",
+    "hc_head",
+    "hc_post",
+    "hc_pre",
+    "inspect_checkpoint",
+    "load_mtp_checkpoint",
+    "make_synthetic_checkpoint",
+    "moe",
     "pack_e2m1",
     "quantize_fp8_block",
     "quantize_mxfp4",
     "quantize_nvfp4",
+    "remap_mtp_weight_name",
+    "resolve_semantics",
+    "rms_norm",
+    "rope_frequencies",
+    "route",
+    "sink_attention",
+    "sinkhorn",
+    "swiglu_expert",
     "unpack_e2m1",
-]
-
-# --- checkpoint inspection (dsv4-mtp inspect) and draft drift (dsv4-mtp compare) ---
-from .checkpoint_report import CheckpointReport, Finding, inspect_checkpoint  # noqa: E402
-from .drift import DriftReport, compare_checkpoints  # noqa: E402
-
-__all__ += [
-    "CheckpointReport",
-    "DriftReport",
-    "Finding",
-    "compare_checkpoints",
-    "inspect_checkpoint",
+    "write_sharded_checkpoint",
 ]

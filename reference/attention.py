@@ -16,82 +16,23 @@ incremental decoding then reproduces full recomputation bit for bit.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from .checks import compute_dtype
-from .config import DSV4Config
-from .errors import InputError
+from dsv4mtp.checks import compute_dtype
+from dsv4mtp.config import DSV4Config
+from dsv4mtp.errors import InputError
+from dsv4mtp.kv_cache import KVCache
+from dsv4mtp.params import AttentionParams
+from dsv4mtp.quant import KV_QUANT_BLOCK
+from dsv4mtp.semantics import NormOrder, RopeMode
+
 from .linear import linear
-from .norm import NormOrder, rms_norm
+from .norm import rms_norm
 from .quant_sim import fp8_block_roundtrip
-from .rope import RopeMode, apply_rope, rope_frequencies
+from .rope import apply_rope, rope_frequencies
 
-__all__ = ["KV_QUANT_BLOCK", "AttentionParams", "KVCache", "attention", "sink_attention"]
-
-KV_QUANT_BLOCK = 64  # spec 9.4: one ue8m0 scale per 64 non-rope KV values
-
-
-@dataclass
-class AttentionParams:
-    """Dense attention weights (already dequantized), checkpoint names under ``mtp.0.attn.``.
-
-    wq_a (Rq, D); q_norm (Rq,); wq_b (H*Dh, Rq), each head [nope | rope]; wkv (Dh, D);
-    kv_norm (Dh,); wo_a (G*Ro, (H/G)*Dh); wo_b (D, G*Ro); attn_sink (H,).
-    """
-
-    wq_a: torch.Tensor
-    q_norm: torch.Tensor
-    wq_b: torch.Tensor
-    wkv: torch.Tensor
-    kv_norm: torch.Tensor
-    wo_a: torch.Tensor
-    wo_b: torch.Tensor
-    attn_sink: torch.Tensor
-
-
-class KVCache:
-    """The MTP layer's KV rows of ONE sequence, bounded to the sliding window.
-
-    Holds the latent rows exactly as attended (after kv_norm, RoPE and optional FP8 rounding) and
-    their positions.  :func:`attention` reads it and appends the new rows; rows that no later
-    query can see (``pos <= newest - W + 1``) are dropped, so at most ``W - 1`` rows are kept.
-    """
-
-    def __init__(self, window: int) -> None:
-        if window < 1:
-            raise InputError(f"window: expected >= 1, got {window}")
-        self.window = window
-        self.kv: torch.Tensor | None = None  # (N, Dh)
-        self.positions: torch.Tensor | None = None  # (N,) int64, strictly increasing
-
-    def __len__(self) -> int:
-        return 0 if self.positions is None else int(self.positions.shape[0])
-
-    @property
-    def last_position(self) -> int | None:
-        return None if not len(self) else int(self.positions[-1])  # type: ignore[index]
-
-    def keys(
-        self, new_kv: torch.Tensor, new_positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached rows followed by ``new_kv``: ``((N + t, Dh), (N + t,))``."""
-        if self.kv is None or self.positions is None:
-            return new_kv, new_positions
-        if self.kv.shape[1:] != new_kv.shape[1:] or self.kv.dtype != new_kv.dtype:
-            raise InputError(
-                f"kv_cache: holds rows {tuple(self.kv.shape[1:])} {self.kv.dtype}, "
-                f"got new rows {tuple(new_kv.shape[1:])} {new_kv.dtype}"
-            )
-        return torch.cat([self.kv, new_kv]), torch.cat([self.positions, new_positions])
-
-    def append(self, new_kv: torch.Tensor, new_positions: torch.Tensor) -> None:
-        kv, pos = self.keys(new_kv, new_positions)
-        if pos.numel():
-            keep = pos > pos[-1] - self.window + 1  # visible to the next position
-            kv, pos = kv[keep], pos[keep]
-        self.kv, self.positions = kv, pos
+__all__ = ["AttentionParams", "KVCache", "attention", "sink_attention"]
 
 
 def _window_slots(

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from .checks import compute_dtype
-from .errors import InputError
+from dsv4mtp.checks import compute_dtype
+from dsv4mtp.errors import InputError
+from dsv4mtp.quant import ACT_QUANT_BLOCK
+
 from .quant_sim import fp8_block_roundtrip
 
-__all__ = ["ACT_QUANT_BLOCK", "linear", "rowwise_matmul"]
-
-ACT_QUANT_BLOCK = 128
+__all__ = ["linear", "rowwise_matmul"]
 
 
 def rowwise_matmul(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .checks import FLOAT_DTYPES, check_dtype, check_ndim, check_shape, compute_dtype
-from .errors import InputError
+from dsv4mtp.checks import FLOAT_DTYPES, check_dtype, check_ndim, check_shape, compute_dtype
+from dsv4mtp.errors import InputError
+
 from .linear import rowwise_matmul
 
 __all__ = ["hc_head", "hc_post", "hc_pre", "sinkhorn"]

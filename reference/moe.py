@@ -8,16 +8,14 @@ that the router selects for some token in the batch are dequantized, one at a ti
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 
-from .checkpoint_weights import RoutedExperts
-from .checks import compute_dtype
-from .config import DSV4Config
-from .errors import InputError
+from dsv4mtp.checks import compute_dtype
+from dsv4mtp.config import DSV4Config
+from dsv4mtp.errors import InputError
+from dsv4mtp.params import DenseExperts, ExpertSource, MoEParams, PackedExperts
+
 from .linear import linear, rowwise_matmul
 
 __all__ = [
@@ -29,59 +27,6 @@ __all__ = [
     "route",
     "swiglu_expert",
 ]
-
-
-class ExpertSource(Protocol):
-    """Dequantizes routed experts one at a time.
-
-    ``num_experts``: E.  ``quantized``: True when the checkpoint stores FP8/FP4 experts, i.e. the
-    official code would quantize the activations entering them (``act_quant``).
-    ``__call__(e, dtype)`` -> ``(w1 (I, D) gate, w3 (I, D) up, w2 (D, I) down)`` in ``dtype``.
-    """
-
-    num_experts: int
-    quantized: bool
-
-    def __call__(
-        self, expert: int, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-
-@dataclass
-class DenseExperts:
-    """An :class:`ExpertSource` over already-dense stacked weights (tests, bf16 checkpoints).
-
-    w1, w3 (E, I, D); w2 (E, D, I).
-    """
-
-    w1: torch.Tensor
-    w3: torch.Tensor
-    w2: torch.Tensor
-    quantized: bool = False
-
-    @property
-    def num_experts(self) -> int:
-        return int(self.w1.shape[0])
-
-    def __call__(
-        self, expert: int, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.w1[expert].to(dtype), self.w3[expert].to(dtype), self.w2[expert].to(dtype)
-
-
-@dataclass
-class MoEParams:
-    """gate_weight (E, D); gate_bias (E,) = e_score_correction_bias (selection only);
-    shared_w1, shared_w3 (I, D); shared_w2 (D, I); shared_quantized: FP8 shared expert
-    (act_quant applies); experts: the routed :class:`ExpertSource`."""
-
-    gate_weight: torch.Tensor
-    gate_bias: torch.Tensor
-    shared_w1: torch.Tensor
-    shared_w3: torch.Tensor
-    shared_w2: torch.Tensor
-    experts: ExpertSource
-    shared_quantized: bool = True
 
 
 def route(
@@ -173,24 +118,3 @@ def moe(
         act_quant=act_quant and params.shared_quantized,
     )
     return (out + shared.to(cd)).to(x.dtype)
-
-
-class PackedExperts:
-    """An :class:`ExpertSource` over a loaded checkpoint's packed :class:`RoutedExperts`:
-    each call decodes one expert (MXFP4, NVFP4 folded or not, FP8, bf16) on the fly."""
-
-    def __init__(self, experts: RoutedExperts) -> None:
-        self.packed = experts
-        self.num_experts = experts.num_experts
-        self.quantized = experts.format != "bf16"
-        self.format = experts.format
-
-    def __call__(
-        self, expert: int, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        local = self.packed.local_id(expert)
-        if local < 0:
-            raise InputError(f"expert: global expert {expert} is not on this expert-parallel rank")
-        w13, w2 = self.packed.dequantize_expert(local, dtype)  # (2I, D), (D, I)
-        inter = self.packed.intermediate_size
-        return w13[:inter], w13[inter:], w2

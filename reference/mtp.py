@@ -30,168 +30,27 @@ activations to NVFP4 instead; not modelled).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .attention import AttentionParams, KVCache, attention
-from .checkpoint_weights import MTPCheckpoint, MTPLayerWeights, QuantizedWeight
-from .checks import FLOAT_DTYPES, compute_dtype
-from .config import DSV4Config
-from .errors import ConfigError, InputError
+from dsv4mtp.checkpoint.weights import MTPCheckpoint
+from dsv4mtp.checks import FLOAT_DTYPES, compute_dtype
+from dsv4mtp.config import DSV4Config
+from dsv4mtp.errors import ConfigError, InputError
+from dsv4mtp.kv_cache import KVCache
+from dsv4mtp.params import MTPLayerParams, build_layer_params
+from dsv4mtp.semantics import PRESETS, Semantics, resolve_semantics
+
+from .attention import attention
 from .linear import linear
 from .mhc import hc_head, hc_post, hc_pre
-from .moe import MoEParams, PackedExperts, moe
-from .norm import NormOrder, rms_norm
-from .rope import RopeMode
+from .moe import moe
+from .norm import rms_norm
 
 __all__ = ["PRESETS", "MTPLayer", "MTPLayerParams", "Semantics", "resolve_semantics"]
-
-
-@dataclass(frozen=True)
-class Semantics:
-    """The switches of the table in this module's docstring."""
-
-    mask_pos0: bool = False
-    rope_mode: RopeMode = "plain"
-    norm_order: NormOrder = "official"
-    shared_clamp: bool = True
-    fp8_kv: bool = False
-    act_quant: bool = False
-
-
-PRESETS: dict[str, Semantics] = {
-    "math": Semantics(),
-    "official": Semantics(fp8_kv=True, act_quant=True),
-    "vllm": Semantics(
-        mask_pos0=True, rope_mode="yarn", norm_order="vllm", fp8_kv=True, act_quant=True
-    ),
-}
-
-_CHOICES: dict[str, tuple[Any, ...]] = {
-    "mask_pos0": (False, True),
-    "rope_mode": ("plain", "yarn"),
-    "norm_order": ("official", "vllm"),
-    "shared_clamp": (False, True),
-    "fp8_kv": (False, True),
-    "act_quant": (False, True),
-}
-
-
-def resolve_semantics(preset: str = "math", **switches: Any) -> Semantics:
-    """A preset from :data:`PRESETS` with individual switches overridden."""
-    if preset not in PRESETS:
-        raise ConfigError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
-    for name, value in switches.items():
-        if name not in _CHOICES:
-            raise ConfigError(f"{name}: not a semantics switch; expected one of {sorted(_CHOICES)}")
-        if not any(value == c and type(value) is type(c) for c in _CHOICES[name]):
-            raise ConfigError(f"{name}: expected one of {list(_CHOICES[name])}, got {value!r}")
-    return dataclasses.replace(PRESETS[preset], **switches)
-
-
-@dataclass
-class MTPLayerParams:
-    """One MTP layer with dense weights (routed experts stay packed in ``ffn.experts``).
-
-    Names follow the checkpoint (``mtp.{i}.*``).  enorm, hnorm, norm, attn_norm, ffn_norm (D,);
-    e_proj, h_proj (D, D); hc_head_fn (n, nD), hc_head_base (n,), hc_head_scale (1,);
-    hc_{attn,ffn}_fn (M, nD), _base (M,), _scale (3,); head (V, D) the shared LM head.
-    ``dense_quantized``: the dense linears are FP8 in the checkpoint (``act_quant`` applies).
-    """
-
-    enorm: torch.Tensor
-    hnorm: torch.Tensor
-    e_proj: torch.Tensor
-    h_proj: torch.Tensor
-    norm: torch.Tensor
-    head: torch.Tensor
-    hc_head_fn: torch.Tensor
-    hc_head_base: torch.Tensor
-    hc_head_scale: torch.Tensor
-    hc_attn_fn: torch.Tensor
-    hc_attn_base: torch.Tensor
-    hc_attn_scale: torch.Tensor
-    hc_ffn_fn: torch.Tensor
-    hc_ffn_base: torch.Tensor
-    hc_ffn_scale: torch.Tensor
-    attn_norm: torch.Tensor
-    ffn_norm: torch.Tensor
-    attn: AttentionParams
-    ffn: MoEParams
-    dense_quantized: bool = True
-
-
-def _dense_layer(
-    w: MTPLayerWeights,
-    dtype: torch.dtype,
-    device: torch.device,
-    cache: dict[tuple[int, torch.dtype], torch.Tensor],
-) -> MTPLayerParams:
-    """Dequantize the dense part of one loaded layer once (linears in ``dtype``; norms, hc_*,
-    sink and router in the compute dtype, as the official code keeps them in fp32)."""
-    cd = compute_dtype(dtype)
-
-    def plain(t: torch.Tensor, to: torch.dtype = cd) -> torch.Tensor:
-        key = (id(t), to)  # the LM head is one tensor shared by every layer: convert it once
-        if key not in cache:
-            cache[key] = t.to(device=device, dtype=to)
-        return cache[key]
-
-    def dense(q: QuantizedWeight) -> torch.Tensor:
-        return q.to(device).dequantize(dtype)
-
-    if w.experts.num_local_experts != w.experts.num_experts:
-        raise ConfigError(
-            f"ep_size: the reference runs all {w.experts.num_experts} routed experts on one "
-            f"device; got a checkpoint loaded with {w.experts.num_local_experts} local experts"
-        )
-    attn = AttentionParams(
-        wq_a=dense(w.wq_a),
-        q_norm=plain(w.q_norm),
-        wq_b=dense(w.wq_b),
-        wkv=dense(w.wkv),
-        kv_norm=plain(w.kv_norm),
-        wo_a=dense(w.wo_a),
-        wo_b=dense(w.wo_b),
-        attn_sink=plain(w.attn_sink),
-    )
-    gate_up = [dense(s) for s in w.gate_up_proj.split_rows()]
-    ffn = MoEParams(
-        gate_weight=plain(w.gate_weight),
-        gate_bias=plain(w.e_score_correction_bias),
-        shared_w1=gate_up[0],
-        shared_w3=gate_up[1],
-        shared_w2=dense(w.down_proj),
-        experts=PackedExperts(w.experts.to(device)),
-        shared_quantized=w.down_proj.format != "bf16",
-    )
-    return MTPLayerParams(
-        enorm=plain(w.enorm),
-        hnorm=plain(w.hnorm),
-        e_proj=dense(w.e_proj),
-        h_proj=dense(w.h_proj),
-        norm=plain(w.norm),
-        head=plain(w.head, dtype),
-        hc_head_fn=plain(w.hc_head_fn),
-        hc_head_base=plain(w.hc_head_base),
-        hc_head_scale=plain(w.hc_head_scale),
-        hc_attn_fn=plain(w.hc_attn_fn),
-        hc_attn_base=plain(w.hc_attn_base),
-        hc_attn_scale=plain(w.hc_attn_scale),
-        hc_ffn_fn=plain(w.hc_ffn_fn),
-        hc_ffn_base=plain(w.hc_ffn_base),
-        hc_ffn_scale=plain(w.hc_ffn_scale),
-        attn_norm=plain(w.attn_norm),
-        ffn_norm=plain(w.ffn_norm),
-        attn=attn,
-        ffn=ffn,
-        dense_quantized=w.e_proj.format != "bf16",
-    )
 
 
 class MTPLayer:
@@ -250,7 +109,7 @@ class MTPLayer:
         semantics = resolve_semantics(preset, **switches)
         device = torch.device(device)
         cache: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        layers = [_dense_layer(w, dtype, device, cache) for w in checkpoint.layers]
+        layers = [build_layer_params(w, dtype, device, cache) for w in checkpoint.layers]
         info = {
             "path": checkpoint.path,
             "expert_formats": checkpoint.expert_formats,
@@ -275,7 +134,7 @@ class MTPLayer:
         **switches: Any,
     ) -> MTPLayer:
         """Load ``mtp.*`` (+ the shared embedding and head) from a checkpoint directory."""
-        from .checkpoint import load_mtp_checkpoint
+        from dsv4mtp.checkpoint.load import load_mtp_checkpoint
 
         resolve_semantics(preset, **switches)  # fail on a bad switch before reading gigabytes
         return cls.from_loaded(

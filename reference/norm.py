@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-from .checks import FLOAT_DTYPES, check_dtype, check_shape, compute_dtype
-from .errors import InputError
+from dsv4mtp.checks import FLOAT_DTYPES, check_dtype, check_shape, compute_dtype
+from dsv4mtp.errors import InputError
+from dsv4mtp.semantics import NormOrder
 
 __all__ = ["rms_norm"]
-
-NormOrder = Literal["official", "vllm"]
 
 
 def rms_norm(

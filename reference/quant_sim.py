@@ -13,13 +13,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import FLOAT_DTYPES, check_dtype, compute_dtype
-from .errors import InputError
-from .formats import E4M3_MAX, decode_e4m3, encode_e4m3
+from dsv4mtp.checks import FLOAT_DTYPES, check_dtype, compute_dtype
+from dsv4mtp.errors import InputError
+from dsv4mtp.formats import decode_e4m3, encode_e4m3
+from dsv4mtp.quant import pow2_scale
 
 __all__ = ["fp8_block_roundtrip"]
-
-AMAX_FLOOR = 1e-4
 
 
 def fp8_block_roundtrip(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -37,7 +36,6 @@ def fp8_block_roundtrip(x: torch.Tensor, block: int) -> torch.Tensor:
     pad = (-K) % block
     xf = F.pad(x.to(cd), (0, pad))  # (..., Kp); zero padding never raises a block's amax
     blocks = xf.unflatten(-1, (-1, block))  # (..., Kp/block, block)
-    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))  # ue8m0: a power of two
+    scale = pow2_scale(blocks.abs().amax(-1, keepdim=True))  # ue8m0: a power of two
     q = decode_e4m3(encode_e4m3(blocks / scale), dtype=cd)  # saturates at +-448
     return (q * scale).flatten(-2)[..., :K].to(x.dtype)

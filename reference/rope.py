@@ -9,16 +9,15 @@ Both are offered (``mode="plain" | "yarn"``); the cos/sin magnitude factor is 1 
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from .checks import FLOAT_DTYPES, check_dtype, compute_dtype
-from .errors import ConfigError, InputError
+from dsv4mtp.checks import FLOAT_DTYPES, check_dtype, compute_dtype
+from dsv4mtp.errors import ConfigError, InputError
+from dsv4mtp.semantics import RopeMode
 
 __all__ = ["RopeMode", "apply_rope", "rope_frequencies"]
-
-RopeMode = Literal["plain", "yarn"]
 
 
 def _yarn_ramp(

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4mtp.reference.errors import InputError
+from dsv4mtp.errors import InputError
 
 __all__ = [
     "INTERPRET",

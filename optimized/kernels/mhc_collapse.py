@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4mtp.reference.errors import ConfigError
+from dsv4mtp.errors import ConfigError
 
 from ._launch import INTERPRET, next_pow2, rne_bf16_if_interpreted, sigmoid
 from .mhc_mix import mix_step

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .errors import CheckpointError
+from dsv4mtp.errors import CheckpointError
 
 __all__ = [
     "INDEX_FILE",

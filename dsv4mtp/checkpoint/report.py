@@ -30,7 +30,8 @@ from typing import Any, Literal
 
 import torch
 
-from .checkpoint import (
+from dsv4mtp.checkpoint.io import ShardedCheckpoint
+from dsv4mtp.checkpoint.load import (
     check_finite_scale,
     check_tensor_info,
     claimed_expert_format,
@@ -45,10 +46,9 @@ from .checkpoint import (
     plan_mtp_tensors,
     read_hf_quant_config,
 )
-from .checkpoint_io import ShardedCheckpoint
-from .config import DSV4Config
-from .errors import CheckpointError, DSV4Error, FoldError
-from .nvfp4 import fold_nvfp4_gate_up_scales
+from dsv4mtp.checkpoint.nvfp4 import fold_nvfp4_gate_up_scales
+from dsv4mtp.config import DSV4Config
+from dsv4mtp.errors import CheckpointError, DSV4Error, FoldError
 
 __all__ = [
     "CheckpointReport",

@@ -54,7 +54,7 @@ def demo(
     as_json: bool,
 ) -> None:
     """Load an MTP layer, draft k tokens for a batch, and report agreement with the oracle."""
-    from dsv4mtp.demo import main as demo_main
+    from dsv4mtp.tools.demo import main as demo_main
 
     demo_main(
         checkpoint=checkpoint,
@@ -135,7 +135,7 @@ def inspect(checkpoint: str, as_json: bool) -> None:
     """
     import json
 
-    from dsv4mtp.reference.checkpoint_report import inspect_checkpoint
+    from dsv4mtp.checkpoint.report import inspect_checkpoint
 
     report = inspect_checkpoint(checkpoint)
     if as_json:
@@ -267,9 +267,9 @@ def compare(
     import torch
     from rich.console import Console
 
+    from dsv4mtp.errors import DSV4Error
     from dsv4mtp.reference import DSV4Config
-    from dsv4mtp.reference.drift import compare_checkpoints, load_drift_inputs
-    from dsv4mtp.reference.errors import DSV4Error
+    from dsv4mtp.tools.drift import compare_checkpoints, load_drift_inputs
 
     build, implementation = _optimized_builder()
     status = Console(stderr=True).status("comparing")

@@ -9,7 +9,7 @@ the softmax distributions, in float64.  Per tensor group: the relative error
 the drift.
 
 Which implementation runs is the caller's choice (``build_layer``); the default is the reference
-:class:`~.mtp.MTPLayer` on CPU.  This module never imports the optimized package.
+:class:`dsv4mtp.reference.MTPLayer` on CPU.  This module never imports the optimized package.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from .checkpoint import load_mtp_checkpoint
-from .checkpoint_weights import MTPCheckpoint, MTPLayerWeights, QuantizedWeight
-from .config import DSV4Config
-from .errors import CheckpointError, InputError
-from .mtp import MTPLayer
+from dsv4mtp.checkpoint.load import load_mtp_checkpoint
+from dsv4mtp.checkpoint.weights import MTPCheckpoint, MTPLayerWeights, QuantizedWeight
+from dsv4mtp.config import DSV4Config
+from dsv4mtp.errors import CheckpointError, InputError
 
 __all__ = [
     "DriftInputs",
@@ -346,7 +345,9 @@ def compare_checkpoints(
             a.config, num_sequences=num_sequences, seq_len=seq_len, seed=seed
         )
 
-    def reference(ck: MTPCheckpoint) -> MTPLayer:
+    def reference(ck: MTPCheckpoint) -> Any:
+        from dsv4mtp.reference import MTPLayer  # the default layer; imported when used
+
         return MTPLayer.from_loaded(ck, preset=preset, dtype=dtype, device="cpu")
 
     build = build_layer or reference

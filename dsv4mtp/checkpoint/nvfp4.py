@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from . import formats
-from .checkpoint_weights import RoutedExperts
-from .checks import check_dtype, check_shape
-from .errors import FoldError, InputError
+from dsv4mtp import formats
+from dsv4mtp.checkpoint.weights import RoutedExperts
+from dsv4mtp.checks import check_dtype, check_shape
+from dsv4mtp.errors import FoldError, InputError
 
 __all__ = [
     "MoEWeightPackSpec",

@@ -33,17 +33,17 @@ from typing import Any
 
 import torch
 
-from .checkpoint_io import ShardedCheckpoint, TensorInfo
-from .checkpoint_names import classify_mtp_weight_name
-from .checkpoint_weights import (
+from dsv4mtp.checkpoint.io import ShardedCheckpoint, TensorInfo
+from dsv4mtp.checkpoint.names import classify_mtp_weight_name
+from dsv4mtp.checkpoint.weights import (
     FP8_BLOCK,
     MTPCheckpoint,
     MTPLayerWeights,
     QuantizedWeight,
     RoutedExperts,
 )
-from .config import DSV4Config
-from .errors import CheckpointError, ConfigError
+from dsv4mtp.config import DSV4Config
+from dsv4mtp.errors import CheckpointError, ConfigError
 
 __all__ = [
     "ExpertFormatWarning",

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError
+from dsv4mtp.errors import ConfigError
 
 __all__ = ["DSV4Config"]
 

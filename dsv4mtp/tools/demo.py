@@ -27,9 +27,9 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from dsv4mtp.checkpoint.load import load_mtp_checkpoint
+from dsv4mtp.checkpoint.synthetic import make_synthetic_checkpoint
 from dsv4mtp.reference import DSV4Config, MTPLayer
-from dsv4mtp.reference.checkpoint import load_mtp_checkpoint
-from dsv4mtp.reference.synthetic import make_synthetic_checkpoint
 
 __all__ = ["main", "print_report", "run_demo"]
 

@@ -30,7 +30,7 @@ import functools
 import re
 from dataclasses import dataclass
 
-from .config import DSV4Config
+from dsv4mtp.config import DSV4Config
 
 __all__ = [
     "DIRECT_RENAMES",

@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from . import formats
-from .checkpoint_io import write_sharded_checkpoint
-from .checkpoint_weights import FP8_BLOCK
-from .config import DSV4Config
-from .errors import ConfigError
+from dsv4mtp import formats
+from dsv4mtp.checkpoint.io import write_sharded_checkpoint
+from dsv4mtp.checkpoint.weights import FP8_BLOCK
+from dsv4mtp.config import DSV4Config
+from dsv4mtp.errors import ConfigError
 
 __all__ = ["EXPERT_FORMATS", "make_synthetic_checkpoint", "synthetic_checkpoint_tensors"]
 

@@ -31,9 +31,9 @@ from typing import Any, Literal
 
 import torch
 
-from . import formats
-from .config import DSV4Config
-from .errors import CheckpointError
+from dsv4mtp import formats
+from dsv4mtp.config import DSV4Config
+from dsv4mtp.errors import CheckpointError
 
 __all__ = [
     "FORMATS",

@@ -90,8 +90,15 @@ from typing import Literal
 
 import torch
 
-from .checks import FLOAT_DTYPES, check_dtype, check_finite, check_ndim, check_shape, compute_dtype
-from .errors import InputError
+from dsv4mtp.checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_finite,
+    check_ndim,
+    check_shape,
+    compute_dtype,
+)
+from dsv4mtp.errors import InputError
 
 __all__ = [
     "E2M1_MAX",

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .errors import InputError
+from dsv4mtp.errors import InputError
 
 __all__ = ["check_dtype", "check_finite", "check_ndim", "check_shape", "compute_dtype"]
 

@@ -1,0 +1,1 @@
+"""The command-line tools: ``dsv4-mtp`` (cli), its ``demo`` main job and ``compare`` (drift)."""
