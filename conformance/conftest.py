@@ -92,7 +92,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def impl_override(request: pytest.FixtureRequest):
     """Returns ``op_name -> callable or None`` for the ``--impl`` option."""
-    from conformance.registry import resolve
+    from dsv4mtp.conformance.registry import resolve
 
     overrides = request.config.stash[IMPL_KEY]
 
@@ -109,11 +109,11 @@ def device() -> str:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # type: ignore[no-untyped-def]
-    from conformance.differential import SUMMARY
+    from dsv4mtp.conformance.differential import SUMMARY
 
     if not SUMMARY:
         return
-    from conformance.registry import REGISTRY
+    from dsv4mtp.conformance.registry import REGISTRY
 
     tr = terminalreporter
     tr.section("conformance: worst error seen per op, dtype and output (vs float64 oracle)")

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from conformance.registry import Case, OpPair, Tolerance
+from dsv4mtp.conformance.registry import Case, OpPair, Tolerance
 
 __all__ = ["SUMMARY", "ErrorReport", "check_pair", "compare", "to_float64"]
 
@@ -144,7 +144,7 @@ def make_differential_test(concept: str) -> Callable[..., None]:
     from hypothesis import given
     from hypothesis import strategies as st
 
-    from conformance.registry import pairs_for
+    from dsv4mtp.conformance.registry import pairs_for
 
     params = [
         pytest.param(p, dt, id=f"{p.name}-{str(dt).removeprefix('torch.')}")

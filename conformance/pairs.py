@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from conformance.registry import Case, OpPair, Tolerance, register
+from dsv4mtp.conformance.registry import Case, OpPair, Tolerance, register
 
 # --------------------------------------------------------------------------- input building
 

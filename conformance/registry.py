@@ -89,7 +89,7 @@ def register(pair: OpPair) -> OpPair:
 
 
 def pairs_for(concept: str) -> list[OpPair]:
-    import conformance.pairs  # noqa: F401  (declares the pairs)
+    import dsv4mtp.conformance.pairs  # noqa: F401  (declares the pairs)
 
     return [p for p in REGISTRY.values() if p.concept == concept]
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance._mtp_random import random_attention_params
+from dsv4mtp.conformance._mtp_random import random_attention_params
 from dsv4mtp.reference import DSV4Config, InputError
 from dsv4mtp.reference.attention import AttentionParams, KVCache, attention
 from dsv4mtp.reference.quant_sim import fp8_block_roundtrip

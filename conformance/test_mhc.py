@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.differential import make_differential_test
+from dsv4mtp.conformance.differential import make_differential_test
 from dsv4mtp.reference import InputError, hc_head, hc_post, hc_pre, sinkhorn
 
 EPS = 1e-6
@@ -423,8 +423,8 @@ def test_optimized_hc_head_backends_agree(dtype: torch.dtype, device: str) -> No
     """hc_head's two kernels (fp32 FMA mix; bf16 hi/lo tensor-core mix) compute one function:
     both within the registry's tolerance of the float64 oracle, outputs within one rounding of
     each other's scale.  A schedule is refused by the backend that has none."""
-    from conformance.differential import compare
-    from conformance.registry import REGISTRY
+    from dsv4mtp.conformance.differential import compare
+    from dsv4mtp.conformance.registry import REGISTRY
 
     shapes = [(1, 4096), (77, 7168), (700, 4096)] if device == "cuda" else [(1, 96), (37, 160)]
     tol = REGISTRY["hc_head"].tolerances[dtype]
@@ -491,8 +491,8 @@ def test_optimized_hc_post_backends_agree(T: int, D: int) -> None:
 def test_optimized_generic_n_path(op: str, n: int, D: int, dtype: torch.dtype) -> None:
     """n != 4 (no FlashInfer kernel) and fp32 run the Triton kernels; compared with the float64
     reference under the registry's tolerance for the op and dtype."""
-    from conformance.differential import compare
-    from conformance.registry import REGISTRY
+    from dsv4mtp.conformance.differential import compare
+    from dsv4mtp.conformance.registry import REGISTRY
 
     tol = REGISTRY[op].tolerances[dtype]
     for T in (1, 37, 300):
@@ -507,8 +507,8 @@ def test_optimized_generic_n_path(op: str, n: int, D: int, dtype: torch.dtype) -
 @pytest.mark.parametrize("op", _GPU_OPS)
 def test_optimized_very_long_batch(op: str) -> None:
     """T = 65537 (beyond one grid row of 65535 blocks, odd): finite, within tolerance."""
-    from conformance.differential import compare
-    from conformance.registry import REGISTRY
+    from dsv4mtp.conformance.differential import compare
+    from dsv4mtp.conformance.registry import REGISTRY
 
     T, D = 65537, 1024
     args, kw = _opt_inputs(op, T, 4, D, torch.bfloat16, "cuda", seed=5)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from conformance._mtp_random import random_moe_params
+from dsv4mtp.conformance._mtp_random import random_moe_params
 from dsv4mtp.reference import DSV4Config
 from dsv4mtp.reference.moe import DenseExperts, MoEParams, moe, route, swiglu_expert
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance._mtp_random import random_mtp_layer
+from dsv4mtp.conformance._mtp_random import random_mtp_layer
 from dsv4mtp.reference import (
     PRESETS,
     ConfigError,

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.differential import make_differential_test
+from dsv4mtp.conformance.differential import make_differential_test
 from dsv4mtp.reference import InputError, rms_norm
 
 F64 = torch.float64

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-import conformance.pairs  # noqa: F401  (declares the pairs)
+import dsv4mtp.conformance.pairs  # noqa: F401  (declares the pairs)
 import dsv4mtp.optimized as optimized
 import dsv4mtp.reference as reference
-from conformance.registry import REGISTRY
+from dsv4mtp.conformance.registry import REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,0 +1,2 @@
+"""The conformance suite: the op registry, the one differential tester, and the tests of both
+implementations (installed as ``dsv4mtp.conformance``)."""
