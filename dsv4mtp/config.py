@@ -2,7 +2,8 @@
 
 Field names are the JSON keys (``compress_ratios``, ``qk_rope_head_dim``, ``o_groups``, ...), not
 Transformers' rewritten ones: Transformers' ``DeepseekV4Config`` truncates ``compress_ratios`` to
-the main layers and renames several fields (spec 1.5), so we read the plain dict.
+the main layers (dropping the MTP entry) and renames several fields, so we read the plain dict.
+What each field means for the MTP layer: ``docs/semantics.md``, "Notation and shapes".
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ _FLOAT_FIELDS = (
 
 @dataclass(frozen=True)
 class DSV4Config:
-    """The fields the MTP layer reads (spec 1.1), named as in DeepSeek-V4's ``config.json``.
+    """The fields the MTP layer reads, named as in DeepSeek-V4's ``config.json``.
 
     Defaults are V4-Flash's.  Build from a dict with :meth:`from_hf_config`, from a checkpoint
     directory with :meth:`from_dir`, or use the presets :meth:`flash`, :meth:`pro`, :meth:`tiny`.
@@ -236,13 +237,13 @@ class DSV4Config:
     # ------------------------------------------------------------------ presets
     @classmethod
     def flash(cls) -> DSV4Config:
-        """DeepSeek-V4-Flash (spec 1.1)."""
+        """DeepSeek-V4-Flash."""
         ratios = [0, 0] + [4 if (i % 2 == 0) else 128 for i in range(41)] + [0]
         return cls(compress_ratios=tuple(ratios))
 
     @classmethod
     def pro(cls) -> DSV4Config:
-        """DeepSeek-V4-Pro (spec 1.1)."""
+        """DeepSeek-V4-Pro."""
         ratios = [128, 128] + [4 if (i % 2 == 0) else 128 for i in range(59)] + [0]
         return cls(
             hidden_size=7168,
@@ -260,9 +261,11 @@ class DSV4Config:
 
     @classmethod
     def tiny(cls) -> DSV4Config:
-        """A CPU-sized config exercising every MTP code path (spec 1.4a, ranks raised to 128
-        so every FP8 block is full).  ``num_hash_layers`` is 0: with 2 main layers Flash's 3
-        would make the MTP layer id (2) a hash layer, which the MTP never is."""
+        """A CPU-sized config exercising every MTP code path (T > 16 makes the window bind;
+        D, the ranks and I are multiples of 128 so every FP8 block is full).
+
+        ``num_hash_layers`` is 0: with 2 main layers Flash's 3 would make the MTP layer id (2) a
+        hash layer, which the MTP never is."""
         return cls(
             hidden_size=256,
             num_hidden_layers=2,

@@ -1,4 +1,6 @@
-"""Bit-exact encode / decode of the DeepSeek-V4 checkpoint number formats (research note 2, spec 9).
+"""Bit-exact encode / decode of the DeepSeek-V4 checkpoint number formats.
+
+Bit layouts, tables and rounding rules with their reasons: ``docs/semantics.md``, "Number formats".
 
 Scalar formats
 --------------

@@ -1,4 +1,6 @@
-"""The MTP layer's sliding-window KV cache of one sequence (``docs/semantics.md``, "Attention").
+"""The MTP layer's sliding-window KV cache of one sequence.
+
+What it holds and when rows are dropped: ``docs/semantics.md``, "Attention with sinks".
 
 One type for both implementations: the reference reads and extends it row by row; the optimized
 layer keeps its own preallocated buffers and converts from / to this type at its boundary.

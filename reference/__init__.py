@@ -4,7 +4,8 @@ Runs in bfloat16, float32 or float64.  The modules here hold only the math (``no
 ``rope``, ``linear``, ``quant_sim``, ``attention``, ``moe``, ``mtp``); config, formats, parameter
 containers, checkpoint loading and the tools live in the shared core (``dsv4mtp.*``) and are
 re-exported below, grouped by concept, so ``dsv4mtp.reference`` stays one import.  Nothing here
-imports ``dsv4mtp.optimized``.
+imports ``dsv4mtp.optimized``.  The math every module implements, with its precisions and
+reasons, is written out in ``docs/semantics.md``.
 """
 
 # ruff: noqa: I001  (grouped by concept, not alphabetically)

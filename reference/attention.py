@@ -1,4 +1,6 @@
-"""Attention of the MTP layer: pure sliding-window MQA with attention sinks (spec 6).
+"""Attention of the MTP layer: pure sliding-window MQA with attention sinks.
+
+The math, precisions and reasons: ``docs/semantics.md``, "Attention with sinks".
 
 The MTP layer has compress ratio 0: no compressor, no indexer.  One shared latent ``kv (Dh,)``
 per token is both key and value; queries go through a low-rank path with an unweighted per-head
@@ -61,7 +63,7 @@ def sink_attention(
     window: int,
     scale: float,
 ) -> torch.Tensor:
-    """Sliding-window attention of one sequence with per-head sinks (spec 6.5).
+    """Sliding-window attention of one sequence with per-head sinks.
 
     q (Tq, H, Dh); kv (Tk, Dh) used as key and value; attn_sink (H,) a logit in the scaled score
     space that joins the softmax denominator only (a virtual key with a zero value).
@@ -127,7 +129,7 @@ def attention(
         device=x.device,
     )
 
-    # query path (spec 6.2)
+    # query path: low rank, q_norm, unweighted per-head norm, RoPE on the last Dr dims
     qr = rms_norm(linear(x, params.wq_a, act_quant=act_quant), params.q_norm, eps, order=norm_order)
     q = linear(qr, params.wq_b, act_quant=act_quant).view(T, H, Dh)  # (T, H, Dh)
     # Unweighted per-head RMS norm, rounded to the activation dtype after each op as the
@@ -138,14 +140,14 @@ def attention(
     q = q * torch.rsqrt(mean_sq.to(compute_dtype(q.dtype)) + eps).to(q.dtype)
     q = torch.cat([q[..., :Dn], apply_rope(q[..., Dn:], positions, freqs)], dim=-1)
 
-    # key/value latent (spec 6.3)
+    # key/value latent: one (Dh,) row per token, the key and the value of every head
     kv = rms_norm(linear(x, params.wkv, act_quant=act_quant), params.kv_norm, eps, order=norm_order)
     kv_nope, kv_rope = kv[:, :Dn], apply_rope(kv[:, Dn:], positions, freqs)  # (T, Dn), (T, Dr)
     if fp8_kv:
         kv_nope = fp8_block_roundtrip(kv_nope, KV_QUANT_BLOCK)
     kv = torch.cat([kv_nope, kv_rope], dim=-1)  # (T, Dh)
 
-    # per-sequence sliding window with sinks (spec 6.5)
+    # per-sequence sliding window with sinks
     outs, start = [], 0
     for b, n in enumerate(lens):
         rows = slice(start, start + n)
@@ -173,7 +175,7 @@ def attention(
             cache.append(kv[rows], pos_b)
     o = torch.cat(outs) if outs else q.new_zeros(0, H, Dh)  # (T, H, Dh)
 
-    # output path (spec 6.6): undo the rotation the values carried, then grouped wo_a, wo_b
+    # output path: undo the rotation the values carried (query position), then grouped wo_a, wo_b
     o = torch.cat([o[..., :Dn], apply_rope(o[..., Dn:], positions, freqs, inverse=True)], dim=-1)
     groups = o.reshape(T, G, (H // G) * Dh)  # group g = heads [g*H/G, (g+1)*H/G)
     wo_a = params.wo_a.view(G, config.o_lora_rank, (H // G) * Dh)

@@ -1,7 +1,9 @@
-"""The one matmul every projection of the reference goes through.
+"""The one matmul every projection of the layer goes through (the LM head in ``compute_logits``
+apart: a chunked fp32 product).
 
 ``y = x @ W^T`` in promote(x.dtype, float32) (the official GEMMs accumulate in fp32 and write the
-activation dtype), optionally after simulated FP8 activation quantization (spec 9.3).
+activation dtype), optionally after simulated FP8 activation quantization (``docs/semantics.md``,
+"Activation and KV quantization").
 
 Rows are computed independently (a batched product of one row each): BLAS picks different
 kernels, hence different rounding, for 1 row and for many, and we want a token's output to be

@@ -1,4 +1,6 @@
-"""Manifold-constrained hyper-connections (mHC) and ``hc_head`` (spec 4 and 5).
+"""Manifold-constrained hyper-connections (mHC) and ``hc_head``.
+
+The math: ``docs/semantics.md``, "mHC: hc_pre, Sinkhorn, hc_post" and "hc_head".
 
 The residual is ``n = hc_mult`` streams of width D, ``x: (T, n, D)``.  ``hc_pre`` collapses the
 streams into the sublayer input and produces the ``post`` gates and the doubly-stochastic ``comb``
@@ -43,7 +45,7 @@ def _check_params(
 def sinkhorn(logits: torch.Tensor, *, iters: int, eps: float) -> torch.Tensor:
     """Sinkhorn-Knopp on comb logits (already scaled and biased): (..., n, n) -> (..., n, n).
 
-    Schedule (spec 5.3): row softmax, + eps, one column normalization, then ``iters - 1`` rounds
+    Schedule: row softmax, + eps, one column normalization, then ``iters - 1`` rounds
     of (row, column) normalization.  It ends on a column normalization, so every destination
     column sums to 1 (up to eps); rows only approximately.
     """
@@ -71,7 +73,7 @@ def hc_pre(
     sinkhorn_iters: int,
     post_mult: float = 2.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Collapse n streams into one sublayer input (spec 5.2).
+    """Collapse n streams into one sublayer input.
 
     x: (T, n, D); fn: (M, n*D) with M = (2+n)*n rows [pre n | post n | comb n*n];
     scale: (3,) = [s_pre, s_post, s_comb]; base: (M,).
@@ -98,7 +100,7 @@ def hc_pre(
 def hc_post(
     f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
-    """Write a sublayer output back into the streams (spec 5.4).
+    """Write a sublayer output back into the streams.
 
     f: (T, D) sublayer output; residual: (T, n, D) the streams that entered hc_pre;
     post: (T, n); comb: (T, n, n) indexed [source j, destination k].
@@ -130,7 +132,7 @@ def hc_head(
     rms_norm_eps: float,
     hc_eps: float,
 ) -> torch.Tensor:
-    """Collapse the n streams before the LM head (spec 4): (T, n, D) -> (T, D) in x.dtype.
+    """Collapse the n streams before the LM head: (T, n, D) -> (T, D) in x.dtype.
 
     fn: (n, n*D); scale: (1,); base: (n,).  The RMS factor only scales the gate logits; the
     weighted sum uses the un-normalized streams.  No post multiplier, no Sinkhorn.

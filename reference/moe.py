@@ -1,9 +1,11 @@
 """MoE feed-forward of the MTP layer: sqrtsoftplus router, routed SwiGLU experts, shared expert.
 
-Spec 7.  Routed experts are never materialised all at once: the caller passes an
-:class:`ExpertSource`, which dequantizes ONE expert on request (a real V4-Flash MTP layer keeps
-its 256 experts packed in FP4, about 3.2 GiB, and would need 26 GiB in bf16).  Only the experts
-that the router selects for some token in the batch are dequantized, one at a time.
+The math: ``docs/semantics.md``, "MoE: router, clamped SwiGLU, shared expert".
+
+Routed experts are never materialised all at once: the caller passes an :class:`ExpertSource`,
+which dequantizes ONE expert on request (a real V4-Flash MTP layer keeps its 256 experts packed
+in FP4, about 3.2 GiB, and would need 26 GiB in bf16).  Only the experts that the router selects
+for some token in the batch are dequantized, one at a time.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ __all__ = [
 def route(
     x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor, config: DSV4Config
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """sqrtsoftplus routing (spec 7.1): x (T, D) -> (weights (T, K) compute dtype, ids (T, K)).
+    """sqrtsoftplus routing: x (T, D) -> (weights (T, K) compute dtype, ids (T, K)).
 
     The bias shifts scores for the top-k selection only; the weights are the unbiased scores
     renormalised over the K selected and multiplied by ``routed_scaling_factor``.
@@ -56,7 +58,7 @@ def swiglu_expert(
     route_weight: torch.Tensor | None = None,
     act_quant: bool = False,
 ) -> torch.Tensor:
-    """One SwiGLU expert (spec 7.3): x (t, D) -> (t, D) in x.dtype.
+    """One SwiGLU expert: x (t, D) -> (t, D) in x.dtype.
 
     With ``limit > 0`` the up projection is clamped to [-limit, limit] and the gate from above
     only, in the physical (dequantized) space.  ``route_weight (t,)`` multiplies the hidden
@@ -82,7 +84,7 @@ def moe(
     shared_clamp: bool = True,
     act_quant: bool = False,
 ) -> torch.Tensor:
-    """MoE sublayer: x (T, D) (already ``ffn_norm``-ed) -> (T, D) in x.dtype (spec 7.5).
+    """MoE sublayer: x (T, D) (already ``ffn_norm``-ed) -> (T, D) in x.dtype.
 
     Routed outputs are accumulated in the compute dtype in expert-id order, then the shared
     expert (not scaled by ``routed_scaling_factor``) is added; one cast at the end.

@@ -1,31 +1,14 @@
-"""The DeepSeek-V4 MTP draft layer, end to end (spec 2, 3 and Appendix A).
+"""The DeepSeek-V4 MTP draft layer (``docs/semantics.md``, "The MTP layer end to end").
 
 ``MTPLayer.forward`` maps (shifted token ids, target positions, the target's flat pre-hc_head
 residual) to the MTP's own flat pre-hc_head residual ``(T, hc_mult * D)``; ``compute_logits``
 applies ``hc_head`` -> the MTP's ``norm`` -> the shared LM head; ``draft`` runs k-step
 speculation, re-feeding its own residual, the drafted token and position + 1.
 
-Semantics switches and presets
-------------------------------
-Every documented divergence between the DeepSeek release and vLLM is a switch; a preset bundles
-them.  ``math`` is the exact math on dequantized weights: the oracle other implementations are
-compared against in float64.  Rounding-order details not listed (q per-head norm in the
-activation dtype, routing weight applied before ``w2``) follow the official code.
-
-| switch | `math` (default) | `official` (current DeepSeek release) | `vllm` |
-|---|---|---|---|
-| `mask_pos0` (zero the embedding at position 0) | off | off | on |
-| `rope_mode` | `plain`, theta = rope_theta | `plain` | `yarn` frequencies (spec 6.4) |
-| `norm_order` | `official`: weight then cast | `official`: weight then cast | `vllm`: cast then weight |
-| `shared_clamp` (swiglu_limit on the shared expert) | on | on | on |
-| `fp8_kv` (round KV non-rope dims through e4m3, 64-wide pow2 scales) | off | on | on |
-| `act_quant` (per-row 1x128 e4m3 activation quantization before FP8/FP4 linears, spec 9.3) | off | on | on |
-
-``act_quant`` applies to the linears the checkpoint stores in FP8/FP4 (e_proj, h_proj, wq_a,
-wq_b, wkv, wo_b, shared and routed experts); never to ``wo_a`` (the official converter
-dequantizes it to bf16), the router gate or the head (bf16/fp32), nor to bf16 experts.  NVFP4
-experts are simulated with the same FP8 activation rounding (vLLM's NVFP4 kernels quantize
-activations to NVFP4 instead; not modelled).
+Every documented divergence between DeepSeek's release and vLLM is a :class:`Semantics` switch;
+a preset bundles them.  The table of presets and what each switch changes in the math are in
+``docs/semantics.md`` ("Presets and switches").  ``math`` (the default) is the exact math on
+dequantized weights: the oracle other implementations are compared against in float64.
 """
 
 from __future__ import annotations
@@ -233,12 +216,13 @@ class MTPLayer:
         kv_cache: KVCache | Sequence[KVCache] | None = None,
         spec_step: int = 0,
     ) -> torch.Tensor:
-        """One MTP pass (spec 3.2) -> the flat pre-hc_head residual ``(T, hc_mult*D)``.
+        """One MTP pass -> the flat pre-hc_head residual ``(T, hc_mult*D)``.
 
-        input_ids (T,) int64, already shifted (row p carries t_{p+1}, spec 2); positions (T,)
-        int64, the target positions; prev_hidden (T, hc_mult*D) in the layer dtype; seq_lens
-        (B,) int64 summing to T (default: one sequence); kv_cache: one :class:`KVCache` per
-        sequence (a single cache for B = 1), extended in place; spec_step picks the layer.
+        input_ids (T,) int64, already shifted: row p carries t_{p+1} (``docs/semantics.md``,
+        "The MTP layer end to end"); positions (T,) int64, the target positions; prev_hidden
+        (T, hc_mult*D) in the layer dtype; seq_lens (B,) int64 summing to T (default: one
+        sequence); kv_cache: one :class:`KVCache` per sequence (a single cache for B = 1),
+        extended in place; spec_step picks the layer.
         """
         lens = self._check_inputs(input_ids, positions, prev_hidden, seq_lens)
         caches = [kv_cache] if isinstance(kv_cache, KVCache) else kv_cache
@@ -266,7 +250,7 @@ class MTPLayer:
             + linear(e, p.e_proj, act_quant=q_dense)[:, None, :]
         )
 
-        # attention sublayer (spec 5.5)
+        # attention sublayer: hc_pre -> attn_norm -> attention -> hc_post (the MoE one alike)
         a_in, post, comb = hc_pre(x, p.hc_attn_fn, p.hc_attn_scale, p.hc_attn_base, **hc)
         a = attention(
             rms_norm(a_in, p.attn_norm, eps, order=sem.norm_order),
@@ -297,7 +281,7 @@ class MTPLayer:
     __call__ = forward
 
     def compute_logits(self, hidden: torch.Tensor, *, spec_step: int = 0) -> torch.Tensor:
-        """hidden (T, hc_mult*D) -> logits (T, vocab) (spec 3.3).
+        """hidden (T, hc_mult*D) -> logits (T, vocab).
 
         hc_head with the MTP's own ``hc_head_*``, the MTP's ``norm``, then the shared head in
         fp32 as the official ``ParallelHead`` (float64 when the layer runs in float64, so the
@@ -340,12 +324,14 @@ class MTPLayer:
         return_logits: bool = False,
         forced_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """k-step speculation (spec 3.4) -> drafted ids (B, num_tokens) for the last row of each
-        sequence (+ logits (B, num_tokens, vocab) with ``return_logits``).
+        """k-step speculation -> drafted ids (B, num_tokens) for the last row of each sequence
+        (+ logits (B, num_tokens, vocab) with ``return_logits``).
 
         Step 0 runs all rows; step k >= 1 feeds, per sequence, the token drafted at step k-1,
         position + 1 and the MTP's own residual of that row, through layer
-        ``k % num_nextn_predict_layers``, whose KV cache holds the earlier rows of the sequence.
+        ``k % num_nextn_predict_layers``.  Each layer has its own KV caches, fresh per call, holding
+        the rows that layer processed: the whole prefix for layer 0, only its own earlier draft
+        rows for a later layer.
         ``forced_tokens`` (B, num_tokens): teacher forcing, feed these instead of the layer's own
         picks (the returned ids are then these tokens; used to compare two layers step by step).
         """

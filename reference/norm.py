@@ -1,4 +1,4 @@
-"""RMSNorm, as the official DeepSeek-V4 code computes it (spec 8)."""
+"""RMSNorm and its two weight orders (``docs/semantics.md``, "RMSNorm")."""
 
 from __future__ import annotations
 

@@ -1,11 +1,13 @@
-"""Simulated FP8 rounding of activations (spec 9.3, 9.4): quantize then dequantize.
+"""Simulated FP8 rounding of activations and of the KV latent: quantize then dequantize.
+
+Rules and reasons: ``docs/semantics.md``, "Activation and KV quantization".
 
 The official kernels quantize every activation that enters an FP8/FP4 GEMM per row in blocks of
 128 along K, with a power-of-two (ue8m0) scale ``s = 2**ceil(log2(amax / 448))``, and round the
 non-rope dims of the KV latent the same way in blocks of 64.  Because the GEMM then accumulates
 ``q * s * w`` in fp32, multiplying the rounded values back by ``s`` before an ordinary GEMM gives
-the same math.  ``amax`` is floored at 1e-4 as in the official ``act_quant``.  ``x / s`` is exact (s is a
-power of two), so the only rounding is e4m3 (correctly rounded for float64 too, see formats).
+the same math.  ``amax`` is floored at 1e-4 as in the official ``act_quant``.  ``x / s`` is
+exact (s is a power of two), so the only rounding is e4m3 (correctly rounded for float64 too).
 """
 
 from __future__ import annotations

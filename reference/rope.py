@@ -1,9 +1,10 @@
-"""Rotary position embedding of the MTP layer (spec 6.4).
+"""Rotary position embedding of the MTP layer (``docs/semantics.md``, "Attention with sinks").
 
 GPT-J / interleaved layout: pairs ``(x[2i], x[2i+1])`` of the last ``qk_rope_head_dim`` dims are
 rotated by ``pos * f_i``.  The MTP layer has compress ratio 0, so the official code uses plain
-RoPE with ``base = rope_theta``; vLLM keeps DeepSeek-YaRN frequency interpolation (spec 11.2).
-Both are offered (``mode="plain" | "yarn"``); the cos/sin magnitude factor is 1 in both.
+RoPE with ``base = rope_theta``; vLLM keeps DeepSeek-YaRN frequency interpolation (the
+``rope_mode`` switch, ``docs/semantics.md``, "Presets and switches").  Both are offered
+(``mode="plain" | "yarn"``); the cos/sin magnitude factor is 1 in both.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ __all__ = ["RopeMode", "apply_rope", "rope_frequencies"]
 def _yarn_ramp(
     rope_dim: int, base: float, scaling: dict[str, Any], dtype: torch.dtype
 ) -> torch.Tensor:
-    """ramp_i in [0, 1] per pair i: 0 keeps f_i, 1 divides it by ``factor`` (spec 6.4)."""
+    """ramp_i in [0, 1] per pair i: 0 keeps f_i, 1 divides it by ``factor``."""
     original = float(scaling.get("original_max_position_embeddings", 65536))
     beta_fast = float(scaling.get("beta_fast", 32))
     beta_slow = float(scaling.get("beta_slow", 1))

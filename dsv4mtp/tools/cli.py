@@ -260,7 +260,8 @@ def compare(
 
     Both run on the same deterministic inputs; per draft step: top-1 agreement and
     KL(p_A || p_B); per tensor group: the relative error of the dequantized weights, worst
-    first.  Runs the reference on CPU (the optimized layer on CUDA when available).
+    first.  Runs the reference on CPU (the optimized layer on CUDA when available).  Presets:
+    docs/semantics.md, "Presets and switches".
     """
     import json
 

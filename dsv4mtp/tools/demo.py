@@ -2,8 +2,8 @@
 
 Creates a tiny synthetic checkpoint in a temporary directory (or uses ``--checkpoint DIR``, a
 synthetic or real DeepSeek-V4 directory), loads the MTP layer once (routed experts stay packed),
-builds the bf16 reference and the float64 ``math`` oracle from the same loaded tensors, drafts
-``num_tokens`` tokens per sequence and reports:
+builds the bf16 reference and the float64 ``math`` oracle (``docs/semantics.md``, "Presets and
+switches") from the same loaded tensors, drafts ``num_tokens`` tokens per sequence and reports:
 
 * formats detected (routed experts per layer, dense linears) and tensors loaded;
 * the drafted tokens (bf16 reference, free-running) and the oracle's;
