@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from fractions import Fraction
 from pathlib import Path
 
 import ml_dtypes
@@ -69,6 +70,33 @@ def e4m3_oracle(x: np.ndarray) -> np.ndarray:
 
 def e2m1_oracle(x: np.ndarray) -> np.ndarray:
     return nearest_code(x, E2M1_MAGS, 3)
+
+
+def _nearest_e4m3_exact(q: Fraction) -> int:
+    """Byte of the e4m3 value nearest to the exact rational q (ties to the even code)."""
+    a = min(abs(q), Fraction(448))
+    mags = [Fraction(float(m)) for m in E4M3_MAGS]
+    hi = next(i for i, m in enumerate(mags) if m >= a)
+    lo = max(hi - 1, 0)
+    mid = (mags[lo] + mags[hi]) / 2
+    pick = lo if a < mid else hi if a > mid else (lo if lo % 2 == 0 else hi)
+    return pick | (0x80 if q < 0 else 0)
+
+
+def e4m3_quotient_oracle(w: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """Nearest e4m3 of the exact quotient w / s.  The float64 quotient decides except within
+    2^-40 (relative) of an e4m3 midpoint, where exact rational arithmetic decides."""
+    w, s = np.broadcast_arrays(np.asarray(w, np.float64), np.asarray(s, np.float64))
+    y = w / s
+    out = e4m3_oracle(y)
+    mids = midpoints(E4M3_MAGS)
+    a = np.minimum(np.abs(y), 448)
+    j = np.clip(np.searchsorted(mids, a), 1, len(mids) - 1)
+    gap = np.minimum(np.abs(a - mids[j]), np.abs(a - mids[j - 1]))
+    for idx in zip(*np.nonzero(gap <= a * 2.0**-40), strict=True):
+        if w[idx] != 0:
+            out[idx] = _nearest_e4m3_exact(Fraction(float(w[idx])) / Fraction(float(s[idx])))
+    return out
 
 
 def bytes_of(t: torch.Tensor) -> np.ndarray:
@@ -249,6 +277,22 @@ def test_encode_e2m1_ties_go_to_the_even_code() -> None:
     assert encode_e2m1(specials).tolist() == [7, 15, 7, 7, 8, 8, 0]
 
 
+def test_encode_e2m1_agrees_with_modelopt_except_negative_zero() -> None:
+    """ModelOpt's ``_cast_fp4``, written out as it computes (bounds, ordinal, round-up at the odd
+    bounds, sign bit from x < 0), on every bf16 value: the codes agree except for -0.0, which
+    ModelOpt encodes as 0 and we keep as 8 (both decode to zero)."""
+    x = all_finite_patterns(BF16).float()
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    odd = torch.tensor([0, 1, 0, 1, 0, 1, 0], dtype=torch.bool)
+    ordinal = torch.searchsorted(bounds, x.abs(), out_int32=True)
+    round_up = ((x.abs()[:, None] == bounds) & odd).any(-1)
+    modelopt = ((x < 0).int() * 8 + ordinal + round_up.int()).to(torch.uint8)
+    ours = encode_e2m1(x)
+    negative_zero = (x == 0) & torch.signbit(x)
+    assert torch.equal(ours[~negative_zero], modelopt[~negative_zero])
+    assert ours[negative_zero].tolist() == [8] and modelopt[negative_zero].tolist() == [0]
+
+
 @given(
     values=st.lists(
         st.one_of(
@@ -374,9 +418,8 @@ def test_fp8_block_quantize(
     )
 
     s = expand(fp8_scale_values(scale), block, block, n, k)  # (N, K) float64
-    cd = F64 if dtype == F64 else F32
-    y = (w.to(cd) / s.to(cd)).double().clamp(-448, 448)
-    assert np.array_equal(bytes_of(q), e4m3_oracle(y.numpy()))
+    # The codes are the nearest e4m3 of the exact quotient (one rounding, either scale format).
+    assert np.array_equal(bytes_of(q), e4m3_quotient_oracle(w.double().numpy(), s.numpy()))
 
     deq = dequantize_fp8_block(q, scale, block=block, dtype=F64)  # exact: 4 + 24 bits
     assert torch.equal(dequantize_fp8_block(q, scale, block=block), deq.float())
@@ -387,6 +430,29 @@ def test_fp8_block_quantize(
     if fmt == "e8m0":  # power-of-two scales make quantization a projection
         q2, s2 = quantize_fp8_block(deq, scale_fmt="e8m0", block=block)
         assert torch.equal(dequantize_fp8_block(q2, s2, block=block, dtype=F64), deq)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32, F64])
+def test_fp8_block_float32_scale_rounds_the_exact_quotient_once(dtype: torch.dtype) -> None:
+    """A bf16 block with amax 25.5 stores the float32 scale 0.05691964 (25.5 / 448 rounded);
+    1.1953125 / that scale = 21.0000004, just above the midpoint of 20 and 22, so it must encode
+    22; a float32 division rounds the quotient to 21.0 and ties to even would give 20.  The rest
+    of the block is every e4m3 midpoint times the scale, rounded to the input dtype, and the
+    inputs one ulp either side: each must encode the nearest e4m3 of its exact quotient."""
+    head = torch.tensor([25.5, 1.1953125, -1.1953125], dtype=F64)
+    scale = np.float32(np.float32(25.5) / np.float32(448))
+    at_mid = torch.from_numpy(midpoints(E4M3_MAGS) * np.float64(scale)).to(dtype)
+    near = torch.cat(
+        [at_mid, torch.nextafter(at_mid, at_mid * 2), torch.nextafter(at_mid, at_mid * 0)]
+    )
+    near = near[near.abs() < 25.5]  # amax stays 25.5
+    flat = torch.cat([head.to(dtype), near, -near])
+    w = torch.nn.functional.pad(flat, (0, -flat.numel() % 128)).reshape(-1, 128)  # one block
+    assert w.shape[0] <= 128
+    q, s = quantize_fp8_block(w, scale_fmt="float32")
+    assert s.dtype == F32 and float(s) == float(scale)
+    assert decode_e4m3(q)[0, 1:3].tolist() == [22.0, -22.0]
+    assert np.array_equal(bytes_of(q), e4m3_quotient_oracle(w.double().numpy(), float(scale)))
 
 
 def test_fp8_block_known_answer_and_zero_block() -> None:

@@ -18,8 +18,11 @@ Scalar formats
   *Encode* rounds to the nearest value, ties to the *even code* (the one whose mantissa bit is
   0: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4), saturates beyond +-6 (so +-inf -> +-6),
   keeps the sign of zero (``-0.0`` and tiny negatives give code 8) and raises
-  :class:`InputError` on NaN, which E2M1 cannot represent.  This matches ModelOpt's
-  ``_cast_fp4`` and ml_dtypes' ``float4_e2m1fn`` (tested).
+  :class:`InputError` on NaN, which E2M1 cannot represent.  This is ml_dtypes'
+  ``float4_e2m1fn`` for every input, and ModelOpt's ``_cast_fp4`` (which wrote the NVFP4
+  checkpoints we read) for every input but ``-0.0``: ModelOpt takes the sign bit from
+  ``x < 0`` and encodes ``-0.0`` as code 0.  Both codes decode to zero; keeping the sign bit
+  makes quantize(dequantize(codes)) return the same bytes for every code (tested).
 * **Packing**: two codes per byte, element ``2j`` in the low nibble, element ``2j + 1`` in the high
   nibble of byte ``j``.  Packed tensors may arrive as ``uint8`` (NVIDIA checkpoints, vLLM
   params), ``int8`` (the official Flash checkpoint stores ``I8``) or ``torch.float4_e2m1fn_x2``;
@@ -45,8 +48,11 @@ Block formats (weights ``w`` of shape (N, K); K is the input / reduction dim)
     floating log2, which can round across a power of two).  So ``|w / scale| <= 448`` always and
     no clamping happens.  k is clamped to >= -127 for tiny blocks; a float64 block whose k would
     exceed 127 raises :class:`InputError`.
-  - ``scale_fmt="float32"``: ``scale = float32(amax) / 448`` in float32; ``w / scale`` may exceed
-    448 by an ulp, which the encoder's clamp absorbs.
+  - ``scale_fmt="float32"``: ``scale = float32(amax) / 448`` in float32.  The codes are the
+    correctly rounded e4m3 values of the exact quotient ``w / scale`` (saturating at +-448):
+    dividing in float32 first would round twice, and a quotient within a float32 ulp of an e4m3
+    midpoint would then tie to even on the wrong side (amax 25.5 gives the scale 0.05691964;
+    1.1953125 / scale = 21.0000004 must encode 22, the float32 quotient 21.0 ties to 20).
   - All-zero block: scale 1.0 (E8M0 byte 127) in both cases; its codes are zeros.  A float32
     scale that would underflow to 0 (amax < 448 * 2^-150) is also stored as 1.0.
 
@@ -441,8 +447,32 @@ def quantize_fp8_block(
         scale = decode_e8m0(scale_bytes, dtype=torch.float64)  # exact powers of two
         stored = scale_bytes.view(torch.float8_e8m0fnu)
     per_element = _expand_tiles(scale.to(cd), block, block, n, k)  # (N, K)
-    q = encode_e4m3(w.to(cd) / per_element)
-    return q, stored
+    if scale_fmt == "float32":
+        return _encode_e4m3_quotient(w, per_element), stored
+    return encode_e4m3(w.to(cd) / per_element), stored  # exact division by a power of two
+
+
+def _encode_e4m3_quotient(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded e4m3 of the exact quotient ``w / scale`` (ties to even, saturating).
+
+    w (...) float, scale (...) positive finite float32 values.  The float64 quotient brackets the
+    exact one between two adjacent e4m3 magnitudes ``lo < hi``; which one is nearer is decided
+    by comparing ``|w|`` with ``mid * scale``, ``mid = (lo + hi) / 2``: mid has at most 5
+    significant bits and the scale 24, so that product is exact in float64, and so is the
+    comparison for every input dtype (float64 included, whose quotient can round onto a midpoint).
+    """
+    w64, s64 = w.to(torch.float64), scale.to(torch.float64)
+    mag = (w64 / s64).abs().clamp(max=E4M3_MAX)
+    table = _e4m3_table(torch.float64, w.device)
+    nearest = encode_e4m3(mag).view(torch.uint8).long()  # 0..0x7E
+    lo = torch.where(table[nearest] > mag, nearest - 1, nearest)
+    hi = (lo + 1).clamp(max=0x7E)
+    mid_times_s = (table[lo] + table[hi]) / 2 * s64  # exact (see above)
+    above = w64.abs() > mid_times_s
+    tie = w64.abs() == mid_times_s
+    byte = torch.where(above | (tie & (lo % 2 == 1)), hi, lo)  # odd lo at a tie: hi is even
+    byte = byte | (torch.signbit(w64).long() << 7)
+    return byte.to(torch.uint8).view(torch.float8_e4m3fn)
 
 
 def dequantize_fp8_block(
