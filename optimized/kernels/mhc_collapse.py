@@ -92,7 +92,7 @@ def _reduce_gates(
     The slot loop is unrolled (static_range), so its S independent loads are all in flight
     before the first add: one L2 round trip, not S of them.  Each program of a block reduces
     its own TPP tokens, so the reduction is spread over the block's S programs (a single
-    reducer summing all BLOCK_T tokens serially left the other S-1 programs idle for it)."""
+    reducer summing all BLOCK_T tokens serially would leave the other S-1 programs idle)."""
     t64 = t.to(tl.int64)
     j = tl.arange(0, NP)
     j2 = j[None, :]
@@ -287,7 +287,7 @@ def mhc_collapse_kernel(
         x_base = x_row[:, :, None] + jj[None, :, None] * D  # (BT, NP, 1): all streams per step
         ok_tj = t_ok[:, None, None] & (jj[None, :, None] < N)
         # Not software-pipelined (num_stages=1), not unrolled: prefetched tiles kept in
-        # registers cost more programs per SM than the prefetch gains (H200 traces).
+        # registers cost more programs per SM than the prefetch gains (measured on the H200).
         for c in tl.range(0, D_SLICE, APPLY_D, num_stages=1, loop_unroll_factor=1):
             # Columns backwards (see the mix).  multiple_of: the offset's alignment is not
             # inferred, and without it the loads are not vectorized (2-byte loads).
