@@ -2,7 +2,7 @@
 
 On a CUDA machine: T in {1, 8, 64, 512, 4096}, D in {4096, 7168}, n = 4, bf16; each round runs
 one call and synchronizes, so these are host-visible latencies (launch overhead included).  The
-issue-5 numbers (GPU time from CUDA-graph replay, rotating inputs, bandwidth fractions, same-run
+H200 numbers (GPU time from CUDA-graph replay, rotating inputs, bandwidth fractions, same-run
 baselines) come from ``bench/h200_mhc.py``; see bench/results/.  Without CUDA only small
 reference rows run (the optimized kernels need a GPU outside the Triton interpreter).
 """

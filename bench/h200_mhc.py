@@ -1,6 +1,7 @@
 """Check and time every variant of the optimized mHC / hc_head / rms_norm ops on one GPU.
 
-One call does everything the issue-5 benchmark asks for and prints a table last:
+One call measures the benchmark tables of bench/results/mhc-h200.md and norm-h200.md and prints
+a table last:
 
 * same-run ceilings: device-to-device copy bandwidth (2 GiB bf16, bytes read + written) and the
   cost of an empty Triton kernel, timed exactly like the ops (CUDA-graph replay);
@@ -16,7 +17,8 @@ so no call reads what the previous ones left in cache, and reports median(replay
 
 Usage (on the GPU machine):
     python bench/h200_mhc.py --out DIR [--no-compile] [--ops hc_pre,hc_head] [--quick]
-writes DIR/mhc-h200.json and DIR/mhc-h200-table.md.
+writes DIR/mhc-h200.json (committed as bench/results/mhc-h200.json) and DIR/mhc-h200-table.md
+(whose sections the results pages carry).
 """
 
 from __future__ import annotations
@@ -249,7 +251,7 @@ def bench_op(op: str, args_ns: argparse.Namespace, l2: int, copy_bw: float, empt
 # ------------------------------------------------------------------------------------- report
 def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [
-        "# mHC / hc_head / rms_norm on the H200 (issue 5)",
+        "# mHC / hc_head / rms_norm on the H200",
         "",
         f"- command: `{meta['command']}`",
         f"- commit: {meta['commit']}",

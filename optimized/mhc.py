@@ -61,8 +61,8 @@ HeadBackend = Literal["auto", "triton_fma", "triton_mma"]
 
 # What "auto" runs (see bench/results/mhc-h200.md for the measurements).  hc_pre: n = 4 bf16 on
 # CUDA (else "triton", the only other choice); the one-pass collapse beat the producer +
-# FlashInfer pair at every measured T and D (T 4096, commit aebe31b: 88 vs 173 us at D 4096,
-# 177 vs 232 us at D 7168).  hc_head: every case; picked for the T of MTP's compute_logits (the sampled
+# FlashInfer pair at every measured T and D (T 4096: 88 vs 173 us at D 4096, 177 vs 232 us at
+# D 7168).  hc_head: every case; picked for the T of MTP's compute_logits (the sampled
 # positions, usually <= 64), where it is ~2x faster; "triton_mma" wins at T >= 512.
 PRE_AUTO_BACKEND: PreBackend = "triton"
 HEAD_AUTO_BACKEND: HeadBackend = "triton_fma"
@@ -293,7 +293,7 @@ def hc_head(
     fn: (n, n*D); scale: (1,); base: (n,).  No FlashInfer kernel exists for it on sm_90.
     backend: "triton_fma" (kernels/mhc_head.py: one memory round trip per 4-token tile, fp32
     FMA mix; the fastest at T <= 64, where MTP calls it), "triton_mma" (the tensor-core
-    collapse, kernels/mhc_collapse.py: 1.4-2.3x faster at T >= 512), or "auto" = "triton_fma".
+    collapse, kernels/mhc_collapse.py: faster at T >= 512), or "auto" = "triton_fma".
     ``schedule`` tunes "triton_mma" only.
     """
     T, n, D = _check_streams(x)

@@ -2,8 +2,8 @@
 
 Same signature as :func:`dsv4mtp.reference.rms_norm` plus keyword-only ``out`` and ``backend``.
 ``backend="auto"`` is the Triton kernel: on the H200 it beat FlashInfer's ``rmsnorm`` at every
-measured shape (T 1..4096, D 4096 / 7168; 84-89 % vs 59-63 % of copy bandwidth at T 4096,
-bench/results/mhc-h200.md).
+measured shape (T 1..4096, D 4096 / 7168; 83-89 % vs 60-63 % of copy bandwidth at T 4096,
+bench/results/norm-h200.md).
 """
 
 from __future__ import annotations

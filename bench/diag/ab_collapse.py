@@ -1,6 +1,6 @@
 """A/B check of variant collapse modules against the committed kernel: bitwise equal outputs.
 
-    python3 diag/ab_collapse.py diag.exp_prefetch [more modules]   (from bench/)
+    python3 diag/ab_collapse.py diag.my_variant [more modules]   (from bench/)
 
 A variant that only changes scheduling or cache hints must compute the same bits; this is
 the gate before its timings mean anything.
@@ -8,6 +8,7 @@ the gate before its timings mean anything.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from diag.ab_stream import call_factory
+from diag.ab_common import call_factory
 from h200_mhc import make_inputs
 
 from dsv4mtp.optimized.kernels.mhc_collapse import mhc_collapse
@@ -29,8 +30,11 @@ def outputs(collapse, op: str, T: int, D: int) -> list[torch.Tensor]:
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("modules", nargs="+", help="variant modules, e.g. diag.my_variant")
+    a = p.parse_args()
     bad = 0
-    for name in sys.argv[1:]:
+    for name in a.modules:
         variant = importlib.import_module(name).mhc_collapse
         for op in ("hc_head", "hc_pre"):
             for D in (4096, 7168):

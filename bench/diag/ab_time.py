@@ -1,11 +1,14 @@
 """Time variant collapse modules against the committed kernel on the GPU (same process).
 
-    python3 diag/ab_time.py diag.exp_variant [more modules] [--uncapped] [--tokens 1,64,4096]
+    python3 diag/ab_time.py diag.my_variant [more modules] [--uncapped] [--tokens 1,64,4096]
+    (from bench/; a variant module is a copy of optimized/kernels/mhc_collapse.py with
+    absolute imports, saved under bench/diag/)
 
 Per (op, D, T): graph-replay GPU time per call of the committed ``mhc_collapse`` (inputs rotated
-through > 3x the L2, as bench/diag/ab_stream.py), of each variant module's ``mhc_collapse`` and,
-with ``--uncapped``, of the committed kernel without its register cap; each with its relative
-and max-abs difference from the committed kernel's outputs (NONFINITE if any output is).
+through > 3x the L2, diag/ab_common.py), of each variant module's ``mhc_collapse`` and, with
+``--uncapped``, of the committed kernel without the register cap of its default schedule (only
+where ``collapse_config`` sets ``max_registers``); each with its relative and max-abs difference
+from the committed kernel's outputs (NONFINITE if any output is).
 """
 
 from __future__ import annotations
@@ -19,15 +22,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from diag.ab_stream import call_factory, committed_baseline, compare, timed
+from diag.ab_common import call_factory, committed_baseline, compare, timed
 from h200_mhc import copy_bandwidth
 
 from dsv4mtp.optimized.kernels.mhc_collapse import collapse_config, mhc_collapse
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("modules", nargs="*")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("modules", nargs="*", help="variant modules, e.g. diag.my_variant")
     p.add_argument("--uncapped", action="store_true")
     p.add_argument("--tokens", default="1,64,512,4096")
     p.add_argument("--widths", default="4096,7168")

@@ -12,11 +12,12 @@ of:
 Each row gives the time, the bytes of x over the time (read TB/s), and that as a % of the copy
 bandwidth (read + write) of the same run.  These bound what the mix phase of any one-pass
 collapse can do with the same bytes: the committed kernel's whole-op times are in
-bench/results/mhc-h200.md.
+bench/results/mhc-h200.md ("Ceilings").
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from h200_mhc import copy_bandwidth, graph_time_us
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.3f} TB/s (read + write)", flush=True)

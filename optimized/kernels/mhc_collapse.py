@@ -35,12 +35,11 @@ tile layout, and the slot sums run in slot order.
 
 Where the bytes and the time go (H200, T 4096; bench/results/mhc-h200.md).  The pieces of the
 ~500 resident programs (~65 MB) outgrow the L2, so part of the re-read comes from HBM again:
-Nsight Compute counted 202 MB read for hc_head at D 4096 (commit 0d8d825; 245 MB before it)
-where 134 MB is the minimum.  Hence the apply's evict-first loads, the streaming output
-stores, and the column-major mix with a backwards apply (later than that count; ~1 % in the
-benchmark).  A program lives ~45 us (``trace=``, bench/h200_trace.py): ~25 us streaming its
-128 KB piece, ~5 us in the two barriers, ~0.6 us reducing (~5 us with hc_pre's Sinkhorn),
-~13 us re-reading and writing.
+Nsight Compute counted ~200 MB read for hc_head at D 4096 where 134 MB is the minimum.  Hence
+the apply's evict-first loads, the streaming output stores, and the column-major mix with a
+backwards apply: each keeps more of the re-read in L2.  A program lives ~45 us (``trace=``,
+bench/h200_trace.py): ~25 us streaming its 128 KB piece, ~5 us in the two barriers, ~0.6 us
+reducing (~5 us with hc_pre's Sinkhorn), ~13 us re-reading and writing.
 
 Arithmetic: fp32 throughout; the mix as in :mod:`.mhc_mix` (~16 mantissa bits of fn).  No tile
 size or reduction order depends on T: a token's result does not depend on its batch.
@@ -93,7 +92,7 @@ def _reduce_gates(
     The slot loop is unrolled (static_range), so its S independent loads are all in flight
     before the first add: one L2 round trip, not S of them.  Each program of a block reduces
     its own TPP tokens, so the reduction is spread over the block's S programs (a single
-    reducer summing all BLOCK_T tokens serially left the other S-1 programs idle for it)."""
+    reducer summing all BLOCK_T tokens serially would leave the other S-1 programs idle)."""
     t64 = t.to(tl.int64)
     j = tl.arange(0, NP)
     j2 = j[None, :]
@@ -139,8 +138,8 @@ def _reduce_gates(
         row_max = tl.max(c, axis=2)  # (TPP, NP)
         row_max = tl.where(j2 < N, row_max, 0.0)
         e = tl.exp(c - row_max[:, :, None])  # padded entries: exp(-inf) = 0
-        # Sinkhorn (spec 5.3): row softmax + eps, a column normalization, then
-        # (iters - 1) x (rows, columns).  Padded entries stay exactly 0.
+        # Sinkhorn (docs/semantics.md, "mHC: hc_pre, Sinkhorn, hc_post"): row softmax + eps, a
+        # column normalization, then (iters - 1) x (rows, columns).  Padded entries stay 0.
         row_sum = tl.where(j2 < N, tl.sum(e, axis=2), 1.0)  # padded rows: no 0/0
         p = tl.where(ok3, e / row_sum[:, :, None] + hc_eps, 0.0)
         p = p / (tl.sum(p, axis=1)[:, None, :] + hc_eps)
@@ -235,13 +234,12 @@ def mhc_collapse_kernel(
         sq = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
         # One software-pipelined loop over the n * D_SLICE / BLOCK_K steps of all streams,
         # column-major: (columns 0.., stream 0), (columns 0.., stream 1), ..., then the next
-        # BLOCK_K columns.  One loop per stream restarted the pipeline n times, and its n
-        # copies of the loop body took 123 registers (hc_head) against 83 for this one, 166
-        # against 128 for hc_pre: one more program per SM.  Column-major, with the apply
+        # BLOCK_K columns.  A loop per stream would restart the pipeline n times, and its n
+        # copies of the loop body need more registers (123 for hc_head against 83 here, 166
+        # against 128 for hc_pre): one program per SM fewer.  Column-major, with the apply
         # walking the columns backwards, the last columns streamed are the first re-read, so
-        # the distances between a line's two reads spread out.  The phase tracer saw hc_head
-        # D 4096 T 4096 go 82.7 -> 74.5 us (sweep 10); the benchmark (graph replay, rotating
-        # inputs) saw 84.6 -> 83.5 us, other cases within 1 % (bench/results/mhc-h200.md).
+        # the distances between a line's two reads spread out (a small effect in the
+        # benchmark: bench/results/mhc-h200.md, "How the schedules were picked").
         # c is a multiple of BLOCK_K; saying so keeps the loads vectorized.
         for k in range(0, N * D_SLICE, BLOCK_K):  # constexpr bounds: software-pipelined
             j = (k // BLOCK_K) % N
@@ -289,7 +287,7 @@ def mhc_collapse_kernel(
         x_base = x_row[:, :, None] + jj[None, :, None] * D  # (BT, NP, 1): all streams per step
         ok_tj = t_ok[:, None, None] & (jj[None, :, None] < N)
         # Not software-pipelined (num_stages=1), not unrolled: prefetched tiles kept in
-        # registers cost more programs per SM than the prefetch gained (H200 sweeps).
+        # registers cost more programs per SM than the prefetch gains (measured on the H200).
         for c in tl.range(0, D_SLICE, APPLY_D, num_stages=1, loop_unroll_factor=1):
             # Columns backwards (see the mix).  multiple_of: the offset's alignment is not
             # inferred, and without it the loads are not vectorized (2-byte loads).
@@ -355,13 +353,14 @@ def collapse_config(n: int, D: int, with_post_comb: bool = False) -> CollapseCon
     """The schedule for (n, D, op); never a function of T (batch invariance).
 
     From the H200 sweeps (bench/h200_sweep.py, bench/h200_trace.py; bench/results/
-    mhc-h200.md): 64 tokens x 256-column slices x 64-column K steps, 64-column apply steps,
-    4 warps, 3 stages, one launch, for hc_head and hc_pre alike.  With the single mix loop
-    (sweep 9) it is within a few per cent of the best tile tried at each (op, D, T 4096) and
-    the fastest at T <= 64; 32-token blocks, 128-column slices, 128-column apply steps and
-    8-warp 128-token blocks each won or lost by D, so no per-D exception is kept.  Smaller
-    pieces (128-column slices) keep more of the re-read in L2 (ncu: 157 vs 201 MB read,
-    hc_head D 4096) but pay it back in barriers and per-program overhead.
+    mhc-h200.md, "How the schedules were picked"): 64 tokens x 256-column slices x 64-column
+    K steps, 64-column apply steps, 4 warps, 3 stages, one launch, for hc_head and hc_pre
+    alike.  It is within a few per cent of the best tile tried at each (op, D, T 4096) and the
+    fastest at T <= 64; 32-token blocks, 128-column slices, 128-column apply steps and 8-warp
+    128-token blocks each won or lost by D, so no per-D exception is kept.  Deeper pipelines
+    hold more K steps in shared memory and fit fewer programs per SM.  Smaller pieces
+    (128-column slices) keep more of the re-read in L2 (ncu: 157 vs 201 MB read, hc_head
+    D 4096) but pay it back in barriers and per-program overhead.
     """
     if INTERPRET:
         # CPU tier: small shapes; several slices and K steps; three launches (the interpreter

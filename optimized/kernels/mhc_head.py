@@ -3,8 +3,9 @@
 Computes what :mod:`.mhc_collapse` computes for hc_head (M = n gate rows, no post / comb), with
 a schedule built for latency rather than bandwidth.  MTP calls hc_head from ``compute_logits``
 on the sampled positions only, so its T is the number of drafted tokens (usually <= 64): there
-this kernel took 7.5-11 us on the H200 where the tensor-core collapse takes 17-20 us, while at
-T 4096 it is 2x slower (bench/results/mhc-h200.md).  ``hc_head(backend="auto")`` uses it.
+it takes 7.4-11.3 us on the H200 against 15.7-18.5 us for the tensor-core collapse, while from
+T 512 on it is slower, 2-3x at T 4096 (bench/results/mhc-h200.md).  ``hc_head(backend="auto")``
+uses it.
 
 Shapes (K = n*D; S = cdiv(D, BLOCK_D) slices):
     x     (T, n, D)   bf16 / fp32, contiguous      fn    (n, K) fp32 (or bf16), contiguous
@@ -131,8 +132,8 @@ def mhc_head_fma(
     if T == 0:
         return
     NP = next_pow2(n)
-    # 4 tokens x 256 columns x 4 warps: the fastest of six tiles in the H200 sweep of the
-    # previous kernel generation (commit 5dd9926, bench/results at that commit).  The
+    # 4 tokens x 256 columns x 4 warps: the fastest of six tiles tried on the H200 at T 1 and
+    # T 4096, both D (bench/results/mhc-h200.md, "How the schedules were picked").  The
     # (BLOCK_T, NP, BLOCK_D) tile stays in registers.
     block_t = 4
     block_d = max(16, min(256, 1024 // NP))

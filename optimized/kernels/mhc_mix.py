@@ -143,9 +143,9 @@ FLASHINFER_SPLITS = (1, 2, 4, 8, 16)
 def mix_config(M: int, K: int) -> MixConfig:
     """The producer schedule in front of FlashInfer's ``mhc_pre_big_fuse``; never a function
     of T (batch invariance).  S keeps each split >= 1024 columns, within FlashInfer's accepted
-    values.  Tiles from the H200 sweep (bench/results/mhc-h200-sweep-1-producer.log, part A):
-    128 tokens x 64 columns, 8 warps, 4 stages moved 75-79 % of copy bandwidth at T 4096
-    for M = 24.
+    values.  Tiles from the H200 sweep (bench/results/mhc-h200.md, "How the schedules were
+    picked"): 128 tokens x 64 columns, 8 warps, 4 stages moved 75-79 % of copy bandwidth at
+    T 4096 for M = 24, the best of the tiles tried.
     """
     s = 1
     while s < FLASHINFER_SPLITS[-1] and K // (2 * s) >= 1024:

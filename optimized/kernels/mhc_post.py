@@ -1,8 +1,9 @@
 """mHC post: write a sublayer output back into the n residual streams (Triton fallback).
 
-``out[t, k, :] = post[t, k] * f[t, :] + sum_j comb[t, j, k] * residual[t, j, :]`` (spec 5.4;
-comb is indexed [source j, destination k]).  FlashInfer's ``mhc_post`` does this on the GPU for
-n = 4 in bf16; this kernel serves every other case (n != 4, fp32, the CPU interpreter).
+``out[t, k, :] = post[t, k] * f[t, :] + sum_j comb[t, j, k] * residual[t, j, :]``
+(docs/semantics.md, "mHC: hc_pre, Sinkhorn, hc_post"; comb is indexed [source j, destination
+k]).  FlashInfer's ``mhc_post`` does this on the GPU for n = 4 in bf16; this kernel serves
+every other case (n != 4, fp32, the CPU interpreter).
 
 Shapes: f (T, D), residual (T, n, D), out (T, n, D) in any of bf16 / fp32 (each converted on
 load; out in its own dtype); post (T, n) and comb (T, n, n) in fp32 (or bf16).  All contiguous.

@@ -1,6 +1,7 @@
-"""RMSNorm over the last dimension (Triton fallback; FlashInfer's ``rmsnorm`` serves bf16 on GPU).
+"""RMSNorm over the last dimension (Triton; what ``rms_norm(backend="auto")`` runs everywhere).
 
-``y = w * x * rsqrt(mean(x**2) + eps)`` per row, fp32 statistics (spec 8).
+``y = w * x * rsqrt(mean(x**2) + eps)`` per row, fp32 statistics (docs/semantics.md,
+"RMSNorm").
 
 Shapes: x (R, D) contiguous rows in bf16 / fp32; weight (D,) in bf16 / fp32, or absent;
 out (R, D) in x.dtype.  ``VLLM_ORDER`` rounds the normalized row to x.dtype before multiplying
@@ -67,8 +68,8 @@ def rms_norm_kernel(
 
 def default_num_warps(block: int) -> int:
     """Warps per row program: 4 / 8 / 16 for chunks of <= 1024 / <= 4096 / 8192 columns
-    (H200 sweep, bench/results/mhc-h200-sweep-1-producer.log, part C: 16 warps took D 7168 at
-    T 1 from 3.5 to 2.8 us; 8 were best at D 4096)."""
+    (H200 sweep, bench/results/norm-h200.md: 16 warps were the fastest at D 7168 at every T,
+    8 at D 4096, T 4096)."""
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
