@@ -7,15 +7,17 @@ is either consumed or deliberately skipped (expert parallelism); anything else i
 Order of checks (all from headers before any tensor is read, so a bad checkpoint fails fast):
 
 1. config.json present (unless a config is passed), every indexed shard present and whole;
-2. every MTP layer has at least one tensor (the seed's "quantized without MTP layers" error);
+2. every MTP layer has at least one tensor (vLLM's "quantized without MTP layers" error);
 3. per layer, formats are detected from the tensors present (dense linears: a ``.scale`` sibling
    and its dtype; routed experts: ``weight_scale_2`` => NVFP4, packed bytes + e8m0 per 32 =>
    MXFP4, e4m3 + block scale => FP8 with e8m0 or float32 scales, no scale => bf16) and the
    routed-expert format is compared with what the config claims (:class:`ExpertFormatWarning`);
-4. unknown names, missing names, then dtype and shape of every tensor against the config (spec 10);
-5. tensors are read; scales must be finite.
+4. unknown names, missing names, then dtype and shape of every tensor against the config (rows
+   of :data:`~.schema.MTP_LAYER_PARAMS`; layout in ``docs/semantics.md``, section "Checkpoint
+   names and layout");
+5. tensors are read, row by row of the table; scales and unquantized tensors must be finite.
 
-Tensor parallelism: only ``attn_sink`` is narrowed to the rank's heads, as the seed does; the
+Tensor parallelism: only ``attn_sink`` is narrowed to the rank's heads, as vLLM does; the
 other attention weights stay replicated for the multi-GPU code to slice.  Expert parallelism:
 rank r of s owns routed experts [r E/s, (r+1) E/s); the others are skipped (``skipped``).
 """
@@ -243,10 +245,10 @@ def claimed_expert_format(config: DSV4Config, hf_quant: dict[str, Any], mtp_inde
 # ----------------------------------------------------------------------------- planning
 @dataclass
 class MTPTensorPlan:
-    """The ``mtp.*`` names of a checkpoint sorted by the seed's name rules (never raises).
+    """The ``mtp.*`` names of a checkpoint sorted by vLLM's name rules (never raises).
 
     layers: per MTP layer, names relative to ``mtp.{i}.`` -> full names; skipped: name -> why
-    the seed skips it; unknown: names no rule maps; remapped: name -> seed parameter name.
+    vLLM skips it; unknown: names no rule maps; remapped: name -> vLLM parameter name.
     """
 
     layers: list[dict[str, str]]
@@ -301,7 +303,7 @@ def detect_linear_format(ck: ShardedCheckpoint, full: str) -> str:
 
 
 def detect_expert_format(ck: ShardedCheckpoint, rel_names: dict[str, str], layer: str) -> str:
-    """From what is present, never from a global flag (research notes 8.3)."""
+    """From what is present, never from a global flag (exports disagree with their configs)."""
     suffixes: dict[str, str] = {}
     for rel, full in rel_names.items():
         m = _EXPERT_RE.match(rel)

@@ -18,7 +18,7 @@ format      ``data``                                    ``scale`` / ``scale_2``
 ``nvfp4``   (N, K/2) uint8, as mxfp4                    float8_e4m3fn (N, K/16) / float32 global scale
 =========== =========================================== =============================================
 
-e8m0 scales are kept as their raw bytes (uint8), as the seed does: a numeric cast would turn 2^-7
+e8m0 scales are kept as their raw bytes (uint8), as vLLM does: a numeric cast would turn 2^-7
 into 0.  Every scale is a *multiplier* (vLLM's ``weight_scale_inv`` is multiplied too).
 """
 
@@ -156,7 +156,7 @@ class QuantizedWeight:
     def tensors(
         self, prefix: str, scale_suffix: str = ".weight_scale_inv"
     ) -> dict[str, torch.Tensor]:
-        """``{prefix.weight, prefix<scale_suffix>, ...}`` under the seed's parameter names."""
+        """``{prefix.weight, prefix<scale_suffix>, ...}`` under vLLM's parameter names."""
         out = {f"{prefix}.weight": self.data}
         if self.scale is not None:
             out[f"{prefix}{scale_suffix}"] = self.scale
@@ -169,7 +169,7 @@ class QuantizedWeight:
 class RoutedExperts:
     """The routed experts of one MTP layer on this EP rank, stacked over local experts, packed.
 
-    Stacking follows the seed (``DeepseekV4MegaMoEExperts`` / ``...FI``): w13 rows are
+    Stacking follows vLLM (``DeepseekV4MegaMoEExperts`` / ``...FI``): w13 rows are
     ``[w1 (gate) rows 0..I-1 ; w3 (up) rows I..2I-1]``.
 
     ===================  ====================================  =====================================
@@ -178,7 +178,7 @@ class RoutedExperts:
     format               --                                     ``FORMATS`` tag, detected per layer
                                                                 from the tensors present
     w13_weight           (E_loc, 2I, H) or (E_loc, 2I, H/2)     bf16 / e4m3, or packed fp4 uint8
-    w13_weight_scale     fp8: (E_loc, 2I/128, H/128)            seed name ``w13_weight_scale_inv``
+    w13_weight_scale     fp8: (E_loc, 2I/128, H/128)            vLLM name ``w13_weight_scale_inv``
                          mxfp4: (E_loc, 2I, H/32) uint8 e8m0    for fp8; None for bf16
                          nvfp4: (E_loc, 2I, H/16) e4m3
     w2_weight            (E_loc, H, I) or (E_loc, H, I/2)
@@ -223,7 +223,7 @@ class RoutedExperts:
         return self.expert_start <= global_id < self.expert_end
 
     def local_id(self, global_id: int) -> int:
-        """The seed's ``_map_global_expert_id``: local slot, or -1 when not on this rank."""
+        """vLLM's ``_map_global_expert_id``: local slot, or -1 when not on this rank."""
         return global_id - self.expert_start if self.is_local(global_id) else -1
 
     def global_to_local(self) -> torch.Tensor:
@@ -306,7 +306,7 @@ class RoutedExperts:
         )
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        """The seed's parameters ``{prefix}.w13_weight`` ... (scale suffix by format)."""
+        """vLLM's parameters ``{prefix}.w13_weight`` ... (scale suffix by format)."""
         suffix = "_weight_scale_inv" if self.format.startswith("fp8") else "_weight_scale"
         out: dict[str, torch.Tensor] = {
             f"{prefix}.w13_weight": self.w13_weight,
@@ -475,12 +475,12 @@ class MTPCheckpoint:
     config          the :class:`DSV4Config` the shapes were checked against
     path            the checkpoint directory
     layers          one :class:`MTPLayerWeights` per MTP layer, ``layers[i]`` for ``mtp.{i}``
-    embed_tokens    (V, D) the seed's ``model.embed_tokens.weight`` (shared by all MTP layers)
+    embed_tokens    (V, D) vLLM's ``model.embed_tokens.weight`` (shared by all MTP layers)
     embed_source    checkpoint name it came from: ``mtp.0.emb.tok_emb.weight`` when present (a
                     re-export), else the target's ``embed.weight``
     tp_rank/size    tensor-parallel coordinates used (only ``attn_sink`` is narrowed)
     ep_rank/size    expert-parallel coordinates used (experts outside the rank's range skipped)
-    loaded          checkpoint name -> seed parameter name, for every tensor consumed
+    loaded          checkpoint name -> vLLM parameter name, for every tensor consumed
     skipped         checkpoint name -> reason, for ``mtp.*`` tensors deliberately not loaded
                     (non-local experts, MTP index beyond ``num_nextn_predict_layers``, shared
                     weights from a later MTP layer)
@@ -511,7 +511,7 @@ class MTPCheckpoint:
         return self.layers[step % len(self.layers)]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter under the seed's names (``model.embed_tokens.weight`` + layers)."""
+        """Every parameter under vLLM's names (``model.embed_tokens.weight`` + layers)."""
         out = {"model.embed_tokens.weight": self.embed_tokens}
         for layer in self.layers:
             out.update(layer.state_dict())
