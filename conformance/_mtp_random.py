@@ -1,7 +1,10 @@
 """Random dense MTP weights for module tests that do not need a checkpoint.
 
 Scales keep activations O(1): linear weights ~ N(0, 1/fan_in); ``hc_*_fn`` ~ N(0, 0.02**2),
-bases 0, scales 1, ``attn_sink`` ~ N(0, 1), router bias ~ N(0, 1e-2**2) (spec 12.3's safe init).
+bases 0, scales 1, ``attn_sink`` ~ N(0, 1); as the synthetic checkpoint's rows
+(``dsv4mtp/checkpoint/schema.py``) except router bias ~ N(0, 1e-2**2) and head ~ N(0, 1), in
+float64.  Parameters are drawn in their own fixed order (the containers' field order), which the
+module tests' numbers depend on.
 """
 
 from __future__ import annotations

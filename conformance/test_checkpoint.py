@@ -32,7 +32,7 @@ B = L + "mtp_block."
 
 # ----------------------------------------------------------------------------- remapping
 # (checkpoint name, config, expected (param_name, shard_id, expert_id) or None).  Rows follow the
-# research notes' worked examples 1.4 (numbered) plus one per remaining branch.
+# worked examples of vLLM's load_weights (numbered) plus one per remaining branch.
 REMAP_CASES = [
     ("mtp.0.attn.wq_a.weight", FLASH, (B + "attn.fused_wqa_wkv.weight", 0, None)),  # 1
     ("mtp.0.attn.wq_a.scale", FLASH, (B + "attn.fused_wqa_wkv.weight_scale_inv", 0, None)),  # 2
@@ -188,7 +188,7 @@ def test_expert_mapping_table_order_and_size() -> None:
 
 
 def test_every_synthetic_name_maps_to_a_state_dict_param(tiny_ckpt: str) -> None:
-    """The loaded object's seed names are exactly the remapped names of the consumed tensors."""
+    """The loaded object's vLLM names are exactly the remapped names of the consumed tensors."""
     ck = load_mtp_checkpoint(tiny_ckpt)
     params = set(ck.state_dict())
     for name, param in ck.loaded.items():

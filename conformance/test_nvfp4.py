@@ -301,7 +301,7 @@ def test_moe_weight_pack_contract(nvfp4_experts) -> None:
     assert (pack.w2_scale.shape, pack.w2_scale.dtype) == ((E, H, I // 16), E4M3)
     assert torch.equal(pack.fc1_alpha, ex.w13_weight_scale_2[:, 0])
     assert torch.equal(pack.fc2_alpha, ex.w2_weight_scale_2)
-    # The seed's rule: the pack is the loaded bytes; only the up half's block scales change.
+    # vLLM's rule: the pack is the loaded bytes; only the up half's block scales change.
     assert torch.equal(pack.w13, ex.w13_weight) and torch.equal(
         pack.w2_scale.view(torch.uint8), ex.w2_weight_scale.view(torch.uint8)
     )

@@ -27,7 +27,8 @@ from dsv4mtp.reference import (
 
 TINY = DSV4Config.tiny()
 
-# The non-expert mtp.0 tensors of the official V4-Flash checkpoint (spec 10; 39 names).
+# The non-expert mtp.0 tensors of the official V4-Flash checkpoint (39 names), written out
+# independently of the parameter table so that the table is checked against it.
 OFFICIAL_MTP0 = {
     *(f"{p}.{s}" for p in ("e_proj", "h_proj") for s in ("weight", "scale")),
     "enorm.weight", "hnorm.weight", "norm.weight",
@@ -177,7 +178,7 @@ def test_dtypes_as_in_real_checkpoints(ckpts) -> None:
 
 
 def test_init_statistics(ckpts) -> None:
-    """Spec 12.3's safe init, which the model-level realism tests rely on."""
+    """The table's init rules, which the model-level realism tests rely on."""
     ck = load_mtp_checkpoint(ckpts["mxfp4"])
     layer = ck.layers[0]
     D = TINY.hidden_size

@@ -11,11 +11,12 @@ norms, hc_*, sink and router in the compute dtype, as the official code keeps th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
-from dsv4mtp.checkpoint.weights import MTPLayerWeights, QuantizedWeight, RoutedExperts
+from dsv4mtp.checkpoint.schema import MTP_LAYER_PARAMS
+from dsv4mtp.checkpoint.weights import MTPLayerWeights, RoutedExperts
 from dsv4mtp.checks import compute_dtype
 from dsv4mtp.errors import ConfigError, InputError
 
@@ -176,53 +177,25 @@ def build_layer_params(
             cache[key] = t.to(device=device, dtype=to)
         return cache[key]
 
-    def dense(q: QuantizedWeight) -> torch.Tensor:
-        return q.to(device).dequantize(dtype)
-
     if w.experts.num_local_experts != w.experts.num_experts:
         raise ConfigError(
             f"ep_size: the reference runs all {w.experts.num_experts} routed experts on one "
             f"device; got a checkpoint loaded with {w.experts.num_local_experts} local experts"
         )
-    attn = AttentionParams(
-        wq_a=dense(w.wq_a),
-        q_norm=plain(w.q_norm),
-        wq_b=dense(w.wq_b),
-        wkv=dense(w.wkv),
-        kv_norm=plain(w.kv_norm),
-        wo_a=dense(w.wo_a),
-        wo_b=dense(w.wo_b),
-        attn_sink=plain(w.attn_sink),
-    )
-    gate_up = [dense(s) for s in w.gate_up_proj.split_rows()]
-    ffn = MoEParams(
-        gate_weight=plain(w.gate_weight),
-        gate_bias=plain(w.e_score_correction_bias),
-        shared_w1=gate_up[0],
-        shared_w3=gate_up[1],
-        shared_w2=dense(w.down_proj),
-        experts=PackedExperts(w.experts.to(device)),
-        shared_quantized=w.down_proj.format != "bf16",
-    )
+    values: dict[str, dict[str, Any]] = {"": {}, "attn": {}, "ffn": {}}  # container -> fields
+    for spec in MTP_LAYER_PARAMS:
+        v = getattr(w, spec.field)
+        if spec.kind == "linear":
+            v = v.to(device).dequantize(dtype)
+        elif spec.kind == "experts":
+            v = PackedExperts(v.to(device))
+        else:  # the head in the activation dtype; norms, hc_*, sink and router in compute dtype
+            v = plain(v, dtype if spec.kind == "shared" else cd)
+        container, _, name = spec.param.rpartition(".")
+        values[container][name] = v
     return MTPLayerParams(
-        enorm=plain(w.enorm),
-        hnorm=plain(w.hnorm),
-        e_proj=dense(w.e_proj),
-        h_proj=dense(w.h_proj),
-        norm=plain(w.norm),
-        head=plain(w.head, dtype),
-        hc_head_fn=plain(w.hc_head_fn),
-        hc_head_base=plain(w.hc_head_base),
-        hc_head_scale=plain(w.hc_head_scale),
-        hc_attn_fn=plain(w.hc_attn_fn),
-        hc_attn_base=plain(w.hc_attn_base),
-        hc_attn_scale=plain(w.hc_attn_scale),
-        hc_ffn_fn=plain(w.hc_ffn_fn),
-        hc_ffn_base=plain(w.hc_ffn_base),
-        hc_ffn_scale=plain(w.hc_ffn_scale),
-        attn_norm=plain(w.attn_norm),
-        ffn_norm=plain(w.ffn_norm),
-        attn=attn,
-        ffn=ffn,
+        **values[""],
+        attn=AttentionParams(**values["attn"]),
+        ffn=MoEParams(**values["ffn"], shared_quantized=w.shared_w2.format != "bf16"),
         dense_quantized=w.e_proj.format != "bf16",
     )

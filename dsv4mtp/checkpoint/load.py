@@ -7,15 +7,17 @@ is either consumed or deliberately skipped (expert parallelism); anything else i
 Order of checks (all from headers before any tensor is read, so a bad checkpoint fails fast):
 
 1. config.json present (unless a config is passed), every indexed shard present and whole;
-2. every MTP layer has at least one tensor (the seed's "quantized without MTP layers" error);
+2. every MTP layer has at least one tensor (vLLM's "quantized without MTP layers" error);
 3. per layer, formats are detected from the tensors present (dense linears: a ``.scale`` sibling
    and its dtype; routed experts: ``weight_scale_2`` => NVFP4, packed bytes + e8m0 per 32 =>
    MXFP4, e4m3 + block scale => FP8 with e8m0 or float32 scales, no scale => bf16) and the
    routed-expert format is compared with what the config claims (:class:`ExpertFormatWarning`);
-4. unknown names, missing names, then dtype and shape of every tensor against the config (spec 10);
-5. tensors are read; scales must be finite.
+4. unknown names, missing names, then dtype and shape of every tensor against the config (rows
+   of :data:`~.schema.MTP_LAYER_PARAMS`; layout in ``docs/semantics.md``, section "Checkpoint
+   names and layout");
+5. tensors are read, row by row of the table; scales and unquantized tensors must be finite.
 
-Tensor parallelism: only ``attn_sink`` is narrowed to the rank's heads, as the seed does; the
+Tensor parallelism: only ``attn_sink`` is narrowed to the rank's heads, as vLLM does; the
 other attention weights stay replicated for the multi-GPU code to slice.  Expert parallelism:
 rank r of s owns routed experts [r E/s, (r+1) E/s); the others are skipped (``skipped``).
 """
@@ -35,6 +37,14 @@ import torch
 
 from dsv4mtp.checkpoint.io import ShardedCheckpoint, TensorInfo
 from dsv4mtp.checkpoint.names import classify_mtp_weight_name
+from dsv4mtp.checkpoint.schema import (
+    EMBED,
+    EXPERT_WEIGHTS,
+    MTP_LAYER_PARAMS,
+    ParamSpec,
+    expert_shape,
+    shared_params,
+)
 from dsv4mtp.checkpoint.weights import (
     FP8_BLOCK,
     MTPCheckpoint,
@@ -48,6 +58,7 @@ from dsv4mtp.errors import CheckpointError, ConfigError
 __all__ = [
     "ExpertFormatWarning",
     "MTPTensorPlan",
+    "check_finite",
     "check_finite_scale",
     "check_tensor_info",
     "claimed_expert_format",
@@ -73,13 +84,6 @@ _SCALAR = "scalar"  # shape () or (1,)
 _MAX_LISTED = 8
 
 _EXPERT_RE = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.(\w+)$")
-_EXPERT_SUFFIXES = {
-    "bf16": ("weight",),
-    "fp8_e8m0": ("weight", "scale"),
-    "fp8_f32": ("weight", "scale"),
-    "mxfp4": ("weight", "scale"),
-    "nvfp4": ("weight", "weight_scale", "weight_scale_2", "input_scale"),
-}
 # What a config claims -> acceptable detected formats.
 _CLAIM_OK = {
     "mxfp4": ("mxfp4",),
@@ -111,52 +115,14 @@ def format_agrees_with_claim(detected: str, claim: str) -> bool:
 
 # ----------------------------------------------------------------------------- expected shapes
 def expected_plain_shapes(config: DSV4Config) -> dict[str, tuple[int, ...]]:
-    """Unquantized tensors of one MTP layer, names relative to ``mtp.{i}.`` (spec 10)."""
-    c = config
-    D, n, M = c.hidden_size, c.hc_mult, c.hc_mix
-    shapes: dict[str, tuple[int, ...]] = {
-        "enorm.weight": (D,),
-        "hnorm.weight": (D,),
-        "norm.weight": (D,),
-        "attn_norm.weight": (D,),
-        "ffn_norm.weight": (D,),
-        "hc_head_fn": (n, n * D),
-        "hc_head_base": (n,),
-        "hc_head_scale": (1,),
-        "attn.q_norm.weight": (c.q_lora_rank,),
-        "attn.kv_norm.weight": (c.head_dim,),
-        "attn.attn_sink": (c.num_attention_heads,),
-        "ffn.gate.weight": (c.n_routed_experts, D),
-        "ffn.gate.bias": (c.n_routed_experts,),
-    }
-    for sub in ("attn", "ffn"):
-        shapes[f"hc_{sub}_fn"] = (M, n * D)
-        shapes[f"hc_{sub}_base"] = (M,)
-        shapes[f"hc_{sub}_scale"] = (3,)
-    return shapes
+    """Unquantized tensors of one MTP layer (``plain`` and ``mhc`` rows of the schema), names
+    relative to ``mtp.{i}.`` -> checkpoint shape."""
+    return {s.name: s.shape(config) for s in MTP_LAYER_PARAMS if s.kind in ("plain", "mhc")}
 
 
-def expected_linear_shapes(config: DSV4Config) -> dict[str, tuple[int, int]]:
+def expected_linear_shapes(config: DSV4Config) -> dict[str, tuple[int, ...]]:
     """Logical (out, in) of the dense linears of one MTP layer, relative to ``mtp.{i}.``."""
-    c = config
-    D, H, Dh, I = c.hidden_size, c.num_attention_heads, c.head_dim, c.moe_intermediate_size
-    return {
-        "e_proj": (D, D),
-        "h_proj": (D, D),
-        "attn.wq_a": (c.q_lora_rank, D),
-        "attn.wkv": (Dh, D),
-        "attn.wq_b": (H * Dh, c.q_lora_rank),
-        "attn.wo_a": (c.o_groups * c.o_lora_rank, H * Dh // c.o_groups),
-        "attn.wo_b": (D, c.o_groups * c.o_lora_rank),
-        "ffn.shared_experts.w1": (I, D),
-        "ffn.shared_experts.w3": (I, D),
-        "ffn.shared_experts.w2": (D, I),
-    }
-
-
-def _expert_shape(config: DSV4Config, w: str) -> tuple[int, int]:
-    D, I = config.hidden_size, config.moe_intermediate_size
-    return (D, I) if w == "w2" else (I, D)
+    return {s.name: s.shape(config) for s in MTP_LAYER_PARAMS if s.kind == "linear"}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -220,7 +186,8 @@ def check_finite_scale(name: str, t: torch.Tensor) -> None:
         )
 
 
-def _check_finite(name: str, t: torch.Tensor) -> None:
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """An unquantized tensor must hold finite values."""
     bad = int((~torch.isfinite(t.float())).sum())
     if bad:
         raise CheckpointError(
@@ -278,10 +245,10 @@ def claimed_expert_format(config: DSV4Config, hf_quant: dict[str, Any], mtp_inde
 # ----------------------------------------------------------------------------- planning
 @dataclass
 class MTPTensorPlan:
-    """The ``mtp.*`` names of a checkpoint sorted by the seed's name rules (never raises).
+    """The ``mtp.*`` names of a checkpoint sorted by vLLM's name rules (never raises).
 
     layers: per MTP layer, names relative to ``mtp.{i}.`` -> full names; skipped: name -> why
-    the seed skips it; unknown: names no rule maps; remapped: name -> seed parameter name.
+    vLLM skips it; unknown: names no rule maps; remapped: name -> vLLM parameter name.
     """
 
     layers: list[dict[str, str]]
@@ -336,7 +303,7 @@ def detect_linear_format(ck: ShardedCheckpoint, full: str) -> str:
 
 
 def detect_expert_format(ck: ShardedCheckpoint, rel_names: dict[str, str], layer: str) -> str:
-    """From what is present, never from a global flag (research notes 8.3)."""
+    """From what is present, never from a global flag (exports disagree with their configs)."""
     suffixes: dict[str, str] = {}
     for rel, full in rel_names.items():
         m = _EXPERT_RE.match(rel)
@@ -381,8 +348,8 @@ def expected_layer_tensors(
         for suffix, spec in _layout(linear_formats[base], n, k).items():
             expected[f"{base}.{suffix}"] = spec
     for e in range(config.n_routed_experts):
-        for w in ("w1", "w2", "w3"):
-            n, k = _expert_shape(config, w)
+        for w in EXPERT_WEIGHTS:
+            n, k = expert_shape(config, w)
             for suffix, spec in _layout(expert_format, n, k).items():
                 if suffix == "input_scale" and not has_input_scale:
                     continue
@@ -392,8 +359,7 @@ def expected_layer_tensors(
 
 def optional_layer_tensors(config: DSV4Config) -> dict[str, TensorSpec]:
     """Tensors an MTP layer may carry itself (a re-export); else the target's are shared."""
-    vd = (config.vocab_size, config.hidden_size)
-    return {"emb.tok_emb.weight": (_FLOAT, vd), "head.weight": (_FLOAT, vd)}
+    return {s.name: (_FLOAT, s.shape(config)) for s in shared_params()}
 
 
 @dataclass
@@ -462,36 +428,17 @@ class _Reader:
 
 
 def _read_linear(
-    r: _Reader, spec: _LayerSpec, base: str, shape: tuple[int, int]
+    r: _Reader, spec: _LayerSpec, base: str, shape: tuple[int, ...]
 ) -> QuantizedWeight:
     full = f"mtp.{spec.index}.{base}"
+    n, k = shape
     fmt = spec.linear_formats[base]
     data = r.read(f"{full}.weight")
     scale = None
     if fmt != "bf16":
         scale = r.read(f"{full}.scale")
         check_finite_scale(f"{full}.scale", scale)
-    return QuantizedWeight(fmt, data, scale, shape, name=full)
-
-
-def _stack_rows(parts: list[QuantizedWeight], name: str) -> QuantizedWeight:
-    """Fuse weights along rows as the seed's merged params do (``fused_wqa_wkv``, ``gate_up_proj``)."""
-    fmt = parts[0].format
-    if any(p.format != fmt for p in parts):
-        raise CheckpointError(
-            f"{name}: cannot stack shards of different formats {[p.format for p in parts]}"
-        )
-    if fmt.startswith("fp8") and any(p.shape[0] % FP8_BLOCK for p in parts[:-1]):
-        raise CheckpointError(
-            f"{name}: cannot stack FP8 shards whose row counts {[p.shape[0] for p in parts]} are "
-            f"not whole {FP8_BLOCK}-row blocks"
-        )
-    data = torch.cat([p.data for p in parts], 0)
-    scale = None if parts[0].scale is None else torch.cat([p.scale for p in parts], 0)  # type: ignore[misc]
-    rows = tuple(p.shape[0] for p in parts)
-    return QuantizedWeight(
-        fmt, data, scale, (sum(rows), parts[0].shape[1]), row_splits=rows, name=name
-    )
+    return QuantizedWeight(fmt, data, scale, (n, k), name=full)
 
 
 def _load_experts(
@@ -576,6 +523,24 @@ def _load_experts(
     )
 
 
+def _shared(
+    r: _Reader, ck: ShardedCheckpoint, config: DSV4Config, spec: ParamSpec, layer: _LayerSpec
+) -> tuple[torch.Tensor, str]:
+    """A ``shared`` row: the layer's own ``mtp.{i}.<name>`` if present (already checked), else the
+    target's tensor (checked here).  Returns the tensor and the checkpoint name it came from."""
+    own = f"mtp.{layer.index}.{spec.name}"
+    name = own if spec.name in layer.names else spec.target
+    if name not in ck:
+        raise CheckpointError(
+            f"{spec.target}: missing; MTP layer mtp.{layer.index} has no {own} either (it is shared "
+            f"with the target)"
+        )
+    if name == spec.target:
+        check_tensor_info(ck.info(name), _FLOAT, spec.shape(config))
+    param = classify_mtp_weight_name(own, config).param_name  # type: ignore[union-attr]
+    return r.read(name, param), name
+
+
 def _load_layer(
     r: _Reader,
     ck: ShardedCheckpoint,
@@ -585,70 +550,31 @@ def _load_layer(
     ep: tuple[int, int],
     skipped: dict[str, str],
 ) -> MTPLayerWeights:
-    i = spec.index
-    p = f"mtp.{i}."
-    layer_id = config.num_hidden_layers + i
-    plain = {}
-    for rel in expected_plain_shapes(config):
-        t = r.read(p + rel)
-        _check_finite(p + rel, t)
-        plain[rel] = t
-    linears = {
-        base: _read_linear(r, spec, base, shape)
-        for base, shape in expected_linear_shapes(config).items()
-    }
-    head_name = p + "head.weight" if "head.weight" in spec.names else "head.weight"
-    if head_name not in ck:
-        raise CheckpointError(
-            f"head.weight: missing; MTP layer mtp.{i} has no mtp.{i}.head.weight either "
-            f"(the LM head is shared with the target)"
-        )
-    if head_name == "head.weight":
-        check_tensor_info(ck.info(head_name), _FLOAT, (config.vocab_size, config.hidden_size))
-    head = r.read(head_name, f"model.layers.{layer_id}.shared_head.head.weight")
+    """Read every row of the schema for one layer, sliced for this TP / EP rank."""
+    p = f"mtp.{spec.index}."
+    layer_id = config.num_hidden_layers + spec.index
+    fields: dict[str, Any] = {}
+    for row in MTP_LAYER_PARAMS:
+        if row.kind == "linear":
+            fields[row.field] = _read_linear(r, spec, row.name, row.shape(config))
+        elif row.kind == "experts":
+            fields[row.field] = _load_experts(r, config, spec, ep[0], ep[1], skipped)
+        elif row.kind == "shared":
+            fields[row.field], fields["head_source"] = _shared(r, ck, config, row, spec)
+        else:
+            t = r.read(p + row.name)
+            check_finite(p + row.name, t)
+            fields[row.field] = _tp_slice(t, tp) if row.tp == "heads" else t
+    layer = MTPLayerWeights(index=spec.index, layer_id=layer_id, **fields)
+    layer.state_dict()  # vLLM's stacked parameters must exist: raises if shards cannot stack
+    return layer
 
-    tp_rank, tp_size = tp
-    n_local_heads = config.num_attention_heads // tp_size
-    sink = plain["attn.attn_sink"][n_local_heads * tp_rank : n_local_heads * (tp_rank + 1)]
-    return MTPLayerWeights(
-        index=i,
-        layer_id=layer_id,
-        enorm=plain["enorm.weight"],
-        hnorm=plain["hnorm.weight"],
-        e_proj=linears["e_proj"],
-        h_proj=linears["h_proj"],
-        hc_head_fn=plain["hc_head_fn"],
-        hc_head_base=plain["hc_head_base"],
-        hc_head_scale=plain["hc_head_scale"],
-        norm=plain["norm.weight"],
-        head=head,
-        head_source=head_name,
-        attn_norm=plain["attn_norm.weight"],
-        ffn_norm=plain["ffn_norm.weight"],
-        hc_attn_fn=plain["hc_attn_fn"],
-        hc_attn_base=plain["hc_attn_base"],
-        hc_attn_scale=plain["hc_attn_scale"],
-        hc_ffn_fn=plain["hc_ffn_fn"],
-        hc_ffn_base=plain["hc_ffn_base"],
-        hc_ffn_scale=plain["hc_ffn_scale"],
-        fused_wqa_wkv=_stack_rows(
-            [linears["attn.wq_a"], linears["attn.wkv"]], f"{p}attn.fused_wqa_wkv"
-        ),
-        q_norm=plain["attn.q_norm.weight"],
-        kv_norm=plain["attn.kv_norm.weight"],
-        wq_b=linears["attn.wq_b"],
-        wo_a=linears["attn.wo_a"],
-        wo_b=linears["attn.wo_b"],
-        attn_sink=sink.contiguous(),
-        gate_weight=plain["ffn.gate.weight"],
-        e_score_correction_bias=plain["ffn.gate.bias"],
-        gate_up_proj=_stack_rows(
-            [linears["ffn.shared_experts.w1"], linears["ffn.shared_experts.w3"]],
-            f"{p}ffn.shared_experts.gate_up_proj",
-        ),
-        down_proj=linears["ffn.shared_experts.w2"],
-        experts=_load_experts(r, config, spec, ep[0], ep[1], skipped),
-    )
+
+def _tp_slice(t: torch.Tensor, tp: tuple[int, int]) -> torch.Tensor:
+    """Rows of TP rank ``tp[0]`` of ``tp[1]`` (an even split of dim 0, the heads)."""
+    rank, size = tp
+    n = t.shape[0] // size
+    return t[n * rank : n * (rank + 1)].contiguous()
 
 
 def _check_parallel(
@@ -709,17 +635,7 @@ def load_mtp_checkpoint(
         tp, ep = (tp_rank, tp_size), (ep_rank, ep_size)
         layers = tuple(_load_layer(r, ck, config, spec, tp, ep, skipped) for spec in specs)
 
-        embed_name = (
-            "mtp.0.emb.tok_emb.weight" if "emb.tok_emb.weight" in specs[0].names else "embed.weight"
-        )
-        if embed_name not in ck:
-            raise CheckpointError(
-                "embed.weight: missing; the checkpoint has no mtp.0.emb.tok_emb.weight either "
-                "(the token embedding is shared with the target)"
-            )
-        if embed_name == "embed.weight":
-            check_tensor_info(ck.info(embed_name), _FLOAT, (config.vocab_size, config.hidden_size))
-        embed = r.read(embed_name, "model.embed_tokens.weight")
+        embed, embed_name = _shared(r, ck, config, EMBED, specs[0])
 
         in_range = {full for spec in specs for full in spec.names.values()}
         unconsumed = in_range - set(r.loaded) - set(skipped)

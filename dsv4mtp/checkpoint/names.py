@@ -1,9 +1,11 @@
-"""Checkpoint name -> seed parameter name for the MTP layers: a pure function of names and config.
+"""Checkpoint name -> vLLM parameter name for the MTP layers: a pure function of names and config.
 
-Reproduces ``DeepSeekV4MTP.load_weights`` of the seed (vLLM ``deepseek_v4_mtp.py``) step by step
-(research notes 1.3), with its replace-all substring semantics, but without tensors, so that every
-branch can be tested on names alone.  The loader (:mod:`.checkpoint`) uses the ``kind`` and
-``skip_reason`` this module reports; :func:`remap_mtp_weight_name` is the public view.
+Reproduces vLLM's ``DeepSeekV4MTP.load_weights`` (``deepseek_v4_mtp.py``) step by step, with
+its replace-all substring semantics, but without tensors, so that every branch can be tested on
+names alone (layout: ``docs/semantics.md``, section "Checkpoint names and layout").  The loader
+(:mod:`.load`) uses the ``kind`` and ``skip_reason`` this module reports;
+:func:`remap_mtp_weight_name` is the public view, and ``MTPLayerWeights.state_dict`` takes its
+names from it.
 
 Steps for a checkpoint name (first matching rule wins inside a table):
 
@@ -81,7 +83,7 @@ _EXPERT_KEY_RE = re.compile(r"experts\.(\d+)\.(w[123])\.")
 
 @functools.lru_cache(maxsize=8)
 def expert_params_mapping(num_experts: int) -> tuple[tuple[str, str, int, str], ...]:
-    """The seed's mega-MoE expert table: ``(param prefix, checkpoint substring, expert, shard)``.
+    """vLLM's mega-MoE expert table: ``(param prefix, checkpoint substring, expert, shard)``.
 
     Three rows per expert in the order w1, w2, w3; the checkpoint substring has a leading
     ``experts.`` and a trailing dot so ``experts.7.w1.`` never matches ``experts.17.w1.``.
@@ -103,7 +105,7 @@ def _expert_lookup(num_experts: int) -> dict[str, tuple[str, int, str]]:
 class MTPWeightName:
     """Where one checkpoint tensor goes.
 
-    param_name: the seed's parameter name (``model.layers.{L}....`` or ``model.embed_tokens.weight``)
+    param_name: vLLM's parameter name (``model.layers.{L}....`` or ``model.embed_tokens.weight``)
     shard_id: None; 0/1 for stacked params; "w1"/"w2"/"w3" for routed experts
     expert_id: global routed-expert id, else None
     mtp_index: i of ``mtp.{i}``; layer_id: N + i
@@ -124,7 +126,7 @@ class _Skip:
 
 
 def mtp_index_of(name: str) -> int:
-    """Step 1: the first dotted field that parses as an int, else 0 (the seed's rule)."""
+    """Step 1: the first dotted field that parses as an int, else 0 (vLLM's rule)."""
     for part in name.split("."):
         try:
             return int(part)
@@ -200,7 +202,7 @@ def classify_mtp_weight_name(name: str, config: DSV4Config) -> MTPWeightName | _
 
 
 def remap_mtp_weight_name(name: str, config: DSV4Config) -> MTPWeightName | None:
-    """Checkpoint tensor name -> the seed's parameter name, or None when the seed skips it.
+    """Checkpoint tensor name -> vLLM's parameter name, or None when vLLM skips it.
 
     Examples (N = num_hidden_layers = 43):
 

@@ -1,5 +1,5 @@
 """NVFP4 routed experts for FlashInfer's ``moe_ep`` pack: gate/up alpha folding, the pack contract,
-and the padding-row routing preprocess (seed 2, research notes 3, 4 and 7).
+and the padding-row routing preprocess (``docs/semantics.md``, section "The NVFP4 gate/up fold").
 
 Why a fold: the NVFP4 megakernel multiplies each expert's FC1 accumulator by ONE scalar
 ``fc1_alpha``, but the fused w13 holds gate (w1) and up (w3) rows whose ModelOpt global scales
@@ -51,7 +51,7 @@ def fold_nvfp4_gate_up_scales(
     *,
     intermediate_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fold the up half's global scale into its block scales (the seed's acceptance rule).
+    """Fold the up half's global scale into its block scales (vLLM's acceptance rule).
 
     w13_weight_scale (E, 2I, H/16) float8_e4m3fn, rows [gate; up]; w13_weight_scale_2 (E, 2)
     float32, column 0 gate (w1), column 1 up (w3); w2_weight_scale_2 (E,) float32.
@@ -96,7 +96,7 @@ def fold_nvfp4_gate_up_scales(
     if not torch.equal(gate, up):
         ratio = up / gate  # (E,) fp32, rounded once
         up_scales = formats.decode_e4m3(w13_weight_scale[:, I:, :])  # (E, I, H/16) fp32
-        rescaled = up_scales * ratio[:, None, None]  # fp32 multiply, as the seed does
+        rescaled = up_scales * ratio[:, None, None]  # fp32 multiply, as vLLM does
         q = formats.encode_e4m3(rescaled)
         exact = formats.decode_e4m3(q) == rescaled  # NaN and saturation compare unequal
         if not bool(exact.all()):
@@ -144,7 +144,7 @@ def fold_nvfp4_experts(experts: RoutedExperts) -> RoutedExperts:
 # ----------------------------------------------------------------------------- moe_ep pack
 @dataclass(frozen=True)
 class MoEWeightPackSpec:
-    """What the seed hands FlashInfer for NVFP4 experts (``MoEWeightPack`` fields + alphas).
+    """What vLLM hands FlashInfer for NVFP4 experts (``MoEWeightPack`` fields + alphas).
 
     =========  =====================  ==========================================================
     field      shape, dtype           meaning
@@ -194,7 +194,7 @@ def check_moe_weight_pack(
 
 
 def nvfp4_moe_weight_pack(experts: RoutedExperts) -> MoEWeightPackSpec:
-    """The seed's ``nvfp4_prequant_pack_and_alphas`` on a loaded layer's routed experts."""
+    """vLLM's ``nvfp4_prequant_pack_and_alphas`` on a loaded layer's routed experts."""
     folded = fold_nvfp4_experts(experts)
     assert folded.w13_weight_scale is not None and folded.w2_weight_scale is not None
     assert folded.w13_weight_scale_2 is not None and folded.w2_weight_scale_2 is not None

@@ -3,7 +3,7 @@
 :func:`inspect_checkpoint` reads shard headers and only the tensors it must (memory-mapped: scales,
 the small unquantized MTP tensors, the NVFP4 gate/up block scales), and collects every problem as a
 :class:`Finding` instead of stopping at the first, as the loader does.  The checks are the loader's
-own (:mod:`.checkpoint`: name plan, format detection, expected dtypes and shapes from the config,
+own (:mod:`.load`: name plan, format detection, expected dtypes and shapes from the config,
 finite scales) plus the NVFP4 gate/up fold of :mod:`.nvfp4`, per expert.
 
 Severities (exit code non-zero only on errors):
@@ -32,6 +32,7 @@ import torch
 
 from dsv4mtp.checkpoint.io import ShardedCheckpoint
 from dsv4mtp.checkpoint.load import (
+    check_finite,
     check_finite_scale,
     check_tensor_info,
     claimed_expert_format,
@@ -80,7 +81,7 @@ class GroupFormat:
 
     layer: int
     group: str  # a dense linear ("attn.wq_b") or "ffn.experts"
-    detected: str  # a format tag of checkpoint_weights.FORMATS, or "undetected"
+    detected: str  # a format tag of weights.FORMATS, or "undetected"
     claimed: str
     agrees: bool
 
@@ -403,14 +404,10 @@ def _check_values(
                 )
                 bad_scale_2.add(rel)
         elif rel in plain:
-            t = ck.get(name)
-            bad = int((~torch.isfinite(t.float())).sum())
-            if bad:
-                report.add(
-                    "error",
-                    "non_finite_tensor",
-                    f"{name}: expected finite values, found {bad} non-finite of {t.numel()}",
-                )
+            try:
+                check_finite(name, ck.get(name))
+            except CheckpointError as e:
+                report.add("error", "non_finite_tensor", str(e))
     return bad_scale_2
 
 

@@ -1,8 +1,9 @@
-"""Tiny but complete DeepSeek-V4-shaped checkpoints with random weights (issue 4).
+"""Tiny but complete DeepSeek-V4-shaped checkpoints with random weights.
 
-A directory with config.json (real field names), sharded safetensors + index, ``mtp.0.*`` names
-exactly as the official checkpoint (spec 10), the target's shared ``embed.weight`` /
-``head.weight`` and a few other target tensors the MTP loader must ignore.
+A directory with config.json (real field names), sharded safetensors + index, ``mtp.{i}.*`` names
+exactly as the official checkpoint (one per row of :data:`~.schema.MTP_LAYER_PARAMS`; layout in
+``docs/semantics.md``, section "Checkpoint names and layout"), the target's shared
+``embed.weight`` / ``head.weight`` and a few other target tensors the MTP loader must ignore.
 
 Formats: dense linears FP8 with e8m0 block scales (float32 scales for ``expert_format="fp8"``,
 like V4-Flash-Base); routed experts per ``expert_format``:
@@ -19,9 +20,11 @@ Every routed expert is first drawn and quantized to MXFP4, then written in the r
 expert weights are identical across ``mxfp4``, ``fp8``, ``nvfp4`` and ``bf16`` for one seed
 (except the up halves of an unfoldable NVFP4 checkpoint, whose block scales are rounded).
 
-Initialisation (spec 12.3, chosen so the realism checks of issue 4 hold): linear weights
-N(0, 1/fan_in); norms 1 + N(0, 0.1^2); ``hc_*_fn`` N(0, 0.02^2), ``hc_*_base`` 0, ``hc_*_scale``
-1; ``attn_sink`` N(0, 1); router bias N(0, 0.1^2); embedding N(0, 1); head N(0, 1/D).
+Initialisation: each row's :class:`~.schema.Init` (linear weights N(0, 1/fan_in); norms
+1 + N(0, 0.1^2); ``hc_*_fn`` N(0, 0.02^2), ``hc_*_base`` 0, ``hc_*_scale`` 1; ``attn_sink``
+N(0, 1); router bias N(0, 0.1^2); embedding N(0, 1); head N(0, 1/D)), chosen so activations stay
+O(1), routing covers the experts and the sink matters.  Tensors are drawn in table order from one
+generator: the bits of a checkpoint depend on that order.
 """
 
 from __future__ import annotations
@@ -33,6 +36,15 @@ import torch
 
 from dsv4mtp import formats
 from dsv4mtp.checkpoint.io import write_sharded_checkpoint
+from dsv4mtp.checkpoint.schema import (
+    EMBED,
+    EXPERT_WEIGHTS,
+    MTP_LAYER_PARAMS,
+    ParamSpec,
+    expert_shape,
+    param_spec,
+    shared_params,
+)
 from dsv4mtp.checkpoint.weights import FP8_BLOCK
 from dsv4mtp.config import DSV4Config
 from dsv4mtp.errors import ConfigError
@@ -47,7 +59,7 @@ _FLASH_FP8 = {
     "scale_fmt": "ue8m0",
     "activation_scheme": "dynamic",
 }
-_BASE_FP8 = {  # V4-Flash-Base: float32 scales everywhere (research notes 8.2)
+_BASE_FP8 = {  # V4-Flash-Base: float32 scales everywhere
     "quant_method": "fp8",
     "fmt": "e4m3",
     "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
@@ -108,6 +120,14 @@ class _Rng:
     def normal(self, shape: tuple[int, ...], std: float, mean: float = 0.0) -> torch.Tensor:
         return torch.randn(shape, generator=self.g, dtype=torch.float32) * std + mean
 
+    def draw(self, spec: ParamSpec, config: DSV4Config) -> torch.Tensor:
+        """A tensor of ``spec``'s shape by its :class:`~.schema.Init` rule."""
+        shape, init = spec.shape(config), spec.init
+        if init.std == 0.0:
+            return torch.full(shape, init.mean, dtype=init.dtype)
+        std = shape[-1] ** -0.5 if init.std is None else init.std
+        return self.normal(shape, std, init.mean).to(init.dtype)
+
 
 def _fp8_linear(
     out: dict[str, torch.Tensor], name: str, w: torch.Tensor, *, float32_scales: bool
@@ -126,10 +146,10 @@ def _experts(
     expert_format: str,
     nvfp4_unfoldable: bool,
 ) -> None:
-    D, I = config.hidden_size, config.moe_intermediate_size
     for e in range(config.n_routed_experts):
         mx = {}  # w -> (packed (N, K/2) uint8, e8m0 bytes (N, K/32))
-        for w, (n, k) in (("w1", (I, D)), ("w2", (D, I)), ("w3", (I, D))):
+        for w in EXPERT_WEIGHTS:
+            n, k = expert_shape(config, w)
             mx[w] = formats.quantize_mxfp4(rng.normal((n, k), k**-0.5))
         # NVIDIA's closed-form cast: global 2^m, m = (max block exponent of the w1/w3 pair) - 8.
         k_max = {w: int(s.max()) - formats.E8M0_BIAS for w, (_, s) in mx.items()}
@@ -169,7 +189,7 @@ def synthetic_checkpoint_tensors(
     """``(tensors, config.json dict, hf_quant_config.json dict or None)`` of a synthetic checkpoint.
 
     For tests that edit a checkpoint before writing it with
-    :func:`~.checkpoint_io.write_sharded_checkpoint`.
+    :func:`~.io.write_sharded_checkpoint`.
     """
     if expert_format not in EXPERT_FORMATS:
         raise ConfigError(f"expert_format: expected one of {EXPERT_FORMATS}, got {expert_format!r}")
@@ -179,62 +199,30 @@ def synthetic_checkpoint_tensors(
         )
     c, hf_quant = _checkpoint_config(config, expert_format)
     rng = _Rng(seed)
-    D, V, n, M = c.hidden_size, c.vocab_size, c.hc_mult, c.hc_mix
-    H, Dh, Rq, G, Ro = c.num_attention_heads, c.head_dim, c.q_lora_rank, c.o_groups, c.o_lora_rank
-    E, I = c.n_routed_experts, c.moe_intermediate_size
-    f32_scales = expert_format == "fp8"
-    bf16 = torch.bfloat16
-
-    def norm(size: int) -> torch.Tensor:
-        return rng.normal((size,), 0.1, 1.0).to(bf16)
-
-    out: dict[str, torch.Tensor] = {
-        # The target model's tensors: the shared embedding and head, and some the loader ignores.
-        "embed.weight": rng.normal((V, D), 1.0).to(bf16),
-        "layers.0.attn_norm.weight": norm(D),
-        "layers.0.ffn.gate.bias": rng.normal((E,), 0.1),
-        f"layers.{c.num_hidden_layers - 1}.ffn_norm.weight": norm(D),
-        "hc_head_fn": rng.normal((n, n * D), 0.02),
-        "norm.weight": norm(D),
-    }
-    p = "mtp.0."
+    # The target model's tensors: the shared embedding first, then a few the loader must ignore,
+    # each drawn like its MTP namesake.
+    out: dict[str, torch.Tensor] = {EMBED.target: rng.draw(EMBED, c)}
+    for name, like in (
+        ("layers.0.attn_norm.weight", "attn_norm.weight"),
+        ("layers.0.ffn.gate.bias", "ffn.gate.bias"),
+        (f"layers.{c.num_hidden_layers - 1}.ffn_norm.weight", "ffn_norm.weight"),
+        ("hc_head_fn", "hc_head_fn"),
+        ("norm.weight", "norm.weight"),
+    ):
+        out[name] = rng.draw(param_spec(like), c)
     for i in range(c.num_nextn_predict_layers):
         p = f"mtp.{i}."
-        out[p + "enorm.weight"] = norm(D)
-        out[p + "hnorm.weight"] = norm(D)
-        out[p + "norm.weight"] = norm(D)
-        out[p + "hc_head_fn"] = rng.normal((n, n * D), 0.02)
-        out[p + "hc_head_base"] = torch.zeros(n)
-        out[p + "hc_head_scale"] = torch.ones(1)
-        for sub in ("attn", "ffn"):
-            out[f"{p}hc_{sub}_fn"] = rng.normal((M, n * D), 0.02)
-            out[f"{p}hc_{sub}_base"] = torch.zeros(M)
-            out[f"{p}hc_{sub}_scale"] = torch.ones(3)
-        out[p + "attn_norm.weight"] = norm(D)
-        out[p + "ffn_norm.weight"] = norm(D)
-        linears = {
-            "e_proj": (D, D),
-            "h_proj": (D, D),
-            "attn.wq_a": (Rq, D),
-            "attn.wkv": (Dh, D),
-            "attn.wq_b": (H * Dh, Rq),
-            "attn.wo_a": (G * Ro, H * Dh // G),
-            "attn.wo_b": (D, G * Ro),
-            "ffn.shared_experts.w1": (I, D),
-            "ffn.shared_experts.w3": (I, D),
-            "ffn.shared_experts.w2": (D, I),
-        }
-        for base, (rows, cols) in linears.items():
-            _fp8_linear(
-                out, p + base, rng.normal((rows, cols), cols**-0.5), float32_scales=f32_scales
-            )
-        out[p + "attn.q_norm.weight"] = norm(Rq)
-        out[p + "attn.kv_norm.weight"] = norm(Dh)
-        out[p + "attn.attn_sink"] = rng.normal((H,), 1.0)
-        out[p + "ffn.gate.weight"] = rng.normal((E, D), D**-0.5).to(bf16)
-        out[p + "ffn.gate.bias"] = rng.normal((E,), 0.1)
-        _experts(out, p + "ffn.experts", c, rng, expert_format, nvfp4_unfoldable)
-    out["head.weight"] = rng.normal((V, D), D**-0.5).to(bf16)
+        for spec in MTP_LAYER_PARAMS:
+            if spec.kind == "linear":  # FP8 as in the official checkpoint
+                w = rng.draw(spec, c)
+                _fp8_linear(out, p + spec.name, w, float32_scales=expert_format == "fp8")
+            elif spec.kind == "experts":
+                _experts(out, p + spec.name, c, rng, expert_format, nvfp4_unfoldable)
+            elif spec.kind != "shared":  # the layer shares the target's head: no copy
+                out[p + spec.name] = rng.draw(spec, c)
+    for spec in shared_params():
+        if spec is not EMBED:
+            out[spec.target] = rng.draw(spec, c)
     return out, c.to_hf_config(), hf_quant
 
 

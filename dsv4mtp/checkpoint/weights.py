@@ -18,13 +18,14 @@ format      ``data``                                    ``scale`` / ``scale_2``
 ``nvfp4``   (N, K/2) uint8, as mxfp4                    float8_e4m3fn (N, K/16) / float32 global scale
 =========== =========================================== =============================================
 
-e8m0 scales are kept as their raw bytes (uint8), as the seed does: a numeric cast would turn 2^-7
+e8m0 scales are kept as their raw bytes (uint8), as vLLM does: a numeric cast would turn 2^-7
 into 0.  Every scale is a *multiplier* (vLLM's ``weight_scale_inv`` is multiplied too).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -32,6 +33,8 @@ from typing import Any, Literal
 import torch
 
 from dsv4mtp import formats
+from dsv4mtp.checkpoint.names import MTPWeightName, classify_mtp_weight_name
+from dsv4mtp.checkpoint.schema import MTP_LAYER_PARAMS
 from dsv4mtp.config import DSV4Config
 from dsv4mtp.errors import CheckpointError
 
@@ -42,6 +45,7 @@ __all__ = [
     "QuantFormat",
     "QuantizedWeight",
     "RoutedExperts",
+    "stack_rows",
 ]
 
 QuantFormat = Literal["bf16", "fp8_e8m0", "fp8_f32", "mxfp4", "nvfp4"]
@@ -152,7 +156,7 @@ class QuantizedWeight:
     def tensors(
         self, prefix: str, scale_suffix: str = ".weight_scale_inv"
     ) -> dict[str, torch.Tensor]:
-        """``{prefix.weight, prefix<scale_suffix>, ...}`` under the seed's parameter names."""
+        """``{prefix.weight, prefix<scale_suffix>, ...}`` under vLLM's parameter names."""
         out = {f"{prefix}.weight": self.data}
         if self.scale is not None:
             out[f"{prefix}{scale_suffix}"] = self.scale
@@ -165,7 +169,7 @@ class QuantizedWeight:
 class RoutedExperts:
     """The routed experts of one MTP layer on this EP rank, stacked over local experts, packed.
 
-    Stacking follows the seed (``DeepseekV4MegaMoEExperts`` / ``...FI``): w13 rows are
+    Stacking follows vLLM (``DeepseekV4MegaMoEExperts`` / ``...FI``): w13 rows are
     ``[w1 (gate) rows 0..I-1 ; w3 (up) rows I..2I-1]``.
 
     ===================  ====================================  =====================================
@@ -174,7 +178,7 @@ class RoutedExperts:
     format               --                                     ``FORMATS`` tag, detected per layer
                                                                 from the tensors present
     w13_weight           (E_loc, 2I, H) or (E_loc, 2I, H/2)     bf16 / e4m3, or packed fp4 uint8
-    w13_weight_scale     fp8: (E_loc, 2I/128, H/128)            seed name ``w13_weight_scale_inv``
+    w13_weight_scale     fp8: (E_loc, 2I/128, H/128)            vLLM name ``w13_weight_scale_inv``
                          mxfp4: (E_loc, 2I, H/32) uint8 e8m0    for fp8; None for bf16
                          nvfp4: (E_loc, 2I, H/16) e4m3
     w2_weight            (E_loc, H, I) or (E_loc, H, I/2)
@@ -219,7 +223,7 @@ class RoutedExperts:
         return self.expert_start <= global_id < self.expert_end
 
     def local_id(self, global_id: int) -> int:
-        """The seed's ``_map_global_expert_id``: local slot, or -1 when not on this rank."""
+        """vLLM's ``_map_global_expert_id``: local slot, or -1 when not on this rank."""
         return global_id - self.expert_start if self.is_local(global_id) else -1
 
     def global_to_local(self) -> torch.Tensor:
@@ -302,7 +306,7 @@ class RoutedExperts:
         )
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        """The seed's parameters ``{prefix}.w13_weight`` ... (scale suffix by format)."""
+        """vLLM's parameters ``{prefix}.w13_weight`` ... (scale suffix by format)."""
         suffix = "_weight_scale_inv" if self.format.startswith("fp8") else "_weight_scale"
         out: dict[str, torch.Tensor] = {
             f"{prefix}.w13_weight": self.w13_weight,
@@ -323,129 +327,105 @@ class RoutedExperts:
 class MTPLayerWeights:
     """All parameters of MTP layer ``index`` (model layer ``layer_id = num_hidden_layers + index``).
 
-    Field -> the seed's parameter name (``L.`` = ``model.layers.{layer_id}.``, ``B.`` =
-    ``L.mtp_block.``); shapes with D = hidden_size, n = hc_mult, M = (2+n)n, H = heads,
-    Dh = head_dim, Rq = q_lora_rank, G = o_groups, Ro = o_lora_rank, E = n_routed_experts,
-    I = moe_intermediate_size, V = vocab_size.  Plain tensors keep the stored dtype (norms bf16,
-    hc_* / attn_sink / bias float32 in real checkpoints).
+    One field per row of :data:`~dsv4mtp.checkpoint.schema.MTP_LAYER_PARAMS`, in table order
+    (the table gives each field's checkpoint name, shape and kind; a test keeps the two in step):
+    linears as :class:`QuantizedWeight` as stored, one per checkpoint weight (``wq_a`` and ``wkv``
+    apart, the shared expert's ``shared_w1`` / ``shared_w3`` / ``shared_w2`` apart); plain and
+    ``hc_*`` tensors in the stored dtype (norms bf16, hc_* / attn_sink / bias float32 in real
+    checkpoints); the routed experts stacked as vLLM stacks them (:class:`RoutedExperts`).
+    ``head_source`` is the checkpoint name the head came from (``mtp.{i}.head.weight`` or the
+    target's ``head.weight``).
 
-    ========================  ====================================  =========================
-    field                     seed name                             shape
-    ========================  ====================================  =========================
-    enorm                     L.enorm.weight                        (D,)
-    hnorm                     L.hnorm.weight                        (D,)
-    e_proj                    L.e_proj.weight (+_scale_inv)         QW (D, D)
-    h_proj                    L.h_proj.weight (+_scale_inv)         QW (D, D)
-    hc_head_fn                L.hc_head_fn                          (n, nD) fp32
-    hc_head_base              L.hc_head_base                        (n,)
-    hc_head_scale             L.hc_head_scale                       (1,)
-    norm                      L.shared_head.norm.weight             (D,)
-    head                      L.shared_head.head.weight             (V, D)
-    head_source               checkpoint name used for ``head``     ``mtp.{i}.head.weight`` or
-                                                                    ``head.weight`` (target's)
-    attn_norm                 B.attn_norm.weight                    (D,)
-    ffn_norm                  B.ffn_norm.weight                     (D,)
-    hc_attn_fn/_base/_scale   B.hc_attn_fn / _base / _scale         (M, nD) / (M,) / (3,)
-    hc_ffn_fn/_base/_scale    B.hc_ffn_fn / _base / _scale          (M, nD) / (M,) / (3,)
-    fused_wqa_wkv             B.attn.fused_wqa_wkv.weight (+scale)  QW (Rq + Dh, D),
-                                                                    row_splits (Rq, Dh)
-    q_norm                    B.attn.q_norm.weight                  (Rq,)
-    kv_norm                   B.attn.kv_norm.weight                 (Dh,)
-    wq_b                      B.attn.wq_b.weight (+scale)           QW (H Dh, Rq)
-    wo_a                      B.attn.wo_a.weight (+scale)           QW (G Ro, H Dh / G)
-    wo_b                      B.attn.wo_b.weight (+scale)           QW (D, G Ro)
-    attn_sink                 B.attn.attn_sink                      (H / tp_size,) this rank's
-                                                                    heads (the seed also pads to
-                                                                    64 with -inf; we do not)
-    gate_weight               B.ffn.gate.weight                     (E, D)
-    e_score_correction_bias   B.ffn.gate.e_score_correction_bias    (E,)
-    gate_up_proj              B.ffn.shared_experts.gate_up_proj     QW (2I, D), row_splits (I, I)
-    down_proj                 B.ffn.shared_experts.down_proj        QW (D, I)
-    experts                   B.ffn.experts.w13_* / w2_*            :class:`RoutedExperts`
-    ========================  ====================================  =========================
+    vLLM's fused parameters are views computed on demand: :attr:`fused_wqa_wkv` = rows
+    [wq_a; wkv], :attr:`gate_up_proj` = rows [w1; w3], :attr:`down_proj` = ``shared_w2``, and
+    :meth:`state_dict` lists everything under vLLM's names.
 
-    Tensor parallelism: only ``attn_sink`` is narrowed to this rank's heads (as the seed's loader
-    does); every other attention weight is replicated here and left to the multi-GPU code to
-    slice.
+    Tensor parallelism: only ``attn_sink`` is narrowed to this rank's heads, as vLLM's loader
+    does (which also pads it to 64 heads with -inf; we do not); every other attention weight is
+    replicated here and left to the multi-GPU code to slice.
     """
 
     index: int
     layer_id: int
     enorm: torch.Tensor
     hnorm: torch.Tensor
-    e_proj: QuantizedWeight
-    h_proj: QuantizedWeight
+    norm: torch.Tensor
     hc_head_fn: torch.Tensor
     hc_head_base: torch.Tensor
     hc_head_scale: torch.Tensor
-    norm: torch.Tensor
-    head: torch.Tensor
-    head_source: str
-    attn_norm: torch.Tensor
-    ffn_norm: torch.Tensor
     hc_attn_fn: torch.Tensor
     hc_attn_base: torch.Tensor
     hc_attn_scale: torch.Tensor
     hc_ffn_fn: torch.Tensor
     hc_ffn_base: torch.Tensor
     hc_ffn_scale: torch.Tensor
-    fused_wqa_wkv: QuantizedWeight
-    q_norm: torch.Tensor
-    kv_norm: torch.Tensor
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    e_proj: QuantizedWeight
+    h_proj: QuantizedWeight
+    wq_a: QuantizedWeight
+    wkv: QuantizedWeight
     wq_b: QuantizedWeight
     wo_a: QuantizedWeight
     wo_b: QuantizedWeight
+    shared_w1: QuantizedWeight
+    shared_w3: QuantizedWeight
+    shared_w2: QuantizedWeight
+    q_norm: torch.Tensor
+    kv_norm: torch.Tensor
     attn_sink: torch.Tensor
     gate_weight: torch.Tensor
     e_score_correction_bias: torch.Tensor
-    gate_up_proj: QuantizedWeight
-    down_proj: QuantizedWeight
     experts: RoutedExperts
+    head: torch.Tensor
+    head_source: str
 
     @property
-    def wq_a(self) -> QuantizedWeight:
-        """Rows [0, Rq) of ``fused_wqa_wkv`` (shard 0)."""
-        return self.fused_wqa_wkv.split_rows()[0]
+    def fused_wqa_wkv(self) -> QuantizedWeight:
+        """vLLM's ``attn.fused_wqa_wkv``: rows [wq_a (Rq); wkv (Dh)], row_splits (Rq, Dh)."""
+        return stack_rows([self.wq_a, self.wkv], f"mtp.{self.index}.attn.fused_wqa_wkv")
 
     @property
-    def wkv(self) -> QuantizedWeight:
-        """Rows [Rq, Rq + Dh) of ``fused_wqa_wkv`` (shard 1)."""
-        return self.fused_wqa_wkv.split_rows()[1]
+    def gate_up_proj(self) -> QuantizedWeight:
+        """vLLM's ``shared_experts.gate_up_proj``: rows [w1 (I); w3 (I)], row_splits (I, I)."""
+        return stack_rows(
+            [self.shared_w1, self.shared_w3], f"mtp.{self.index}.ffn.shared_experts.gate_up_proj"
+        )
+
+    @property
+    def down_proj(self) -> QuantizedWeight:
+        """vLLM's ``shared_experts.down_proj``: the shared expert's w2 (D, I)."""
+        return self.shared_w2
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This layer's parameters under the seed's names (``model.layers.{layer_id}.*``)."""
-        L = f"model.layers.{self.layer_id}."
-        B = L + "mtp_block."
+        """This layer's parameters under vLLM's names (``model.layers.{layer_id}.*``), each name
+        the one :func:`~.names.remap_mtp_weight_name` gives the checkpoint tensor(s) it holds;
+        shards vLLM stacks (shard id 0, 1) are stacked here in shard order."""
         out: dict[str, torch.Tensor] = {}
-        plain = {
-            L + "enorm.weight": self.enorm,
-            L + "hnorm.weight": self.hnorm,
-            L + "hc_head_fn": self.hc_head_fn,
-            L + "hc_head_base": self.hc_head_base,
-            L + "hc_head_scale": self.hc_head_scale,
-            L + "shared_head.norm.weight": self.norm,
-            L + "shared_head.head.weight": self.head,
-            B + "attn_norm.weight": self.attn_norm,
-            B + "ffn_norm.weight": self.ffn_norm,
-            B + "attn.q_norm.weight": self.q_norm,
-            B + "attn.kv_norm.weight": self.kv_norm,
-            B + "attn.attn_sink": self.attn_sink,
-            B + "ffn.gate.weight": self.gate_weight,
-            B + "ffn.gate.e_score_correction_bias": self.e_score_correction_bias,
-        }
-        for sub in ("attn", "ffn"):
-            for part in ("fn", "base", "scale"):
-                plain[f"{B}hc_{sub}_{part}"] = getattr(self, f"hc_{sub}_{part}")
-        out.update(plain)
-        out.update(self.e_proj.tensors(L + "e_proj"))
-        out.update(self.h_proj.tensors(L + "h_proj"))
-        out.update(self.fused_wqa_wkv.tensors(B + "attn.fused_wqa_wkv"))
-        out.update(self.wq_b.tensors(B + "attn.wq_b"))
-        out.update(self.wo_a.tensors(B + "attn.wo_a"))
-        out.update(self.wo_b.tensors(B + "attn.wo_b"))
-        out.update(self.gate_up_proj.tensors(B + "ffn.shared_experts.gate_up_proj"))
-        out.update(self.down_proj.tensors(B + "ffn.shared_experts.down_proj"))
-        out.update(self.experts.tensors(B + "ffn.experts"))
+        stacked: dict[str, list[QuantizedWeight]] = {}
+        for spec in MTP_LAYER_PARAMS:
+            value = getattr(self, spec.field)
+            if spec.kind == "experts":
+                w13 = self._vllm_name(f"{spec.name}.0.w1.weight").param_name
+                out.update(value.tensors(w13.removesuffix(".w13_weight")))
+            elif spec.kind != "linear":
+                out[self._vllm_name(spec.name).param_name] = value
+            else:
+                m = self._vllm_name(f"{spec.name}.weight")
+                prefix = m.param_name.removesuffix(".weight")
+                if m.shard_id is None:
+                    out.update(value.tensors(prefix))
+                else:
+                    stacked.setdefault(prefix, []).append(value)
+        for prefix, parts in stacked.items():
+            out.update(stack_rows(parts, prefix).tensors(prefix))
+        return out
+
+    def _vllm_name(self, rel: str) -> MTPWeightName:
+        """:func:`~.names.classify_mtp_weight_name` of ``mtp.{index}.{rel}`` for this layer."""
+        config = _names_config(self.layer_id - self.index, self.index)
+        out = classify_mtp_weight_name(f"mtp.{self.index}.{rel}", config)
+        assert isinstance(out, MTPWeightName), (rel, out)
         return out
 
     def to(self, device: torch.device | str) -> MTPLayerWeights:
@@ -455,6 +435,34 @@ class MTPLayerWeights:
             if isinstance(v, (torch.Tensor, QuantizedWeight, RoutedExperts)):
                 changes[f.name] = v.to(device)
         return dataclasses.replace(self, **changes)
+
+
+@functools.lru_cache(maxsize=8)
+def _names_config(num_hidden_layers: int, index: int) -> DSV4Config:
+    """A config with MTP layer ``mtp.{index}``: all that vLLM's names of the non-expert
+    parameters depend on (the routed experts name their own tensors, by format)."""
+    return DSV4Config(num_hidden_layers=num_hidden_layers, num_nextn_predict_layers=index + 1)
+
+
+def stack_rows(parts: list[QuantizedWeight], name: str) -> QuantizedWeight:
+    """Stack linears along rows as vLLM's merged parameters do (``fused_wqa_wkv``,
+    ``gate_up_proj``); ``row_splits`` keeps the shards apart."""
+    fmt = parts[0].format
+    if any(p.format != fmt for p in parts):
+        raise CheckpointError(
+            f"{name}: cannot stack shards of different formats {[p.format for p in parts]}"
+        )
+    if fmt.startswith("fp8") and any(p.shape[0] % FP8_BLOCK for p in parts[:-1]):
+        raise CheckpointError(
+            f"{name}: cannot stack FP8 shards whose row counts {[p.shape[0] for p in parts]} are "
+            f"not whole {FP8_BLOCK}-row blocks"
+        )
+    data = torch.cat([p.data for p in parts], 0)
+    scale = None if parts[0].scale is None else torch.cat([p.scale for p in parts], 0)  # type: ignore[misc]
+    rows = tuple(p.shape[0] for p in parts)
+    return QuantizedWeight(
+        fmt, data, scale, (sum(rows), parts[0].shape[1]), row_splits=rows, name=name
+    )
 
 
 @dataclass(frozen=True)
@@ -467,12 +475,12 @@ class MTPCheckpoint:
     config          the :class:`DSV4Config` the shapes were checked against
     path            the checkpoint directory
     layers          one :class:`MTPLayerWeights` per MTP layer, ``layers[i]`` for ``mtp.{i}``
-    embed_tokens    (V, D) the seed's ``model.embed_tokens.weight`` (shared by all MTP layers)
+    embed_tokens    (V, D) vLLM's ``model.embed_tokens.weight`` (shared by all MTP layers)
     embed_source    checkpoint name it came from: ``mtp.0.emb.tok_emb.weight`` when present (a
                     re-export), else the target's ``embed.weight``
     tp_rank/size    tensor-parallel coordinates used (only ``attn_sink`` is narrowed)
     ep_rank/size    expert-parallel coordinates used (experts outside the rank's range skipped)
-    loaded          checkpoint name -> seed parameter name, for every tensor consumed
+    loaded          checkpoint name -> vLLM parameter name, for every tensor consumed
     skipped         checkpoint name -> reason, for ``mtp.*`` tensors deliberately not loaded
                     (non-local experts, MTP index beyond ``num_nextn_predict_layers``, shared
                     weights from a later MTP layer)
@@ -503,7 +511,7 @@ class MTPCheckpoint:
         return self.layers[step % len(self.layers)]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter under the seed's names (``model.embed_tokens.weight`` + layers)."""
+        """Every parameter under vLLM's names (``model.embed_tokens.weight`` + layers)."""
         out = {"model.embed_tokens.weight": self.embed_tokens}
         for layer in self.layers:
             out.update(layer.state_dict())

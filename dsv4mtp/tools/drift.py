@@ -14,6 +14,7 @@ Which implementation runs is the caller's choice (``build_layer``); the default 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -25,7 +26,13 @@ import torch
 from safetensors import safe_open
 
 from dsv4mtp.checkpoint.load import load_mtp_checkpoint
-from dsv4mtp.checkpoint.weights import MTPCheckpoint, MTPLayerWeights, QuantizedWeight
+from dsv4mtp.checkpoint.schema import MTP_LAYER_PARAMS
+from dsv4mtp.checkpoint.weights import (
+    MTPCheckpoint,
+    MTPLayerWeights,
+    QuantizedWeight,
+    RoutedExperts,
+)
 from dsv4mtp.config import DSV4Config
 from dsv4mtp.errors import CheckpointError, InputError
 
@@ -126,54 +133,32 @@ class GroupError:
 def _layer_groups(
     w: MTPLayerWeights,
 ) -> Iterator[tuple[str, str, Callable[[], list[torch.Tensor]]]]:
-    """(group name, format, thunk -> dequantized tensors) of one MTP layer.  Thunks keep only one
-    group in float64 memory at a time."""
+    """(group name, format, thunk -> dequantized tensors) of one MTP layer, one per ``group`` of
+    the schema, in table order.  Thunks keep only one group in float64 memory at a time."""
+    groups: dict[str, list[Any]] = {}
+    for spec in MTP_LAYER_PARAMS:
+        groups.setdefault(spec.group, []).append(getattr(w, spec.field))
+    for name, values in groups.items():
+        first = values[0]
+        if isinstance(first, RoutedExperts):
+            yield name, first.format, functools.partial(_experts_f64, first)
+        elif isinstance(first, QuantizedWeight):
+            yield name, first.format, functools.partial(_linears_f64, values)
+        else:
+            fmt = str(first.dtype).removeprefix("torch.")
+            yield name, fmt, functools.partial(_plain_f64, values)
 
-    def qw(q: QuantizedWeight) -> Callable[[], list[torch.Tensor]]:
-        return lambda: [q.dequantize(torch.float64)]
 
-    def plain(*ts: torch.Tensor) -> Callable[[], list[torch.Tensor]]:
-        return lambda: [t.double() for t in ts]
+def _experts_f64(ex: RoutedExperts) -> list[torch.Tensor]:
+    return [t for e in range(ex.num_local_experts) for t in ex.dequantize_expert(e, torch.float64)]
 
-    wq_a, wkv = w.fused_wqa_wkv.split_rows()
-    w1, w3 = w.gate_up_proj.split_rows()
-    for name, q in (
-        ("e_proj", w.e_proj),
-        ("h_proj", w.h_proj),
-        ("attn.wq_a", wq_a),
-        ("attn.wkv", wkv),
-        ("attn.wq_b", w.wq_b),
-        ("attn.wo_a", w.wo_a),
-        ("attn.wo_b", w.wo_b),
-        ("ffn.shared_experts.w1", w1),
-        ("ffn.shared_experts.w3", w3),
-        ("ffn.shared_experts.w2", w.down_proj),
-    ):
-        yield name, q.format, qw(q)
-    ex = w.experts
 
-    def experts() -> list[torch.Tensor]:
-        return [
-            t for e in range(ex.num_local_experts) for t in ex.dequantize_expert(e, torch.float64)
-        ]
+def _linears_f64(qs: list[QuantizedWeight]) -> list[torch.Tensor]:
+    return [q.dequantize(torch.float64) for q in qs]
 
-    yield "ffn.experts", ex.format, experts
-    for name, ts in (
-        ("enorm", (w.enorm,)),
-        ("hnorm", (w.hnorm,)),
-        ("norm", (w.norm,)),
-        ("attn_norm", (w.attn_norm,)),
-        ("ffn_norm", (w.ffn_norm,)),
-        ("attn.q_norm", (w.q_norm,)),
-        ("attn.kv_norm", (w.kv_norm,)),
-        ("attn.attn_sink", (w.attn_sink,)),
-        ("hc_head", (w.hc_head_fn, w.hc_head_base, w.hc_head_scale)),
-        ("hc_attn", (w.hc_attn_fn, w.hc_attn_base, w.hc_attn_scale)),
-        ("hc_ffn", (w.hc_ffn_fn, w.hc_ffn_base, w.hc_ffn_scale)),
-        ("ffn.gate", (w.gate_weight, w.e_score_correction_bias)),
-        ("head", (w.head,)),
-    ):
-        yield name, str(ts[0].dtype).removeprefix("torch."), plain(*ts)
+
+def _plain_f64(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.double() for t in ts]
 
 
 def _group_error(name: str, a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float]:
