@@ -2,11 +2,18 @@
 
 CPU sessions pin torch==2.13.0 (a CPU wheel of that exact version is served locally; an open
 range would resolve to a multi-GB CUDA build) and triton==3.6.0 (the H200 machine's version), and
-use pip (uv ignores the machine's pip configuration and downloads gigabytes).  The GPU sessions run
-in the current interpreter: the H200 machine brings its own torch 2.11 + CUDA build.
+use pip (uv ignores the machine's pip configuration and downloads gigabytes); they install the
+project editable (`pip install -e .[dev]`), which maps reference/, optimized/ and conformance/
+under dsv4mtp.  The GPU session runs in the current interpreter: the H200 machine brings its own
+torch 2.11 + CUDA build, and an old setuptools whose editable install cannot map those folders,
+so it installs a copy (`pip install --no-deps --no-build-isolation .`) and runs that.
 """
 
 from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
 
 import nox
 
@@ -38,16 +45,28 @@ def conformance(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def conformance_gpu(session: nox.Session) -> None:
-    """Everything, on a CUDA machine (run in its Python: torch+CUDA come with the machine)."""
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "conformance",
-        "--durations=15",
-        *session.posargs,
-        env={"DSV4_HYPOTHESIS_PROFILE": "dsv4-gpu"},
-    )
+    """Everything, on a CUDA machine, in its Python (torch+CUDA come with the machine).
+
+    Installs this checkout (non-editable) into that Python and runs the installed suite; select
+    with -k (e.g. `nox -s conformance_gpu -- -k mhc`).  The committed example database is
+    replayed and extended.
+    """
+    shutil.rmtree("build", ignore_errors=True)  # setuptools would pack stale files from it
+    session.run("python", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", ".")
+    env = {
+        "DSV4_HYPOTHESIS_PROFILE": "dsv4-gpu",
+        "DSV4_HYPOTHESIS_DB": str(Path(".hypothesis", "examples").resolve()),
+    }
+    # The installed suite, run as from a wheel, from outside the checkout: there the checkout's
+    # own dsv4mtp/ folder would come first on sys.path and hide the installed package.
+    with tempfile.TemporaryDirectory() as outside, session.chdir(outside):
+        session.run(
+            *("python", "-m", "pytest", "-p", "dsv4mtp.conformance.plugin"),
+            *("--pyargs", "dsv4mtp.conformance", "-ra"),
+            "--durations=15",
+            *session.posargs,
+            env=env,
+        )
 
 
 @nox.session

@@ -4,6 +4,7 @@ match the reference (extra keyword-only arguments allowed, renames not)."""
 from __future__ import annotations
 
 import inspect
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,11 @@ import pytest
 import dsv4mtp.conformance.pairs  # noqa: F401  (declares the pairs)
 import dsv4mtp.optimized as optimized
 import dsv4mtp.reference as reference
+from dsv4mtp.conformance.plugin import SOURCE_ROOT
 from dsv4mtp.conformance.registry import REGISTRY
 
-ROOT = Path(__file__).resolve().parent.parent
+# The suite's folder: conformance/ in a checkout, dsv4mtp/conformance/ when installed.
+HERE = Path(__file__).resolve().parent
 
 # Public names of dsv4mtp.optimized that are not ops with a numeric output to compare (classes
 # re-exported from the reference, model objects tested by their own module tests).
@@ -75,27 +78,42 @@ def test_optimized_signatures_extend_the_reference() -> None:
         ), f"{name}: extra parameters must be keyword-only with defaults: {extra}"
 
 
-def _collected_ids(request: pytest.FixtureRequest, concept: str) -> list[str]:
-    path = f"conformance/test_{concept}.py"
-    ids = [item.nodeid for item in request.session.items if item.nodeid.startswith(path)]
-    if ids:
-        return ids
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", path],
-        cwd=ROOT,
+def _pytest(tmp: Path, module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """pytest on one module of this suite the way the suite runs: in a checkout by path (its
+    pyproject.toml configures the run); installed, by name (a path would let a checkout that
+    holds the environment, such as .nox/, configure the run and shadow the installed dsv4mtp).
+    Hypothesis's cache and examples go to ``tmp``: a deliberately failing run touches neither
+    site-packages nor the committed database."""
+    if SOURCE_ROOT is not None:
+        target = [str(HERE / f"{module}.py")]
+    else:
+        target = ["-p", "dsv4mtp.conformance.plugin", "--pyargs", f"dsv4mtp.conformance.{module}"]
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *target, *args],
+        cwd=tmp,
+        env={**os.environ, "DSV4_HYPOTHESIS_DB": str(tmp / "examples")},
         capture_output=True,
         text=True,
         check=False,
     )
-    return [line for line in out.stdout.splitlines() if line.startswith(path)]
 
 
-def test_every_pair_has_a_differential_test(request: pytest.FixtureRequest) -> None:
+def _collected_ids(request: pytest.FixtureRequest, concept: str, tmp: Path) -> list[str]:
+    path = (HERE / f"test_{concept}.py").resolve()
+    ids = [item.nodeid for item in request.session.items if item.path.resolve() == path]
+    if ids:
+        return ids
+    out = _pytest(tmp, f"test_{concept}", "--collect-only", "-q")
+    # One module collected: every node id is its (outside the rootdir the file part is empty).
+    return [line for line in out.stdout.splitlines() if "::" in line]
+
+
+def test_every_pair_has_a_differential_test(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     for pair in REGISTRY.values():
-        assert (ROOT / "conformance" / f"test_{pair.concept}.py").exists(), (
+        assert (HERE / f"test_{pair.concept}.py").exists(), (
             f"{pair.name}: no conformance/test_{pair.concept}.py"
         )
-        ids = _collected_ids(request, pair.concept)
+        ids = _collected_ids(request, pair.concept, tmp_path)
         for dtype in pair.tolerances:
             tag = f"test_differential[{pair.name}-{str(dtype).removeprefix('torch.')}]"
             assert any(i.endswith(tag) for i in ids), f"{pair.name}: no collected test {tag}"
@@ -116,32 +134,18 @@ def wrong_rms_norm(x, weight, eps, *, order="official"):  # type: ignore[no-unty
     return (reference.rms_norm(x, weight, eps, order=order).double() * 1.01).to(x.dtype)
 
 
-def test_impl_option_swaps_in_a_third_party_implementation() -> None:
+def test_impl_option_swaps_in_a_third_party_implementation(tmp_path: Path) -> None:
     """``--impl`` must really run the given function: the reference itself passes, a 1% wrong
     implementation fails the same differential test."""
 
     def run(spec: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "conformance/test_norm.py",
-                "-k",
-                "differential and float32",
-                "--impl",
-                spec,
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=False,
+        return _pytest(
+            tmp_path, "test_norm", "-q", "-k", "differential and float32", "--impl", spec
         )
 
-    assert run("rms_norm=dsv4mtp.reference:rms_norm").returncode == 0
-    bad = run("rms_norm=conformance.test_registry:wrong_rms_norm")
+    good = run("rms_norm=dsv4mtp.reference:rms_norm")
+    assert good.returncode == 0, good.stdout[-2000:] + good.stderr[-2000:]
+    # This module by its installed name, which a checkout's editable install provides too.
+    bad = run("rms_norm=dsv4mtp.conformance.test_registry:wrong_rms_norm")
     assert bad.returncode == 1, bad.stdout[-2000:]
     assert "exceeds tolerance" in bad.stdout

@@ -1,14 +1,29 @@
-"""Shared pytest configuration: hypothesis profiles, markers, devices, ``--impl``."""
+"""The conformance suite's pytest plugin: hypothesis profiles, markers, devices, ``--impl``.
+
+Loaded explicitly, never through an entry point, so that installing the package changes no
+other project's pytest.  From a source checkout ``pyproject.toml``'s ``addopts`` loads it; from
+an installed package::
+
+    python -m pytest -p dsv4mtp.conformance.plugin --pyargs dsv4mtp.conformance [--impl ...]
+
+(``-p`` because pytest reads a conftest inside a ``--pyargs`` package only after it has parsed
+the command line: too late for ``--impl``.)
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
-from hypothesis.database import DirectoryBasedExampleDatabase, ReadOnlyDatabase
+from hypothesis.database import (
+    DirectoryBasedExampleDatabase,
+    ExampleDatabase,
+    ReadOnlyDatabase,
+)
 
 # Without a GPU our Triton kernels run in Triton's interpreter on CPU tensors.  Triton reads the
 # variable when a kernel is decorated, so it must be set before dsv4mtp.optimized is imported;
@@ -16,12 +31,49 @@ from hypothesis.database import DirectoryBasedExampleDatabase, ReadOnlyDatabase
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _source_root() -> Path | None:
+    here = Path(__file__).resolve().parent
+    if here.name == "conformance" and (here.parent / "pyproject.toml").is_file():
+        return here.parent
+    return None
+
+
+#: The repository when the suite runs from a source checkout (or an editable install of one);
+#: None when it runs from an installed wheel, where tests that need the sources are skipped.
+SOURCE_ROOT = _source_root()
+
+MARKERS = (
+    "gpu: needs a CUDA device (skipped with a reason on CPU)",
+    "slow: long-running; excluded from the CPU tier with -m 'not slow'",
+)
+WARNING_FILTERS = ("ignore::DeprecationWarning:cutlass.*",)
+
 # ---------------------------------------------------------------------------------- hypothesis
 # The committed example database replays past failures.  CI reads it but never writes to it;
 # local runs add new failures to it (commit them).  We register our own profiles because with
 # CI=true Hypothesis would otherwise load its built-in "ci" profile (no database, derandomized).
-_DB_DIR = Path(__file__).resolve().parent.parent / ".hypothesis" / "examples"
-_COMMON = dict(
+# An installed package has no committed database and must not write into site-packages: it runs
+# without one unless DSV4_HYPOTHESIS_DB names a directory (e.g. a checkout's .hypothesis/examples).
+
+
+def _example_dir() -> Path | None:
+    if os.environ.get("DSV4_HYPOTHESIS_DB"):
+        return Path(os.environ["DSV4_HYPOTHESIS_DB"])
+    if SOURCE_ROOT is not None:
+        return SOURCE_ROOT / ".hypothesis" / "examples"
+    return None
+
+
+def _database(read_only: bool) -> ExampleDatabase | None:
+    directory = _example_dir()
+    if directory is None:
+        return None
+    db = DirectoryBasedExampleDatabase(directory)
+    return ReadOnlyDatabase(db) if read_only else db
+
+
+_COMMON = settings(
     deadline=None,  # interpreter-run kernels have no stable timing
     print_blob=True,
     suppress_health_check=[
@@ -32,20 +84,14 @@ _COMMON = dict(
 )
 settings.register_profile(
     "dsv4-ci",
+    _COMMON,
     max_examples=40,
-    database=ReadOnlyDatabase(DirectoryBasedExampleDatabase(_DB_DIR)),
+    database=_database(read_only=True),
     derandomize=False,
-    **_COMMON,
 )
-settings.register_profile(
-    "dsv4-dev", max_examples=40, database=DirectoryBasedExampleDatabase(_DB_DIR), **_COMMON
-)
-settings.register_profile(
-    "dsv4-gpu", max_examples=40, database=DirectoryBasedExampleDatabase(_DB_DIR), **_COMMON
-)
-settings.register_profile(
-    "dsv4-thorough", max_examples=500, database=DirectoryBasedExampleDatabase(_DB_DIR), **_COMMON
-)
+settings.register_profile("dsv4-dev", _COMMON, max_examples=40, database=_database(False))
+settings.register_profile("dsv4-gpu", _COMMON, max_examples=40, database=_database(False))
+settings.register_profile("dsv4-thorough", _COMMON, max_examples=500, database=_database(False))
 _default_profile = "dsv4-ci" if os.environ.get("CI") else "dsv4-dev"
 settings.load_profile(os.environ.get("DSV4_HYPOTHESIS_PROFILE", _default_profile))
 
@@ -64,9 +110,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+IMPL_KEY = pytest.StashKey[dict[str, str]]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    # Registered here rather than in pyproject.toml so that an installed suite, run from a
+    # directory without our configuration file, knows them too.
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+    for line in WARNING_FILTERS:
+        config.addinivalue_line("filterwarnings", line)
     overrides: dict[str, str] = {}
-    for spec in config.getoption("--impl"):
+    # A default: loaded late (from a conftest under --pyargs) the option was never parsed.
+    for spec in config.getoption("--impl", default=None) or []:
         op, eq, path = spec.partition("=")
         if not eq:
             path = spec
@@ -75,9 +131,6 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--impl {spec!r}: expected [OP=]module:function")
         overrides[op] = path
     config.stash[IMPL_KEY] = overrides
-
-
-IMPL_KEY = pytest.StashKey[dict[str, str]]()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -109,9 +162,9 @@ def device() -> str:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # type: ignore[no-untyped-def]
-    from dsv4mtp.conformance.differential import SUMMARY
-
-    if not SUMMARY:
+    # Only when differential tests ran: a run of other tests (bench/) need not import the suite.
+    differential = sys.modules.get("dsv4mtp.conformance.differential")
+    if differential is None or not differential.SUMMARY:
         return
     from dsv4mtp.conformance.registry import REGISTRY
 
@@ -120,7 +173,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # ty
     tr.write_line(
         f"{'op':<14}{'dtype':<10}{'output':<13}{'cases':>6}{'rel':>11}{'tol':>9}{'max_abs':>11}{'tol':>9}"
     )
-    for (op, dt, out), (n, rel, mab) in sorted(SUMMARY.items()):
+    for (op, dt, out), (n, rel, mab) in sorted(differential.SUMMARY.items()):
         tol = REGISTRY[op].tolerances[getattr(torch, dt)]
         tr.write_line(
             f"{op:<14}{dt:<10}{out:<13}{int(n):>6}{rel:>11.2e}{tol.rel:>9.0e}{mab:>11.2e}{tol.max_abs:>9.0e}"
