@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dsv4mtp.checkpoint.weights import MTPCheckpoint
-from dsv4mtp.checks import FLOAT_DTYPES, compute_dtype
+from dsv4mtp.checks import FLOAT_DTYPES, check_finite_at, compute_dtype
 from dsv4mtp.config import DSV4Config
 from dsv4mtp.errors import ConfigError, InputError
 from dsv4mtp.kv_cache import KVCache
@@ -176,6 +176,8 @@ class MTPLayer:
         ):
             if t.device != self.device:
                 raise InputError(f"{name}: expected device {self.device}, got {t.device}")
+        # A NaN / inf row would flow silently into argmax (token 0) or the KL of compare.
+        check_finite_at("prev_hidden", prev_hidden)
         if T and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
             bad = input_ids[(input_ids < 0) | (input_ids >= cfg.vocab_size)][0]
             raise InputError(
@@ -230,6 +232,20 @@ class MTPLayer:
             raise InputError(
                 f"kv_cache: expected {len(lens)} caches (one per sequence), got {len(caches)}"
             )
+        return self._run(input_ids, positions, prev_hidden, lens, caches, spec_step)
+
+    __call__ = forward
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        lens: list[int],
+        caches: Sequence[KVCache] | None,
+        spec_step: int,
+    ) -> torch.Tensor:
+        """:meth:`forward` on checked arguments."""
         cfg, sem = self.config, self.semantics
         p = self.layers[spec_step % len(self.layers)]
         T, n, D, eps = input_ids.shape[0], cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps
@@ -278,8 +294,6 @@ class MTPLayer:
         x = hc_post(f, x, post, comb)
         return x.reshape(T, n * D)
 
-    __call__ = forward
-
     def compute_logits(self, hidden: torch.Tensor, *, spec_step: int = 0) -> torch.Tensor:
         """hidden (T, hc_mult*D) -> logits (T, vocab).
 
@@ -293,6 +307,14 @@ class MTPLayer:
             raise InputError(f"hidden: expected dtype {self.dtype} (the layer dtype), got {got}")
         if hidden.dim() != 2 or hidden.shape[1] != cfg.hc_dim:
             raise InputError(f"hidden: expected shape (T, {cfg.hc_dim}), got {tuple(hidden.shape)}")
+        if hidden.device != self.device:
+            raise InputError(f"hidden: expected device {self.device}, got {hidden.device}")
+        check_finite_at("hidden", hidden)
+        return self._logits(hidden, spec_step)
+
+    def _logits(self, hidden: torch.Tensor, spec_step: int) -> torch.Tensor:
+        """:meth:`compute_logits` on a checked ``hidden``."""
+        cfg = self.config
         p = self.layers[spec_step % len(self.layers)]
         T = hidden.shape[0]
         cd = compute_dtype(self.dtype)

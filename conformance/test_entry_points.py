@@ -1,0 +1,42 @@
+"""Hardening of the public entry points: bad input becomes a :class:`DSV4Error` subclass whose
+message names the argument, file or tensor; nothing out of range is accepted silently."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4mtp.conformance._mtp_random import random_mtp_layer
+from dsv4mtp.reference import DSV4Config, InputError, MTPLayer
+
+F32 = torch.float32
+CFG = DSV4Config.tiny()
+_LAYER: dict[str, MTPLayer] = {}
+
+
+def layer() -> MTPLayer:
+    if "f32" not in _LAYER:
+        _LAYER["f32"] = random_mtp_layer(CFG, dtype=F32, seed=0)
+    return _LAYER["f32"]
+
+
+def inputs(T: int = 4, start: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, CFG.vocab_size, (T,), generator=g)
+    return ids, torch.arange(start, start + T), torch.randn(T, CFG.hc_dim, generator=g)
+
+
+# ------------------------------------------------------------------ non-finite prev_hidden
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_prev_hidden_names_the_first_bad_row(bad: float) -> None:
+    L = layer()
+    ids, pos, prev = inputs()
+    prev[2, 17] = bad
+    prev[3, 0] = bad
+    pattern = rf"prev_hidden: expected finite values, found {bad} at row 2, column 17 \(2 non"
+    with pytest.raises(InputError, match=pattern):
+        L.draft(ids, pos, prev, num_tokens=2)
+    with pytest.raises(InputError, match=pattern):
+        L.forward(ids, pos, prev)
+    with pytest.raises(InputError, match=r"hidden: expected finite values, found .* at row 2"):
+        L.compute_logits(prev)
