@@ -40,3 +40,21 @@ def test_non_finite_prev_hidden_names_the_first_bad_row(bad: float) -> None:
         L.forward(ids, pos, prev)
     with pytest.raises(InputError, match=r"hidden: expected finite values, found .* at row 2"):
         L.compute_logits(prev)
+
+
+# ------------------------------------------------------------------ spec_step
+@pytest.mark.parametrize("step", [-1, -3, 1.0, True, "0", None])
+def test_spec_step_must_be_a_non_negative_int(step: object) -> None:
+    L = layer()
+    ids, pos, prev = inputs()
+    with pytest.raises(InputError, match=rf"spec_step: expected an int >= 0, got {step!r}"):
+        L.forward(ids, pos, prev, spec_step=step)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match=r"spec_step: expected an int >= 0"):
+        L.compute_logits(prev, spec_step=step)  # type: ignore[arg-type]
+
+
+def test_spec_step_past_the_last_layer_wraps() -> None:
+    """Documented: step k runs layer k % num_nextn_predict_layers (one layer here)."""
+    L = layer()
+    ids, pos, prev = inputs()
+    assert torch.equal(L.forward(ids, pos, prev, spec_step=5), L.forward(ids, pos, prev))

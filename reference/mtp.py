@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dsv4mtp.checkpoint.weights import MTPCheckpoint
-from dsv4mtp.checks import FLOAT_DTYPES, check_finite_at, compute_dtype
+from dsv4mtp.checks import FLOAT_DTYPES, check_finite_at, check_step, compute_dtype
 from dsv4mtp.config import DSV4Config
 from dsv4mtp.errors import ConfigError, InputError
 from dsv4mtp.kv_cache import KVCache
@@ -224,8 +224,12 @@ class MTPLayer:
         "The MTP layer end to end"); positions (T,) int64, the target positions; prev_hidden
         (T, hc_mult*D) in the layer dtype; seq_lens (B,) int64 summing to T (default: one
         sequence); kv_cache: one :class:`KVCache` per sequence (a single cache for B = 1),
-        extended in place; spec_step picks the layer.
+        extended in place.  spec_step: the speculative step, an int >= 0; it runs layer
+        ``spec_step % num_nextn_predict_layers``, so steps past the last MTP layer reuse the
+        layers in turn (vLLM's rule; :meth:`draft` relies on it).  A negative, bool or non-int
+        step is an :class:`InputError` rather than a wrapped index.
         """
+        check_step("spec_step", spec_step)
         lens = self._check_inputs(input_ids, positions, prev_hidden, seq_lens)
         caches = [kv_cache] if isinstance(kv_cache, KVCache) else kv_cache
         if caches is not None and len(caches) != len(lens):
@@ -300,7 +304,9 @@ class MTPLayer:
         hc_head with the MTP's own ``hc_head_*``, the MTP's ``norm``, then the shared head in
         fp32 as the official ``ParallelHead`` (float64 when the layer runs in float64, so the
         oracle stays exact).  The head is applied in vocab chunks to bound temporary memory.
+        spec_step picks the layer as in :meth:`forward`.
         """
+        check_step("spec_step", spec_step)
         cfg = self.config
         if not isinstance(hidden, torch.Tensor) or hidden.dtype != self.dtype:
             got = hidden.dtype if isinstance(hidden, torch.Tensor) else type(hidden).__name__
