@@ -58,3 +58,24 @@ def test_spec_step_past_the_last_layer_wraps() -> None:
     L = layer()
     ids, pos, prev = inputs()
     assert torch.equal(L.forward(ids, pos, prev, spec_step=5), L.forward(ids, pos, prev))
+
+
+# ------------------------------------------------------------------ positions
+def test_positions_must_be_below_max_position_embeddings() -> None:
+    L = layer()
+    top = CFG.max_position_embeddings
+    ids, pos, prev = inputs(start=top - 3)  # positions top-3 .. top
+    with pytest.raises(
+        InputError,
+        match=rf"positions: expected positions < max_position_embeddings={top}, got {top}",
+    ):
+        L.forward(ids, pos, prev)
+    ids, pos, prev = inputs(start=top - 4)  # the last row is at top - 1: valid for forward
+    L.forward(ids, pos, prev)
+    L.draft(ids, pos, prev, num_tokens=1)
+    # draft feeds position + k for k < num_tokens: top - 1 + 1 is out of range
+    with pytest.raises(
+        InputError,
+        match=rf"positions: drafting 2 token\(s\) from position {top - 1} feeds position {top}",
+    ):
+        L.draft(ids, pos, prev, num_tokens=2)

@@ -187,6 +187,11 @@ class MTPLayer:
             raise InputError(
                 f"positions: expected non-negative positions, got {int(positions.min())}"
             )
+        if T and int(positions.max()) >= cfg.max_position_embeddings:
+            raise InputError(
+                f"positions: expected positions < max_position_embeddings="
+                f"{cfg.max_position_embeddings}, got {int(positions.max())}"
+            )
         if seq_lens is None:
             return [T]
         if (
@@ -368,11 +373,20 @@ class MTPLayer:
         if not greedy and not temperature > 0:
             raise InputError(f"temperature: expected > 0 for sampling, got {temperature}")
         lens = self._check_inputs(input_ids, positions, prev_hidden, seq_lens)
+        cfg = self.config
         if any(n < 1 for n in lens):
             raise InputError(
                 f"seq_lens: every sequence needs at least one row to draft from, got {lens}"
             )
         B = len(lens)
+        # Step k feeds position + k of each sequence's last row.
+        last_pos = int(positions[torch.tensor(lens).cumsum(0) - 1].max())
+        if last_pos + num_tokens - 1 >= cfg.max_position_embeddings:
+            raise InputError(
+                f"positions: drafting {num_tokens} token(s) from position {last_pos} feeds "
+                f"position {last_pos + num_tokens - 1}, expected < max_position_embeddings="
+                f"{cfg.max_position_embeddings}"
+            )
         if forced_tokens is not None and tuple(forced_tokens.shape) != (B, num_tokens):
             raise InputError(
                 f"forced_tokens: expected shape ({B}, {num_tokens}), got {tuple(forced_tokens.shape)}"
