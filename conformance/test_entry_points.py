@@ -79,3 +79,26 @@ def test_positions_must_be_below_max_position_embeddings() -> None:
         match=rf"positions: drafting 2 token\(s\) from position {top - 1} feeds position {top}",
     ):
         L.draft(ids, pos, prev, num_tokens=2)
+
+
+# ------------------------------------------------------------------ forced tokens
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_forced_tokens_must_be_int64_ids_in_the_vocab(num_tokens: int) -> None:
+    L = layer()
+    ids, pos, prev = inputs()
+    ok = torch.zeros(1, num_tokens, dtype=torch.int64)
+    for bad, value in ((CFG.vocab_size, CFG.vocab_size), (10**6, 10**6), (-1, -1)):
+        forced = ok.clone()
+        forced[0, -1] = bad
+        pattern = (
+            rf"forced_tokens: expected ids in \[0, vocab_size={CFG.vocab_size}\), got {value} "
+            rf"at row 0, step {num_tokens - 1}"
+        )
+        with pytest.raises(InputError, match=pattern):
+            L.draft(ids, pos, prev, num_tokens=num_tokens, forced_tokens=forced)
+    with pytest.raises(
+        InputError, match=r"forced_tokens: expected an int64 tensor, got torch.float32"
+    ):
+        L.draft(ids, pos, prev, num_tokens=num_tokens, forced_tokens=ok.float())
+    with pytest.raises(InputError, match=r"forced_tokens: expected an int64 tensor, got list"):
+        L.draft(ids, pos, prev, num_tokens=num_tokens, forced_tokens=[[0] * num_tokens])  # type: ignore[arg-type]

@@ -387,23 +387,37 @@ class MTPLayer:
                 f"position {last_pos + num_tokens - 1}, expected < max_position_embeddings="
                 f"{cfg.max_position_embeddings}"
             )
-        if forced_tokens is not None and tuple(forced_tokens.shape) != (B, num_tokens):
-            raise InputError(
-                f"forced_tokens: expected shape ({B}, {num_tokens}), got {tuple(forced_tokens.shape)}"
-            )
+        if forced_tokens is not None:
+            if not isinstance(forced_tokens, torch.Tensor) or forced_tokens.dtype != torch.int64:
+                got = (
+                    str(forced_tokens.dtype)
+                    if isinstance(forced_tokens, torch.Tensor)
+                    else type(forced_tokens).__name__
+                )
+                raise InputError(f"forced_tokens: expected an int64 tensor, got {got}")
+            if tuple(forced_tokens.shape) != (B, num_tokens):
+                raise InputError(
+                    f"forced_tokens: expected shape ({B}, {num_tokens}), got {tuple(forced_tokens.shape)}"
+                )
+            out_of_vocab = (forced_tokens < 0) | (forced_tokens >= cfg.vocab_size)
+            if bool(out_of_vocab.any()):
+                b, k = out_of_vocab.nonzero()[0].tolist()
+                raise InputError(
+                    f"forced_tokens: expected ids in [0, vocab_size={cfg.vocab_size}), got "
+                    f"{int(forced_tokens[b, k])} at row {b}, step {k}"
+                )
         caches = [[self.new_kv_cache() for _ in range(B)] for _ in self.layers]
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # (B,) last row per sequence
         ids, pos, prev = input_ids, positions, prev_hidden
-        step_lens = torch.tensor(lens, dtype=torch.int64)
+        step_lens = lens
         drafted, step_logits = [], []
         for k in range(num_tokens):
             layer = k % len(self.layers)
-            hidden = self.forward(
-                ids, pos, prev, seq_lens=step_lens, kv_cache=caches[layer], spec_step=k
-            )
+            # Every argument, forced token and fed position was checked above.
+            hidden = self._run(ids, pos, prev, step_lens, caches[layer], k)
             if k == 0:
                 hidden, pos = hidden[last], pos[last]
-            logits = self.compute_logits(hidden, spec_step=k)  # (B, V)
+            logits = self._logits(hidden, k)  # (B, V)
             if forced_tokens is not None:
                 token = forced_tokens[:, k].to(self.device)
             elif greedy:
@@ -414,7 +428,7 @@ class MTPLayer:
             drafted.append(token)
             step_logits.append(logits)
             ids, pos, prev = token, pos + 1, hidden
-            step_lens = torch.ones(B, dtype=torch.int64)
+            step_lens = [1] * B
         tokens = torch.stack(drafted, dim=1)  # (B, num_tokens)
         if return_logits:
             return tokens, torch.stack(step_logits, dim=1)
