@@ -102,3 +102,13 @@ def test_forced_tokens_must_be_int64_ids_in_the_vocab(num_tokens: int) -> None:
         L.draft(ids, pos, prev, num_tokens=num_tokens, forced_tokens=ok.float())
     with pytest.raises(InputError, match=r"forced_tokens: expected an int64 tensor, got list"):
         L.draft(ids, pos, prev, num_tokens=num_tokens, forced_tokens=[[0] * num_tokens])  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ temperature
+@pytest.mark.parametrize("temperature", [float("inf"), float("nan"), 0.0, -1.0, "1", True])
+def test_sampling_temperature_must_be_finite_and_positive(temperature: object) -> None:
+    L = layer()
+    ids, pos, prev = inputs()
+    with pytest.raises(InputError, match=r"temperature: expected a finite number > 0 for sampling"):
+        L.draft(ids, pos, prev, num_tokens=1, greedy=False, temperature=temperature)  # type: ignore[arg-type]
+    L.draft(ids, pos, prev, num_tokens=1, greedy=True, temperature=temperature)  # type: ignore[arg-type]

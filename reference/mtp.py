@@ -13,6 +13,7 @@ dequantized weights: the oracle other implementations are compared against in fl
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -370,8 +371,15 @@ class MTPLayer:
         """
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise InputError(f"num_tokens: expected an int >= 1, got {num_tokens!r}")
-        if not greedy and not temperature > 0:
-            raise InputError(f"temperature: expected > 0 for sampling, got {temperature}")
+        if not greedy and not (
+            isinstance(temperature, (int, float))
+            and not isinstance(temperature, bool)
+            and math.isfinite(temperature)
+            and temperature > 0
+        ):
+            raise InputError(
+                f"temperature: expected a finite number > 0 for sampling, got {temperature!r}"
+            )
         lens = self._check_inputs(input_ids, positions, prev_hidden, seq_lens)
         cfg = self.config
         if any(n < 1 for n in lens):
