@@ -112,3 +112,53 @@ def test_sampling_temperature_must_be_finite_and_positive(temperature: object) -
     with pytest.raises(InputError, match=r"temperature: expected a finite number > 0 for sampling"):
         L.draft(ids, pos, prev, num_tokens=1, greedy=False, temperature=temperature)  # type: ignore[arg-type]
     L.draft(ids, pos, prev, num_tokens=1, greedy=True, temperature=temperature)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ eps arguments
+BAD_EPS = [-1e-6, float("nan"), float("inf"), "1e-6", True, None]
+
+
+def _mhc_args(n: int = 4, D: int = 32, rows: int | None = None, scales: int = 3):
+    g = torch.Generator().manual_seed(0)
+    rows = rows if rows is not None else (2 + n) * n
+    x = torch.randn(3, n, D, generator=g)
+    return x, 0.02 * torch.randn(rows, n * D, generator=g), torch.ones(scales), torch.zeros(rows)
+
+
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+@pytest.mark.parametrize("eps", BAD_EPS)
+def test_negative_or_non_finite_eps_is_refused(impl: str, eps: object) -> None:
+    import importlib
+
+    mod = importlib.import_module(f"dsv4mtp.{impl}")
+    x = torch.randn(3, 32)
+    with pytest.raises(InputError, match=rf"eps: expected a finite number >= 0, got {eps!r}"):
+        mod.rms_norm(x, None, eps)
+    pre = _mhc_args()
+    head = _mhc_args(rows=4, scales=1)
+    for name in ("rms_norm_eps", "hc_eps"):
+        kw: dict[str, object] = {"rms_norm_eps": 1e-6, "hc_eps": 1e-6, name: eps}
+        with pytest.raises(InputError, match=rf"{name}: expected a finite number >= 0"):
+            mod.hc_pre(*pre, sinkhorn_iters=3, **kw)
+        with pytest.raises(InputError, match=rf"{name}: expected a finite number >= 0"):
+            mod.hc_head(*head, **kw)
+    if impl == "reference":
+        with pytest.raises(InputError, match=r"eps: expected a finite number >= 0"):
+            mod.sinkhorn(torch.zeros(2, 4, 4), iters=3, eps=eps)
+
+
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+@pytest.mark.parametrize("iters", [0, 2.0, True, "3"])
+def test_sinkhorn_iters_must_be_a_positive_int(impl: str, iters: object) -> None:
+    import importlib
+
+    mod = importlib.import_module(f"dsv4mtp.{impl}")
+    with pytest.raises(InputError, match=rf"sinkhorn_iters: expected an int >= 1, got {iters!r}"):
+        mod.hc_pre(*_mhc_args(), rms_norm_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=iters)
+
+
+def test_zero_eps_is_allowed() -> None:
+    from dsv4mtp import optimized, reference
+
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(reference.rms_norm(x, None, 0.0), optimized.rms_norm(x, None, 0.0))
