@@ -162,3 +162,35 @@ def test_zero_eps_is_allowed() -> None:
 
     x = torch.randn(3, 32)
     torch.testing.assert_close(reference.rms_norm(x, None, 0.0), optimized.rms_norm(x, None, 0.0))
+
+
+# ------------------------------------------------------------------ kv_cache
+@pytest.mark.parametrize(
+    ("cache", "pattern"),
+    [
+        ("a", r"kv_cache: expected a KVCache or a list of KVCache \(one per sequence\), got str"),
+        ({}, r"kv_cache: expected a KVCache or a list of KVCache \(one per sequence\), got dict"),
+        ([None], r"kv_cache\[0\]: expected a KVCache \(layer.new_kv_cache\(\)\), got NoneType"),
+        (["abc"], r"kv_cache\[0\]: expected a KVCache \(layer.new_kv_cache\(\)\), got str"),
+    ],
+)
+def test_kv_cache_must_be_kv_caches(cache: object, pattern: str) -> None:
+    L = layer()
+    ids, pos, prev = inputs()
+    with pytest.raises(InputError, match=pattern):
+        L.forward(ids, pos, prev, kv_cache=cache)  # type: ignore[arg-type]
+
+
+def test_kv_cache_window_must_match_the_config() -> None:
+    from dsv4mtp.reference import KVCache
+
+    L = layer()
+    ids, pos, prev = inputs()
+    with pytest.raises(
+        InputError,
+        match=rf"kv_cache\[0\]: expected window sliding_window={CFG.sliding_window}, got 3",
+    ):
+        L.forward(ids, pos, prev, kv_cache=KVCache(3))
+    for w in (0, 2.0, True):
+        with pytest.raises(InputError, match=rf"window: expected an int >= 1, got {w!r}"):
+            KVCache(w)  # type: ignore[arg-type]

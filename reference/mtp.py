@@ -213,6 +213,33 @@ class MTPLayer:
             )
         return lens
 
+    def _check_caches(self, kv_cache: object, B: int) -> list[KVCache] | None:
+        if kv_cache is None:
+            return None
+        if isinstance(kv_cache, KVCache):
+            caches = [kv_cache]
+        elif isinstance(kv_cache, (list, tuple)):
+            caches = list(kv_cache)
+        else:
+            raise InputError(
+                f"kv_cache: expected a KVCache or a list of KVCache (one per sequence), got "
+                f"{type(kv_cache).__name__}"
+            )
+        if len(caches) != B:
+            raise InputError(f"kv_cache: expected {B} caches (one per sequence), got {len(caches)}")
+        W = self.config.sliding_window
+        for b, c in enumerate(caches):
+            if not isinstance(c, KVCache):
+                raise InputError(
+                    f"kv_cache[{b}]: expected a KVCache (layer.new_kv_cache()), got "
+                    f"{type(c).__name__}"
+                )
+            if c.window != W:
+                raise InputError(
+                    f"kv_cache[{b}]: expected window sliding_window={W}, got {c.window}"
+                )
+        return caches
+
     # ------------------------------------------------------------------ the layer
     def forward(
         self,
@@ -237,11 +264,7 @@ class MTPLayer:
         """
         check_step("spec_step", spec_step)
         lens = self._check_inputs(input_ids, positions, prev_hidden, seq_lens)
-        caches = [kv_cache] if isinstance(kv_cache, KVCache) else kv_cache
-        if caches is not None and len(caches) != len(lens):
-            raise InputError(
-                f"kv_cache: expected {len(lens)} caches (one per sequence), got {len(caches)}"
-            )
+        caches = self._check_caches(kv_cache, len(lens))
         return self._run(input_ids, positions, prev_hidden, lens, caches, spec_step)
 
     __call__ = forward
