@@ -3,11 +3,13 @@ message names the argument, file or tensor; nothing out of range is accepted sil
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from dsv4mtp.conformance._mtp_random import random_mtp_layer
-from dsv4mtp.reference import DSV4Config, InputError, MTPLayer
+from dsv4mtp.reference import ConfigError, DSV4Config, InputError, MTPLayer
 
 F32 = torch.float32
 CFG = DSV4Config.tiny()
@@ -18,6 +20,13 @@ def layer() -> MTPLayer:
     if "f32" not in _LAYER:
         _LAYER["f32"] = random_mtp_layer(CFG, dtype=F32, seed=0)
     return _LAYER["f32"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: Any) -> str:
+    from dsv4mtp.checkpoint.synthetic import make_synthetic_checkpoint
+
+    return make_synthetic_checkpoint(str(tmp_path_factory.mktemp("ck") / "ck"), CFG)
 
 
 def inputs(T: int = 4, start: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -194,3 +203,67 @@ def test_kv_cache_window_must_match_the_config() -> None:
     for w in (0, 2.0, True):
         with pytest.raises(InputError, match=rf"window: expected an int >= 1, got {w!r}"):
             KVCache(w)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ dtype and device arguments
+NO_CUDA = "CUDA is not available on this machine"
+BAD_DEVICES = [
+    ("junk", r"device: expected 'cpu', 'cuda' or 'cuda:N', got 'junk'"),
+    ("", r"device: expected 'cpu', 'cuda' or 'cuda:N', got ''"),
+    ("meta", r"device: expected a cpu or cuda device, got 'meta'"),
+    (3, r"device: expected 'cpu', 'cuda', 'cuda:N' or a torch.device, got int 3"),
+]
+if not torch.cuda.is_available():
+    BAD_DEVICES += [
+        ("cuda", rf"device: 'cuda' requested but {NO_CUDA}"),
+        ("cuda:1", rf"device: 'cuda:1' requested but {NO_CUDA}"),
+        (torch.device("cuda"), rf"device: 'cuda' requested but {NO_CUDA}"),
+    ]
+
+
+@pytest.mark.parametrize(("device", "pattern"), BAD_DEVICES)
+def test_bad_device_is_a_config_error(checkpoint: str, device: object, pattern: str) -> None:
+    from dsv4mtp.checkpoint.load import load_mtp_checkpoint
+
+    with pytest.raises(ConfigError, match=pattern):
+        MTPLayer.from_checkpoint(checkpoint, device=device)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=pattern):
+        MTPLayer.from_loaded(load_mtp_checkpoint(checkpoint), device=device)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "pattern"),
+    [
+        ("bfloat16", r"got str 'bfloat16'; pass torch.bfloat16"),
+        ("fp32", r"got str 'fp32'$"),
+        (torch.int8, r"got int8$"),
+        (None, r"got NoneType None$"),
+    ],
+)
+def test_bad_dtype_is_a_config_error(checkpoint: str, dtype: object, pattern: str) -> None:
+    from dsv4mtp.checkpoint.load import load_mtp_checkpoint
+
+    prefix = r"dtype: expected a torch.dtype in \(float64, float32, bfloat16, float16\), "
+    with pytest.raises(ConfigError, match=prefix + pattern):
+        MTPLayer.from_checkpoint(checkpoint, dtype=dtype)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=prefix + pattern):
+        MTPLayer.from_loaded(load_mtp_checkpoint(checkpoint), dtype=dtype)  # type: ignore[arg-type]
+    L = layer()
+    with pytest.raises(ConfigError, match=prefix + pattern):
+        MTPLayer(CFG, L.layers, L.embed, dtype=dtype)  # type: ignore[arg-type]
+
+
+def test_constructors_name_a_wrong_object() -> None:
+    L = layer()
+    with pytest.raises(ConfigError, match=r"checkpoint: expected an MTPCheckpoint .*got str"):
+        MTPLayer.from_loaded("dir")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"path: expected a checkpoint directory .*got int"):
+        MTPLayer.from_checkpoint(3)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"config: expected a DSV4Config, got dict"):
+        MTPLayer({}, L.layers, L.embed)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"embed: expected a torch.Tensor, got list"):
+        MTPLayer(CFG, L.layers, [])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"layers: expected a sequence of MTPLayerParams"):
+        MTPLayer(CFG, [None], L.embed)  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match=r"semantics: expected a Semantics .*got str"):
+        MTPLayer(CFG, L.layers, L.embed, semantics="math")  # type: ignore[arg-type]

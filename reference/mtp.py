@@ -21,7 +21,14 @@ from typing import Any
 import torch
 
 from dsv4mtp.checkpoint.weights import MTPCheckpoint
-from dsv4mtp.checks import FLOAT_DTYPES, check_finite_at, check_step, compute_dtype
+from dsv4mtp.checks import (
+    FLOAT_DTYPES,
+    check_device_arg,
+    check_dtype_arg,
+    check_finite_at,
+    check_step,
+    compute_dtype,
+)
 from dsv4mtp.config import DSV4Config
 from dsv4mtp.errors import ConfigError, InputError
 from dsv4mtp.kv_cache import KVCache
@@ -55,8 +62,18 @@ class MTPLayer:
         dtype: torch.dtype = torch.bfloat16,
         info: dict[str, Any] | None = None,
     ) -> None:
-        if dtype not in FLOAT_DTYPES:
-            raise ConfigError(f"dtype: expected one of {FLOAT_DTYPES}, got {dtype}")
+        check_dtype_arg("dtype", dtype, FLOAT_DTYPES, ConfigError)
+        if not isinstance(config, DSV4Config):
+            raise ConfigError(f"config: expected a DSV4Config, got {type(config).__name__}")
+        if not isinstance(embed, torch.Tensor):
+            raise ConfigError(f"embed: expected a torch.Tensor, got {type(embed).__name__}")
+        if semantics is not None and not isinstance(semantics, Semantics):
+            raise ConfigError(
+                f"semantics: expected a Semantics (see resolve_semantics), got "
+                f"{type(semantics).__name__}"
+            )
+        if not all(isinstance(p, MTPLayerParams) for p in layers):
+            raise ConfigError("layers: expected a sequence of MTPLayerParams")
         if len(layers) != config.num_nextn_predict_layers:
             raise ConfigError(
                 f"layers: expected num_nextn_predict_layers={config.num_nextn_predict_layers}, got {len(layers)}"
@@ -86,12 +103,18 @@ class MTPLayer:
     ) -> MTPLayer:
         """From :func:`load_mtp_checkpoint`'s result: dense weights are dequantized once into
         ``dtype``; routed experts stay packed and are decoded per selected expert."""
+        if not isinstance(checkpoint, MTPCheckpoint):
+            raise ConfigError(
+                f"checkpoint: expected an MTPCheckpoint (load_mtp_checkpoint's result), got "
+                f"{type(checkpoint).__name__}"
+            )
+        check_dtype_arg("dtype", dtype, FLOAT_DTYPES, ConfigError)
+        device = check_device_arg("device", device, ConfigError)
         if checkpoint.tp_size != 1:
             raise ConfigError(
                 f"tp_size: the reference runs every head on one device, got {checkpoint.tp_size}"
             )
         semantics = resolve_semantics(preset, **switches)
-        device = torch.device(device)
         cache: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         layers = [build_layer_params(w, dtype, device, cache) for w in checkpoint.layers]
         info = {
@@ -120,7 +143,15 @@ class MTPLayer:
         """Load ``mtp.*`` (+ the shared embedding and head) from a checkpoint directory."""
         from dsv4mtp.checkpoint.load import load_mtp_checkpoint
 
-        resolve_semantics(preset, **switches)  # fail on a bad switch before reading gigabytes
+        # Fail on a bad argument before reading gigabytes.
+        resolve_semantics(preset, **switches)
+        check_dtype_arg("dtype", dtype, FLOAT_DTYPES, ConfigError)
+        check_device_arg("device", device, ConfigError)
+        if not isinstance(path, (str, os.PathLike)):
+            raise ConfigError(
+                f"path: expected a checkpoint directory (str or os.PathLike), got "
+                f"{type(path).__name__}"
+            )
         return cls.from_loaded(
             load_mtp_checkpoint(os.fspath(path)),
             preset=preset,
