@@ -45,6 +45,7 @@ __all__ = [
     "check_drift_inputs",
     "compare_checkpoints",
     "draft_drift",
+    "json_safe",
     "load_drift_inputs",
     "synthetic_drift_inputs",
     "teacher_forced_logits",
@@ -326,16 +327,18 @@ class DriftReport:
     def to_dict(self) -> dict[str, Any]:
         """Plain data for strict JSON: a non-finite metric (a relative error against an all-zero
         group is inf) is spelled as a string, never written as a bare NaN / Infinity."""
-        return _json_safe(asdict(self))
+        return json_safe(asdict(self))
 
 
-def _json_safe(v: Any) -> Any:
+def json_safe(v: Any) -> Any:
+    """``v`` with every non-finite float spelled as a string ("inf", "nan"), recursively, so
+    ``json.dumps(..., allow_nan=False)`` accepts it."""
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
     if isinstance(v, dict):
-        return {k: _json_safe(x) for k, x in v.items()}
+        return {k: json_safe(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_json_safe(x) for x in v]
+        return [json_safe(x) for x in v]
     return v
 
 
