@@ -290,3 +290,93 @@ def test_collapse_launcher_errors_are_typed() -> None:
     with pytest.raises(InputError, match=r"trace: expected a fused schedule .*got fused=False"):
         mhc_collapse(x, fn[:4], scale[:1], base[:4], out, rms_norm_eps=1e-6, hc_eps=1e-6,
                      cfg=collapse_config(4, 32), trace=trace)  # fmt: skip
+
+
+# ------------------------------------------------------------------ every public op, garbage in
+GARBAGE = ["x", None, 1.5, torch.zeros(2, dtype=torch.int8), torch.zeros(0)]
+
+
+def _public_calls() -> dict[str, tuple[Any, tuple, dict]]:
+    """name -> (function, valid positional args, valid keyword args) for every public function
+    of dsv4mtp.reference / dsv4mtp.optimized that takes tensors, and the MTPLayer methods."""
+    from dsv4mtp import optimized as O
+    from dsv4mtp import reference as R
+    from dsv4mtp.conformance._mtp_random import random_attention_params, random_moe_params
+
+    g = torch.Generator().manual_seed(0)
+    L = layer()
+    T, n, D = 3, 4, 32
+    x3 = torch.randn(T, n, D)
+    pre = (x3, 0.02 * torch.randn(24, n * D), torch.ones(3), torch.zeros(24))
+    head = (x3, 0.02 * torch.randn(4, n * D), torch.ones(1), torch.zeros(4))
+    post = (torch.randn(T, D), x3, torch.rand(T, n), torch.rand(T, n, n))
+    ids, pos, prev = inputs()
+    xa = torch.randn(4, CFG.hidden_size, dtype=torch.float64)
+    ap, mp = random_attention_params(CFG, g), random_moe_params(CFG, g)
+    eps = {"rms_norm_eps": 1e-6, "hc_eps": 1e-6}
+    calls: dict[str, tuple[Any, tuple, dict]] = {}
+    for impl, M in (("reference", R), ("optimized", O)):
+        calls[f"{impl}.rms_norm"] = (M.rms_norm, (torch.randn(3, 8), torch.ones(8), 1e-6), {})
+        calls[f"{impl}.hc_pre"] = (M.hc_pre, pre, {**eps, "sinkhorn_iters": 3})
+        calls[f"{impl}.hc_head"] = (M.hc_head, head, eps)
+        calls[f"{impl}.hc_post"] = (M.hc_post, post, {})
+    sink = (torch.randn(3, 4, 16), torch.arange(3), torch.randn(3, 16), torch.arange(3))
+    calls |= {
+        "sinkhorn": (R.sinkhorn, (torch.randn(2, 4, 4),), {"iters": 3, "eps": 1e-6}),
+        "apply_rope": (R.apply_rope, (torch.randn(3, 2, 8), torch.arange(3), torch.rand(4)), {}),
+        "rope_frequencies": (R.rope_frequencies, (8, 10000.0), {}),
+        "fp8_block_roundtrip": (R.fp8_block_roundtrip, (torch.randn(3, 256), 128), {}),
+        "attention": (R.attention, (xa, pos, ap, CFG), {}),
+        "sink_attention": (R.sink_attention, (*sink, torch.randn(4)), {"window": 4, "scale": 0.25}),
+        "moe": (R.moe, (xa, mp, CFG), {}),
+        "route": (R.route, (xa, mp.gate_weight, mp.gate_bias, CFG), {}),
+        "swiglu_expert": (
+            R.swiglu_expert,
+            (xa, mp.shared_w1, mp.shared_w3, mp.shared_w2),
+            {"limit": 10.0},
+        ),
+        "MTPLayer.forward": (L.forward, (ids, pos, prev), {"kv_cache": None, "spec_step": 0}),
+        "MTPLayer.compute_logits": (L.compute_logits, (prev,), {"spec_step": 0}),
+        "MTPLayer.draft": (
+            L.draft,
+            (ids, pos, prev),
+            {"num_tokens": 2, "greedy": False, "temperature": 1.0, "generator": None},
+        ),
+    }
+    return calls
+
+
+_CALLS: dict[str, tuple[Any, tuple, dict]] = {}
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["reference.rms_norm", "optimized.rms_norm", "reference.hc_pre", "optimized.hc_pre",
+     "reference.hc_head", "optimized.hc_head", "reference.hc_post", "optimized.hc_post",
+     "sinkhorn", "apply_rope", "rope_frequencies", "fp8_block_roundtrip", "attention",
+     "sink_attention", "moe", "route", "swiglu_expert", "MTPLayer.forward",
+     "MTPLayer.compute_logits", "MTPLayer.draft"],
+)  # fmt: skip
+def test_public_ops_turn_garbage_into_dsv4_errors(name: str) -> None:
+    """Each argument in turn replaced by a str, None, a float, an int8 tensor, an empty tensor:
+    the call either works or raises a DSV4Error, never a raw TypeError / AttributeError /
+    RuntimeError from deep inside."""
+    from dsv4mtp.reference import DSV4Error
+
+    if not _CALLS:
+        _CALLS.update(_public_calls())
+    fn, args, kw = _CALLS[name]
+    fn(*args, **kw)  # the valid call works
+    slots = [(i, None) for i in range(len(args))] + [(None, k) for k in kw]
+    for (i, k), bad in ((s, b) for s in slots for b in GARBAGE):
+        a, kk = list(args), dict(kw)
+        if k is None:
+            a[i] = bad
+        else:
+            kk[k] = bad
+        try:
+            fn(*a, **kk)
+        except DSV4Error:
+            pass
+        except Exception as e:  # the assertion names the argument and the garbage
+            pytest.fail(f"{name}: argument {k or i} = {bad!r}: {type(e).__name__}: {e}")

@@ -20,7 +20,11 @@ __all__ = [
     "check_eps",
     "check_finite",
     "check_finite_at",
+    "check_instance",
+    "check_int",
     "check_ndim",
+    "check_number",
+    "check_positions",
     "check_shape",
     "check_step",
     "compute_dtype",
@@ -158,3 +162,37 @@ def check_device_arg(
                 f"{torch.cuda.device_count()} CUDA device(s)"
             )
     return dev
+
+
+def check_int(name: str, v: object, minimum: int) -> int:
+    """An int (not a bool) >= ``minimum``."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise InputError(f"{name}: expected an int >= {minimum}, got {v!r}")
+    return v
+
+
+def check_number(name: str, v: object, *, positive: bool = False) -> float:
+    """A finite Python number (not a bool), > 0 with ``positive``."""
+    if not _is_number(v) or not math.isfinite(v) or (positive and v <= 0):  # type: ignore[arg-type]
+        want = "a finite number > 0" if positive else "a finite number"
+        raise InputError(f"{name}: expected {want}, got {v!r}")
+    return float(v)  # type: ignore[arg-type]
+
+
+def check_instance(name: str, v: object, cls: type) -> None:
+    if not isinstance(v, cls):
+        raise InputError(f"{name}: expected a {cls.__name__}, got {type(v).__name__}")
+
+
+INT_DTYPES = (torch.int64, torch.int32)
+
+
+def check_positions(name: str, t: object, length: int | None = None) -> None:
+    """A 1-D integer tensor (of ``length`` rows when given)."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in INT_DTYPES or t.dim() != 1:
+        got = (
+            f"{t.dtype} shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        )
+        raise InputError(f"{name}: expected a 1-D int64 / int32 tensor, got {got}")
+    if length is not None and t.shape[0] != length:
+        raise InputError(f"{name}: expected shape ({length},), got {tuple(t.shape)}")

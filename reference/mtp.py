@@ -425,6 +425,13 @@ class MTPLayer:
         """
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise InputError(f"num_tokens: expected an int >= 1, got {num_tokens!r}")
+        for name, flag in (("greedy", greedy), ("return_logits", return_logits)):
+            if not isinstance(flag, bool):
+                raise InputError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise InputError(
+                f"generator: expected a torch.Generator or None, got {type(generator).__name__}"
+            )
         if not greedy and not (
             isinstance(temperature, (int, float))
             and not isinstance(temperature, bool)
