@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TypeGuard
 
 import torch
 
@@ -90,21 +91,19 @@ def check_finite_at(name: str, t: torch.Tensor) -> None:
         )
 
 
-def _is_number(v: object) -> bool:
+def _is_number(v: object) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def check_eps(name: str, eps: object) -> None:
     """A stabilizing epsilon: a finite number >= 0 (a Python scalar, so no host sync)."""
-    if not _is_number(eps) or not math.isfinite(eps) or eps < 0:  # type: ignore[arg-type]
+    if not _is_number(eps) or not math.isfinite(eps) or eps < 0:
         raise InputError(f"{name}: expected a finite number >= 0, got {eps!r}")
 
 
 def check_step(name: str, step: object) -> int:
     """A non-negative int (not a bool): the speculative step index."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InputError(f"{name}: expected an int >= 0, got {step!r}")
-    return step
+    return check_int(name, step, 0)
 
 
 def _dtype_name(d: torch.dtype) -> str:
@@ -173,10 +172,10 @@ def check_int(name: str, v: object, minimum: int) -> int:
 
 def check_number(name: str, v: object, *, positive: bool = False) -> float:
     """A finite Python number (not a bool), > 0 with ``positive``."""
-    if not _is_number(v) or not math.isfinite(v) or (positive and v <= 0):  # type: ignore[arg-type]
+    if not _is_number(v) or not math.isfinite(v) or (positive and v <= 0):
         want = "a finite number > 0" if positive else "a finite number"
         raise InputError(f"{name}: expected {want}, got {v!r}")
-    return float(v)  # type: ignore[arg-type]
+    return float(v)
 
 
 def check_instance(name: str, v: object, cls: type) -> None:
