@@ -271,7 +271,7 @@ def test_constructors_name_a_wrong_object() -> None:
 
 # ------------------------------------------------------------------ optimized kernels' launchers
 def test_collapse_launcher_errors_are_typed() -> None:
-    """The launcher's own refusals are DSV4Errors naming the argument, not bare ValueErrors."""
+    """The launcher's own refusals are DSV4Errors naming the argument."""
     import dataclasses
 
     from dsv4mtp.optimized import CollapseSchedule, hc_pre
