@@ -84,7 +84,7 @@ def test_demo_bad_device(device: str, fragment: str) -> None:
     _one_error(result, 1, fragment)
 
 
-def test_inspect_a_directory_without_config_is_one_error_line(tmp_path: Any) -> None:
+def test_inspect_an_empty_directory_exits_1_without_a_traceback(tmp_path: Any) -> None:
     result = CliRunner().invoke(main, ["inspect", str(tmp_path)])
     assert result.exit_code == 1 and "Traceback" not in result.stderr, result.output
 
