@@ -99,6 +99,8 @@ def test_nvfp4_quant_algo_detected(tmp_path) -> None:
         ({"compress_ratios": [0, 0, 4]}, "compress_ratios: the MTP entries must be 0"),
         ({"rms_norm_eps": -1.0}, "rms_norm_eps: expected > 0"),
         ({"hc_eps": float("nan")}, "hc_eps: expected a finite number"),
+        ({"hc_eps": -1e-6}, "hc_eps: expected > 0, got -1e-06"),
+        ({"rms_norm_eps": float("inf")}, "rms_norm_eps: expected a finite number"),
         ({"num_key_value_heads": 2}, "num_key_value_heads"),
     ],
 )

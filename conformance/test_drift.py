@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 from typing import Any
 
@@ -14,10 +15,19 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from dsv4mtp.checkpoint.synthetic import make_synthetic_checkpoint, synthetic_checkpoint_tensors
-from dsv4mtp.reference import DSV4Config, InputError, formats, write_sharded_checkpoint
+from dsv4mtp.reference import (
+    CheckpointError,
+    DSV4Config,
+    DSV4Error,
+    InputError,
+    formats,
+    write_sharded_checkpoint,
+)
 from dsv4mtp.tools.cli import main
 from dsv4mtp.tools.drift import (
+    DriftInputs,
     DriftReport,
+    GroupError,
     compare_checkpoints,
     load_drift_inputs,
     synthetic_drift_inputs,
@@ -156,3 +166,119 @@ def test_compare_cli_reports_a_bad_checkpoint(baseline: str, tmp_path: Any) -> N
     assert result.exit_code == 1
     assert "no weights in the checkpoint" in result.output
     assert os.path.isdir(broken)
+
+
+# ----------------------------------------------------------------------------- hardening
+def test_different_expert_counts_are_a_checkpoint_error(baseline: str, tmp_path: Any) -> None:
+    other = make_synthetic_checkpoint(str(tmp_path / "e16"), TINY.replace(n_routed_experts=16))
+    with pytest.raises(
+        CheckpointError, match=r"config: A and B differ \(n_routed_experts 8 vs 16\)"
+    ):
+        compare_checkpoints(baseline, other, num_steps=1)
+
+
+def test_inputs_file_that_is_not_safetensors(tmp_path: Any) -> None:
+    for content in (b"hello", b"\x10" + b"\x00" * 7 + b'{"a":1}'):
+        path = tmp_path / "inputs.safetensors"
+        path.write_bytes(content)
+        with pytest.raises(InputError, match=rf"{path}: expected a readable safetensors file"):
+            load_drift_inputs(path, TINY)
+    with pytest.raises(InputError, match=r"expected a readable safetensors file"):
+        load_drift_inputs(tmp_path, TINY)
+
+
+def _save_inputs(path: str, **change: torch.Tensor) -> str:
+    inp = synthetic_drift_inputs(TINY, num_sequences=2, seq_len=3, seed=7)
+    tensors = {
+        "prev_hidden": inp.prev_hidden,
+        "input_ids": inp.input_ids,
+        "positions": inp.positions,
+        "seq_lens": inp.seq_lens,
+    }
+    save_file(tensors | change, path)
+    return path
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_inputs_are_refused_before_running(
+    baseline: str, tmp_path: Any, bad: float
+) -> None:
+    prev = synthetic_drift_inputs(TINY, num_sequences=2, seq_len=3, seed=7).prev_hidden
+    prev[4, 9] = bad
+    path = _save_inputs(str(tmp_path / "nan.safetensors"), prev_hidden=prev)
+    pattern = rf"prev_hidden: expected finite values, found {bad} at row 4, column 9"
+    with pytest.raises(InputError, match=pattern):
+        load_drift_inputs(path, TINY)
+    inputs = DriftInputs(
+        torch.zeros(6, dtype=torch.int64), torch.arange(6), prev, torch.tensor([6]), "test"
+    )
+    with pytest.raises(InputError, match=pattern):  # before anything is loaded
+        compare_checkpoints(str(tmp_path / "absent"), str(tmp_path / "absent"), inputs=inputs)
+
+
+@pytest.mark.parametrize(
+    ("change", "pattern"),
+    [
+        (
+            {"input_ids": torch.tensor([0, 1, 2, 3, 4, TINY.vocab_size])},
+            r"input_ids: expected ids in \[0, vocab_size=512\), got 512",
+        ),
+        (
+            {"positions": torch.tensor([-1, 0, 1, 2, 3, 4])},
+            r"positions: expected positions in \[0, max_position_embeddings=",
+        ),
+        (
+            {"seq_lens": torch.tensor([2, 2])},
+            r"seq_lens: expected lengths >= 1 summing to T=6, got \[2, 2\]",
+        ),
+    ],
+)
+def test_bad_user_input_values_are_refused_at_load(tmp_path: Any, change, pattern) -> None:
+    path = _save_inputs(str(tmp_path / "bad.safetensors"), **change)
+    with pytest.raises(InputError, match=pattern):
+        load_drift_inputs(path, TINY)
+
+
+class _NaNLayer:
+    """A layer with the MTPLayer draft interface whose logits are NaN (a broken checkpoint)."""
+
+    dtype = torch.float32
+    device = torch.device("cpu")
+
+    def draft(self, input_ids, positions, prev_hidden, *, seq_lens, num_tokens, **kw):
+        B = len(seq_lens)
+        logits = torch.full((B, num_tokens, TINY.vocab_size), float("nan"))
+        return torch.zeros(B, num_tokens, dtype=torch.int64), logits
+
+
+def test_non_finite_logits_are_an_error_not_a_nan_metric(baseline: str) -> None:
+    with pytest.raises(CheckpointError, match=r"checkpoint A: non-finite logits at draft step 0"):
+        compare_checkpoints(baseline, baseline, num_steps=2, build_layer=lambda ck: _NaNLayer())
+
+
+def test_report_json_is_strict(baseline: str) -> None:
+    """An infinite relative error (an all-zero group in A) is spelled "inf"; no bare NaN or
+    Infinity reaches the JSON."""
+    report = compare_checkpoints(baseline, baseline, num_steps=1, num_sequences=2)
+    report.weight_errors[0] = GroupError("g", math.inf, 1.0, "fp8", "fp8")
+    d = report.to_dict()
+    assert d["weight_errors"][0]["rel_error"] == "inf"
+    json.dumps(d, allow_nan=False)
+
+
+@pytest.mark.parametrize(
+    ("kw", "pattern"),
+    [
+        (
+            {"dtype": "float32"},
+            r"dtype: expected a torch.dtype in .*got str 'float32'; pass torch.float32",
+        ),
+        ({"preset": "nope"}, r"preset: expected one of"),
+        ({"num_sequences": 0}, r"num_sequences: expected an int >= 1, got 0"),
+        ({"seq_len": 2.0}, r"seq_len: expected an int >= 1, got 2.0"),
+        ({"inputs": {"prev_hidden": None}}, r"inputs: expected DriftInputs, got dict"),
+    ],
+)
+def test_compare_checkpoints_names_a_bad_argument(baseline: str, kw, pattern) -> None:
+    with pytest.raises(DSV4Error, match=pattern):
+        compare_checkpoints(baseline, baseline, num_steps=1, **kw)

@@ -6,13 +6,30 @@ and the actual value.  ``optimized`` imports these rather than keeping its own c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import TypeGuard
 
 import torch
 
-from dsv4mtp.errors import InputError
+from dsv4mtp.errors import DSV4Error, InputError
 
-__all__ = ["check_dtype", "check_finite", "check_ndim", "check_shape", "compute_dtype"]
+__all__ = [
+    "check_device_arg",
+    "check_dtype",
+    "check_dtype_arg",
+    "check_eps",
+    "check_finite",
+    "check_finite_at",
+    "check_instance",
+    "check_int",
+    "check_ndim",
+    "check_number",
+    "check_positions",
+    "check_shape",
+    "check_step",
+    "compute_dtype",
+]
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -53,3 +70,128 @@ def check_finite(name: str, t: torch.Tensor) -> None:
     if t.numel() and not bool(torch.isfinite(t.float()).all()):
         bad = int((~torch.isfinite(t.float())).sum())
         raise InputError(f"{name}: expected finite values, found {bad} non-finite of {t.numel()}")
+
+
+def check_finite_at(name: str, t: torch.Tensor) -> None:
+    """Like :func:`check_finite`, but the message names the first bad element's row (and column,
+    for a 2-D tensor), so a user can find it in their data.  Host-syncing: reference paths and
+    tool boundaries only."""
+    bad = ~torch.isfinite(t)
+    if t.numel() and bool(bad.any()):
+        first = bad.nonzero()[0].tolist()
+        value = float(t[tuple(first)])
+        where = f"row {first[0]}" if t.dim() else "the scalar"
+        if t.dim() == 2:
+            where += f", column {first[1]}"
+        elif t.dim() > 2:
+            where = f"index {tuple(first)}"
+        raise InputError(
+            f"{name}: expected finite values, found {value} at {where} "
+            f"({int(bad.sum())} non-finite of {t.numel()})"
+        )
+
+
+def _is_number(v: object) -> TypeGuard[float]:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_eps(name: str, eps: object) -> None:
+    """A stabilizing epsilon: a finite number >= 0 (a Python scalar, so no host sync)."""
+    if not _is_number(eps) or not math.isfinite(eps) or eps < 0:
+        raise InputError(f"{name}: expected a finite number >= 0, got {eps!r}")
+
+
+def check_step(name: str, step: object) -> int:
+    """A non-negative int (not a bool): the speculative step index."""
+    return check_int(name, step, 0)
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def check_dtype_arg(
+    name: str,
+    dtype: object,
+    allowed: Sequence[torch.dtype],
+    error: type[DSV4Error] = InputError,
+) -> torch.dtype:
+    """A ``torch.dtype`` argument (not a tensor's dtype) in ``allowed``."""
+    names = ", ".join(_dtype_name(d) for d in allowed)
+    if not isinstance(dtype, torch.dtype):
+        spelled = [_dtype_name(d) for d in allowed]
+        hint = f"; pass torch.{dtype}" if isinstance(dtype, str) and dtype in spelled else ""
+        raise error(
+            f"{name}: expected a torch.dtype in ({names}), got {type(dtype).__name__} "
+            f"{dtype!r}{hint}"
+        )
+    if dtype not in allowed:
+        raise error(f"{name}: expected a torch.dtype in ({names}), got {_dtype_name(dtype)}")
+    return dtype
+
+
+def check_device_arg(
+    name: str, device: object, error: type[DSV4Error] = InputError
+) -> torch.device:
+    """A device argument: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a :class:`torch.device` of those,
+    and CUDA only when this machine has it.  torch's own parser decides what is a device string."""
+    if isinstance(device, torch.device):
+        dev = device
+    elif isinstance(device, str):
+        try:
+            dev = torch.device(device)
+        except RuntimeError as e:
+            raise error(f"{name}: expected 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
+    else:
+        raise error(
+            f"{name}: expected 'cpu', 'cuda', 'cuda:N' or a torch.device, got "
+            f"{type(device).__name__} {device!r}"
+        )
+    if dev.type not in ("cpu", "cuda"):
+        raise error(f"{name}: expected a cpu or cuda device, got {str(dev)!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise error(
+                f"{name}: {str(dev)!r} requested but CUDA is not available on this machine "
+                "(torch.cuda.is_available() is False); use 'cpu'"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise error(
+                f"{name}: {str(dev)!r} requested but this machine has "
+                f"{torch.cuda.device_count()} CUDA device(s)"
+            )
+    return dev
+
+
+def check_int(name: str, v: object, minimum: int) -> int:
+    """An int (not a bool) >= ``minimum``."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise InputError(f"{name}: expected an int >= {minimum}, got {v!r}")
+    return v
+
+
+def check_number(name: str, v: object, *, positive: bool = False) -> float:
+    """A finite Python number (not a bool), > 0 with ``positive``."""
+    if not _is_number(v) or not math.isfinite(v) or (positive and v <= 0):
+        want = "a finite number > 0" if positive else "a finite number"
+        raise InputError(f"{name}: expected {want}, got {v!r}")
+    return float(v)
+
+
+def check_instance(name: str, v: object, cls: type) -> None:
+    if not isinstance(v, cls):
+        raise InputError(f"{name}: expected a {cls.__name__}, got {type(v).__name__}")
+
+
+INT_DTYPES = (torch.int64, torch.int32)
+
+
+def check_positions(name: str, t: object, length: int | None = None) -> None:
+    """A 1-D integer tensor (of ``length`` rows when given)."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in INT_DTYPES or t.dim() != 1:
+        got = (
+            f"{t.dtype} shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        )
+        raise InputError(f"{name}: expected a 1-D int64 / int32 tensor, got {got}")
+    if length is not None and t.shape[0] != length:
+        raise InputError(f"{name}: expected shape ({length},), got {tuple(t.shape)}")

@@ -24,8 +24,8 @@ class KVCache:
     """
 
     def __init__(self, window: int) -> None:
-        if window < 1:
-            raise InputError(f"window: expected >= 1, got {window}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise InputError(f"window: expected an int >= 1, got {window!r}")
         self.window = window
         self.kv: torch.Tensor | None = None  # (N, Dh)
         self.positions: torch.Tensor | None = None  # (N,) int64, strictly increasing

@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from dsv4mtp.checks import check_ndim, check_shape
+from dsv4mtp.checks import check_eps, check_ndim, check_shape
 from dsv4mtp.errors import InputError
 
 from .kernels._launch import (
@@ -194,8 +194,14 @@ def hc_pre(
     T, n, D = _check_streams(x)
     M = (2 + n) * n
     _check_params(fn, scale, base, M, n * D, 3)
-    if sinkhorn_iters < 1:
-        raise InputError(f"sinkhorn_iters: expected >= 1, got {sinkhorn_iters}")
+    if (
+        isinstance(sinkhorn_iters, bool)
+        or not isinstance(sinkhorn_iters, int)
+        or sinkhorn_iters < 1
+    ):
+        raise InputError(f"sinkhorn_iters: expected an int >= 1, got {sinkhorn_iters!r}")
+    check_eps("rms_norm_eps", rms_norm_eps)
+    check_eps("hc_eps", hc_eps)
     dev = check_device([("x", x), ("fn", fn), ("scale", scale), ("base", base)])
     shapes = (((T, D), x.dtype), ((T, n), torch.float32), ((T, n, n), torch.float32))
     if out is None:
@@ -298,6 +304,8 @@ def hc_head(
     """
     T, n, D = _check_streams(x)
     _check_params(fn, scale, base, n, n * D, 1)
+    check_eps("rms_norm_eps", rms_norm_eps)
+    check_eps("hc_eps", hc_eps)
     if backend not in ("auto", "triton_fma", "triton_mma"):
         raise InputError(f"backend: expected 'auto', 'triton_fma' or 'triton_mma', got {backend!r}")
     choice = HEAD_AUTO_BACKEND if backend == "auto" else backend

@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from dsv4mtp.checks import check_shape
+from dsv4mtp.checks import check_eps, check_shape
 from dsv4mtp.errors import InputError
 from dsv4mtp.semantics import NormOrder
 
@@ -56,6 +56,7 @@ def rms_norm(
     if weight is not None:
         check_kernel_dtype("weight", weight)
         check_shape("weight", weight, (x.shape[-1],))
+    check_eps("eps", eps)
     if order not in ("official", "vllm"):
         raise InputError(f"order: expected 'official' or 'vllm', got {order!r}")
     if backend not in ("auto", "flashinfer", "triton"):

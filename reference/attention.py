@@ -21,7 +21,16 @@ from collections.abc import Sequence
 
 import torch
 
-from dsv4mtp.checks import compute_dtype
+from dsv4mtp.checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_instance,
+    check_int,
+    check_number,
+    check_positions,
+    check_shape,
+    compute_dtype,
+)
 from dsv4mtp.config import DSV4Config
 from dsv4mtp.errors import InputError
 from dsv4mtp.kv_cache import KVCache
@@ -69,6 +78,17 @@ def sink_attention(
     space that joins the softmax denominator only (a virtual key with a zero value).
     Returns o (Tq, H, Dh) in q.dtype; math in promote(q.dtype, float32).
     """
+    for name, t in (("q", q), ("kv", kv), ("attn_sink", attn_sink)):
+        check_dtype(name, t, FLOAT_DTYPES)
+    if q.dim() != 3:
+        raise InputError(f"q: expected shape (Tq, H, Dh), got {tuple(q.shape)}")
+    Tq, H, Dh = q.shape
+    check_shape("kv", kv, (None, Dh))
+    check_shape("attn_sink", attn_sink, (H,))
+    check_positions("q_pos", q_pos, Tq)
+    check_positions("k_pos", k_pos, kv.shape[0])
+    check_int("window", window, 1)
+    check_number("scale", scale)
     cd = compute_dtype(q.dtype)
     index, present = _window_slots(q_pos, k_pos, window)  # (Tq, W)
     keys = kv.to(cd)[index]  # (Tq, W, Dh)
@@ -110,7 +130,18 @@ def attention(
     ``act_quant`` rounds the inputs of the FP8 linears (wq_a, wq_b, wkv, wo_b) through e4m3;
     ``wo_a`` is bf16 in the official code (its converter dequantizes it), so it is not.
     """
+    check_instance("config", config, DSV4Config)
+    check_instance("params", params, AttentionParams)
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_shape("x", x, (None, config.hidden_size))
     T = x.shape[0]
+    check_positions("positions", positions, T)
+    if kv_cache is not None and not all(isinstance(c, KVCache) for c in kv_cache):
+        raise InputError("kv_cache: expected a sequence of KVCache (one per sequence)")
+    if seq_lens is not None and not all(
+        isinstance(n, (int, torch.Tensor)) and not isinstance(n, bool) for n in seq_lens
+    ):
+        raise InputError(f"seq_lens: expected a sequence of ints, got {seq_lens!r}")
     H, Dh, Dr = config.num_attention_heads, config.head_dim, config.qk_rope_head_dim
     Dn, G, W, eps = Dh - Dr, config.o_groups, config.sliding_window, config.rms_norm_eps
     lens = [T] if seq_lens is None else [int(n) for n in seq_lens]

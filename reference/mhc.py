@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from dsv4mtp.checks import FLOAT_DTYPES, check_dtype, check_ndim, check_shape, compute_dtype
+from dsv4mtp.checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_eps,
+    check_ndim,
+    check_shape,
+    compute_dtype,
+)
 from dsv4mtp.errors import InputError
 
 from .linear import rowwise_matmul
@@ -52,8 +59,9 @@ def sinkhorn(logits: torch.Tensor, *, iters: int, eps: float) -> torch.Tensor:
     check_dtype("logits", logits, FLOAT_DTYPES)
     if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
         raise InputError(f"logits: expected shape (..., n, n), got {tuple(logits.shape)}")
-    if iters < 1:
-        raise InputError(f"iters: expected >= 1, got {iters}")
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise InputError(f"iters: expected an int >= 1, got {iters!r}")
+    check_eps("eps", eps)
     p = torch.softmax(logits.to(compute_dtype(logits.dtype)), dim=-1) + eps
     p = p / (p.sum(dim=-2, keepdim=True) + eps)  # columns
     for _ in range(iters - 1):
@@ -83,6 +91,14 @@ def hc_pre(
     T, n, D = _check_streams(x)
     M = (2 + n) * n
     _check_params(fn, scale, base, M, n * D, 3)
+    check_eps("rms_norm_eps", rms_norm_eps)
+    check_eps("hc_eps", hc_eps)
+    if (
+        isinstance(sinkhorn_iters, bool)
+        or not isinstance(sinkhorn_iters, int)
+        or sinkhorn_iters < 1
+    ):
+        raise InputError(f"sinkhorn_iters: expected an int >= 1, got {sinkhorn_iters!r}")
     cd = compute_dtype(x.dtype)
     xf = x.reshape(T, n * D).to(cd)  # (T, nD)
     # Row-independent product: a token's mix must not depend on how many tokens share the call
@@ -139,6 +155,8 @@ def hc_head(
     """
     T, n, D = _check_streams(x)
     _check_params(fn, scale, base, n, n * D, 1)
+    check_eps("rms_norm_eps", rms_norm_eps)
+    check_eps("hc_eps", hc_eps)
     cd = compute_dtype(x.dtype)
     xf = x.reshape(T, n * D).to(cd)  # (T, nD)
     mix = rowwise_matmul(xf, fn.to(cd).T) * _rms_factor(xf, rms_norm_eps)  # (T, n)

@@ -13,7 +13,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsv4mtp.checks import compute_dtype
+from dsv4mtp.checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_instance,
+    check_number,
+    check_shape,
+    compute_dtype,
+)
 from dsv4mtp.config import DSV4Config
 from dsv4mtp.errors import InputError
 from dsv4mtp.params import DenseExperts, ExpertSource, MoEParams, PackedExperts
@@ -39,6 +46,12 @@ def route(
     The bias shifts scores for the top-k selection only; the weights are the unbiased scores
     renormalised over the K selected and multiplied by ``routed_scaling_factor``.
     """
+    check_instance("config", config, DSV4Config)
+    for name, t in (("x", x), ("gate_weight", gate_weight), ("gate_bias", gate_bias)):
+        check_dtype(name, t, FLOAT_DTYPES)
+    check_shape("x", x, (None, config.hidden_size))
+    check_shape("gate_weight", gate_weight, (config.n_routed_experts, config.hidden_size))
+    check_shape("gate_bias", gate_bias, (config.n_routed_experts,))
     cd = compute_dtype(x.dtype)
     logits = rowwise_matmul(x.to(cd), gate_weight.to(cd).T)  # (T, E), no bias in the matmul
     scores = torch.sqrt(F.softplus(logits))  # (T, E)
@@ -64,6 +77,18 @@ def swiglu_expert(
     only, in the physical (dequantized) space.  ``route_weight (t,)`` multiplies the hidden
     activation before ``w2`` (official order).
     """
+    for name, t in (("x", x), ("w1", w1), ("w3", w3), ("w2", w2)):
+        check_dtype(name, t, FLOAT_DTYPES)
+    if x.dim() != 2 or w1.dim() != 2:
+        raise InputError(f"x, w1: expected 2-D tensors, got {tuple(x.shape)} and {tuple(w1.shape)}")
+    I, D = w1.shape
+    check_shape("x", x, (None, D))
+    check_shape("w3", w3, (I, D))
+    check_shape("w2", w2, (D, I))
+    check_number("limit", limit)
+    if route_weight is not None:
+        check_dtype("route_weight", route_weight, FLOAT_DTYPES)
+        check_shape("route_weight", route_weight, (x.shape[0],))
     cd = compute_dtype(x.dtype)
     gate = linear(x, w1, act_quant=act_quant).to(cd)  # (t, I)
     up = linear(x, w3, act_quant=act_quant).to(cd)  # (t, I)
@@ -90,6 +115,10 @@ def moe(
     expert (not scaled by ``routed_scaling_factor``) is added; one cast at the end.
     ``shared_clamp``: apply ``swiglu_limit`` to the shared expert too (current official, vLLM).
     """
+    check_instance("config", config, DSV4Config)
+    check_instance("params", params, MoEParams)
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_shape("x", x, (None, config.hidden_size))
     if params.experts.num_experts != config.n_routed_experts:
         raise InputError(
             f"experts: expected {config.n_routed_experts} routed experts, got {params.experts.num_experts}"

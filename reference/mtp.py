@@ -13,6 +13,7 @@ dequantized weights: the oracle other implementations are compared against in fl
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +21,14 @@ from typing import Any
 import torch
 
 from dsv4mtp.checkpoint.weights import MTPCheckpoint
-from dsv4mtp.checks import FLOAT_DTYPES, compute_dtype
+from dsv4mtp.checks import (
+    FLOAT_DTYPES,
+    check_device_arg,
+    check_dtype_arg,
+    check_finite_at,
+    check_step,
+    compute_dtype,
+)
 from dsv4mtp.config import DSV4Config
 from dsv4mtp.errors import ConfigError, InputError
 from dsv4mtp.kv_cache import KVCache
@@ -54,8 +62,18 @@ class MTPLayer:
         dtype: torch.dtype = torch.bfloat16,
         info: dict[str, Any] | None = None,
     ) -> None:
-        if dtype not in FLOAT_DTYPES:
-            raise ConfigError(f"dtype: expected one of {FLOAT_DTYPES}, got {dtype}")
+        check_dtype_arg("dtype", dtype, FLOAT_DTYPES, ConfigError)
+        if not isinstance(config, DSV4Config):
+            raise ConfigError(f"config: expected a DSV4Config, got {type(config).__name__}")
+        if not isinstance(embed, torch.Tensor):
+            raise ConfigError(f"embed: expected a torch.Tensor, got {type(embed).__name__}")
+        if semantics is not None and not isinstance(semantics, Semantics):
+            raise ConfigError(
+                f"semantics: expected a Semantics (see resolve_semantics), got "
+                f"{type(semantics).__name__}"
+            )
+        if not all(isinstance(p, MTPLayerParams) for p in layers):
+            raise ConfigError("layers: expected a sequence of MTPLayerParams")
         if len(layers) != config.num_nextn_predict_layers:
             raise ConfigError(
                 f"layers: expected num_nextn_predict_layers={config.num_nextn_predict_layers}, got {len(layers)}"
@@ -85,12 +103,18 @@ class MTPLayer:
     ) -> MTPLayer:
         """From :func:`load_mtp_checkpoint`'s result: dense weights are dequantized once into
         ``dtype``; routed experts stay packed and are decoded per selected expert."""
+        if not isinstance(checkpoint, MTPCheckpoint):
+            raise ConfigError(
+                f"checkpoint: expected an MTPCheckpoint (load_mtp_checkpoint's result), got "
+                f"{type(checkpoint).__name__}"
+            )
+        check_dtype_arg("dtype", dtype, FLOAT_DTYPES, ConfigError)
+        device = check_device_arg("device", device, ConfigError)
         if checkpoint.tp_size != 1:
             raise ConfigError(
                 f"tp_size: the reference runs every head on one device, got {checkpoint.tp_size}"
             )
         semantics = resolve_semantics(preset, **switches)
-        device = torch.device(device)
         cache: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         layers = [build_layer_params(w, dtype, device, cache) for w in checkpoint.layers]
         info = {
@@ -119,7 +143,15 @@ class MTPLayer:
         """Load ``mtp.*`` (+ the shared embedding and head) from a checkpoint directory."""
         from dsv4mtp.checkpoint.load import load_mtp_checkpoint
 
-        resolve_semantics(preset, **switches)  # fail on a bad switch before reading gigabytes
+        # Fail on a bad argument before reading gigabytes.
+        resolve_semantics(preset, **switches)
+        check_dtype_arg("dtype", dtype, FLOAT_DTYPES, ConfigError)
+        check_device_arg("device", device, ConfigError)
+        if not isinstance(path, (str, os.PathLike)):
+            raise ConfigError(
+                f"path: expected a checkpoint directory (str or os.PathLike), got "
+                f"{type(path).__name__}"
+            )
         return cls.from_loaded(
             load_mtp_checkpoint(os.fspath(path)),
             preset=preset,
@@ -176,6 +208,8 @@ class MTPLayer:
         ):
             if t.device != self.device:
                 raise InputError(f"{name}: expected device {self.device}, got {t.device}")
+        # A NaN / inf row would flow silently into argmax (token 0) or the KL of compare.
+        check_finite_at("prev_hidden", prev_hidden)
         if T and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
             bad = input_ids[(input_ids < 0) | (input_ids >= cfg.vocab_size)][0]
             raise InputError(
@@ -184,6 +218,11 @@ class MTPLayer:
         if T and int(positions.min()) < 0:
             raise InputError(
                 f"positions: expected non-negative positions, got {int(positions.min())}"
+            )
+        if T and int(positions.max()) >= cfg.max_position_embeddings:
+            raise InputError(
+                f"positions: expected positions < max_position_embeddings="
+                f"{cfg.max_position_embeddings}, got {int(positions.max())}"
             )
         if seq_lens is None:
             return [T]
@@ -205,6 +244,33 @@ class MTPLayer:
             )
         return lens
 
+    def _check_caches(self, kv_cache: object, B: int) -> list[KVCache] | None:
+        if kv_cache is None:
+            return None
+        if isinstance(kv_cache, KVCache):
+            caches = [kv_cache]
+        elif isinstance(kv_cache, (list, tuple)):
+            caches = list(kv_cache)
+        else:
+            raise InputError(
+                f"kv_cache: expected a KVCache or a list of KVCache (one per sequence), got "
+                f"{type(kv_cache).__name__}"
+            )
+        if len(caches) != B:
+            raise InputError(f"kv_cache: expected {B} caches (one per sequence), got {len(caches)}")
+        W = self.config.sliding_window
+        for b, c in enumerate(caches):
+            if not isinstance(c, KVCache):
+                raise InputError(
+                    f"kv_cache[{b}]: expected a KVCache (layer.new_kv_cache()), got "
+                    f"{type(c).__name__}"
+                )
+            if c.window != W:
+                raise InputError(
+                    f"kv_cache[{b}]: expected window sliding_window={W}, got {c.window}"
+                )
+        return caches
+
     # ------------------------------------------------------------------ the layer
     def forward(
         self,
@@ -222,14 +288,28 @@ class MTPLayer:
         "The MTP layer end to end"); positions (T,) int64, the target positions; prev_hidden
         (T, hc_mult*D) in the layer dtype; seq_lens (B,) int64 summing to T (default: one
         sequence); kv_cache: one :class:`KVCache` per sequence (a single cache for B = 1),
-        extended in place; spec_step picks the layer.
+        extended in place.  spec_step: the speculative step, an int >= 0; it runs layer
+        ``spec_step % num_nextn_predict_layers``, so steps past the last MTP layer reuse the
+        layers in turn (vLLM's rule; :meth:`draft` relies on it).  A negative, bool or non-int
+        step is an :class:`InputError` rather than a wrapped index.
         """
+        check_step("spec_step", spec_step)
         lens = self._check_inputs(input_ids, positions, prev_hidden, seq_lens)
-        caches = [kv_cache] if isinstance(kv_cache, KVCache) else kv_cache
-        if caches is not None and len(caches) != len(lens):
-            raise InputError(
-                f"kv_cache: expected {len(lens)} caches (one per sequence), got {len(caches)}"
-            )
+        caches = self._check_caches(kv_cache, len(lens))
+        return self._run(input_ids, positions, prev_hidden, lens, caches, spec_step)
+
+    __call__ = forward
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        lens: list[int],
+        caches: Sequence[KVCache] | None,
+        spec_step: int,
+    ) -> torch.Tensor:
+        """:meth:`forward` on checked arguments."""
         cfg, sem = self.config, self.semantics
         p = self.layers[spec_step % len(self.layers)]
         T, n, D, eps = input_ids.shape[0], cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps
@@ -278,21 +358,29 @@ class MTPLayer:
         x = hc_post(f, x, post, comb)
         return x.reshape(T, n * D)
 
-    __call__ = forward
-
     def compute_logits(self, hidden: torch.Tensor, *, spec_step: int = 0) -> torch.Tensor:
         """hidden (T, hc_mult*D) -> logits (T, vocab).
 
         hc_head with the MTP's own ``hc_head_*``, the MTP's ``norm``, then the shared head in
         fp32 as the official ``ParallelHead`` (float64 when the layer runs in float64, so the
         oracle stays exact).  The head is applied in vocab chunks to bound temporary memory.
+        spec_step picks the layer as in :meth:`forward`.
         """
+        check_step("spec_step", spec_step)
         cfg = self.config
         if not isinstance(hidden, torch.Tensor) or hidden.dtype != self.dtype:
             got = hidden.dtype if isinstance(hidden, torch.Tensor) else type(hidden).__name__
             raise InputError(f"hidden: expected dtype {self.dtype} (the layer dtype), got {got}")
         if hidden.dim() != 2 or hidden.shape[1] != cfg.hc_dim:
             raise InputError(f"hidden: expected shape (T, {cfg.hc_dim}), got {tuple(hidden.shape)}")
+        if hidden.device != self.device:
+            raise InputError(f"hidden: expected device {self.device}, got {hidden.device}")
+        check_finite_at("hidden", hidden)
+        return self._logits(hidden, spec_step)
+
+    def _logits(self, hidden: torch.Tensor, spec_step: int) -> torch.Tensor:
+        """:meth:`compute_logits` on a checked ``hidden``."""
+        cfg = self.config
         p = self.layers[spec_step % len(self.layers)]
         T = hidden.shape[0]
         cd = compute_dtype(self.dtype)
@@ -337,31 +425,68 @@ class MTPLayer:
         """
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise InputError(f"num_tokens: expected an int >= 1, got {num_tokens!r}")
-        if not greedy and not temperature > 0:
-            raise InputError(f"temperature: expected > 0 for sampling, got {temperature}")
+        for name, flag in (("greedy", greedy), ("return_logits", return_logits)):
+            if not isinstance(flag, bool):
+                raise InputError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise InputError(
+                f"generator: expected a torch.Generator or None, got {type(generator).__name__}"
+            )
+        if not greedy and not (
+            isinstance(temperature, (int, float))
+            and not isinstance(temperature, bool)
+            and math.isfinite(temperature)
+            and temperature > 0
+        ):
+            raise InputError(
+                f"temperature: expected a finite number > 0 for sampling, got {temperature!r}"
+            )
         lens = self._check_inputs(input_ids, positions, prev_hidden, seq_lens)
+        cfg = self.config
         if any(n < 1 for n in lens):
             raise InputError(
                 f"seq_lens: every sequence needs at least one row to draft from, got {lens}"
             )
         B = len(lens)
-        if forced_tokens is not None and tuple(forced_tokens.shape) != (B, num_tokens):
+        # Step k feeds position + k of each sequence's last row.
+        last_pos = int(positions[torch.tensor(lens).cumsum(0) - 1].max())
+        if last_pos + num_tokens - 1 >= cfg.max_position_embeddings:
             raise InputError(
-                f"forced_tokens: expected shape ({B}, {num_tokens}), got {tuple(forced_tokens.shape)}"
+                f"positions: drafting {num_tokens} token(s) from position {last_pos} feeds "
+                f"position {last_pos + num_tokens - 1}, expected < max_position_embeddings="
+                f"{cfg.max_position_embeddings}"
             )
+        if forced_tokens is not None:
+            if not isinstance(forced_tokens, torch.Tensor) or forced_tokens.dtype != torch.int64:
+                got = (
+                    str(forced_tokens.dtype)
+                    if isinstance(forced_tokens, torch.Tensor)
+                    else type(forced_tokens).__name__
+                )
+                raise InputError(f"forced_tokens: expected an int64 tensor, got {got}")
+            if tuple(forced_tokens.shape) != (B, num_tokens):
+                raise InputError(
+                    f"forced_tokens: expected shape ({B}, {num_tokens}), got {tuple(forced_tokens.shape)}"
+                )
+            out_of_vocab = (forced_tokens < 0) | (forced_tokens >= cfg.vocab_size)
+            if bool(out_of_vocab.any()):
+                b, k = out_of_vocab.nonzero()[0].tolist()
+                raise InputError(
+                    f"forced_tokens: expected ids in [0, vocab_size={cfg.vocab_size}), got "
+                    f"{int(forced_tokens[b, k])} at row {b}, step {k}"
+                )
         caches = [[self.new_kv_cache() for _ in range(B)] for _ in self.layers]
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # (B,) last row per sequence
         ids, pos, prev = input_ids, positions, prev_hidden
-        step_lens = torch.tensor(lens, dtype=torch.int64)
+        step_lens = lens
         drafted, step_logits = [], []
         for k in range(num_tokens):
             layer = k % len(self.layers)
-            hidden = self.forward(
-                ids, pos, prev, seq_lens=step_lens, kv_cache=caches[layer], spec_step=k
-            )
+            # Every argument, forced token and fed position was checked above.
+            hidden = self._run(ids, pos, prev, step_lens, caches[layer], k)
             if k == 0:
                 hidden, pos = hidden[last], pos[last]
-            logits = self.compute_logits(hidden, spec_step=k)  # (B, V)
+            logits = self._logits(hidden, k)  # (B, V)
             if forced_tokens is not None:
                 token = forced_tokens[:, k].to(self.device)
             elif greedy:
@@ -372,7 +497,7 @@ class MTPLayer:
             drafted.append(token)
             step_logits.append(logits)
             ids, pos, prev = token, pos + 1, hidden
-            step_lens = torch.ones(B, dtype=torch.int64)
+            step_lens = [1] * B
         tokens = torch.stack(drafted, dim=1)  # (B, num_tokens)
         if return_logits:
             return tokens, torch.stack(step_logits, dim=1)

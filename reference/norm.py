@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4mtp.checks import FLOAT_DTYPES, check_dtype, check_shape, compute_dtype
+from dsv4mtp.checks import FLOAT_DTYPES, check_dtype, check_eps, check_shape, compute_dtype
 from dsv4mtp.errors import InputError
 from dsv4mtp.semantics import NormOrder
 
@@ -30,6 +30,7 @@ def rms_norm(
     if weight is not None:
         check_dtype("weight", weight, FLOAT_DTYPES)
         check_shape("weight", weight, (x.shape[-1],))
+    check_eps("eps", eps)
     if order not in ("official", "vllm"):
         raise InputError(f"order: expected 'official' or 'vllm', got {order!r}")
     cd = compute_dtype(x.dtype)

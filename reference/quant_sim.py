@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsv4mtp.checks import FLOAT_DTYPES, check_dtype, compute_dtype
-from dsv4mtp.errors import InputError
+from dsv4mtp.checks import FLOAT_DTYPES, check_dtype, check_int, compute_dtype
 from dsv4mtp.formats import decode_e4m3, encode_e4m3
 from dsv4mtp.quant import pow2_scale
 
@@ -29,8 +28,7 @@ def fp8_block_roundtrip(x: torch.Tensor, block: int) -> torch.Tensor:
     A ragged last block (K not a multiple of ``block``) gets its own scale.  Returns x.dtype.
     """
     check_dtype("x", x, FLOAT_DTYPES)
-    if block <= 0:
-        raise InputError(f"block: expected a positive block size, got {block}")
+    check_int("block", block, 1)
     if x.numel() == 0:
         return x.clone()
     cd = compute_dtype(x.dtype)

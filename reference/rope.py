@@ -14,7 +14,16 @@ from typing import Any
 
 import torch
 
-from dsv4mtp.checks import FLOAT_DTYPES, check_dtype, compute_dtype
+from dsv4mtp.checks import (
+    FLOAT_DTYPES,
+    check_device_arg,
+    check_dtype,
+    check_dtype_arg,
+    check_int,
+    check_number,
+    check_positions,
+    compute_dtype,
+)
 from dsv4mtp.errors import ConfigError, InputError
 from dsv4mtp.semantics import RopeMode
 
@@ -56,6 +65,15 @@ def rope_frequencies(
     """
     if mode not in ("plain", "yarn"):
         raise ConfigError(f"rope_mode: expected 'plain' or 'yarn', got {mode!r}")
+    check_int("rope_dim", rope_dim, 2)
+    check_number("base", base, positive=True)
+    check_dtype_arg("dtype", dtype, FLOAT_DTYPES)
+    if device is not None:
+        device = check_device_arg("device", device)
+    if rope_scaling is not None and not isinstance(rope_scaling, dict):
+        raise ConfigError(
+            f"rope_scaling: expected a dict or None, got {type(rope_scaling).__name__}"
+        )
     if rope_dim % 2:
         raise ConfigError(f"qk_rope_head_dim: expected an even number, got {rope_dim}")
     pair_dims = torch.arange(0, rope_dim, 2, dtype=dtype, device=device)
@@ -80,6 +98,12 @@ def apply_rope(
     promote(x.dtype, float32); returns ``x.dtype``.
     """
     check_dtype("x", x, FLOAT_DTYPES)
+    check_dtype("freqs", freqs, FLOAT_DTYPES)
+    if freqs.dim() != 1:
+        raise InputError(f"freqs: expected shape (rope_dim/2,), got {tuple(freqs.shape)}")
+    if x.dim() < 2:
+        raise InputError(f"x: expected shape (T, ..., rope_dim), got {tuple(x.shape)}")
+    check_positions("positions", positions)
     if x.shape[-1] != 2 * freqs.shape[0]:
         raise InputError(
             f"x: expected last dim {2 * freqs.shape[0]} (rope dims), got {x.shape[-1]}"

@@ -1,4 +1,9 @@
-"""The ``dsv4-mtp`` command line.  Every command has ``--help``."""
+"""The ``dsv4-mtp`` command line.  Every command has ``--help``.
+
+One error path: a :class:`DSV4Error` raised by any command (bad argument, file, tensor or
+checkpoint) is printed as one ``Error: <message>`` line on stderr with exit code 1; click's usage
+errors exit 2.  Anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,28 @@ from typing import Any
 import click
 
 from dsv4mtp import __version__
+from dsv4mtp.errors import DSV4Error
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except DSV4Error as e:
+            # click prints a ClickException as "Error: <message>" and exits 1; one line.
+            raise click.ClickException(" ".join(str(e).split("\n"))) from e
+
+
+def _dumps(data: Any) -> str:
+    """Strict JSON: a non-finite metric is spelled as a string, never a bare NaN / Infinity."""
+    import json
+
+    from dsv4mtp.tools.drift import json_safe
+
+    return json.dumps(json_safe(data), indent=2, allow_nan=False)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="dsv4-mtp")
 def main() -> None:
     """DeepSeek-V4 MTP draft layer: reference, optimized kernels, checkpoint tools."""
@@ -133,13 +157,11 @@ def inspect(checkpoint: str, as_json: bool) -> None:
     tensors, non-finite or non-positive scales, NVFP4 gate/up foldability per expert, and where
     the embedding and head come from.  Exit code 1 when there is any error, else 0.
     """
-    import json
-
     from dsv4mtp.checkpoint.report import inspect_checkpoint
 
     report = inspect_checkpoint(checkpoint)
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        click.echo(_dumps(report.to_dict()))
     else:
         _print_inspect(report)
     sys.exit(report.exit_code)
@@ -147,14 +169,17 @@ def inspect(checkpoint: str, as_json: bool) -> None:
 
 # ----------------------------------------------------------------------------- compare
 def _optimized_builder() -> tuple[Any, str]:
-    """``dsv4mtp.optimized.MTPLayer`` on CUDA when both exist, else None (use the reference)."""
+    """``dsv4mtp.optimized.MTPLayer`` on CUDA when both exist, else None (use the reference).
+
+    Only a missing optional dependency (ImportError) or a missing ``MTPLayer`` falls back; any
+    other failure while importing the optimized package is a bug and surfaces."""
     import torch
 
     if not torch.cuda.is_available():
         return None, "reference (CPU)"
     try:
         import dsv4mtp.optimized as optimized
-    except Exception:  # an optional path must not break compare
+    except ImportError:
         return None, "reference (CPU)"
     cls = getattr(optimized, "MTPLayer", None)
     if cls is None or not hasattr(cls, "from_loaded"):
@@ -263,40 +288,33 @@ def compare(
     first.  Runs the reference on CPU (the optimized layer on CUDA when available).  Presets:
     docs/semantics.md, "Presets and switches".
     """
-    import json
-
     import torch
     from rich.console import Console
 
-    from dsv4mtp.errors import DSV4Error
     from dsv4mtp.reference import DSV4Config
     from dsv4mtp.tools.drift import compare_checkpoints, load_drift_inputs
 
     build, implementation = _optimized_builder()
     status = Console(stderr=True).status("comparing")
-    try:
-        with status:
-            inputs = (
-                load_drift_inputs(inputs_path, DSV4Config.from_dir(dir_a)) if inputs_path else None
-            )
-            report = compare_checkpoints(
-                dir_a,
-                dir_b,
-                num_steps=steps,
-                inputs=inputs,
-                seed=seed,
-                num_sequences=sequences,
-                seq_len=seq_len,
-                dtype=getattr(torch, dtype),
-                preset=preset,
-                build_layer=build,
-                implementation=implementation,
-                progress=status.update,
-            )
-    except DSV4Error as e:
-        raise click.ClickException(str(e)) from e
+    with status:
+        # The inputs are checked before either checkpoint is loaded.
+        inputs = load_drift_inputs(inputs_path, DSV4Config.from_dir(dir_a)) if inputs_path else None
+        report = compare_checkpoints(
+            dir_a,
+            dir_b,
+            num_steps=steps,
+            inputs=inputs,
+            seed=seed,
+            num_sequences=sequences,
+            seq_len=seq_len,
+            dtype=getattr(torch, dtype),
+            preset=preset,
+            build_layer=build,
+            implementation=implementation,
+            progress=status.update,
+        )
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        click.echo(_dumps(report.to_dict()))
     else:
         _print_compare(report)
 

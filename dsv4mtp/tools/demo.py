@@ -29,7 +29,10 @@ from rich.table import Table
 
 from dsv4mtp.checkpoint.load import load_mtp_checkpoint
 from dsv4mtp.checkpoint.synthetic import make_synthetic_checkpoint
+from dsv4mtp.checks import check_device_arg
+from dsv4mtp.errors import CheckpointError, DSV4Error, InputError
 from dsv4mtp.reference import DSV4Config, MTPLayer
+from dsv4mtp.tools.drift import json_safe
 
 __all__ = ["main", "print_report", "run_demo"]
 
@@ -105,9 +108,11 @@ def _agreement(
 def _optimized_layer(checkpoint: Any, device: torch.device) -> tuple[Any, str | None]:
     if device.type != "cuda":
         return None, "skipped: no CUDA device"
+    # The optimized path is optional: a missing dependency or MTPLayer, or a checkpoint it
+    # refuses (a DSV4Error), is reported; any other exception is a bug and surfaces.
     try:
         import dsv4mtp.optimized as optimized
-    except Exception as e:  # an optional path must not break the demo
+    except ImportError as e:
         return None, f"skipped: dsv4mtp.optimized failed to import ({e})"
     cls = getattr(optimized, "MTPLayer", None)
     if cls is None:
@@ -116,7 +121,7 @@ def _optimized_layer(checkpoint: Any, device: torch.device) -> tuple[Any, str | 
         if hasattr(cls, "from_loaded"):
             return cls.from_loaded(checkpoint, dtype=torch.bfloat16, device=device), None
         return cls.from_checkpoint(checkpoint.path, dtype=torch.bfloat16, device=device), None
-    except Exception as e:
+    except DSV4Error as e:
         return None, f"failed to load: {type(e).__name__}: {e}"
 
 
@@ -134,7 +139,12 @@ def run_demo(
 
     ``console``: where the loading progress is drawn (None: no progress display).
     """
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    for name, v in (("num_tokens", num_tokens), ("batch", batch)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InputError(f"{name}: expected an int >= 1, got {v!r}")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = check_device_arg("device", device)
     report: dict[str, Any] = {
         "device": str(dev),
         "num_tokens": num_tokens,
@@ -211,6 +221,11 @@ def run_demo(
     tokens64, logits64 = oracle.draft(
         *args, prev16.double(), seq_lens=inp["seq_lens"], num_tokens=num_tokens, return_logits=True
     )
+    if not bool(torch.isfinite(logits64).all()):
+        raise CheckpointError(
+            f"{report['checkpoint']}: the float64 oracle's logits are not finite, so every "
+            "agreement metric would be NaN (run dsv4-mtp inspect on it)"
+        )
     forced16, step_times = _teacher_forced(
         reference, {**inp, "prev_hidden": prev16}, tokens64, torch.bfloat16
     )
@@ -235,7 +250,7 @@ def run_demo(
             report["draft_tokens"]["optimized_bf16"] = opt_tokens.tolist()
             report["agreement"]["optimized_bf16"] = _agreement(forced_opt, logits64, tokens64)
             timings["optimized_step_ms"] = [1e3 * t for t in opt_times]  # type: ignore[assignment]
-        except Exception as e:
+        except DSV4Error as e:
             optimized_note = f"failed: {type(e).__name__}: {e}"
     report["optimized"] = optimized_note or "ran"
     report["timings"] = timings
@@ -339,7 +354,7 @@ def main(
         console=progress_console,
     )
     if as_json:
-        (printer or print)(json.dumps(report, indent=2))
+        (printer or print)(json.dumps(json_safe(report), indent=2, allow_nan=False))
     else:
         print_report(report)
     return report

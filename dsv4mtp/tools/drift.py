@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from dsv4mtp.checkpoint.load import load_mtp_checkpoint
 from dsv4mtp.checkpoint.schema import MTP_LAYER_PARAMS
@@ -33,6 +33,7 @@ from dsv4mtp.checkpoint.weights import (
     QuantizedWeight,
     RoutedExperts,
 )
+from dsv4mtp.checks import FLOAT_DTYPES, check_dtype_arg, check_finite_at
 from dsv4mtp.config import DSV4Config
 from dsv4mtp.errors import CheckpointError, InputError
 
@@ -41,8 +42,10 @@ __all__ = [
     "DriftReport",
     "GroupError",
     "StepDrift",
+    "check_drift_inputs",
     "compare_checkpoints",
     "draft_drift",
+    "json_safe",
     "load_drift_inputs",
     "synthetic_drift_inputs",
     "teacher_forced_logits",
@@ -68,8 +71,11 @@ def synthetic_drift_inputs(
 ) -> DriftInputs:
     """``num_sequences`` sequences of ``seq_len`` rows: random ids, positions starting at a random
     offset (not 0), residuals N(0, 1).  Deterministic in ``seed``."""
-    if num_sequences < 1 or seq_len < 1:
-        raise InputError(f"num_sequences / seq_len: expected >= 1, got {num_sequences} / {seq_len}")
+    for name, v in (("num_sequences", num_sequences), ("seq_len", seq_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InputError(f"{name}: expected an int >= 1, got {v!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InputError(f"seed: expected an int, got {seed!r}")
     g = torch.Generator().manual_seed(seed)
     T = num_sequences * seq_len
     starts = torch.randint(1, 1000, (num_sequences,), generator=g)
@@ -87,14 +93,18 @@ def load_drift_inputs(path: str | os.PathLike[str], config: DSV4Config) -> Drift
     """A safetensors file with ``prev_hidden`` (T, hc_mult*D) float, ``input_ids`` (T,) and
     ``positions`` (T,) integer, optional ``seq_lens`` (B,) (default: one sequence)."""
     path = os.fspath(path)
-    with safe_open(path, framework="pt") as f:
-        keys = set(f.keys())
-        missing = {"prev_hidden", "input_ids", "positions"} - keys
-        if missing:
-            raise InputError(f"{path}: missing tensor(s) {sorted(missing)}; have {sorted(keys)}")
-        t = {
-            k: f.get_tensor(k) for k in keys & {"prev_hidden", "input_ids", "positions", "seq_lens"}
-        }
+    try:
+        with safe_open(path, framework="pt") as f:
+            keys = set(f.keys())
+            missing = {"prev_hidden", "input_ids", "positions"} - keys
+            if missing:
+                raise InputError(
+                    f"{path}: missing tensor(s) {sorted(missing)}; have {sorted(keys)}"
+                )
+            wanted = keys & {"prev_hidden", "input_ids", "positions", "seq_lens"}
+            t = {k: f.get_tensor(k) for k in wanted}
+    except (SafetensorError, OSError) as e:
+        raise InputError(f"{path}: expected a readable safetensors file, got: {e}") from e
     prev = t["prev_hidden"]
     if not prev.is_floating_point() or prev.dim() != 2 or prev.shape[1] != config.hc_dim:
         raise InputError(
@@ -109,13 +119,39 @@ def load_drift_inputs(path: str | os.PathLike[str], config: DSV4Config) -> Drift
         if t[name].shape[0] != T:
             raise InputError(f"{name}: expected shape ({T},) like prev_hidden, got {t[name].shape}")
     seq_lens = t.get("seq_lens", torch.tensor([T]))
-    return DriftInputs(
+    inputs = DriftInputs(
         input_ids=t["input_ids"].long(),
         positions=t["positions"].long(),
         prev_hidden=prev.float(),
         seq_lens=seq_lens.long(),
         source=f"{path} ({len(seq_lens)} sequence(s), {T} rows)",
     )
+    check_drift_inputs(inputs, config)
+    return inputs
+
+
+def check_drift_inputs(inputs: DriftInputs, config: DSV4Config) -> None:
+    """Refuse, before any layer runs, what would fail mid-run or turn the metrics into NaN:
+    non-finite residuals, ids outside the vocab, negative or too large positions, and
+    sequence lengths that do not split the rows."""
+    if not isinstance(inputs, DriftInputs):
+        raise InputError(f"inputs: expected DriftInputs, got {type(inputs).__name__}")
+    check_finite_at("prev_hidden", inputs.prev_hidden)
+    ids, pos, lens = inputs.input_ids, inputs.positions, inputs.seq_lens
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
+        bad = ids[(ids < 0) | (ids >= config.vocab_size)][0]
+        raise InputError(
+            f"input_ids: expected ids in [0, vocab_size={config.vocab_size}), got {int(bad)}"
+        )
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= config.max_position_embeddings):
+        raise InputError(
+            f"positions: expected positions in [0, max_position_embeddings="
+            f"{config.max_position_embeddings}), got {int(pos.min())} .. {int(pos.max())}"
+        )
+    if lens.dim() != 1 or any(n < 1 for n in lens.tolist()) or int(lens.sum()) != ids.shape[0]:
+        raise InputError(
+            f"seq_lens: expected lengths >= 1 summing to T={ids.shape[0]}, got {lens.tolist()}"
+        )
 
 
 # ----------------------------------------------------------------------------- weight errors
@@ -163,6 +199,10 @@ def _plain_f64(ts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _group_error(name: str, a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float]:
     diff2 = ref2 = max_abs = 0.0
+    if len(a) != len(b):
+        raise CheckpointError(
+            f"{name}: checkpoints differ in tensor count, A {len(a)} vs B {len(b)}"
+        )
     for ta, tb in zip(a, b, strict=True):
         if ta.shape != tb.shape:
             raise CheckpointError(
@@ -172,6 +212,11 @@ def _group_error(name: str, a: list[torch.Tensor], b: list[torch.Tensor]) -> tup
         diff2 += float((d * d).sum())
         ref2 += float((ta * ta).sum())
         max_abs = max(max_abs, float(d.abs().max()) if d.numel() else 0.0)
+    for label, ts in (("A", a), ("B", b)):
+        if not all(bool(torch.isfinite(t).all()) for t in ts):
+            raise CheckpointError(
+                f"{name}: checkpoint {label}'s dequantized weights are not finite"
+            )
     if ref2 == 0.0:
         return (0.0 if diff2 == 0.0 else math.inf), max_abs
     return math.sqrt(diff2 / ref2), max_abs
@@ -245,6 +290,14 @@ def draft_drift(
     )
     tokens, logits_a = tokens.cpu(), logits_a.double().cpu()
     logits_b = teacher_forced_logits(layer_b, inputs, tokens)
+    for label, logits in (("A", logits_a), ("B", logits_b)):
+        bad = ~torch.isfinite(logits).all(-1).all(0)  # (k,) steps with a non-finite logit
+        if bool(bad.any()):
+            step = int(bad.nonzero()[0])
+            raise CheckpointError(
+                f"checkpoint {label}: non-finite logits at draft step {step}; the metrics "
+                "would be NaN (run dsv4-mtp inspect on it)"
+            )
     log_pa = torch.log_softmax(logits_a, dim=-1)  # (B, k, V)
     log_pb = torch.log_softmax(logits_b, dim=-1)
     kl = (log_pa.exp() * (log_pa - log_pb)).sum(-1)  # (B, k)
@@ -272,12 +325,38 @@ class DriftReport:
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["weight_errors"] = [
-            {**asdict(g), "rel_error": g.rel_error if math.isfinite(g.rel_error) else "inf"}
-            for g in self.weight_errors
-        ]
-        return d
+        """Plain data for strict JSON: a non-finite metric (a relative error against an all-zero
+        group is inf) is spelled as a string, never written as a bare NaN / Infinity."""
+        return json_safe(asdict(self))
+
+
+def json_safe(v: Any) -> Any:
+    """``v`` with every non-finite float spelled as a string ("inf", "nan"), recursively, so
+    ``json.dumps(..., allow_nan=False)`` accepts it."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, dict):
+        return {k: json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [json_safe(x) for x in v]
+    return v
+
+
+# The config fields that fix the shape of some MTP tensor: compare pairs tensors group by group.
+_SHAPE_FIELDS = (
+    "num_nextn_predict_layers",
+    "vocab_size",
+    "hidden_size",
+    "hc_mult",
+    "num_attention_heads",
+    "head_dim",
+    "qk_rope_head_dim",
+    "q_lora_rank",
+    "o_groups",
+    "o_lora_rank",
+    "n_routed_experts",
+    "moe_intermediate_size",
+)
 
 
 def _load(path: str, label: str, notes: list[str]) -> MTPCheckpoint:
@@ -313,22 +392,37 @@ def compare_checkpoints(
     say = progress or (lambda _text: None)
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
         raise InputError(f"num_steps: expected an int >= 1, got {num_steps!r}")
+    if build_layer is None:
+        from dsv4mtp.semantics import resolve_semantics
+
+        resolve_semantics(preset)
+        check_dtype_arg("dtype", dtype, FLOAT_DTYPES)
+    if inputs is not None:
+        if not isinstance(inputs, DriftInputs):
+            raise InputError(f"inputs: expected DriftInputs, got {type(inputs).__name__}")
+        check_finite_at("prev_hidden", inputs.prev_hidden)
     notes: list[str] = []
     say("loading checkpoint A")
     a = _load(os.fspath(path_a), "A", notes)
     say("loading checkpoint B")
     b = _load(os.fspath(path_b), "B", notes)
-    if a.config.vocab_size != b.config.vocab_size or a.config.hc_dim != b.config.hc_dim:
+    differ = [
+        f"{k} {getattr(a.config, k)} vs {getattr(b.config, k)}"
+        for k in _SHAPE_FIELDS
+        if getattr(a.config, k) != getattr(b.config, k)
+    ]
+    if differ:
         raise CheckpointError(
-            f"config: A and B differ (vocab_size {a.config.vocab_size} vs {b.config.vocab_size}, "
-            f"hc_mult*hidden_size {a.config.hc_dim} vs {b.config.hc_dim})"
+            f"config: A and B differ ({', '.join(differ)}); compare needs MTP layers of the "
+            "same shapes"
         )
-    say("dequantized-weight error per tensor group")
-    errors = weight_group_errors(a, b)
     if inputs is None:
         inputs = synthetic_drift_inputs(
             a.config, num_sequences=num_sequences, seq_len=seq_len, seed=seed
         )
+    check_drift_inputs(inputs, a.config)
+    say("dequantized-weight error per tensor group")
+    errors = weight_group_errors(a, b)
 
     def reference(ck: MTPCheckpoint) -> Any:
         from dsv4mtp.reference import MTPLayer  # the default layer; imported when used

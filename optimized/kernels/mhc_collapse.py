@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4mtp.errors import ConfigError
+from dsv4mtp.errors import ConfigError, InputError
 
 from ._launch import INTERPRET, next_pow2, rne_bf16_if_interpreted, sigmoid
 from .mhc_mix import mix_step
@@ -401,7 +401,10 @@ def mhc_collapse(
     NP = next_pow2(n)
     cfg = cfg or collapse_config(n, D, with_post_comb=post is not None)
     if INTERPRET and cfg.fused:
-        raise ValueError("the fused collapse waits in-kernel; the interpreter needs fused=False")
+        raise ConfigError(
+            "CollapseConfig.fused: the fused collapse waits in-kernel, which never ends under "
+            "TRITON_INTERPRET=1; expected fused=False there, got fused=True"
+        )
     S = triton.cdiv(D, cfg.d_slice)
     blocks = triton.cdiv(T, cfg.block_t)
     dev = x.device
@@ -439,7 +442,10 @@ def mhc_collapse(
         meta["maxnreg"] = cfg.max_registers
     grid = (blocks * S,)
     if trace is not None and (not cfg.fused or tuple(trace.shape) != (grid[0], TRACE_WIDTH)):
-        raise ValueError(f"trace: needs a fused schedule and shape ({grid[0]}, {TRACE_WIDTH})")
+        raise InputError(
+            f"trace: expected a fused schedule and shape ({grid[0]}, {TRACE_WIDTH}), got "
+            f"fused={cfg.fused} and shape {tuple(trace.shape)}"
+        )
     if cfg.fused:
         mhc_collapse_kernel[grid](
             *args, DO_MIX=True, DO_REDUCE=True, DO_APPLY=True, FUSED=True, **meta
