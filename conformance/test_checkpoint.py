@@ -394,14 +394,17 @@ def test_error_mtp_layer_without_weights(tmp_path) -> None:
         tmp_path,
         target_only,
         cfg,
-        r"MTP layer 2 \(mtp\.0\.\*\): no weights .* quantized without the MTP layers",
+        r"MTP layer mtp\.0 \(model layer 2\): no mtp\.0\.\* weights .* quantized without the MTP "
+        r"layers",
     )
 
 
 def test_error_second_mtp_layer_missing(tmp_path) -> None:
     tensors, cfg, _ = _tensors()
     cfg = {**cfg, "num_nextn_predict_layers": 2, "compress_ratios": [0, 0, 0, 0]}
-    _expect_error(tmp_path, tensors, cfg, r"MTP layer 3 \(mtp\.1\.\*\): no weights")
+    _expect_error(
+        tmp_path, tensors, cfg, r"MTP layer mtp\.1 \(model layer 3\): no mtp\.1\.\* weights"
+    )
 
 
 @pytest.mark.parametrize(

@@ -380,8 +380,8 @@ def _layer_spec(
     prefix = f"mtp.{index}."
     if not names:
         raise CheckpointError(
-            f"MTP layer {config.num_hidden_layers + index} (mtp.{index}.*): no weights in the "
-            f"checkpoint. The checkpoint may have been quantized without the MTP layers; use "
+            f"MTP layer mtp.{index} (model layer {config.num_hidden_layers + index}): no "
+            f"mtp.{index}.* weights in the checkpoint. The checkpoint may have been quantized without the MTP layers; use "
             f"one that includes them, or disable speculative decoding"
         )
     linear_formats = {
