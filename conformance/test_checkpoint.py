@@ -694,3 +694,15 @@ def test_fp8_row_slices_must_cover_whole_blocks(tiny_ckpt: str) -> None:
         CheckpointError, match=r"rows \[64, 128\) do not cover whole 128-row FP8 blocks"
     ):
         fused.rows(64, 64)
+
+
+@pytest.mark.parametrize("with_config", [False, True])
+def test_error_checkpoint_path_is_a_file(tiny_ckpt: str, with_config: bool) -> None:
+    config_json = os.path.join(tiny_ckpt, "config.json")
+    config = DSV4Config.tiny() if with_config else None
+    with pytest.raises(
+        CheckpointError, match=r"config\.json: is a file, expected the checkpoint directory"
+    ):
+        load_mtp_checkpoint(config_json, config)
+    with pytest.raises(CheckpointError, match=r"nowhere: no such directory"):
+        load_mtp_checkpoint(os.path.join(tiny_ckpt, "nowhere"), config)

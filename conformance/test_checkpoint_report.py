@@ -291,3 +291,14 @@ def test_human_output_and_help(tmp_path: Any) -> None:
     for command in ("inspect", "compare"):
         help_ = CliRunner().invoke(main, [command, "--help"])
         assert help_.exit_code == 0 and "--json" in help_.stdout
+
+
+def test_a_file_given_as_the_checkpoint_is_named_as_a_file(tmp_path: Any) -> None:
+    path = make_synthetic_checkpoint(str(tmp_path / "ck"), TINY)
+    report = inspect_checkpoint(os.path.join(path, "config.json"))
+    ((severity, code, message),) = [(f.severity, f.code, f.message) for f in report.findings]
+    assert (severity, code) == ("error", "path") and report.exit_code == 1
+    assert message.endswith(
+        "config.json: is a file, expected the checkpoint directory (the one "
+        "holding config.json and the safetensors shards)"
+    )

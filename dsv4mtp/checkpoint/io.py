@@ -28,6 +28,7 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "ShardedCheckpoint",
     "TensorInfo",
+    "check_checkpoint_dir",
     "read_safetensors_header",
     "write_sharded_checkpoint",
 ]
@@ -50,6 +51,18 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+def check_checkpoint_dir(path: str) -> None:
+    """Raise :class:`CheckpointError` unless ``path`` is a directory (a checkpoint is one)."""
+    if os.path.isdir(path):
+        return
+    if os.path.exists(path):
+        raise CheckpointError(
+            f"{path}: is a file, expected the checkpoint directory (the one holding config.json "
+            f"and the safetensors shards)"
+        )
+    raise CheckpointError(f"{path}: no such directory, expected the checkpoint directory")
 
 
 @dataclass(frozen=True)
@@ -115,6 +128,7 @@ class ShardedCheckpoint:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
+        check_checkpoint_dir(self.path)
         index_path = os.path.join(self.path, INDEX_FILE)
         if os.path.exists(index_path):
             try:

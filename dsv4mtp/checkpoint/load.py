@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from dsv4mtp.checkpoint.io import ShardedCheckpoint, TensorInfo
+from dsv4mtp.checkpoint.io import ShardedCheckpoint, TensorInfo, check_checkpoint_dir
 from dsv4mtp.checkpoint.names import classify_mtp_weight_name
 from dsv4mtp.checkpoint.schema import (
     EMBED,
@@ -204,6 +204,7 @@ def _as_stored(t: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- config
 def _read_config(path: str) -> DSV4Config:
+    check_checkpoint_dir(path)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise CheckpointError(
             f"config.json: not found in {path}; a checkpoint directory needs its config.json "

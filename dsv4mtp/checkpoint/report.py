@@ -11,7 +11,7 @@ Severities (exit code non-zero only on errors):
 =========================================================================== ========
 finding                                                                     severity
 =========================================================================== ========
-config.json missing or invalid                                              error
+checkpoint path not a directory; config.json missing or invalid             error
 no MTP layer / fewer than ``num_nextn_predict_layers``                      error
 missing, unknown (the loader refuses them), mis-shaped or wrong-dtype tensor error
 shard in the index missing or truncated                                     error
@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import torch
 
-from dsv4mtp.checkpoint.io import ShardedCheckpoint
+from dsv4mtp.checkpoint.io import ShardedCheckpoint, check_checkpoint_dir
 from dsv4mtp.checkpoint.load import (
     check_finite,
     check_finite_scale,
@@ -168,6 +168,11 @@ def inspect_checkpoint(
 
 
 def _read_config(report: CheckpointReport) -> DSV4Config | None:
+    try:
+        check_checkpoint_dir(report.path)
+    except CheckpointError as e:
+        report.add("error", "path", str(e))
+        return None
     if not os.path.exists(os.path.join(report.path, "config.json")):
         report.add("error", "config", f"config.json: not found in {report.path}")
         return None
