@@ -706,3 +706,37 @@ def test_error_checkpoint_path_is_a_file(tiny_ckpt: str, with_config: bool) -> N
         load_mtp_checkpoint(config_json, config)
     with pytest.raises(CheckpointError, match=r"nowhere: no such directory"):
         load_mtp_checkpoint(os.path.join(tiny_ckpt, "nowhere"), config)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "drop", "match"),
+    [
+        (
+            "mxfp4",
+            lambda n: n == "mtp.0.attn.wq_b.scale",
+            r"mtp\.0\.attn\.wq_b\.scale: missing; mtp\.0\.attn\.wq_b\.weight is float8_e4m3fn "
+            r"\(an FP8 weight\), which needs its 128x128 block scales",
+        ),
+        (
+            "mxfp4",
+            lambda n: ".experts." in n and n.endswith(".scale"),
+            r"mtp\.0\.ffn\.experts\.0\.w1\.scale: missing, as for every routed expert of mtp\.0: "
+            r"mtp\.0\.ffn\.experts\.0\.w1\.weight is int8 \(quantized\)",
+        ),
+        (
+            "fp8",
+            lambda n: ".experts." in n and n.endswith(".scale"),
+            r"experts\.0\.w1\.scale: missing, as .*w1\.weight is float8_e4m3fn \(quantized\)",
+        ),
+        (
+            "nvfp4",
+            lambda n: n.endswith(".weight_scale_2"),
+            r"mtp\.0\.ffn\.experts\.0\.w1\.weight_scale_2: missing, as for every routed expert",
+        ),
+    ],
+    ids=["dense-fp8", "mxfp4-experts", "fp8-experts", "nvfp4-experts"],
+)
+def test_error_missing_scale_is_named_as_missing(tmp_path, fmt: str, drop, match: str) -> None:
+    tensors, cfg, hfq = _tensors(fmt)
+    tensors = {k: v for k, v in tensors.items() if not drop(k)}
+    _expect_error(tmp_path, tensors, cfg, match, hfq)

@@ -105,6 +105,15 @@ DEFECTS = [
         1,
     ),
     (
+        "missing-scale",
+        "mxfp4",
+        _delete("mtp.0.attn.wq_b.scale"),
+        "error",
+        "missing_tensor",
+        "mtp.0.attn.wq_b.scale: missing; mtp.0.attn.wq_b.weight is float8_e4m3fn",
+        1,
+    ),
+    (
         "mis-shaped",
         "mxfp4",
         _replace("mtp.0.attn_norm.weight", lambda t: torch.ones(257, dtype=t.dtype)),

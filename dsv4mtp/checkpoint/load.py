@@ -292,6 +292,12 @@ def detect_linear_format(ck: ShardedCheckpoint, full: str) -> str:
     """Dense linear ``full`` (no suffix): "bf16", "fp8_e8m0" or "fp8_f32" from its ``.scale``."""
     scale = ck.infos.get(f"{full}.scale")
     if scale is None:
+        weight = ck.infos.get(f"{full}.weight")
+        if weight is not None and weight.dtype in _E4M3:
+            raise CheckpointError(
+                f"{full}.scale: missing; {full}.weight is float8_e4m3fn (an FP8 weight), which "
+                f"needs its {FP8_BLOCK}x{FP8_BLOCK} block scales"
+            )
         return "bf16"
     if scale.dtype in _F32:
         return "fp8_f32"
@@ -325,6 +331,21 @@ def detect_expert_format(ck: ShardedCheckpoint, rel_names: dict[str, str], layer
             f"{got}; expected packed int8/uint8 (MXFP4) or float8_e4m3fn (FP8)"
         )
     if "weight" in suffixes:
+        # A quantized weight without any scale would otherwise be detected as bf16 and reported
+        # as a wrong dtype; say which scale is missing instead.
+        stem = suffixes["weight"].removesuffix(".weight")
+        weight = ck.info(suffixes["weight"])
+        if "weight_scale" in suffixes:
+            raise CheckpointError(
+                f"{stem}.weight_scale_2: missing, as for every routed expert of {layer}: the "
+                f"experts have NVFP4 .weight_scale block scales, which need their global scale"
+            )
+        if weight.dtype in _PACKED + _E4M3:
+            raise CheckpointError(
+                f"{stem}.scale: missing, as for every routed expert of {layer}: {stem}.weight is "
+                f"{str(weight.dtype).removeprefix('torch.')} (quantized), which needs its block "
+                f"scales"
+            )
         return "bf16"
     raise CheckpointError(f"{layer}: no routed-expert tensors (ffn.experts.*) found")
 

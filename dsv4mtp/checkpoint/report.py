@@ -282,6 +282,12 @@ def _dense_claim(config: DSV4Config) -> str:
     return "fp8_e8m0" if qc.get("scale_fmt") == "ue8m0" else "fp8"
 
 
+def _detect_code(e: CheckpointError) -> str:
+    """Finding code of a format-detection error: a missing scale or no experts, else a dtype."""
+    message = str(e)
+    return "missing_tensor" if ": missing" in message or "no routed" in message else "wrong_dtype"
+
+
 def _inspect_layer(
     report: CheckpointReport,
     ck: ShardedCheckpoint,
@@ -298,7 +304,7 @@ def _inspect_layer(
         try:
             fmt = detect_linear_format(ck, prefix + base)
         except CheckpointError as e:
-            report.add("error", "wrong_dtype", str(e))
+            report.add("error", _detect_code(e), str(e))
             fmt = "undetected"
             undetected.append(base + ".")
         linear_formats[base] = fmt if fmt != "undetected" else "fp8_e8m0"
@@ -315,7 +321,7 @@ def _inspect_layer(
     try:
         expert_format = detect_expert_format(ck, names, f"mtp.{index}")
     except CheckpointError as e:
-        report.add("error", "missing_tensor" if "no routed" in str(e) else "wrong_dtype", str(e))
+        report.add("error", _detect_code(e), str(e))
         expert_format = "undetected"
         undetected.append("ffn.experts.")
     agrees = expert_format == "undetected" or format_agrees_with_claim(expert_format, claim)
