@@ -740,3 +740,20 @@ def test_error_missing_scale_is_named_as_missing(tmp_path, fmt: str, drop, match
     tensors, cfg, hfq = _tensors(fmt)
     tensors = {k: v for k, v in tensors.items() if not drop(k)}
     _expect_error(tmp_path, tensors, cfg, match, hfq)
+
+
+@pytest.mark.parametrize("name", ["mtp.0.attn.q_norm.weight", "head.weight"])
+def test_error_tensor_in_its_shard_but_not_in_the_index(tmp_path, name: str) -> None:
+    tensors, cfg, _ = _tensors()
+    path = _write(tmp_path, tensors, cfg)
+    with open(os.path.join(path, INDEX_FILE)) as f:
+        index = json.load(f)
+    shard = index["weight_map"].pop(name)
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+        json.dump(index, f)
+    where = rf"\(in {shard}, but model\.safetensors\.index\.json does not list it\)"
+    match = rf"{name}: missing {where}; MTP layer mtp\.0 has no mtp\.0\.{name} either"
+    if name.startswith("mtp."):
+        match = rf"missing tensor\(s\) for MTP layer mtp\.0 .*: {name} {where}"
+    with pytest.raises(CheckpointError, match=match):
+        load_mtp_checkpoint(path)

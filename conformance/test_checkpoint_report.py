@@ -311,3 +311,17 @@ def test_a_file_given_as_the_checkpoint_is_named_as_a_file(tmp_path: Any) -> Non
         "config.json: is a file, expected the checkpoint directory (the one "
         "holding config.json and the safetensors shards)"
     )
+
+
+def test_tensor_in_its_shard_but_not_in_the_index(tmp_path: Any) -> None:
+    path = make_synthetic_checkpoint(str(tmp_path / "ck"), TINY)
+    with open(os.path.join(path, INDEX_FILE)) as f:
+        index = json.load(f)
+    shard = index["weight_map"].pop(f"{EXPERT}.w2.weight")
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+        json.dump(index, f)
+    (error,) = inspect_checkpoint(path).errors
+    assert error.code == "missing_tensor"
+    assert error.message.startswith(
+        f"{EXPERT}.w2.weight: missing (in {shard}, but {INDEX_FILE} does not list it)"
+    )

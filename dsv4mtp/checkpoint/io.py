@@ -160,6 +160,14 @@ class ShardedCheckpoint:
             if info is None:
                 raise CheckpointError(f"{name}: {INDEX_FILE} says it is in {shard}, but it is not")
             self.infos[name] = info
+        # Tensors of the indexed shards that the index does not list: invisible to a loader that
+        # follows the index (as vLLM does), but worth naming when they are reported missing.
+        self.unindexed: dict[str, str] = {
+            name: shard
+            for shard, header in headers.items()
+            for name in header
+            if name not in weight_map
+        }
         self._handles: dict[str, Any] = {}
 
     @property
@@ -168,6 +176,11 @@ class ShardedCheckpoint:
 
     def __contains__(self, name: str) -> bool:
         return name in self.infos
+
+    def why_missing(self, name: str) -> str:
+        """ " (in <shard>, but the index does not list it)" for an unindexed tensor, else ""."""
+        shard = self.unindexed.get(name)
+        return f" (in {shard}, but {INDEX_FILE} does not list it)" if shard else ""
 
     def info(self, name: str) -> TensorInfo:
         return self.infos[name]

@@ -421,7 +421,7 @@ def _layer_spec(
             f"unknown mtp.* tensor name(s) for layer mtp.{index} (experts detected as "
             f"{expert_format}): {_listing(unknown)}"
         )
-    missing = [prefix + rel for rel in expected if rel not in names]
+    missing = [prefix + rel + ck.why_missing(prefix + rel) for rel in expected if rel not in names]
     if missing:
         raise CheckpointError(
             f"missing tensor(s) for MTP layer mtp.{index} (experts detected as {expert_format}): "
@@ -554,8 +554,8 @@ def _shared(
     name = own if spec.name in layer.names else spec.target
     if name not in ck:
         raise CheckpointError(
-            f"{spec.target}: missing; MTP layer mtp.{layer.index} has no {own} either (it is shared "
-            f"with the target)"
+            f"{spec.target}: missing{ck.why_missing(spec.target)}; MTP layer mtp.{layer.index} has "
+            f"no {own} either (it is shared with the target)"
         )
     if name == spec.target:
         check_tensor_info(ck.info(name), _FLOAT, spec.shape(config))

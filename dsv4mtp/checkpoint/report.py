@@ -246,7 +246,8 @@ def _shared_source(
         report.add(
             "error",
             "missing_tensor",
-            f"{target}: missing, and the MTP layer has no {_names_prefix(names)}{own} either",
+            f"{target}: missing{ck.why_missing(target)}, and the MTP layer has no "
+            f"{_names_prefix(names)}{own} either",
         )
         source = None
     if own == "emb.tok_emb.weight":
@@ -360,7 +361,8 @@ def _inspect_layer(
             report.add(
                 "error",
                 "missing_tensor",
-                f"{prefix}{rel}: missing (expected dtype {dtype_names}, shape {want})",
+                f"{prefix}{rel}: missing{ck.why_missing(prefix + rel)} (expected dtype "
+                f"{dtype_names}, shape {want})",
             )
         elif _check_header(report, ck, names[rel], dtypes, shape):
             ok.append(rel)
