@@ -325,3 +325,16 @@ def test_tensor_in_its_shard_but_not_in_the_index(tmp_path: Any) -> None:
     assert error.message.startswith(
         f"{EXPERT}.w2.weight: missing (in {shard}, but {INDEX_FILE} does not list it)"
     )
+
+
+@pytest.mark.parametrize("unfoldable", [False, True])
+def test_human_output_prints_a_fold_table_only_for_unfoldable_experts(
+    tmp_path: Any, unfoldable: bool
+) -> None:
+    path = make_synthetic_checkpoint(
+        str(tmp_path / "ck"), TINY, expert_format="nvfp4", nvfp4_unfoldable=unfoldable
+    )
+    result = CliRunner().invoke(main, ["inspect", path])
+    assert result.exit_code == 0
+    assert ("why it does not fold" in result.stdout) == unfoldable
+    assert ("mtp.0 NVFP4 gate/up fold: all 8 experts fold" in result.stdout) != unfoldable

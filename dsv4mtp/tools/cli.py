@@ -100,6 +100,11 @@ def _print_inspect(report: Any) -> None:
             fmt.add_row(f"mtp.{g.layer}", g.group, g.detected, g.claimed, ok)
         console.print(fmt)
     for s in report.nvfp4_fold:
+        if not s.unfoldable:  # a table with no rows says nothing: one line instead
+            console.print(
+                f"mtp.{s.layer} NVFP4 gate/up fold: all {s.num_experts} experts fold", style="green"
+            )
+            continue
         fold = Table(
             title=f"mtp.{s.layer} NVFP4 gate/up fold: {s.num_foldable} of {s.num_experts} "
             f"experts fold",
