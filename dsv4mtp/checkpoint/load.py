@@ -218,9 +218,13 @@ def read_hf_quant_config(path: str) -> dict[str, Any]:
     p = os.path.join(path, "hf_quant_config.json")
     if not os.path.exists(p):
         return {}
-    with open(p) as f:
-        q = json.load(f)
-    return q.get("quantization", q) if isinstance(q, dict) else {}
+    try:
+        with open(p, encoding="utf-8") as f:
+            q = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"hf_quant_config.json: not valid JSON ({e})") from e
+    q = q.get("quantization", q) if isinstance(q, dict) else {}
+    return q if isinstance(q, dict) else {}
 
 
 def claimed_expert_format(config: DSV4Config, hf_quant: dict[str, Any], mtp_index: int) -> str:
