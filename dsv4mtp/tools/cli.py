@@ -131,12 +131,13 @@ def _print_inspect(report: Any) -> None:
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def inspect(checkpoint: str, as_json: bool) -> None:
-    """Check CHECKPOINT's MTP layers from headers and scales (no full load).
+    """Check CHECKPOINT's MTP layers from headers and stored codes (no full load).
 
     Reports MTP layers present vs configured, the format of every tensor group vs config.json /
     quantization_config / hf_quant_config.json, missing, unexpected, mis-shaped and wrong-dtype
-    tensors, non-finite or non-positive scales, NVFP4 gate/up foldability per expert, and where
-    the embedding and head come from.  Exit code 1 when there is any error, else 0.
+    tensors, NaN/inf values and e4m3 NaN codes, NaN, non-positive or overflowing scales (the
+    loader's rules), NVFP4 gate/up foldability per expert, and where the embedding and head
+    come from.  Exit code 1 when there is any error, else 0.
     """
     import json
 
