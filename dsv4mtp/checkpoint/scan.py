@@ -75,7 +75,9 @@ SCAN_RULES: tuple[Rule, ...] = (
     "nvfp4_input_scale",
 )
 OVERFLOW_LIMIT = float(torch.finfo(torch.bfloat16).max)  # below float32's max: covers both
-_CHUNK_BYTES = 64 << 20
+# Small enough that a chunk and its temporaries stay in the CPU caches (measured: 4 MiB chunks
+# scan about ten times faster than 64 MiB ones on a 2-core machine).
+_CHUNK_BYTES = 4 << 20
 # Largest |element| a scale multiplies: e4m3 for FP8 blocks, e2m1 for MXFP4, e4m3 x e2m1 for the
 # NVFP4 global scale (its block scales are e4m3).
 _ELEMENT_MAX = {
@@ -200,6 +202,35 @@ def _shortest(code: torch.Tensor) -> str:
     return repr(v)
 
 
+def _suspect(rule: Rule, chunk: torch.Tensor) -> bool:
+    """A cheap screen (reductions only, no full-size masks): False when ``chunk`` certainly has
+    no bad code, True when :func:`_checks` must count them.  NaN propagates through min/max."""
+    dtype = chunk.dtype
+    if chunk.numel() == 0:
+        return False
+    if dtype in _FLOATS:
+        lo, hi = (float(v) for v in torch.aminmax(chunk))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            return True
+        if rule == "finite":
+            return False
+        return lo <= 0 or (rule in _ELEMENT_MAX and hi * _ELEMENT_MAX[rule][1] > OVERFLOW_LIMIT)
+    if dtype not in (torch.float8_e4m3fn, *_E8M0):
+        return False
+    b = chunk.view(torch.uint8)
+    if rule in ("e4m3_weight", "nvfp4_block_scale") and dtype == torch.float8_e4m3fn:
+        nan = int((b & 0x7F).max()) == 0x7F
+        return nan or (rule == "nvfp4_block_scale" and int(b.max()) > 0x80)
+    if rule in ("fp8_scale", "mxfp4_scale") and dtype in _E8M0:
+        return int(b.max()) >= _first_overflow_byte(_ELEMENT_MAX[rule][1])
+    return False
+
+
+def _first_overflow_byte(emax: float) -> int:
+    """Smallest e8m0 byte whose ``emax x 2^(byte-127)`` exceeds the limit."""
+    return formats.E8M0_BIAS + math.floor(math.log2(OVERFLOW_LIMIT / emax)) + 1
+
+
 def _checks(rule: Rule, chunk: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """(kind, bad mask) for one chunk; kinds: nan, nonpos, negative, overflow."""
     dtype = chunk.dtype
@@ -219,9 +250,7 @@ def _checks(rule: Rule, chunk: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         return [("nan", nan), ("negative", (b > 0x80) & ~nan)]
     if dtype in _E8M0 and rule in ("fp8_scale", "mxfp4_scale"):
         b = chunk.view(torch.uint8)
-        _, emax = _ELEMENT_MAX[rule]
-        # Smallest exponent byte whose emax x 2^(byte-127) exceeds the limit.
-        first_over = formats.E8M0_BIAS + math.floor(math.log2(OVERFLOW_LIMIT / emax)) + 1
+        first_over = _first_overflow_byte(_ELEMENT_MAX[rule][1])
         return [
             ("nan", b == formats.E8M0_NAN),
             ("overflow", (b >= first_over) & (b != formats.E8M0_NAN)),
@@ -297,6 +326,8 @@ def scan_tensor(
     for row0, chunk in chunks:
         numel += chunk.numel()
         dtype = chunk.dtype
+        if not _suspect(rule, chunk):
+            continue
         for kind, mask in _checks(rule, chunk):
             tallies.setdefault(kind, _Tally()).add(mask, chunk, row0)
     out = []
