@@ -142,8 +142,12 @@ def inspect(checkpoint: str, as_json: bool) -> None:
     import json
 
     from dsv4mtp.checkpoint.report import inspect_checkpoint
+    from dsv4mtp.errors import DSV4Error
 
-    report = inspect_checkpoint(checkpoint)
+    try:
+        report = inspect_checkpoint(checkpoint)
+    except DSV4Error as e:  # a bad checkpoint is a report; anything else deserves one line
+        raise click.ClickException(str(e)) from e
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
