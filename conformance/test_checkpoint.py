@@ -395,7 +395,8 @@ def test_error_mtp_layer_without_weights(tmp_path) -> None:
         tmp_path,
         target_only,
         cfg,
-        r"MTP layer mtp\.0 \(model layer 2\): no mtp\.0\.\* weights .* quantized without the MTP "
+        r"MTP layer mtp\.0 \(model layer 2\): no weights in the checkpoint \(no mtp\.0\.\* "
+        r"tensors\)\. .* quantized without the MTP "
         r"layers",
     )
 
@@ -404,7 +405,10 @@ def test_error_second_mtp_layer_missing(tmp_path) -> None:
     tensors, cfg, _ = _tensors()
     cfg = {**cfg, "num_nextn_predict_layers": 2, "compress_ratios": [0, 0, 0, 0]}
     _expect_error(
-        tmp_path, tensors, cfg, r"MTP layer mtp\.1 \(model layer 3\): no mtp\.1\.\* weights"
+        tmp_path,
+        tensors,
+        cfg,
+        r"MTP layer mtp\.1 \(model layer 3\): no weights in the checkpoint \(no mtp\.1\.\*",
     )
 
 

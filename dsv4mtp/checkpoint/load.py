@@ -388,7 +388,7 @@ def _layer_spec(
     if not names:
         raise CheckpointError(
             f"MTP layer mtp.{index} (model layer {config.num_hidden_layers + index}): no "
-            f"mtp.{index}.* weights in the checkpoint. The checkpoint may have been quantized without the MTP layers; use "
+            f"weights in the checkpoint (no mtp.{index}.* tensors). The checkpoint may have been quantized without the MTP layers; use "
             f"one that includes them, or disable speculative decoding"
         )
     linear_formats = {
