@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 
 import pytest
@@ -394,14 +395,21 @@ def test_error_mtp_layer_without_weights(tmp_path) -> None:
         tmp_path,
         target_only,
         cfg,
-        r"MTP layer 2 \(mtp\.0\.\*\): no weights .* quantized without the MTP layers",
+        r"MTP layer mtp\.0 \(model layer 2\): no weights in the checkpoint \(no mtp\.0\.\* "
+        r"tensors\)\. .* quantized without the MTP "
+        r"layers",
     )
 
 
 def test_error_second_mtp_layer_missing(tmp_path) -> None:
     tensors, cfg, _ = _tensors()
     cfg = {**cfg, "num_nextn_predict_layers": 2, "compress_ratios": [0, 0, 0, 0]}
-    _expect_error(tmp_path, tensors, cfg, r"MTP layer 3 \(mtp\.1\.\*\): no weights")
+    _expect_error(
+        tmp_path,
+        tensors,
+        cfg,
+        r"MTP layer mtp\.1 \(model layer 3\): no weights in the checkpoint \(no mtp\.1\.\*",
+    )
 
 
 @pytest.mark.parametrize(
@@ -691,3 +699,213 @@ def test_fp8_row_slices_must_cover_whole_blocks(tiny_ckpt: str) -> None:
         CheckpointError, match=r"rows \[64, 128\) do not cover whole 128-row FP8 blocks"
     ):
         fused.rows(64, 64)
+
+
+@pytest.mark.parametrize("with_config", [False, True])
+def test_error_checkpoint_path_is_a_file(tiny_ckpt: str, with_config: bool) -> None:
+    config_json = os.path.join(tiny_ckpt, "config.json")
+    config = DSV4Config.tiny() if with_config else None
+    with pytest.raises(
+        CheckpointError, match=r"config\.json: is a file, expected the checkpoint directory"
+    ):
+        load_mtp_checkpoint(config_json, config)
+    with pytest.raises(CheckpointError, match=r"nowhere: no such directory"):
+        load_mtp_checkpoint(os.path.join(tiny_ckpt, "nowhere"), config)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "drop", "match"),
+    [
+        (
+            "mxfp4",
+            lambda n: n == "mtp.0.attn.wq_b.scale",
+            r"mtp\.0\.attn\.wq_b\.scale: missing; mtp\.0\.attn\.wq_b\.weight is float8_e4m3fn "
+            r"\(an FP8 weight\), which needs its 128x128 block scales",
+        ),
+        (
+            "mxfp4",
+            lambda n: ".experts." in n and n.endswith(".scale"),
+            r"mtp\.0\.ffn\.experts\.0\.w1\.scale: missing, as for every routed expert of mtp\.0: "
+            r"mtp\.0\.ffn\.experts\.0\.w1\.weight is int8 \(quantized\)",
+        ),
+        (
+            "fp8",
+            lambda n: ".experts." in n and n.endswith(".scale"),
+            r"experts\.0\.w1\.scale: missing, as .*w1\.weight is float8_e4m3fn \(quantized\)",
+        ),
+        (
+            "nvfp4",
+            lambda n: n.endswith(".weight_scale_2"),
+            r"mtp\.0\.ffn\.experts\.0\.w1\.weight_scale_2: missing, as for every routed expert",
+        ),
+    ],
+    ids=["dense-fp8", "mxfp4-experts", "fp8-experts", "nvfp4-experts"],
+)
+def test_error_missing_scale_is_named_as_missing(tmp_path, fmt: str, drop, match: str) -> None:
+    tensors, cfg, hfq = _tensors(fmt)
+    tensors = {k: v for k, v in tensors.items() if not drop(k)}
+    _expect_error(tmp_path, tensors, cfg, match, hfq)
+
+
+@pytest.mark.parametrize("name", ["mtp.0.attn.q_norm.weight", "head.weight"])
+def test_error_tensor_in_its_shard_but_not_in_the_index(tmp_path, name: str) -> None:
+    tensors, cfg, _ = _tensors()
+    path = _write(tmp_path, tensors, cfg)
+    with open(os.path.join(path, INDEX_FILE)) as f:
+        index = json.load(f)
+    shard = index["weight_map"].pop(name)
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+        json.dump(index, f)
+    where = rf"\(in {shard}, but model\.safetensors\.index\.json does not list it\)"
+    match = rf"{name}: missing {where}; MTP layer mtp\.0 has no mtp\.0\.{name} either"
+    if name.startswith("mtp."):
+        match = rf"missing tensor\(s\) for MTP layer mtp\.0 .*: {name} {where}"
+    with pytest.raises(CheckpointError, match=match):
+        load_mtp_checkpoint(path)
+
+
+# ----------------------------------------------------------------------------- malformed files
+def _rewrite_index(path: str, edit) -> None:
+    with open(os.path.join(path, INDEX_FILE)) as f:
+        index = json.load(f)
+    edit(index)
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+        json.dump(index, f)
+
+
+def _first_entry(index: dict) -> str:
+    return next(iter(index["weight_map"]))
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (
+            lambda ix: ix.update(weight_map=list(ix["weight_map"])),
+            r"index\.json: weight_map: expected an object mapping tensor names to shard file "
+            r"names, got list",
+        ),
+        (
+            lambda ix: ix["weight_map"].update({"mtp.0.enorm.weight": None}),
+            r"index\.json: weight_map\['mtp\.0\.enorm\.weight'\]: expected a shard file name, "
+            r"got None",
+        ),
+        (
+            lambda ix: ix.pop("weight_map"),
+            r"index\.json: not a valid safetensors index: expected an object with a "
+            r"'weight_map', got no weight_map key",
+        ),
+    ],
+    ids=["weight-map-list", "null-entry", "no-weight-map"],
+)
+def test_error_malformed_index(tmp_path, edit, match: str) -> None:
+    tensors, cfg, _ = _tensors()
+    path = _write(tmp_path, tensors, cfg)
+    _rewrite_index(path, edit)
+    with pytest.raises(CheckpointError, match=match):
+        load_mtp_checkpoint(path)
+
+
+def _write_raw_shard(path: str, header: object, data: bytes) -> None:
+    """A safetensors file with a hand-written header (defects safetensors' writer cannot make)."""
+    blob = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob + data)
+
+
+@pytest.mark.parametrize(
+    ("header", "match"),
+    [
+        (
+            {"mtp.0.enorm.weight": {"dtype": "BF16", "data_offsets": [0, 512]}},
+            r"tensor mtp\.0\.enorm\.weight: header entry 'shape': expected a list of "
+            r"non-negative ints, got None",
+        ),
+        (
+            {"mtp.0.enorm.weight": {"dtype": "BF16", "shape": [256], "data_offsets": [0]}},
+            r"header entry 'data_offsets': expected \[begin, end\] with 0 <= begin <= end, "
+            r"got \[0\]",
+        ),
+        (
+            {"mtp.0.enorm.weight": {"dtype": "BF16", "shape": [300], "data_offsets": [0, 512]}},
+            r"header says shape \(300,\) of bfloat16 \(600 bytes\) but data_offsets \[0, 512\] "
+            r"span 512 bytes",
+        ),
+        (
+            {"mtp.0.enorm.weight": [256]},
+            r"header entry must be an object with dtype, shape and data_offsets, got list",
+        ),
+        (["mtp.0.enorm.weight"], r"corrupt safetensors header: expected a JSON object, got list"),
+        (
+            {
+                "mtp.0.enorm.weight": {"dtype": "BF16", "shape": [256], "data_offsets": [0, 512]},
+                "mtp.0.hnorm.weight": {"dtype": "BF16", "shape": [256], "data_offsets": [0, 512]},
+            },
+            r"model-00003-of-00003\.safetensors: (tensor mtp\.0\.[eh]norm\.weight: )?cannot "
+            r"(open|read) it \(.*invalid offset",
+        ),
+    ],
+    ids=["no-shape", "short-offsets", "size-mismatch", "entry-not-object", "not-object", "overlap"],
+)
+def test_error_malformed_shard_header(tmp_path, header, match: str) -> None:
+    tensors, cfg, _ = _tensors()
+    for name in ("mtp.0.enorm.weight", "mtp.0.hnorm.weight"):
+        tensors.pop(name)
+    path = _write(tmp_path, tensors, cfg)
+    shard = "model-00003-of-00003.safetensors"
+    _write_raw_shard(os.path.join(path, shard), header, bytes(512))
+    _rewrite_index(
+        path,
+        lambda ix: ix["weight_map"].update(dict.fromkeys(["mtp.0.enorm.weight"], shard)),
+    )
+    if isinstance(header, dict) and "mtp.0.hnorm.weight" in header:
+        _rewrite_index(path, lambda ix: ix["weight_map"].update({"mtp.0.hnorm.weight": shard}))
+    with pytest.raises(CheckpointError, match=match):
+        load_mtp_checkpoint(path)
+
+
+@pytest.mark.parametrize("kind", ["absolute", "dotdot", "symlink"])
+def test_error_shard_path_outside_the_checkpoint(tmp_path, kind: str) -> None:
+    tensors, cfg, _ = _tensors()
+    path = _write(tmp_path / "ck", tensors, cfg)
+    shard = "model-00002-of-00002.safetensors"
+    outside = tmp_path / "outside.safetensors"
+    os.replace(os.path.join(path, shard), outside)  # a valid shard, but outside the directory
+    entry = {"absolute": str(outside), "dotdot": "../outside.safetensors", "symlink": shard}[kind]
+    if kind == "symlink":
+        os.symlink(outside, os.path.join(path, shard))
+    else:
+        _rewrite_index(
+            path,
+            lambda ix: ix["weight_map"].update(
+                {n: entry for n, s in ix["weight_map"].items() if s == shard}
+            ),
+        )
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.safetensors\.index\.json: weight_map\['[^']+'\] = '"
+        + re.escape(entry)
+        + r"': the shard path leads outside the checkpoint directory",
+    ):
+        load_mtp_checkpoint(path)
+
+
+def test_a_symlinked_shard_inside_the_checkpoint_loads(tmp_path) -> None:
+    tensors, cfg, _ = _tensors()
+    path = _write(tmp_path / "ck", tensors, cfg)
+    shard = "model-00002-of-00002.safetensors"
+    os.makedirs(os.path.join(path, "blobs"))
+    os.replace(os.path.join(path, shard), os.path.join(path, "blobs", "x"))
+    os.symlink(os.path.join(path, "blobs", "x"), os.path.join(path, shard))  # as HF caches do
+    assert load_mtp_checkpoint(path).expert_formats == ("mxfp4",)
+
+
+def test_error_bad_hf_quant_config_and_writer_arguments(tmp_path) -> None:
+    tensors, cfg, _ = _tensors()
+    path = _write(tmp_path / "ck", tensors, cfg)
+    with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(CheckpointError, match=r"hf_quant_config\.json: not valid JSON"):
+        load_mtp_checkpoint(path, DSV4Config.tiny())
+    with pytest.raises(ConfigError, match=r"num_shards: expected >= 1, got 0"):
+        write_sharded_checkpoint(tmp_path / "w", tensors, cfg, num_shards=0)

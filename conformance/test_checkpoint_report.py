@@ -105,6 +105,15 @@ DEFECTS = [
         1,
     ),
     (
+        "missing-scale",
+        "mxfp4",
+        _delete("mtp.0.attn.wq_b.scale"),
+        "error",
+        "missing_tensor",
+        "mtp.0.attn.wq_b.scale: missing; mtp.0.attn.wq_b.weight is float8_e4m3fn",
+        1,
+    ),
+    (
         "mis-shaped",
         "mxfp4",
         _replace("mtp.0.attn_norm.weight", lambda t: torch.ones(257, dtype=t.dtype)),
@@ -291,3 +300,41 @@ def test_human_output_and_help(tmp_path: Any) -> None:
     for command in ("inspect", "compare"):
         help_ = CliRunner().invoke(main, [command, "--help"])
         assert help_.exit_code == 0 and "--json" in help_.stdout
+
+
+def test_a_file_given_as_the_checkpoint_is_named_as_a_file(tmp_path: Any) -> None:
+    path = make_synthetic_checkpoint(str(tmp_path / "ck"), TINY)
+    report = inspect_checkpoint(os.path.join(path, "config.json"))
+    ((severity, code, message),) = [(f.severity, f.code, f.message) for f in report.findings]
+    assert (severity, code) == ("error", "path") and report.exit_code == 1
+    assert message.endswith(
+        "config.json: is a file, expected the checkpoint directory (the one "
+        "holding config.json and the safetensors shards)"
+    )
+
+
+def test_tensor_in_its_shard_but_not_in_the_index(tmp_path: Any) -> None:
+    path = make_synthetic_checkpoint(str(tmp_path / "ck"), TINY)
+    with open(os.path.join(path, INDEX_FILE)) as f:
+        index = json.load(f)
+    shard = index["weight_map"].pop(f"{EXPERT}.w2.weight")
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+        json.dump(index, f)
+    (error,) = inspect_checkpoint(path).errors
+    assert error.code == "missing_tensor"
+    assert error.message.startswith(
+        f"{EXPERT}.w2.weight: missing (in {shard}, but {INDEX_FILE} does not list it)"
+    )
+
+
+@pytest.mark.parametrize("unfoldable", [False, True])
+def test_human_output_prints_a_fold_table_only_for_unfoldable_experts(
+    tmp_path: Any, unfoldable: bool
+) -> None:
+    path = make_synthetic_checkpoint(
+        str(tmp_path / "ck"), TINY, expert_format="nvfp4", nvfp4_unfoldable=unfoldable
+    )
+    result = CliRunner().invoke(main, ["inspect", path])
+    assert result.exit_code == 0
+    assert ("why it does not fold" in result.stdout) == unfoldable
+    assert ("mtp.0 NVFP4 gate/up fold: all 8 experts fold" in result.stdout) != unfoldable

@@ -21,13 +21,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dsv4mtp.errors import CheckpointError
+from dsv4mtp.errors import CheckpointError, ConfigError
 
 __all__ = [
     "INDEX_FILE",
     "SAFETENSORS_DTYPES",
     "ShardedCheckpoint",
     "TensorInfo",
+    "check_checkpoint_dir",
     "read_safetensors_header",
     "write_sharded_checkpoint",
 ]
@@ -52,6 +53,18 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def check_checkpoint_dir(path: str) -> None:
+    """Raise :class:`CheckpointError` unless ``path`` is a directory (a checkpoint is one)."""
+    if os.path.isdir(path):
+        return
+    if os.path.exists(path):
+        raise CheckpointError(
+            f"{path}: is a file, expected the checkpoint directory (the one holding config.json "
+            f"and the safetensors shards)"
+        )
+    raise CheckpointError(f"{path}: no such directory, expected the checkpoint directory")
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """What a shard header says about one tensor."""
@@ -60,6 +73,49 @@ class TensorInfo:
     dtype: torch.dtype
     shape: tuple[int, ...]
     shard: str
+
+
+def _is_int_list(v: Any, length: int | None = None) -> bool:
+    return (
+        isinstance(v, list)
+        and (length is None or len(v) == length)
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+    )
+
+
+def _header_entry(shard: str, name: str, meta: Any) -> tuple[TensorInfo, int]:
+    """One tensor's header entry, checked as far as the reader relies on it: (info, data end)."""
+    where = f"{shard}: tensor {name}"
+    if not isinstance(meta, dict):
+        raise CheckpointError(
+            f"{where}: header entry must be an object with dtype, shape and data_offsets, got "
+            f"{type(meta).__name__}"
+        )
+    dtype_name: Any = meta.get("dtype")
+    dtype = SAFETENSORS_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    if dtype is None:
+        raise CheckpointError(f"{where}: unsupported dtype {dtype_name!r}")
+    shape: Any = meta.get("shape")
+    offsets: Any = meta.get("data_offsets")
+    if not _is_int_list(shape):
+        raise CheckpointError(
+            f"{where}: header entry 'shape': expected a list of non-negative ints, got {shape!r}"
+        )
+    if not _is_int_list(offsets, 2) or offsets[0] > offsets[1]:
+        raise CheckpointError(
+            f"{where}: header entry 'data_offsets': expected [begin, end] with 0 <= begin <= "
+            f"end, got {offsets!r}"
+        )
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if offsets[1] - offsets[0] != nbytes:
+        raise CheckpointError(
+            f"{where}: header says shape {tuple(shape)} of {str(dtype).removeprefix('torch.')} "
+            f"({nbytes} bytes) but data_offsets {offsets} span {offsets[1] - offsets[0]} bytes"
+        )
+    return TensorInfo(name, dtype, tuple(shape), shard), offsets[1]
 
 
 def read_safetensors_header(path: str) -> dict[str, TensorInfo]:
@@ -86,24 +142,67 @@ def read_safetensors_header(path: str) -> dict[str, TensorInfo]:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{shard}: corrupt safetensors header ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(
+            f"{shard}: corrupt safetensors header: expected a JSON object, got "
+            f"{type(header).__name__}"
+        )
     out: dict[str, TensorInfo] = {}
     data_end = 0
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        dtype = SAFETENSORS_DTYPES.get(meta.get("dtype"))
-        if dtype is None:
-            raise CheckpointError(
-                f"{shard}: tensor {name}: unsupported dtype {meta.get('dtype')!r}"
-            )
-        out[name] = TensorInfo(name, dtype, tuple(meta["shape"]), shard)
-        data_end = max(data_end, int(meta["data_offsets"][1]))
+        info, end = _header_entry(shard, name, meta)
+        out[name] = info
+        data_end = max(data_end, end)
     if 8 + n + data_end > size:
         raise CheckpointError(
             f"{shard}: truncated safetensors file: header says {8 + n + data_end} bytes, "
             f"file has {size}"
         )
     return out
+
+
+def _read_index(index_path: str) -> dict[str, str]:
+    """The index's ``weight_map`` (tensor name -> shard file name), checked for its types."""
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{INDEX_FILE}: not a valid safetensors index ({e!r})") from e
+    if not isinstance(index, dict) or "weight_map" not in index:
+        got = "no weight_map key" if isinstance(index, dict) else type(index).__name__
+        raise CheckpointError(
+            f"{INDEX_FILE}: not a valid safetensors index: expected an object with a "
+            f"'weight_map', got {got}"
+        )
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(
+            f"{INDEX_FILE}: weight_map: expected an object mapping tensor names to shard file "
+            f"names, got {type(weight_map).__name__}"
+        )
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise CheckpointError(
+                f"{INDEX_FILE}: weight_map[{name!r}]: expected a shard file name, got {shard!r}"
+            )
+    return weight_map
+
+
+def _shard_path(root: str, shard: str, example: str) -> str:
+    """``root/shard``, refused unless it stays inside ``root`` (symlinks resolved)."""
+    real_root = os.path.realpath(root)
+    inside = False
+    if "\x00" not in shard and not os.path.isabs(shard):
+        real = os.path.realpath(os.path.join(root, shard))
+        inside = real != real_root and os.path.commonpath([real, real_root]) == real_root
+    if not inside:
+        raise CheckpointError(
+            f"{INDEX_FILE}: weight_map[{example!r}] = {shard!r}: the shard path leads outside "
+            f"the checkpoint directory {root}; expected a file inside it"
+        )
+    return os.path.join(root, shard)
 
 
 class ShardedCheckpoint:
@@ -115,13 +214,10 @@ class ShardedCheckpoint:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
+        check_checkpoint_dir(self.path)
         index_path = os.path.join(self.path, INDEX_FILE)
         if os.path.exists(index_path):
-            try:
-                with open(index_path) as f:
-                    weight_map: dict[str, str] = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{INDEX_FILE}: not a valid safetensors index ({e!r})") from e
+            weight_map = _read_index(index_path)
         elif os.path.exists(os.path.join(self.path, SINGLE_FILE)):
             weight_map = dict.fromkeys(
                 read_safetensors_header(os.path.join(self.path, SINGLE_FILE)), SINGLE_FILE
@@ -133,9 +229,9 @@ class ShardedCheckpoint:
         self.infos: dict[str, TensorInfo] = {}
         headers: dict[str, dict[str, TensorInfo]] = {}
         for shard in sorted(set(weight_map.values())):
-            shard_path = os.path.join(self.path, shard)
-            if not os.path.exists(shard_path):
-                example = next(n for n, s in weight_map.items() if s == shard)
+            example = next(n for n, s in weight_map.items() if s == shard)
+            shard_path = _shard_path(self.path, shard, example)
+            if not os.path.isfile(shard_path):
                 raise CheckpointError(
                     f"{shard}: listed in {INDEX_FILE} (e.g. for {example}) but missing from "
                     f"{self.path}"
@@ -146,6 +242,14 @@ class ShardedCheckpoint:
             if info is None:
                 raise CheckpointError(f"{name}: {INDEX_FILE} says it is in {shard}, but it is not")
             self.infos[name] = info
+        # Tensors of the indexed shards that the index does not list: invisible to a loader that
+        # follows the index (as vLLM does), but worth naming when they are reported missing.
+        self.unindexed: dict[str, str] = {
+            name: shard
+            for shard, header in headers.items()
+            for name in header
+            if name not in weight_map
+        }
         self._handles: dict[str, Any] = {}
 
     @property
@@ -155,17 +259,25 @@ class ShardedCheckpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.infos
 
+    def why_missing(self, name: str) -> str:
+        """ " (in <shard>, but the index does not list it)" for an unindexed tensor, else ""."""
+        shard = self.unindexed.get(name)
+        return f" (in {shard}, but {INDEX_FILE} does not list it)" if shard else ""
+
     def info(self, name: str) -> TensorInfo:
         return self.infos[name]
 
     def get(self, name: str) -> torch.Tensor:
         """Read one tensor (memory-mapped shard; only this tensor's bytes are copied)."""
         info = self.infos[name]
-        handle = self._handles.get(info.shard)
-        if handle is None:
-            handle = safe_open(os.path.join(self.path, info.shard), framework="pt")
-            self._handles[info.shard] = handle
-        return handle.get_tensor(name)
+        try:
+            handle = self._handles.get(info.shard)
+            if handle is None:
+                handle = safe_open(os.path.join(self.path, info.shard), framework="pt")
+                self._handles[info.shard] = handle
+            return handle.get_tensor(name)
+        except Exception as e:  # safetensors' own checks (e.g. overlapping data) beyond ours
+            raise CheckpointError(f"{info.shard}: tensor {name}: cannot read it ({e})") from e
 
     def close(self) -> None:
         self._handles.clear()
@@ -188,7 +300,7 @@ def write_sharded_checkpoint(
     """
     path = os.fspath(path)
     if num_shards < 1:
-        raise ValueError(f"num_shards: expected >= 1, got {num_shards}")
+        raise ConfigError(f"num_shards: expected >= 1, got {num_shards}")
     os.makedirs(path, exist_ok=True)
     names = list(tensors)
     per_shard = max(1, -(-len(names) // num_shards))

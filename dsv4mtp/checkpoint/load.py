@@ -15,7 +15,10 @@ Order of checks (all from headers before any tensor is read, so a bad checkpoint
 4. unknown names, missing names, then dtype and shape of every tensor against the config (rows
    of :data:`~.schema.MTP_LAYER_PARAMS`; layout in ``docs/semantics.md``, section "Checkpoint
    names and layout");
-5. tensors are read, row by row of the table; scales and unquantized tensors must be finite.
+5. the stored codes of every tensor to be loaded are scanned (:mod:`.scan`, shard by shard):
+   NaN/inf values, e4m3 NaN codes, non-positive or NaN scales, scales that overflow
+   bfloat16/float32 once multiplied by the largest element; skipped with ``scan=False``;
+6. tensors are read, row by row of the table.
 
 Tensor parallelism: only ``attn_sink`` is narrowed to the rank's heads, as vLLM does; the
 other attention weights stay replicated for the multi-GPU code to slice.  Expert parallelism:
@@ -35,8 +38,9 @@ from typing import Any
 
 import torch
 
-from dsv4mtp.checkpoint.io import ShardedCheckpoint, TensorInfo
+from dsv4mtp.checkpoint.io import ShardedCheckpoint, TensorInfo, check_checkpoint_dir
 from dsv4mtp.checkpoint.names import classify_mtp_weight_name
+from dsv4mtp.checkpoint.scan import Rule, layer_scan_rules, scan_checkpoint
 from dsv4mtp.checkpoint.schema import (
     EMBED,
     EXPERT_WEIGHTS,
@@ -58,8 +62,6 @@ from dsv4mtp.errors import CheckpointError, ConfigError
 __all__ = [
     "ExpertFormatWarning",
     "MTPTensorPlan",
-    "check_finite",
-    "check_finite_scale",
     "check_tensor_info",
     "claimed_expert_format",
     "detect_expert_format",
@@ -174,27 +176,6 @@ def check_tensor_info(
         raise CheckpointError(f"{info.name}: expected shape {want}, got {info.shape}")
 
 
-def check_finite_scale(name: str, t: torch.Tensor) -> None:
-    """e8m0 byte 0xFF is NaN; e4m3 and float scales must be finite."""
-    if t.dtype == torch.uint8:
-        bad = int((t == 0xFF).sum())
-    else:
-        bad = int((~torch.isfinite(t.float())).sum())
-    if bad:
-        raise CheckpointError(
-            f"{name}: expected finite scales, found {bad} non-finite of {t.numel()}"
-        )
-
-
-def check_finite(name: str, t: torch.Tensor) -> None:
-    """An unquantized tensor must hold finite values."""
-    bad = int((~torch.isfinite(t.float())).sum())
-    if bad:
-        raise CheckpointError(
-            f"{name}: expected finite values, found {bad} non-finite of {t.numel()}"
-        )
-
-
 def _as_stored(t: torch.Tensor) -> torch.Tensor:
     """e8m0 scales and packed fp4 as raw uint8 bytes (a view: bits kept, never a numeric cast)."""
     if t.dtype in (torch.float8_e8m0fnu, torch.int8):
@@ -204,6 +185,7 @@ def _as_stored(t: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- config
 def _read_config(path: str) -> DSV4Config:
+    check_checkpoint_dir(path)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise CheckpointError(
             f"config.json: not found in {path}; a checkpoint directory needs its config.json "
@@ -217,9 +199,13 @@ def read_hf_quant_config(path: str) -> dict[str, Any]:
     p = os.path.join(path, "hf_quant_config.json")
     if not os.path.exists(p):
         return {}
-    with open(p) as f:
-        q = json.load(f)
-    return q.get("quantization", q) if isinstance(q, dict) else {}
+    try:
+        with open(p, encoding="utf-8") as f:
+            q = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"hf_quant_config.json: not valid JSON ({e})") from e
+    q = q.get("quantization", q) if isinstance(q, dict) else {}
+    return q if isinstance(q, dict) else {}
 
 
 def claimed_expert_format(config: DSV4Config, hf_quant: dict[str, Any], mtp_index: int) -> str:
@@ -291,6 +277,12 @@ def detect_linear_format(ck: ShardedCheckpoint, full: str) -> str:
     """Dense linear ``full`` (no suffix): "bf16", "fp8_e8m0" or "fp8_f32" from its ``.scale``."""
     scale = ck.infos.get(f"{full}.scale")
     if scale is None:
+        weight = ck.infos.get(f"{full}.weight")
+        if weight is not None and weight.dtype in _E4M3:
+            raise CheckpointError(
+                f"{full}.scale: missing; {full}.weight is float8_e4m3fn (an FP8 weight), which "
+                f"needs its {FP8_BLOCK}x{FP8_BLOCK} block scales"
+            )
         return "bf16"
     if scale.dtype in _F32:
         return "fp8_f32"
@@ -324,6 +316,21 @@ def detect_expert_format(ck: ShardedCheckpoint, rel_names: dict[str, str], layer
             f"{got}; expected packed int8/uint8 (MXFP4) or float8_e4m3fn (FP8)"
         )
     if "weight" in suffixes:
+        # A quantized weight without any scale would otherwise be detected as bf16 and reported
+        # as a wrong dtype; say which scale is missing instead.
+        stem = suffixes["weight"].removesuffix(".weight")
+        weight = ck.info(suffixes["weight"])
+        if "weight_scale" in suffixes:
+            raise CheckpointError(
+                f"{stem}.weight_scale_2: missing, as for every routed expert of {layer}: the "
+                f"experts have NVFP4 .weight_scale block scales, which need their global scale"
+            )
+        if weight.dtype in _PACKED + _E4M3:
+            raise CheckpointError(
+                f"{stem}.scale: missing, as for every routed expert of {layer}: {stem}.weight is "
+                f"{str(weight.dtype).removeprefix('torch.')} (quantized), which needs its block "
+                f"scales"
+            )
         return "bf16"
     raise CheckpointError(f"{layer}: no routed-expert tensors (ffn.experts.*) found")
 
@@ -380,8 +387,8 @@ def _layer_spec(
     prefix = f"mtp.{index}."
     if not names:
         raise CheckpointError(
-            f"MTP layer {config.num_hidden_layers + index} (mtp.{index}.*): no weights in the "
-            f"checkpoint. The checkpoint may have been quantized without the MTP layers; use "
+            f"MTP layer mtp.{index} (model layer {config.num_hidden_layers + index}): no "
+            f"weights in the checkpoint (no mtp.{index}.* tensors). The checkpoint may have been quantized without the MTP layers; use "
             f"one that includes them, or disable speculative decoding"
         )
     linear_formats = {
@@ -399,7 +406,7 @@ def _layer_spec(
             f"unknown mtp.* tensor name(s) for layer mtp.{index} (experts detected as "
             f"{expert_format}): {_listing(unknown)}"
         )
-    missing = [prefix + rel for rel in expected if rel not in names]
+    missing = [prefix + rel + ck.why_missing(prefix + rel) for rel in expected if rel not in names]
     if missing:
         raise CheckpointError(
             f"missing tensor(s) for MTP layer mtp.{index} (experts detected as {expert_format}): "
@@ -437,7 +444,6 @@ def _read_linear(
     scale = None
     if fmt != "bf16":
         scale = r.read(f"{full}.scale")
-        check_finite_scale(f"{full}.scale", scale)
     return QuantizedWeight(fmt, data, scale, (n, k), name=full)
 
 
@@ -476,8 +482,6 @@ def _load_experts(
             for s in shards:
                 name = f"{prefix}.{e}.{s}.{suffix}"
                 t = r.read(name)  # (rows, cols), shape checked from the header
-                if suffix in ("scale", "weight_scale"):
-                    check_finite_scale(name, t)
                 if out is None:
                     out = torch.empty(
                         (n_local, t.shape[0] * len(shards), t.shape[1]), dtype=t.dtype
@@ -495,7 +499,6 @@ def _load_experts(
             for c, s in enumerate(shards):
                 name = f"{prefix}.{e}.{s}.{suffix}"
                 t = r.read(name)
-                check_finite_scale(name, t)
                 out[j, c] = t.reshape(()).float()
         return out if w == "w13" else out[:, 0].contiguous()
 
@@ -532,8 +535,8 @@ def _shared(
     name = own if spec.name in layer.names else spec.target
     if name not in ck:
         raise CheckpointError(
-            f"{spec.target}: missing; MTP layer mtp.{layer.index} has no {own} either (it is shared "
-            f"with the target)"
+            f"{spec.target}: missing{ck.why_missing(spec.target)}; MTP layer mtp.{layer.index} has "
+            f"no {own} either (it is shared with the target)"
         )
     if name == spec.target:
         check_tensor_info(ck.info(name), _FLOAT, spec.shape(config))
@@ -563,11 +566,36 @@ def _load_layer(
             fields[row.field], fields["head_source"] = _shared(r, ck, config, row, spec)
         else:
             t = r.read(p + row.name)
-            check_finite(p + row.name, t)
             fields[row.field] = _tp_slice(t, tp) if row.tp == "heads" else t
     layer = MTPLayerWeights(index=spec.index, layer_id=layer_id, **fields)
     layer.state_dict()  # vLLM's stacked parameters must exist: raises if shards cannot stack
     return layer
+
+
+def _scan_rules(
+    ck: ShardedCheckpoint, config: DSV4Config, specs: list[_LayerSpec], ep: tuple[int, int]
+) -> dict[str, Rule]:
+    """Name -> scan rule of every tensor the loader will read (this EP rank's experts only)."""
+    n_local = config.n_routed_experts // ep[1]
+    local = range(ep[0] * n_local, (ep[0] + 1) * n_local)
+    rules: dict[str, Rule] = {}
+    for spec in specs:
+        rels = [
+            rel
+            for rel in spec.expected
+            if not (m := _EXPERT_RE.match(rel)) or int(m.group(1)) in local
+        ]
+        rules.update(
+            layer_scan_rules(f"mtp.{spec.index}.", rels, spec.linear_formats, spec.expert_format)
+        )
+        for row in shared_params():
+            if (
+                row.name not in spec.names
+                and row.target in ck
+                and (row is not EMBED or spec is specs[0])
+            ):
+                rules[row.target] = "finite"
+    return rules
 
 
 def _tp_slice(t: torch.Tensor, tp: tuple[int, int]) -> torch.Tensor:
@@ -605,10 +633,17 @@ def load_mtp_checkpoint(
     tp_size: int = 1,
     ep_rank: int = 0,
     ep_size: int = 1,
+    scan: bool = True,
 ) -> MTPCheckpoint:
     """Load every MTP layer of the checkpoint directory ``path`` (see the module docstring).
 
-    ``config``: defaults to the directory's config.json (+ hf_quant_config.json).  Raises
+    ``config``: defaults to the directory's config.json (+ hf_quant_config.json).  ``scan``:
+    before reading, check the stored codes of every tensor to be loaded with the rules of
+    :mod:`.scan` (the ones ``dsv4-mtp inspect`` applies), one shard at a time; the first bad
+    tensor raises :class:`CheckpointError`.  ``scan=False`` skips that pass over the data: only
+    for a checkpoint already checked (e.g. by ``dsv4-mtp inspect``), since a NaN code or a zero,
+    negative or overflowing scale then loads silently and the draft layer emits NaN or garbage
+    logits, i.e. drafts that are never accepted.  Raises
     :class:`CheckpointError` for a bad checkpoint, :class:`ConfigError` for bad TP/EP arguments;
     warns :class:`ExpertFormatWarning` when a layer's routed experts are not in the format the
     config claims.  Returns an :class:`MTPCheckpoint`; quantized tensors stay packed.
@@ -630,9 +665,12 @@ def load_mtp_checkpoint(
                 msg += f"; loading them as {spec.expert_format}"
                 warnings.warn(ExpertFormatWarning(msg), stacklevel=2)
                 messages.append(msg)
+        tp, ep = (tp_rank, tp_size), (ep_rank, ep_size)
+        if scan:
+            for finding in scan_checkpoint(ck, _scan_rules(ck, config, specs, ep)):
+                raise CheckpointError(finding.message)
         r = _Reader(ck, plan.remapped)
         skipped = dict(plan.skipped)
-        tp, ep = (tp_rank, tp_size), (ep_rank, ep_size)
         layers = tuple(_load_layer(r, ck, config, spec, tp, ep, skipped) for spec in specs)
 
         embed, embed_name = _shared(r, ck, config, EMBED, specs[0])

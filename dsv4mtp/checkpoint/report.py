@@ -1,21 +1,21 @@
 """Inspect a DeepSeek-V4 checkpoint's MTP layers without loading them (``dsv4-mtp inspect``).
 
-:func:`inspect_checkpoint` reads shard headers and only the tensors it must (memory-mapped: scales,
-the small unquantized MTP tensors, the NVFP4 gate/up block scales), and collects every problem as a
-:class:`Finding` instead of stopping at the first, as the loader does.  The checks are the loader's
-own (:mod:`.load`: name plan, format detection, expected dtypes and shapes from the config,
-finite scales) plus the NVFP4 gate/up fold of :mod:`.nvfp4`, per expert.
+:func:`inspect_checkpoint` reads shard headers, then streams the stored codes of every tensor the
+loader would read except packed FP4 weights (memory-mapped, one shard at a time), and collects every
+problem as a :class:`Finding` instead of stopping at the first, as the loader does.  The checks are
+the loader's own (:mod:`.load`: name plan, format detection, expected dtypes and shapes from the
+config; :mod:`.scan`: the value rules) plus the NVFP4 gate/up fold of :mod:`.nvfp4`, per expert.
 
 Severities (exit code non-zero only on errors):
 
 =========================================================================== ========
 finding                                                                     severity
 =========================================================================== ========
-config.json missing or invalid                                              error
+checkpoint path not a directory; config.json missing or invalid             error
 no MTP layer / fewer than ``num_nextn_predict_layers``                      error
 missing, unknown (the loader refuses them), mis-shaped or wrong-dtype tensor error
 shard in the index missing or truncated                                     error
-non-finite scale or MTP tensor, non-positive NVFP4 ``weight_scale_2``       error
+NaN/inf value or e4m3 NaN code; NaN, non-positive or overflowing scale     error
 unfoldable NVFP4 gate/up ratio (runs here, blocks FlashInfer's moe_ep pack) warning
 experts (or dense linears) in a different format than the config says      warning
 embedding / head taken from the target; ``mtp.*`` beyond the configured     info
@@ -30,17 +30,14 @@ from typing import Any, Literal
 
 import torch
 
-from dsv4mtp.checkpoint.io import ShardedCheckpoint
+from dsv4mtp.checkpoint.io import ShardedCheckpoint, check_checkpoint_dir
 from dsv4mtp.checkpoint.load import (
-    check_finite,
-    check_finite_scale,
     check_tensor_info,
     claimed_expert_format,
     detect_expert_format,
     detect_linear_format,
     expected_layer_tensors,
     expected_linear_shapes,
-    expected_plain_shapes,
     expert_format_mismatch_message,
     format_agrees_with_claim,
     optional_layer_tensors,
@@ -48,6 +45,7 @@ from dsv4mtp.checkpoint.load import (
     read_hf_quant_config,
 )
 from dsv4mtp.checkpoint.nvfp4 import fold_nvfp4_gate_up_scales
+from dsv4mtp.checkpoint.scan import Rule, layer_scan_rules, scan_checkpoint
 from dsv4mtp.config import DSV4Config
 from dsv4mtp.errors import CheckpointError, DSV4Error, FoldError
 
@@ -61,7 +59,6 @@ __all__ = [
 ]
 
 Severity = Literal["error", "warning", "info"]
-_SCALE_SUFFIXES = (".scale", ".weight_scale", ".weight_scale_2", ".input_scale")
 _NVFP4_NOTE = " (normal for current NVIDIA NVFP4 exports, whose MTP experts stay MXFP4)"
 
 
@@ -109,6 +106,8 @@ class CheckpointReport:
     embed_source: str | None = None
     head_sources: dict[int, str | None] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
+    # Target tensors already scanned (every layer's head may be the same target head.weight).
+    _scanned: set[str] = field(default_factory=set, repr=False)
 
     def add(self, severity: Severity, code: str, message: str) -> None:
         self.findings.append(Finding(severity, code, message))
@@ -131,6 +130,7 @@ class CheckpointReport:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("_scanned")
         d["nvfp4_fold"] = [
             {**asdict(s), "unfoldable": {str(e): why for e, why in s.unfoldable.items()}}
             for s in self.nvfp4_fold
@@ -168,6 +168,11 @@ def inspect_checkpoint(
 
 
 def _read_config(report: CheckpointReport) -> DSV4Config | None:
+    try:
+        check_checkpoint_dir(report.path)
+    except CheckpointError as e:
+        report.add("error", "path", str(e))
+        return None
     if not os.path.exists(os.path.join(report.path, "config.json")):
         report.add("error", "config", f"config.json: not found in {report.path}")
         return None
@@ -236,12 +241,15 @@ def _shared_source(
             f"{kind}: taken from the target's {target} (no {_names_prefix(names)}{own})",
         )
         dtypes, shape = optional_layer_tensors(config)[own]
-        _check_header(report, ck, target, dtypes, shape)
+        if _check_header(report, ck, target, dtypes, shape) and target not in report._scanned:
+            report._scanned.add(target)  # the head of every layer is the same target tensor
+            _scan(report, ck, {target: "finite"})
     else:
         report.add(
             "error",
             "missing_tensor",
-            f"{target}: missing, and the MTP layer has no {_names_prefix(names)}{own} either",
+            f"{target}: missing{ck.why_missing(target)}, and the MTP layer has no "
+            f"{_names_prefix(names)}{own} either",
         )
         source = None
     if own == "emb.tok_emb.weight":
@@ -277,6 +285,12 @@ def _dense_claim(config: DSV4Config) -> str:
     return "fp8_e8m0" if qc.get("scale_fmt") == "ue8m0" else "fp8"
 
 
+def _detect_code(e: CheckpointError) -> str:
+    """Finding code of a format-detection error: a missing scale or no experts, else a dtype."""
+    message = str(e)
+    return "missing_tensor" if ": missing" in message or "no routed" in message else "wrong_dtype"
+
+
 def _inspect_layer(
     report: CheckpointReport,
     ck: ShardedCheckpoint,
@@ -293,7 +307,7 @@ def _inspect_layer(
         try:
             fmt = detect_linear_format(ck, prefix + base)
         except CheckpointError as e:
-            report.add("error", "wrong_dtype", str(e))
+            report.add("error", _detect_code(e), str(e))
             fmt = "undetected"
             undetected.append(base + ".")
         linear_formats[base] = fmt if fmt != "undetected" else "fp8_e8m0"
@@ -310,7 +324,7 @@ def _inspect_layer(
     try:
         expert_format = detect_expert_format(ck, names, f"mtp.{index}")
     except CheckpointError as e:
-        report.add("error", "missing_tensor" if "no routed" in str(e) else "wrong_dtype", str(e))
+        report.add("error", _detect_code(e), str(e))
         expert_format = "undetected"
         undetected.append("ffn.experts.")
     agrees = expert_format == "undetected" or format_agrees_with_claim(expert_format, claim)
@@ -349,15 +363,18 @@ def _inspect_layer(
             report.add(
                 "error",
                 "missing_tensor",
-                f"{prefix}{rel}: missing (expected dtype {dtype_names}, shape {want})",
+                f"{prefix}{rel}: missing{ck.why_missing(prefix + rel)} (expected dtype "
+                f"{dtype_names}, shape {want})",
             )
         elif _check_header(report, ck, names[rel], dtypes, shape):
             ok.append(rel)
     for rel in optional:
-        if rel in names:
-            _check_header(report, ck, names[rel], *optional[rel])
+        if rel in names and _check_header(report, ck, names[rel], *optional[rel]):
+            ok.append(rel)
 
-    bad_scale_2 = _check_values(report, ck, config, names, ok)
+    rules = layer_scan_rules(prefix, ok, linear_formats, expert_format)
+    bad = _scan(report, ck, rules)
+    bad_scale_2 = {rel for rel in ok if rel.endswith(".weight_scale_2") and prefix + rel in bad}
     if expert_format == "nvfp4":
         report.nvfp4_fold.append(_fold_summary(ck, config, index, names, set(ok), bad_scale_2))
         summary = report.nvfp4_fold[-1]
@@ -375,40 +392,18 @@ def _inspect_layer(
     )
 
 
-def _check_values(
-    report: CheckpointReport,
-    ck: ShardedCheckpoint,
-    config: DSV4Config,
-    names: dict[str, str],
-    ok: list[str],
-) -> set[str]:
-    """Read scales and the small unquantized tensors; report non-finite values and non-positive
-    NVFP4 global scales.  Returns the rel names of bad ``weight_scale_2`` tensors."""
-    plain = expected_plain_shapes(config)
-    bad_scale_2 = set()
-    for rel in ok:
-        name = names[rel]
-        if rel.endswith(_SCALE_SUFFIXES):
-            t = ck.get(name)
-            try:
-                check_finite_scale(name, t)
-            except CheckpointError as e:
-                report.add("error", "non_finite_scale", str(e))
-                bad_scale_2.add(rel)
-                continue
-            if rel.endswith(".weight_scale_2") and not bool((t.float() > 0).all()):
-                report.add(
-                    "error",
-                    "non_positive_scale",
-                    f"{name}: expected a positive NVFP4 global scale, got {t.float().min().item()}",
-                )
-                bad_scale_2.add(rel)
-        elif rel in plain:
-            try:
-                check_finite(name, ck.get(name))
-            except CheckpointError as e:
-                report.add("error", "non_finite_tensor", str(e))
-    return bad_scale_2
+def _scan(report: CheckpointReport, ck: ShardedCheckpoint, rules: dict[str, Rule]) -> set[str]:
+    """Scan the stored codes (the loader's rules, :mod:`.scan`); every bad tensor becomes an
+    error.  Returns the names of the bad tensors."""
+    bad = set()
+    try:
+        for finding in scan_checkpoint(ck, rules):
+            report.add("error", finding.code, finding.message)
+            bad.add(finding.name)
+    except CheckpointError as e:  # a tensor the headers describe but safetensors cannot read
+        report.add("error", "shard", str(e))
+        bad.update(rules)
+    return bad
 
 
 def _fold_summary(

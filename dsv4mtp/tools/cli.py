@@ -124,6 +124,11 @@ def _print_inspect(report: Any) -> None:
             fmt.add_row(f"mtp.{g.layer}", g.group, g.detected, g.claimed, ok)
         console.print(fmt)
     for s in report.nvfp4_fold:
+        if not s.unfoldable:  # a table with no rows says nothing: one line instead
+            console.print(
+                f"mtp.{s.layer} NVFP4 gate/up fold: all {s.num_experts} experts fold", style="green"
+            )
+            continue
         fold = Table(
             title=f"mtp.{s.layer} NVFP4 gate/up fold: {s.num_foldable} of {s.num_experts} "
             f"experts fold",
@@ -150,16 +155,21 @@ def _print_inspect(report: Any) -> None:
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def inspect(checkpoint: str, as_json: bool) -> None:
-    """Check CHECKPOINT's MTP layers from headers and scales (no full load).
+    """Check CHECKPOINT's MTP layers from headers and stored codes (no full load).
 
     Reports MTP layers present vs configured, the format of every tensor group vs config.json /
     quantization_config / hf_quant_config.json, missing, unexpected, mis-shaped and wrong-dtype
-    tensors, non-finite or non-positive scales, NVFP4 gate/up foldability per expert, and where
-    the embedding and head come from.  Exit code 1 when there is any error, else 0.
+    tensors, NaN/inf values and e4m3 NaN codes, NaN, non-positive or overflowing scales (the
+    loader's rules), NVFP4 gate/up foldability per expert, and where the embedding and head
+    come from.  Exit code 1 when there is any error, else 0.
     """
     from dsv4mtp.checkpoint.report import inspect_checkpoint
+    from dsv4mtp.errors import DSV4Error
 
-    report = inspect_checkpoint(checkpoint)
+    try:
+        report = inspect_checkpoint(checkpoint)
+    except DSV4Error as e:  # a bad checkpoint is a report; anything else deserves one line
+        raise click.ClickException(str(e)) from e
     if as_json:
         click.echo(_dumps(report.to_dict()))
     else:
