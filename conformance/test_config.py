@@ -124,3 +124,26 @@ def test_missing_required_field_and_bad_dir(tmp_path) -> None:
 
 def test_config_error_is_value_error() -> None:
     assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("config_json", "hf_quant_json", "match"),
+    [
+        ("[1, 2]", None, r"config\.json: expected a JSON object, got list"),
+        (None, "{not json", r"hf_quant_config\.json: not valid JSON"),
+        (None, "[]", r"hf_quant_config\.json: expected a JSON object, got list"),
+        (None, '{"quantization": 3}', r"hf_quant_config\.json: quantization: expected a JSON"),
+        (None, b"\xff\xfe\x00", r"hf_quant_config\.json: cannot read it"),
+    ],
+)
+def test_from_dir_names_the_bad_json_file(tmp_path, config_json, hf_quant_json, match) -> None:
+    """A malformed config.json or hf_quant_config.json is a ConfigError naming the file, never a
+    raw JSONDecodeError / AttributeError from inside the reader."""
+    good = json.dumps(DSV4Config.tiny().to_hf_config())
+    (tmp_path / "config.json").write_text(config_json or good)
+    if isinstance(hf_quant_json, bytes):
+        (tmp_path / "hf_quant_config.json").write_bytes(hf_quant_json)
+    elif hf_quant_json is not None:
+        (tmp_path / "hf_quant_config.json").write_text(hf_quant_json)
+    with pytest.raises(ConfigError, match=match):
+        DSV4Config.from_dir(tmp_path)

@@ -202,20 +202,23 @@ class DSV4Config:
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> DSV4Config:
         """Read ``config.json`` (and merge ``hf_quant_config.json``'s algo, when present)."""
-        cfg_path = os.path.join(path, "config.json")
         try:
-            with open(cfg_path) as f:
-                raw = json.load(f)
+            raw = _read_json_object(os.path.join(path, "config.json"))
         except FileNotFoundError as e:
             raise ConfigError(f"config.json: not found in {os.fspath(path)!r}") from e
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config.json: not valid JSON ({e})") from e
         hf_quant = os.path.join(path, "hf_quant_config.json")
         if os.path.exists(hf_quant):
-            with open(hf_quant) as f:
-                q = json.load(f)
-            qc = dict(raw.get("quantization_config") or {})
+            q = _read_json_object(hf_quant)
             inner = q.get("quantization", q)
+            qc = raw.get("quantization_config") or {}
+            if not isinstance(inner, dict) or not isinstance(qc, dict):
+                bad = (
+                    "hf_quant_config.json: quantization"
+                    if not isinstance(inner, dict)
+                    else ("config.json: quantization_config")
+                )
+                raise ConfigError(f"{bad}: expected a JSON object")
+            qc = dict(qc)
             for key in ("moe_quant_algo", "quant_algo", "kv_cache_quant_algo", "group_size"):
                 if key in inner and key not in qc:
                     qc[key] = inner[key]
@@ -288,6 +291,24 @@ class DSV4Config:
             index_n_heads=4,
             index_head_dim=64,
         )
+
+
+def _read_json_object(path: str) -> dict[str, Any]:
+    """A JSON file holding one object; anything else is a :class:`ConfigError` naming the file.
+    A missing file raises FileNotFoundError for the caller to word."""
+    name = os.path.basename(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{name}: cannot read it ({e})") from e
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{name}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{name}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _validate(c: DSV4Config) -> None:
