@@ -93,6 +93,8 @@ def test_switches_override_presets_and_reject_nonsense() -> None:
         resolve_semantics("math", rope_mode="neox")
     with pytest.raises(ConfigError, match="act_quant"):
         resolve_semantics("math", act_quant=1)
+    with pytest.raises(ConfigError, match="preset"):
+        resolve_semantics(["vllm"])  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------ forward

@@ -52,7 +52,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
 
 def resolve_semantics(preset: str = "math", **switches: Any) -> Semantics:
     """A preset from :data:`PRESETS` with individual switches overridden."""
-    if preset not in PRESETS:
+    if not isinstance(preset, str) or preset not in PRESETS:  # a list would not even hash
         raise ConfigError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
     for name, value in switches.items():
         if name not in _CHOICES:
