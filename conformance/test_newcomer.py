@@ -4,7 +4,10 @@ before any test runs."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,3 +48,20 @@ def test_readme_two_commands_are_the_whole_set_up() -> None:
     assert SOURCE_ROOT is not None
     ci = (SOURCE_ROOT / ".ci" / "run").read_text().splitlines()
     assert TWO_COMMANDS[1] in ci, f".ci/run does not run the README's test command: {ci}"
+
+
+@needs_source
+def test_readme_reference_snippet_runs_as_written(tmp_path: Path) -> None:
+    # In a fresh interpreter, from an empty directory: the snippet must define everything it uses.
+    snippet = _first_block("Using the reference", "python")
+    (tmp_path / "snippet.py").write_text(snippet)
+    out = subprocess.run(
+        [sys.executable, "snippet.py"],
+        cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(tmp_path)},  # mkdtemp() writes the checkpoint here
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "torch.Size([1, 3])", out.stdout
