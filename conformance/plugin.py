@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.database import (
     DirectoryBasedExampleDatabase,
     ExampleDatabase,
+    MultiplexedDatabase,
     ReadOnlyDatabase,
 )
 
@@ -50,11 +51,14 @@ MARKERS = (
 WARNING_FILTERS = ("ignore::DeprecationWarning:cutlass.*",)
 
 # ---------------------------------------------------------------------------------- hypothesis
-# The committed example database replays past failures.  CI reads it but never writes to it;
-# local runs add new failures to it (commit them).  We register our own profiles because with
+# The committed example database (.hypothesis/examples) replays past failures.  No run modifies
+# it: every profile reads it read-only and saves new failures (and forgets stale ones) in a local
+# database beside it, .hypothesis/local, which git ignores; promoting a failure means copying its
+# entries into the committed directory (README).  We register our own profiles because with
 # CI=true Hypothesis would otherwise load its built-in "ci" profile (no database, derandomized).
 # An installed package has no committed database and must not write into site-packages: it runs
-# without one unless DSV4_HYPOTHESIS_DB names a directory (e.g. a checkout's .hypothesis/examples).
+# without one unless DSV4_HYPOTHESIS_DB names a directory (e.g. a checkout's .hypothesis/examples),
+# whose sibling "local" then takes the new failures.
 
 
 def _example_dir() -> Path | None:
@@ -65,12 +69,12 @@ def _example_dir() -> Path | None:
     return None
 
 
-def _database(read_only: bool) -> ExampleDatabase | None:
-    directory = _example_dir()
-    if directory is None:
+def _database() -> ExampleDatabase | None:
+    committed = _example_dir()
+    if committed is None:
         return None
-    db = DirectoryBasedExampleDatabase(directory)
-    return ReadOnlyDatabase(db) if read_only else db
+    local = DirectoryBasedExampleDatabase(committed.parent / "local")
+    return MultiplexedDatabase(ReadOnlyDatabase(DirectoryBasedExampleDatabase(committed)), local)
 
 
 _COMMON = settings(
@@ -83,15 +87,11 @@ _COMMON = settings(
     ],
 )
 settings.register_profile(
-    "dsv4-ci",
-    _COMMON,
-    max_examples=40,
-    database=_database(read_only=True),
-    derandomize=False,
+    "dsv4-ci", _COMMON, max_examples=40, database=_database(), derandomize=False
 )
-settings.register_profile("dsv4-dev", _COMMON, max_examples=40, database=_database(False))
-settings.register_profile("dsv4-gpu", _COMMON, max_examples=40, database=_database(False))
-settings.register_profile("dsv4-thorough", _COMMON, max_examples=500, database=_database(False))
+settings.register_profile("dsv4-dev", _COMMON, max_examples=40, database=_database())
+settings.register_profile("dsv4-gpu", _COMMON, max_examples=40, database=_database())
+settings.register_profile("dsv4-thorough", _COMMON, max_examples=500, database=_database())
 _default_profile = "dsv4-ci" if os.environ.get("CI") else "dsv4-dev"
 settings.load_profile(os.environ.get("DSV4_HYPOTHESIS_PROFILE", _default_profile))
 

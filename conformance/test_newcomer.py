@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from dsv4mtp.conformance.plugin import SOURCE_ROOT
+from dsv4mtp.conformance.test_packaging import _third_party_paths
 
 needs_source = pytest.mark.skipif(
     SOURCE_ROOT is None, reason="reads the source checkout; this run uses an installed copy"
@@ -65,3 +68,109 @@ def test_readme_reference_snippet_runs_as_written(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "torch.Size([1, 3])", out.stdout
+
+
+# Not copied into the scratch checkout: VCS data, environments, build outputs, caches and the
+# local (uncommitted) Hypothesis data; .hypothesis/examples is copied on its own.
+_NOT_SOURCES = shutil.ignore_patterns(
+    ".git", ".nox", ".venv", ".whl", ".site", ".hypothesis", ".benchmarks", "build", "dist",
+    "*.egg-info", "__pycache__", "*.pyc", ".*_cache",
+)  # fmt: skip
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-c", "user.name=test", "-c", "user.email=test@localhost", *args],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+
+
+def _scratch_checkout(tmp: Path) -> tuple[Path, Path]:
+    """A git repository holding a copy of this checkout's sources and committed examples, and a
+    directory that imports ``dsv4mtp`` from it with the install's package mapping (symbolic
+    links, so the plugin finds the copy as its source root)."""
+    assert SOURCE_ROOT is not None
+    repo = tmp / "checkout"
+    shutil.copytree(SOURCE_ROOT, repo, ignore=_NOT_SOURCES)
+    examples = SOURCE_ROOT / ".hypothesis" / "examples"
+    if examples.is_dir():
+        shutil.copytree(examples, repo / ".hypothesis" / "examples")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "scratch")
+    site_dir = tmp / "site"
+    package = site_dir / "dsv4mtp"
+    package.mkdir(parents=True)
+    for entry in (repo / "dsv4mtp").iterdir():
+        (package / entry.name).symlink_to(entry)
+    mapping = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for name, folder in mapping["package-dir"].items():
+        if name.count(".") == 1:  # dsv4mtp.reference -> reference/ (deeper ones come along)
+            (package / name.partition(".")[2]).symlink_to(repo / folder)
+    return repo, site_dir
+
+
+# A property test of its own (so no committed example can exist for it yet): fails until
+# DSV4_SCRATCH_FIXED is set.
+_PLANTED = """
+import os
+
+from hypothesis import given, strategies as st
+
+
+@given(st.integers())
+def test_planted(n):
+    assert os.environ.get("DSV4_SCRATCH_FIXED") or n < 10
+"""
+
+
+@needs_source
+def test_a_test_run_leaves_the_checkout_clean(tmp_path: Path) -> None:
+    """Neither a failing run (Hypothesis saves the failure) nor, once that failure is promoted
+    into the committed database as the README says, a passing run (Hypothesis would forget the
+    stale example) changes a tracked file or leaves an untracked one."""
+    repo, site_dir = _scratch_checkout(tmp_path)
+    (repo / "conformance" / "test_planted.py").write_text(_PLANTED)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "planted")
+    env = {
+        **os.environ,
+        # -S below: no .pth files, so the editable install cannot map dsv4mtp to this checkout;
+        # -P: nor the working directory first (the copy, whose bare dsv4mtp/ lacks the mapping).
+        "PYTHONPATH": os.pathsep.join([str(site_dir), *_third_party_paths()]),
+        "DSV4_HYPOTHESIS_PROFILE": "dsv4-dev",  # a profile that saves failures
+    }
+    env.pop("DSV4_HYPOTHESIS_DB", None)
+    # The suite's own differential test against a deliberately wrong implementation, and the
+    # planted test.
+    wrong = "rms_norm=dsv4mtp.conformance.test_registry:wrong_rms_norm"
+    tests = ["conformance/test_planted.py", "conformance/test_norm.py::test_differential"]
+
+    def run(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-S", "-P", "-m", "pytest", *tests, *args],
+            cwd=repo,
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    out = run("-k", "planted or float32", "--impl", wrong)
+    log = out.stdout[-3000:] + out.stderr[-2000:]
+    assert out.returncode == 1 and "2 failed" in out.stdout, log
+    assert _git(repo, "status", "--porcelain", "--untracked-files=all") == "", log
+    local = repo / ".hypothesis" / "local"
+    assert local.is_dir() and any(local.iterdir()), f"no failure was saved in {local}"
+
+    # Promote the failures, then fix the planted test: its committed example is now stale.
+    shutil.copytree(local, repo / ".hypothesis" / "examples", dirs_exist_ok=True)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "promote")
+    out = run("-k", "planted", DSV4_SCRATCH_FIXED="1")
+    log = out.stdout[-3000:] + out.stderr[-2000:]
+    assert out.returncode == 0, log
+    assert _git(repo, "status", "--porcelain", "--untracked-files=all") == "", log
