@@ -12,6 +12,7 @@ the command line: too late for ``--impl``.)
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -129,8 +130,46 @@ def pytest_configure(config: pytest.Config) -> None:
             op = spec.rpartition(":")[2]
         if ":" not in path:
             raise pytest.UsageError(f"--impl {spec!r}: expected [OP=]module:function")
+        _check_impl(spec, op, path, config.invocation_params.dir)
         overrides[op] = path
     config.stash[IMPL_KEY] = overrides
+
+
+def _check_impl(spec: str, op: str, path: str, invocation_dir: Path) -> None:
+    """A mistyped ``--impl`` stops the run before any test: the op must be registered and the
+    function importable (from sys.path or the directory pytest runs in, as at test time, where
+    pytest has put the test's root folder on sys.path)."""
+    import dsv4mtp.conformance.pairs  # noqa: F401  (declares the pairs)
+    from dsv4mtp.conformance.registry import REGISTRY
+
+    if op not in REGISTRY:
+        raise pytest.UsageError(
+            f"--impl {spec!r}: no op named {op!r} is registered; the ops are "
+            f"{', '.join(sorted(REGISTRY))} (write OP=module:function to name the op)"
+        )
+    module, _, attr = path.partition(":")
+    added = str(invocation_dir) not in sys.path
+    if added:
+        sys.path.append(str(invocation_dir))
+    try:
+        obj: object = importlib.import_module(module)
+    except Exception as e:
+        raise pytest.UsageError(
+            f"--impl {spec!r}: cannot import module {module!r} ({type(e).__name__}: {e}); "
+            f"it must be importable from sys.path or from {invocation_dir}"
+        ) from e
+    finally:
+        if added:
+            sys.path.remove(str(invocation_dir))
+    for i, part in enumerate(attr.split(".")):
+        if not hasattr(obj, part):
+            found = ".".join([module, *attr.split(".")[:i]])
+            raise pytest.UsageError(f"--impl {spec!r}: {found} has no attribute {part!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise pytest.UsageError(
+            f"--impl {spec!r}: {path} is a {type(obj).__name__}, not a function"
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
