@@ -174,3 +174,90 @@ def test_a_test_run_leaves_the_checkout_clean(tmp_path: Path) -> None:
     log = out.stdout[-3000:] + out.stderr[-2000:]
     assert out.returncode == 0, log
     assert _git(repo, "status", "--porcelain", "--untracked-files=all") == "", log
+
+
+# A machine without the `gpu` extra: importing triton or flashinfer fails as when they are not
+# installed.  The public names import; every op called on CPU tensors, with or without the
+# interpreter flag, and a kernel entry point raise an InputError that says what to install.
+_WITHOUT_TRITON = """
+import importlib.abc
+import sys
+
+
+class NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("triton", "flashinfer"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NotInstalled())
+
+import torch
+
+import dsv4mtp.optimized as optimized
+from dsv4mtp.errors import InputError
+from dsv4mtp.optimized import CollapseSchedule, hc_head, hc_post, hc_pre, rms_norm
+from dsv4mtp.optimized.kernels._launch import triton_kernel
+
+CollapseSchedule()
+T, n, D = 2, 4, 8
+x = torch.randn(T, n, D)
+calls = {
+    "rms_norm": lambda: rms_norm(torch.randn(T, D), None, 1e-6),
+    "hc_pre": lambda: hc_pre(
+        x, torch.randn((2 + n) * n, n * D), torch.ones(3), torch.zeros((2 + n) * n),
+        rms_norm_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=3,
+    ),
+    "hc_post": lambda: hc_post(torch.randn(T, D), x, torch.rand(T, n), torch.rand(T, n, n)),
+    "hc_head": lambda: hc_head(
+        x, torch.randn(n, n * D), torch.ones(1), torch.zeros(n), rms_norm_eps=1e-6, hc_eps=1e-6
+    ),
+    # What a CUDA tensor reaches past the device check.
+    "kernel": lambda: triton_kernel("rms_norm", "rms_norm_triton")(),
+}
+for name, call in calls.items():
+    try:
+        call()
+    except InputError as e:
+        print(f"{name}: {e}")
+    else:
+        raise SystemExit(f"{name}: ran without triton")
+loaded = sorted(m for m in sys.modules if m.partition(".")[0] in ("triton", "flashinfer"))
+assert not loaded, loaded
+print("exports:", ", ".join(optimized.__all__))
+"""
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"])
+def test_optimized_imports_without_triton(interpret: str, tmp_path: Path) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": interpret, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TRITON],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    for op in ("rms_norm", "hc_pre", "hc_post", "hc_head", "kernel"):
+        (line,) = [line for line in lines if line.startswith(f"{op}: ")]
+        assert "triton is not installed" in line, line
+        assert "pip install 'dsv4-mtp[gpu]'" in line and "dsv4mtp.reference" in line, line
+
+
+@needs_source
+def test_triton_is_optional_and_the_cpu_install_documented() -> None:
+    assert SOURCE_ROOT is not None
+    cpu_torch = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+    assert cpu_torch in _first_block("Installing", "bash"), "README: no CPU install of torch"
+    project = tomllib.loads((SOURCE_ROOT / "pyproject.toml").read_text())["project"]
+
+    def names(reqs: list[str]) -> set[str]:
+        return {re.split(r"[ <>=!~;\[]", r, maxsplit=1)[0].lower() for r in reqs}
+
+    assert "triton" not in names(project["dependencies"]), project["dependencies"]
+    gpu = project["optional-dependencies"]["gpu"]
+    assert {"triton", "flashinfer-python"} <= names(gpu), gpu
