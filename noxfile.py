@@ -49,7 +49,7 @@ def conformance_gpu(session: nox.Session) -> None:
 
     Installs this checkout (non-editable) into that Python and runs the installed suite; select
     with -k (e.g. `nox -s conformance_gpu -- -k mhc`).  The committed example database is
-    replayed and extended.
+    replayed, never modified; new failures go to .hypothesis/local (README).
     """
     shutil.rmtree("build", ignore_errors=True)  # setuptools would pack stale files from it
     session.run("python", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", ".")

@@ -12,6 +12,7 @@ the command line: too late for ``--impl``.)
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.database import (
     DirectoryBasedExampleDatabase,
     ExampleDatabase,
+    MultiplexedDatabase,
     ReadOnlyDatabase,
 )
 
@@ -50,11 +52,14 @@ MARKERS = (
 WARNING_FILTERS = ("ignore::DeprecationWarning:cutlass.*",)
 
 # ---------------------------------------------------------------------------------- hypothesis
-# The committed example database replays past failures.  CI reads it but never writes to it;
-# local runs add new failures to it (commit them).  We register our own profiles because with
+# The committed example database (.hypothesis/examples) replays past failures.  No run modifies
+# it: every profile reads it read-only and saves new failures (and forgets stale ones) in a local
+# database beside it, .hypothesis/local, which git ignores; promoting a failure means copying its
+# entries into the committed directory (README).  We register our own profiles because with
 # CI=true Hypothesis would otherwise load its built-in "ci" profile (no database, derandomized).
 # An installed package has no committed database and must not write into site-packages: it runs
-# without one unless DSV4_HYPOTHESIS_DB names a directory (e.g. a checkout's .hypothesis/examples).
+# without one unless DSV4_HYPOTHESIS_DB names a directory (e.g. a checkout's .hypothesis/examples),
+# whose sibling "local" then takes the new failures.
 
 
 def _example_dir() -> Path | None:
@@ -65,12 +70,12 @@ def _example_dir() -> Path | None:
     return None
 
 
-def _database(read_only: bool) -> ExampleDatabase | None:
-    directory = _example_dir()
-    if directory is None:
+def _database() -> ExampleDatabase | None:
+    committed = _example_dir()
+    if committed is None:
         return None
-    db = DirectoryBasedExampleDatabase(directory)
-    return ReadOnlyDatabase(db) if read_only else db
+    local = DirectoryBasedExampleDatabase(committed.parent / "local")
+    return MultiplexedDatabase(ReadOnlyDatabase(DirectoryBasedExampleDatabase(committed)), local)
 
 
 _COMMON = settings(
@@ -83,15 +88,11 @@ _COMMON = settings(
     ],
 )
 settings.register_profile(
-    "dsv4-ci",
-    _COMMON,
-    max_examples=40,
-    database=_database(read_only=True),
-    derandomize=False,
+    "dsv4-ci", _COMMON, max_examples=40, database=_database(), derandomize=False
 )
-settings.register_profile("dsv4-dev", _COMMON, max_examples=40, database=_database(False))
-settings.register_profile("dsv4-gpu", _COMMON, max_examples=40, database=_database(False))
-settings.register_profile("dsv4-thorough", _COMMON, max_examples=500, database=_database(False))
+settings.register_profile("dsv4-dev", _COMMON, max_examples=40, database=_database())
+settings.register_profile("dsv4-gpu", _COMMON, max_examples=40, database=_database())
+settings.register_profile("dsv4-thorough", _COMMON, max_examples=500, database=_database())
 _default_profile = "dsv4-ci" if os.environ.get("CI") else "dsv4-dev"
 settings.load_profile(os.environ.get("DSV4_HYPOTHESIS_PROFILE", _default_profile))
 
@@ -129,8 +130,46 @@ def pytest_configure(config: pytest.Config) -> None:
             op = spec.rpartition(":")[2]
         if ":" not in path:
             raise pytest.UsageError(f"--impl {spec!r}: expected [OP=]module:function")
+        _check_impl(spec, op, path, config.invocation_params.dir)
         overrides[op] = path
     config.stash[IMPL_KEY] = overrides
+
+
+def _check_impl(spec: str, op: str, path: str, invocation_dir: Path) -> None:
+    """A mistyped ``--impl`` stops the run before any test: the op must be registered and the
+    function importable (from sys.path or the directory pytest runs in, as at test time, where
+    pytest has put the test's root folder on sys.path)."""
+    import dsv4mtp.conformance.pairs  # noqa: F401  (declares the pairs)
+    from dsv4mtp.conformance.registry import REGISTRY
+
+    if op not in REGISTRY:
+        raise pytest.UsageError(
+            f"--impl {spec!r}: no op named {op!r} is registered; the ops are "
+            f"{', '.join(sorted(REGISTRY))} (write OP=module:function to name the op)"
+        )
+    module, _, attr = path.partition(":")
+    added = str(invocation_dir) not in sys.path
+    if added:
+        sys.path.append(str(invocation_dir))
+    try:
+        obj: object = importlib.import_module(module)
+    except Exception as e:
+        raise pytest.UsageError(
+            f"--impl {spec!r}: cannot import module {module!r} ({type(e).__name__}: {e}); "
+            f"it must be importable from sys.path or from {invocation_dir}"
+        ) from e
+    finally:
+        if added:
+            sys.path.remove(str(invocation_dir))
+    for i, part in enumerate(attr.split(".")):
+        if not hasattr(obj, part):
+            found = ".".join([module, *attr.split(".")[:i]])
+            raise pytest.UsageError(f"--impl {spec!r}: {found} has no attribute {part!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise pytest.UsageError(
+            f"--impl {spec!r}: {path} is a {type(obj).__name__}, not a function"
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

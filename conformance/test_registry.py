@@ -149,3 +149,24 @@ def test_impl_option_swaps_in_a_third_party_implementation(tmp_path: Path) -> No
     bad = run("rms_norm=dsv4mtp.conformance.test_registry:wrong_rms_norm")
     assert bad.returncode == 1, bad.stdout[-2000:]
     assert "exceeds tolerance" in bad.stdout
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("rms_norm=no.such.module:fn", "cannot import module 'no.such.module'"),
+        (
+            "rms_norm=dsv4mtp.reference:no_such_fn",
+            "dsv4mtp.reference has no attribute 'no_such_fn'",
+        ),
+        ("nosuchop=dsv4mtp.reference:rms_norm", "no op named 'nosuchop' is registered"),
+        ("dsv4mtp.reference.rms_norm", "expected [OP=]module:function"),
+    ],
+    ids=["module", "function", "op", "syntax"],
+)
+def test_impl_option_typo_is_a_usage_error(spec: str, message: str, tmp_path: Path) -> None:
+    """A mistyped ``--impl`` stops pytest before any test runs (exit code 4, usage error)."""
+    out = _pytest(tmp_path, "test_norm", "-q", "-k", "differential and float32", "--impl", spec)
+    log = out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.returncode == pytest.ExitCode.USAGE_ERROR, log
+    assert f"--impl {spec!r}: {message}" in out.stderr, log

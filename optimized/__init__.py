@@ -2,6 +2,8 @@
 
 Same names, same signatures.  FlashInfer kernels where FlashInfer has sm_90 ones, Triton kernels
 where it does not; every Triton kernel also runs under ``TRITON_INTERPRET=1`` on CPU tensors.
+Triton is optional (the ``gpu`` extra): without it this module imports, and calling an op raises
+an :class:`~dsv4mtp.errors.InputError` that says what to install.
 """
 
 __all__: list[str] = []

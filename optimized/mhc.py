@@ -28,7 +28,7 @@ with our own ``out`` buffers and V4's multiplier, and return ``(layer_input, pos
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -40,11 +40,22 @@ from .kernels._launch import (
     check_kernel_dtype,
     check_out,
     flashinfer_mhc,
+    triton_kernel,
 )
-from .kernels.mhc_collapse import CollapseConfig, mhc_collapse
-from .kernels.mhc_head import mhc_head_fma
-from .kernels.mhc_mix import MixConfig, mhc_mix_splitk, mix_config
-from .kernels.mhc_post import mhc_post_triton
+
+if TYPE_CHECKING:
+    from .kernels.mhc_collapse import CollapseConfig, mhc_collapse
+    from .kernels.mhc_head import mhc_head_fma
+    from .kernels.mhc_mix import MixConfig, mhc_mix_splitk, mix_config
+    from .kernels.mhc_post import mhc_post_triton
+else:
+    # Imported on first use: triton is optional (the `gpu` extra), `import dsv4mtp.optimized`
+    # works without it, and a call that needs it says what to install.
+    mhc_collapse = triton_kernel("mhc_collapse", "mhc_collapse")
+    mhc_head_fma = triton_kernel("mhc_head", "mhc_head_fma")
+    mhc_mix_splitk = triton_kernel("mhc_mix", "mhc_mix_splitk")
+    mix_config = triton_kernel("mhc_mix", "mix_config")
+    mhc_post_triton = triton_kernel("mhc_post", "mhc_post_triton")
 
 __all__ = [
     "HEAD_AUTO_BACKEND",

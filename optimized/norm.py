@@ -8,7 +8,7 @@ bench/results/norm-h200.md).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -16,8 +16,19 @@ from dsv4mtp.checks import check_eps, check_shape
 from dsv4mtp.errors import InputError
 from dsv4mtp.semantics import NormOrder
 
-from .kernels._launch import check_device, check_kernel_dtype, check_out, flashinfer_norm
-from .kernels.rms_norm import rms_norm_triton
+from .kernels._launch import (
+    check_device,
+    check_kernel_dtype,
+    check_out,
+    flashinfer_norm,
+    triton_kernel,
+)
+
+if TYPE_CHECKING:
+    from .kernels.rms_norm import rms_norm_triton
+else:
+    # Imported on first use: triton is optional (the `gpu` extra; see optimized/mhc.py).
+    rms_norm_triton = triton_kernel("rms_norm", "rms_norm_triton")
 
 __all__ = ["rms_norm"]
 

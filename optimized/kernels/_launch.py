@@ -4,6 +4,10 @@
 whether a kernel runs compiled or in its CPU interpreter, so the flag cannot change later.
 Every check below reads tensor metadata only (no host sync), so the entry points stay
 CUDA-graph capturable.
+
+Nothing here imports triton: it is the optional ``gpu`` extra, and ``import dsv4mtp.optimized``
+works without it.  The entry points reach their kernels through :func:`triton_kernel`, which
+imports the kernel's module on the first call, or raises :data:`TRITON_MISSING` as an InputError.
 """
 
 from __future__ import annotations
@@ -11,26 +15,26 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 
 from dsv4mtp.errors import InputError
 
 __all__ = [
     "INTERPRET",
     "KERNEL_DTYPES",
+    "TRITON_MISSING",
     "check_device",
     "check_kernel_dtype",
     "check_out",
     "flashinfer_mhc",
     "flashinfer_norm",
     "next_pow2",
-    "rne_bf16_if_interpreted",
-    "sigmoid",
+    "triton_available",
+    "triton_kernel",
 ]
 
 # Under TRITON_INTERPRET=1 every kernel runs program by program, in order, on the CPU.  Kernels
@@ -66,6 +70,8 @@ def check_device(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
     for name, t in named[1:]:
         if t.device != dev:
             raise InputError(f"{name}: expected device {dev} (as {first_name}), got {t.device}")
+    if dev.type != "cuda" and not triton_available():
+        raise InputError(TRITON_MISSING)
     if dev.type != "cuda" and not (dev.type == "cpu" and INTERPRET):
         raise InputError(
             f"{first_name}: the optimized kernels need a CUDA tensor (CPU runs only under "
@@ -112,23 +118,47 @@ def flashinfer_norm() -> ModuleType | None:
     return None if INTERPRET else _import("flashinfer.norm")
 
 
-@triton.jit
-def rne_bf16_if_interpreted(y, out_dtype: tl.constexpr, INTERP: tl.constexpr):
-    """Round fp32 ``y`` to nearest-even bf16 before a store, under the interpreter only.
-
-    Triton 3.6's interpreter converts fp32 -> bf16 by truncation (the compiled GPU code rounds to
-    nearest even), which would double the CPU tier's rounding error.  Adding half an ulp (ties to
-    even) to the bit pattern and clearing the low 16 bits makes the interpreter's truncating
-    conversion exact.  Compiled kernels skip this: INTERP is a compile-time constant.
-    """
-    if INTERP and out_dtype == tl.bfloat16:
-        bits = y.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        y = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return y
+TRITON_MISSING = (
+    "dsv4mtp.optimized needs triton for this call, and triton is not installed: "
+    "pip install 'dsv4-mtp[gpu]' (or pip install triton), or use dsv4mtp.reference, which runs "
+    "on the CPU without it"
+)
 
 
-@triton.jit
-def sigmoid(v):
-    """``1 / (1 + exp(-v))`` (fp32 operands in our kernels); shared by the mHC kernels."""
-    return 1.0 / (1.0 + tl.exp(-v))
+@functools.cache
+def triton_available() -> bool:
+    """Whether triton imports (the ``gpu`` extra; a CUDA build of torch brings it too)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _kernel_module(module: str) -> ModuleType:
+    if not triton_available():
+        raise InputError(TRITON_MISSING)
+    return importlib.import_module(f"{__package__}.{module}")
+
+
+def triton_kernel(module: str, name: str) -> Callable[..., Any]:
+    """``kernels/<module>.py``'s ``name``, imported on the first call (which raises an InputError
+    saying what to install when triton is missing)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(_kernel_module(module), name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def __getattr__(name: str) -> Any:
+    # The kernels' shared @triton.jit device functions, for `from ._launch import sigmoid`.
+    if name in ("rne_bf16_if_interpreted", "sigmoid"):
+        from . import _jit
+
+        value = getattr(_jit, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
