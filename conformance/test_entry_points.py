@@ -16,6 +16,10 @@ CFG = DSV4Config.tiny()
 _LAYER: dict[str, MTPLayer] = {}
 
 
+# The optimized ops run on CUDA, or on the CPU under TRITON_INTERPRET=1 (the CPU tier).
+OPT_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def layer() -> MTPLayer:
     if "f32" not in _LAYER:
         _LAYER["f32"] = random_mtp_layer(CFG, dtype=F32, seed=0)
@@ -170,7 +174,8 @@ def test_zero_eps_is_allowed() -> None:
     from dsv4mtp import optimized, reference
 
     x = torch.randn(3, 32)
-    torch.testing.assert_close(reference.rms_norm(x, None, 0.0), optimized.rms_norm(x, None, 0.0))
+    got = optimized.rms_norm(x.to(OPT_DEVICE), None, 0.0).cpu()
+    torch.testing.assert_close(reference.rms_norm(x, None, 0.0), got)
 
 
 # ------------------------------------------------------------------ kv_cache
@@ -315,11 +320,15 @@ def _public_calls() -> dict[str, tuple[Any, tuple, dict]]:
     ap, mp = random_attention_params(CFG, g), random_moe_params(CFG, g)
     eps = {"rms_norm_eps": 1e-6, "hc_eps": 1e-6}
     calls: dict[str, tuple[Any, tuple, dict]] = {}
-    for impl, M in (("reference", R), ("optimized", O)):
-        calls[f"{impl}.rms_norm"] = (M.rms_norm, (torch.randn(3, 8), torch.ones(8), 1e-6), {})
-        calls[f"{impl}.hc_pre"] = (M.hc_pre, pre, {**eps, "sinkhorn_iters": 3})
-        calls[f"{impl}.hc_head"] = (M.hc_head, head, eps)
-        calls[f"{impl}.hc_post"] = (M.hc_post, post, {})
+    for impl, M, dev in (("reference", R, "cpu"), ("optimized", O, OPT_DEVICE)):
+
+        def on(*ts: torch.Tensor, dev: str = dev) -> tuple[torch.Tensor, ...]:
+            return tuple(t.to(dev) for t in ts)
+
+        calls[f"{impl}.rms_norm"] = (M.rms_norm, (*on(torch.randn(3, 8), torch.ones(8)), 1e-6), {})
+        calls[f"{impl}.hc_pre"] = (M.hc_pre, on(*pre), {**eps, "sinkhorn_iters": 3})
+        calls[f"{impl}.hc_head"] = (M.hc_head, on(*head), eps)
+        calls[f"{impl}.hc_post"] = (M.hc_post, on(*post), {})
     sink = (torch.randn(3, 4, 16), torch.arange(3), torch.randn(3, 16), torch.arange(3))
     calls |= {
         "sinkhorn": (R.sinkhorn, (torch.randn(2, 4, 4),), {"iters": 3, "eps": 1e-6}),
