@@ -35,6 +35,7 @@ import torch
 from dsv4mtp.checks import check_eps, check_ndim, check_shape
 from dsv4mtp.errors import InputError
 
+from ._dispatch import TABLES, Facts, select
 from .kernels._launch import (
     check_device,
     check_kernel_dtype,
@@ -70,15 +71,9 @@ PreBackend = Literal["auto", "triton", "flashinfer", "flashinfer_prenorm"]
 PostBackend = Literal["auto", "flashinfer", "triton"]
 HeadBackend = Literal["auto", "triton_fma", "triton_mma"]
 
-# What "auto" runs (see bench/results/mhc-h200.md for the measurements).  hc_pre: n = 4 bf16 on
-# CUDA (else "triton", the only other choice); the one-pass collapse beat the producer +
-# FlashInfer pair at every measured T and D (T 4096: 88 vs 173 us at D 4096, 177 vs 232 us at
-# D 7168).  hc_head: every case; picked for the T of MTP's compute_logits (the sampled
-# positions, usually <= 64), where it is ~2x faster; "triton_mma" wins at T >= 512.
-PRE_AUTO_BACKEND: PreBackend = "triton"
-HEAD_AUTO_BACKEND: HeadBackend = "triton_fma"
-
-_FI_HC = 4  # FlashInfer's mHC kernels are compiled for 4 streams only
+# What "auto" runs; the measurements behind each order are with the tables in _dispatch.py.
+PRE_AUTO_BACKEND: PreBackend = TABLES["hc_pre"].auto[0]  # type: ignore[assignment]
+HEAD_AUTO_BACKEND: HeadBackend = TABLES["hc_head"].auto[0]  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
@@ -110,18 +105,6 @@ def _check_params(
     check_shape("fn", fn, (rows, nD))
     check_shape("scale", scale, (n_scales,))
     check_shape("base", base, (rows,))
-
-
-def _fi_mhc_ok(x: torch.Tensor, n: int, D: int, *eps: float) -> bool:
-    # FlashInfer: bf16 residual, 4 streams, H % 8 == 0, strictly positive eps.
-    return (
-        x.is_cuda
-        and x.dtype == torch.bfloat16
-        and n == _FI_HC
-        and D % 8 == 0
-        and all(e > 0 for e in eps)
-        and flashinfer_mhc() is not None
-    )
 
 
 def _collapse(
@@ -224,17 +207,8 @@ def hc_pre(
             check_out(f"out[{i}]", o, s, dt, dev)
             for i, (o, (s, dt)) in enumerate(zip(out, shapes, strict=True))
         )
-    fi_ok = _fi_mhc_ok(x, n, D, rms_norm_eps, hc_eps)
-    choice = backend
-    if backend == "auto":
-        choice = PRE_AUTO_BACKEND if fi_ok else "triton"
-    if choice not in ("triton", "flashinfer", "flashinfer_prenorm"):
-        raise InputError(f"backend: unknown hc_pre backend {backend!r}")
-    if choice != "triton" and not fi_ok:
-        raise InputError(
-            f"backend: {choice!r} needs bf16 x with n = 4 on CUDA, positive eps and an "
-            "importable flashinfer"
-        )
+    facts = Facts(dev, (x.dtype,), n=n, D=D, eps=(rms_norm_eps, hc_eps))
+    choice = select("hc_pre", backend, facts)
     if T == 0:
         return li, post, comb
     _collapse(
@@ -268,9 +242,8 @@ def hc_post(
     check_shape("f", f, (T, D))
     check_shape("post", post, (T, n))
     check_shape("comb", comb, (T, n, n))
-    if backend not in ("auto", "flashinfer", "triton"):
-        raise InputError(f"backend: expected 'auto', 'flashinfer' or 'triton', got {backend!r}")
     dev = check_device([("residual", residual), ("f", f), ("post", post), ("comb", comb)])
+    choice = select("hc_post", backend, Facts(dev, (f.dtype, residual.dtype), n=n, D=D))
     if out is None:
         out = torch.empty((T, n, D), dtype=residual.dtype, device=dev)
     else:
@@ -281,10 +254,7 @@ def hc_post(
     residual = residual.contiguous()
     post32 = post.to(torch.float32).contiguous()
     comb32 = comb.to(torch.float32).contiguous()
-    fi_ok = _fi_mhc_ok(residual, n, D) and f.dtype == torch.bfloat16
-    if backend == "flashinfer" and not fi_ok:
-        raise InputError("backend: 'flashinfer' needs bf16 f and residual with n = 4 on CUDA")
-    if fi_ok and backend != "triton":
+    if choice == "flashinfer":
         fi = flashinfer_mhc()
         assert fi is not None
         fi.get_mhc_module().mhc_post(out, f, residual, post32, comb32)
@@ -317,12 +287,12 @@ def hc_head(
     _check_params(fn, scale, base, n, n * D, 1)
     check_eps("rms_norm_eps", rms_norm_eps)
     check_eps("hc_eps", hc_eps)
-    if backend not in ("auto", "triton_fma", "triton_mma"):
-        raise InputError(f"backend: expected 'auto', 'triton_fma' or 'triton_mma', got {backend!r}")
-    choice = HEAD_AUTO_BACKEND if backend == "auto" else backend
+    dev = check_device([("x", x), ("fn", fn), ("scale", scale), ("base", base)])
+    choice = select(
+        "hc_head", backend, Facts(dev, (x.dtype,), n=n, D=D, eps=(rms_norm_eps, hc_eps))
+    )
     if schedule is not None and choice != "triton_mma":
         raise InputError(f"schedule: only the 'triton_mma' backend takes one, not {choice!r}")
-    dev = check_device([("x", x), ("fn", fn), ("scale", scale), ("base", base)])
     if out is None:
         out = torch.empty((T, D), dtype=x.dtype, device=dev)
     else:

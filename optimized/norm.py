@@ -16,6 +16,7 @@ from dsv4mtp.checks import check_eps, check_shape
 from dsv4mtp.errors import InputError
 from dsv4mtp.semantics import NormOrder
 
+from ._dispatch import Facts, select
 from .kernels._launch import (
     check_device,
     check_kernel_dtype,
@@ -33,19 +34,6 @@ else:
 __all__ = ["rms_norm"]
 
 NormBackend = Literal["auto", "flashinfer", "triton"]
-
-
-def _flashinfer_ok(x: torch.Tensor, weight: torch.Tensor | None, order: str) -> bool:
-    # FlashInfer multiplies the weight in fp32 and rounds once: the official order.  Its kernel
-    # takes one dtype for x, weight and out.
-    return (
-        x.is_cuda
-        and x.dtype == torch.bfloat16
-        and weight is not None
-        and weight.dtype == torch.bfloat16
-        and order == "official"
-        and flashinfer_norm() is not None
-    )
 
 
 def rms_norm(
@@ -70,10 +58,11 @@ def rms_norm(
     check_eps("eps", eps)
     if order not in ("official", "vllm"):
         raise InputError(f"order: expected 'official' or 'vllm', got {order!r}")
-    if backend not in ("auto", "flashinfer", "triton"):
-        raise InputError(f"backend: expected 'auto', 'flashinfer' or 'triton', got {backend!r}")
     named = [("x", x)] + ([("weight", weight)] if weight is not None else [])
     dev = check_device(named)
+    dtypes = (x.dtype,) if weight is None else (x.dtype, weight.dtype)
+    facts = Facts(dev, dtypes, eps=(eps,), order=order, has_weight=weight is not None)
+    choice = select("rms_norm", backend, facts)
     if x.dim() == 0:
         raise InputError("x: expected at least 1 dimension, got a scalar")
     if out is None:
@@ -86,12 +75,7 @@ def rms_norm(
     x2d = x.contiguous().view(-1, D)
     out2d = out.view(-1, D)
     w = weight.contiguous() if weight is not None else None
-    if backend == "flashinfer":
-        if not _flashinfer_ok(x, w, order):
-            raise InputError(
-                "backend: 'flashinfer' needs bf16 x and weight on CUDA, order='official' and an "
-                "importable flashinfer"
-            )
+    if choice == "flashinfer":
         fi = flashinfer_norm()
         assert fi is not None
         fi.rmsnorm(x2d, w, eps, out=out2d, enable_pdl=False)

@@ -1,0 +1,172 @@
+"""Backend choice of every optimized op: one table per op, one error path.
+
+Each op lists its backends in ``TABLES[op]``: a name and a requirement check that returns the
+reason the backend does not apply to a call (or None when it does), plus the order ``"auto"``
+tries them in.  Adding a backend to an op is one :class:`Backend` line here plus its kernel; the
+conformance suite generates that backend's contract tests from :func:`backend_names`.
+
+The checks read :class:`Facts`, the few properties of a validated call that decide which
+kernels can run it (device, dtypes, stream count, eps, whether FlashInfer imports).  They never
+read T: ``auto`` picks the same backend for every batch size, so a token's bits do not depend on
+its batch (``batch_invariant`` is then free; ops whose default picks by T say so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dsv4mtp.errors import InputError
+
+from .kernels._launch import flashinfer_mhc, flashinfer_norm
+
+__all__ = ["TABLES", "Backend", "Facts", "OpTable", "backend_names", "requirement", "select"]
+
+_FI_HC = 4  # FlashInfer's mHC kernels are compiled for 4 streams only
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What decides which backends can run a call (filled by the op after validating it).
+
+    dtypes: the dtypes of the tensors a kernel reads (for FlashInfer all must be bf16);
+    n, D: streams and hidden size (mHC ops; 0 elsewhere); eps: the eps arguments;
+    order: the RMSNorm order (rms_norm only); has_weight: rms_norm has a weight.
+    """
+
+    device: torch.device
+    dtypes: tuple[torch.dtype, ...]
+    n: int = 0
+    D: int = 0
+    eps: tuple[float, ...] = ()
+    order: str = "official"
+    has_weight: bool = True
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend of an op: ``requires(facts)`` is the reason it does not apply, or None."""
+
+    name: str
+    requires: Callable[[Facts], str | None]
+
+
+@dataclass(frozen=True)
+class OpTable:
+    """An op's backends (every explicit choice) and the order ``"auto"`` tries them in."""
+
+    op: str
+    backends: tuple[Backend, ...]
+    auto: tuple[str, ...]
+
+    def backend(self, name: str) -> Backend:
+        for b in self.backends:
+            if b.name == name:
+                return b
+        names = ", ".join(repr(b.name) for b in self.backends)
+        raise InputError(f"backend: {self.op} has no backend {name!r}; expected 'auto', {names}")
+
+
+def _always(facts: Facts) -> str | None:
+    return None
+
+
+def _bf16_cuda(facts: Facts) -> str | None:
+    if facts.device.type != "cuda":
+        return f"needs CUDA tensors, got {facts.device}"
+    if any(dt != torch.bfloat16 for dt in facts.dtypes):
+        return "needs bf16 inputs, got " + ", ".join(
+            str(d).removeprefix("torch.") for d in facts.dtypes
+        )
+    return None
+
+
+def _flashinfer_mhc(facts: Facts) -> str | None:
+    reason = _bf16_cuda(facts)
+    if reason is None and facts.n != _FI_HC:
+        reason = f"needs n = {_FI_HC} streams (FlashInfer's mHC kernels), got {facts.n}"
+    if reason is None and facts.D % 8:
+        reason = f"needs D % 8 == 0, got D = {facts.D}"
+    if reason is None and not all(e > 0 for e in facts.eps):
+        reason = f"needs eps > 0, got {facts.eps}"
+    if reason is None and flashinfer_mhc() is None:
+        reason = "needs an importable flashinfer (the gpu extra)"
+    return reason
+
+
+def _flashinfer_norm(facts: Facts) -> str | None:
+    # FlashInfer multiplies the weight in fp32 and rounds once (the official order) and takes one
+    # dtype for x, weight and out.
+    reason = _bf16_cuda(facts)
+    if reason is None and not facts.has_weight:
+        reason = "needs a weight"
+    if reason is None and facts.order != "official":
+        reason = f"computes order='official' only, got {facts.order!r}"
+    if reason is None and flashinfer_norm() is None:
+        reason = "needs an importable flashinfer (the gpu extra)"
+    return reason
+
+
+# The auto orders are measured on the H200 (bench/results/mhc-h200.md, norm-h200.md).  hc_pre:
+# the one-pass Triton collapse beat the producer + FlashInfer pair at every measured T and D
+# (T 4096: 88 vs 173 us at D 4096, 177 vs 232 us at D 7168).  hc_head: the FMA kernel is ~2x
+# faster at the T of MTP's compute_logits (<= 64); "triton_mma" wins from T 512.  hc_post:
+# FlashInfer where it applies (98 / 90 % of copy bandwidth at T 4096).  rms_norm: Triton.
+TABLES: dict[str, OpTable] = {
+    "rms_norm": OpTable(
+        "rms_norm",
+        (Backend("triton", _always), Backend("flashinfer", _flashinfer_norm)),
+        auto=("triton",),
+    ),
+    "hc_pre": OpTable(
+        "hc_pre",
+        (
+            Backend("triton", _always),
+            Backend("flashinfer", _flashinfer_mhc),
+            Backend("flashinfer_prenorm", _flashinfer_mhc),
+        ),
+        auto=("triton",),
+    ),
+    "hc_post": OpTable(
+        "hc_post",
+        (Backend("flashinfer", _flashinfer_mhc), Backend("triton", _always)),
+        auto=("flashinfer", "triton"),
+    ),
+    "hc_head": OpTable(
+        "hc_head",
+        (Backend("triton_fma", _always), Backend("triton_mma", _always)),
+        auto=("triton_fma",),
+    ),
+}
+
+
+def backend_names(op: str) -> tuple[str, ...]:
+    """Every explicit backend of ``op`` (the choices besides ``"auto"``), in table order."""
+    return tuple(b.name for b in TABLES[op].backends)
+
+
+def requirement(op: str, backend: str, facts: Facts) -> str | None:
+    """Why ``backend`` cannot run a call with these facts, or None when it can."""
+    return TABLES[op].backend(backend).requires(facts)
+
+
+def select(op: str, backend: str, facts: Facts) -> str:
+    """The backend that runs the call: ``backend`` itself, checked, or auto's first that applies.
+
+    The one error path: an unknown name or a backend that does not apply is an
+    :class:`InputError` naming the op, the backend and the reason.
+    """
+    table = TABLES[op]
+    if backend == "auto":
+        for name in table.auto:
+            if table.backend(name).requires(facts) is None:
+                return name
+        raise InputError(f"backend: no {op} backend applies to this call")  # a table bug
+    if not isinstance(backend, str):
+        raise InputError(f"backend: expected a backend name (str), got {type(backend).__name__}")
+    reason = table.backend(backend).requires(facts)
+    if reason is not None:
+        raise InputError(f"backend: {op} backend {backend!r} does not apply: it {reason}")
+    return backend
