@@ -16,6 +16,7 @@ from dsv4mtp.checks import (
     FLOAT_DTYPES,
     check_dtype,
     check_eps,
+    check_int,
     check_ndim,
     check_shape,
     compute_dtype,
@@ -59,8 +60,7 @@ def sinkhorn(logits: torch.Tensor, *, iters: int, eps: float) -> torch.Tensor:
     check_dtype("logits", logits, FLOAT_DTYPES)
     if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
         raise InputError(f"logits: expected shape (..., n, n), got {tuple(logits.shape)}")
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
-        raise InputError(f"iters: expected an int >= 1, got {iters!r}")
+    check_int("iters", iters, 1)
     check_eps("eps", eps)
     p = torch.softmax(logits.to(compute_dtype(logits.dtype)), dim=-1) + eps
     p = p / (p.sum(dim=-2, keepdim=True) + eps)  # columns
@@ -93,12 +93,7 @@ def hc_pre(
     _check_params(fn, scale, base, M, n * D, 3)
     check_eps("rms_norm_eps", rms_norm_eps)
     check_eps("hc_eps", hc_eps)
-    if (
-        isinstance(sinkhorn_iters, bool)
-        or not isinstance(sinkhorn_iters, int)
-        or sinkhorn_iters < 1
-    ):
-        raise InputError(f"sinkhorn_iters: expected an int >= 1, got {sinkhorn_iters!r}")
+    check_int("sinkhorn_iters", sinkhorn_iters, 1)
     cd = compute_dtype(x.dtype)
     xf = x.reshape(T, n * D).to(cd)  # (T, nD)
     # Row-independent product: a token's mix must not depend on how many tokens share the call

@@ -26,6 +26,7 @@ from dsv4mtp.checks import (
     check_device_arg,
     check_dtype_arg,
     check_finite_at,
+    check_int,
     check_step,
     compute_dtype,
 )
@@ -423,8 +424,7 @@ class MTPLayer:
         ``forced_tokens`` (B, num_tokens): teacher forcing, feed these instead of the layer's own
         picks (the returned ids are then these tokens; used to compare two layers step by step).
         """
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-            raise InputError(f"num_tokens: expected an int >= 1, got {num_tokens!r}")
+        check_int("num_tokens", num_tokens, 1)
         for name, flag in (("greedy", greedy), ("return_logits", return_logits)):
             if not isinstance(flag, bool):
                 raise InputError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")

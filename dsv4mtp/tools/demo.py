@@ -29,8 +29,8 @@ from rich.table import Table
 
 from dsv4mtp.checkpoint.load import load_mtp_checkpoint
 from dsv4mtp.checkpoint.synthetic import make_synthetic_checkpoint
-from dsv4mtp.checks import check_device_arg
-from dsv4mtp.errors import CheckpointError, DSV4Error, InputError
+from dsv4mtp.checks import check_device_arg, check_int
+from dsv4mtp.errors import CheckpointError, DSV4Error
 from dsv4mtp.reference import DSV4Config, MTPLayer
 from dsv4mtp.tools.drift import json_safe
 
@@ -139,9 +139,8 @@ def run_demo(
 
     ``console``: where the loading progress is drawn (None: no progress display).
     """
-    for name, v in (("num_tokens", num_tokens), ("batch", batch)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise InputError(f"{name}: expected an int >= 1, got {v!r}")
+    check_int("num_tokens", num_tokens, 1)
+    check_int("batch", batch, 1)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = check_device_arg("device", device)
