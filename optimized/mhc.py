@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from dsv4mtp.checks import check_eps, check_ndim, check_shape
+from dsv4mtp.checks import check_eps, check_instance, check_ndim, check_shape
 from dsv4mtp.errors import InputError
 
 from ._dispatch import TABLES, Facts, select
@@ -171,6 +171,7 @@ def hc_pre(
     hc_eps: float,
     sinkhorn_iters: int,
     post_mult: float = 2.0,
+    batch_invariant: bool = False,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     backend: PreBackend = "auto",
     schedule: CollapseSchedule | None = None,
@@ -184,7 +185,10 @@ def hc_pre(
     FlashInfer ``mhc_pre_big_fuse``), "flashinfer_prenorm" (producer with one split +
     ``mhc_pre_big_fuse_with_prenorm``), or "auto" (``PRE_AUTO_BACKEND`` where FlashInfer
     applies, else "triton").
+    ``batch_invariant=True`` pins a schedule that does not depend on T; "auto" picks by dtype,
+    n and D only, so the default is batch invariant too.
     """
+    check_instance("batch_invariant", batch_invariant, bool)
     T, n, D = _check_streams(x)
     M = (2 + n) * n
     _check_params(fn, scale, base, M, n * D, 3)
@@ -227,13 +231,17 @@ def hc_post(
     post: torch.Tensor,
     comb: torch.Tensor,
     *,
+    batch_invariant: bool = False,
     out: torch.Tensor | None = None,
     backend: PostBackend = "auto",
 ) -> torch.Tensor:
     """``out[:, k] = post[:, k] * f + sum_j comb[:, j, k] * residual[:, j]`` in residual.dtype.
 
     f: (T, D); residual: (T, n, D); post: (T, n); comb: (T, n, n) [source j, destination k].
+    ``batch_invariant=True`` pins a schedule that does not depend on T; both backends compute
+    each token on its own, so the default is batch invariant too.
     """
+    check_instance("batch_invariant", batch_invariant, bool)
     check_kernel_dtype("residual", residual)
     check_ndim("residual", residual, 3)
     T, n, D = residual.shape
@@ -271,6 +279,7 @@ def hc_head(
     *,
     rms_norm_eps: float,
     hc_eps: float,
+    batch_invariant: bool = False,
     out: torch.Tensor | None = None,
     backend: HeadBackend = "auto",
     schedule: CollapseSchedule | None = None,
@@ -281,8 +290,10 @@ def hc_head(
     backend: "triton_fma" (kernels/mhc_head.py: one memory round trip per 4-token tile, fp32
     FMA mix; the fastest at T <= 64, where MTP calls it), "triton_mma" (the tensor-core
     collapse, kernels/mhc_collapse.py: faster at T >= 512), or "auto" = "triton_fma".
-    ``schedule`` tunes "triton_mma" only.
+    ``schedule`` tunes "triton_mma" only.  ``batch_invariant=True`` pins a schedule that does
+    not depend on T (the default may pick the backend by T, see ``_dispatch``).
     """
+    check_instance("batch_invariant", batch_invariant, bool)
     T, n, D = _check_streams(x)
     _check_params(fn, scale, base, n, n * D, 1)
     check_eps("rms_norm_eps", rms_norm_eps)

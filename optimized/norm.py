@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from dsv4mtp.checks import check_eps, check_shape
+from dsv4mtp.checks import check_eps, check_instance, check_shape
 from dsv4mtp.errors import InputError
 from dsv4mtp.semantics import NormOrder
 
@@ -42,6 +42,7 @@ def rms_norm(
     eps: float,
     *,
     order: NormOrder = "official",
+    batch_invariant: bool = False,
     out: torch.Tensor | None = None,
     backend: NormBackend = "auto",
 ) -> torch.Tensor:
@@ -50,7 +51,11 @@ def rms_norm(
     x: (..., D) bf16 / fp32; weight: (D,) bf16 / fp32 or None.  ``out`` (same shape and dtype as
     x, contiguous) is written in place and returned.  ``backend="flashinfer"`` (bf16 x and weight,
     official order, CUDA) calls FlashInfer's ``rmsnorm``; "auto" and "triton" the Triton kernel.
+    ``batch_invariant=True`` pins a schedule that does not depend on the number of rows; every
+    rms_norm backend already reduces each row in one program, so the default is batch invariant
+    too.
     """
+    check_instance("batch_invariant", batch_invariant, bool)
     check_kernel_dtype("x", x)
     if weight is not None:
         check_kernel_dtype("weight", weight)
