@@ -23,7 +23,6 @@ import torch
 from dsv4mtp.errors import InputError
 
 from .kernels._flashinfer import flashinfer_mismatch
-from .kernels._launch import flashinfer_norm
 
 __all__ = [
     "HEAD_MMA_MIN_T",
@@ -125,9 +124,7 @@ def _flashinfer_norm(facts: Facts) -> str | None:
     if reason is None and facts.order != "official":
         reason = f"computes order='official' only, got {facts.order!r}"
     if reason is None:
-        reason = flashinfer_mismatch()
-    if reason is None and flashinfer_norm() is None:
-        reason = "needs an importable flashinfer.norm"
+        reason = flashinfer_mismatch("norm")
     return reason
 
 

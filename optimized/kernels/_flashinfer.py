@@ -46,13 +46,13 @@ def _release(version: str) -> tuple[int, ...] | None:
 
 
 @functools.cache
-def flashinfer_mismatch() -> str | None:
-    """Why the installed FlashInfer cannot be called (absent, or another release), or None."""
+def _mismatch(module: str) -> str | None:
     if INTERPRET:
         return "needs a compiled run (FlashInfer has no TRITON_INTERPRET=1 path)"
-    fi = flashinfer_mhc()
-    if fi is None:
+    if flashinfer_mhc() is None:
         return "needs an importable flashinfer (the gpu extra)"
+    if module == "norm" and flashinfer_norm() is None:
+        return "needs an importable flashinfer.norm"
     import flashinfer
 
     found = str(getattr(flashinfer, "__version__", "unknown"))
@@ -64,15 +64,23 @@ def flashinfer_mismatch() -> str | None:
     return None
 
 
-def _checked() -> None:
-    reason = flashinfer_mismatch()
+@torch.compiler.assume_constant_result
+def flashinfer_mismatch(module: str = "mhc") -> str | None:
+    """Why FlashInfer's ``module`` ("mhc" or "norm") cannot be called here (absent, or another
+    release), or None.  torch.compile evaluates it once while tracing and keeps the answer as a
+    constant: the imports behind it would otherwise break the graph."""
+    return _mismatch(module)
+
+
+def _checked(module: str) -> None:
+    reason = _mismatch(module)
     if reason is not None:
         raise InputError(f"flashinfer: the adapter {reason}")
 
 
 @functools.cache
 def _mhc_module() -> Any:
-    _checked()
+    _checked("mhc")
     fi = flashinfer_mhc()
     assert fi is not None
     return fi.get_mhc_module()  # JIT-built (or loaded from its cache) on first use
@@ -80,10 +88,9 @@ def _mhc_module() -> Any:
 
 @functools.cache
 def _norm_module() -> ModuleType:
-    _checked()
+    _checked("norm")
     fi = flashinfer_norm()
-    if fi is None:
-        raise InputError("flashinfer: the adapter needs an importable flashinfer.norm")
+    assert fi is not None
     return fi
 
 
