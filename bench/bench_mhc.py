@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from h200_mhc import make_inputs  # bench/ is on sys.path (rootdir-relative test module)
 
 import dsv4mtp.optimized as opt
 import dsv4mtp.reference as ref
+from dsv4mtp.conformance.inputs import op_inputs
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -30,7 +30,7 @@ OPS = ["hc_pre", "hc_head", "hc_post", "rms_norm"]
 def test_bench(benchmark, op: str, impl: str, T: int, D: int) -> None:
     if impl == "optimized" and not CUDA:
         pytest.skip("optimized kernels need CUDA (on CPU they run only in the Triton interpreter)")
-    args, kw = make_inputs(op, T, D, seed=0, device=DEVICE)
+    args, kw = op_inputs(op, T, D, seed=0, device=DEVICE)
     fn = getattr(opt if impl == "optimized" else ref, op)
     benchmark.group = f"{op} T={T} D={D}"
     fn(*args, **kw)  # JIT / warm-up outside the timed rounds

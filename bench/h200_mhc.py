@@ -40,6 +40,7 @@ import triton
 
 import dsv4mtp.optimized as opt
 import dsv4mtp.reference as ref
+from dsv4mtp.conformance.inputs import op_inputs
 from dsv4mtp.optimized.mhc import PRE_AUTO_BACKEND
 
 TOKENS = (1, 8, 64, 512, 4096)
@@ -110,28 +111,9 @@ def empty_kernel_us() -> float:
 
 
 # ------------------------------------------------------------------------------------- inputs
-def make_inputs(
-    op: str, T: int, D: int, seed: int, device: str = "cuda"
-) -> tuple[tuple[torch.Tensor, ...], dict]:
-    """Inputs of one call: bf16 activations (T, 4, D), fp32 parameters of V4 magnitudes."""
-    g = torch.Generator(device=device).manual_seed(seed)
-
-    def rnd(*shape: int, std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(shape, generator=g, device=device) * std + mean
-
-    if op == "rms_norm":
-        return (rnd(T, D).to(BF16), rnd(D, std=0.5, mean=1.0).to(BF16)), dict(eps=EPS)
-    x = rnd(T, N, D).to(BF16)
-    if op == "hc_pre":
-        M = (2 + N) * N
-        p = (rnd(M, N * D, std=0.02), rnd(3, std=0.3, mean=1.0), rnd(M, std=0.5))
-        return (x, *p), dict(rms_norm_eps=EPS, hc_eps=EPS, sinkhorn_iters=20, post_mult=2.0)
-    if op == "hc_head":
-        p = (rnd(N, N * D, std=0.02), rnd(1, std=0.3, mean=1.0), rnd(N, std=0.5))
-        return (x, *p), dict(rms_norm_eps=EPS, hc_eps=EPS)
-    post = 2 * torch.rand(T, N, generator=g, device=device)
-    comb = torch.softmax(rnd(T, N, N), dim=-2)
-    return (rnd(T, D).to(BF16), x, post, comb), {}
+# One call's inputs come from the conformance suite's builder (dsv4mtp.conformance.inputs):
+# bf16 activations (T, 4, D), fp32 parameters of V4 magnitudes, the same tensors the GPU tests
+# draw at a given seed.
 
 
 def nbytes(ts) -> int:
@@ -189,10 +171,10 @@ def bench_op(op: str, args_ns: argparse.Namespace, l2: int, copy_bw: float, empt
     var = variants(op, not args_ns.no_compile)
     for D in WIDTHS:
         for T in tokens:
-            probe, kw = make_inputs(op, T, D, seed=0)
+            probe, kw = op_inputs(op, T, D, seed=0)
             set_bytes = nbytes(probe)
             R = max(2, math.ceil(2.2 * l2 / set_bytes))
-            sets = [probe] + [make_inputs(op, T, D, seed=i)[0] for i in range(1, R)]
+            sets = [probe] + [op_inputs(op, T, D, seed=i)[0] for i in range(1, R)]
             oracle = getattr(ref, op)(*(a.double() for a in probe), **kw)
             n_calls = max(R, 100) if T <= 64 else max(R, 10)
             reps = 10 if T <= 64 else 5

@@ -21,10 +21,11 @@ import math
 from pathlib import Path
 
 import torch
-from h200_mhc import copy_bandwidth, empty_kernel_us, graph_time_us, make_inputs, min_bytes
+from h200_mhc import copy_bandwidth, empty_kernel_us, graph_time_us, min_bytes
 
 import dsv4mtp.optimized as opt
 import dsv4mtp.reference as ref
+from dsv4mtp.conformance.inputs import op_inputs
 from dsv4mtp.optimized.kernels.mhc_collapse import CollapseConfig
 from dsv4mtp.optimized.kernels.mhc_mix import MixConfig, mhc_mix_splitk
 from dsv4mtp.optimized.kernels.rms_norm import rms_norm_triton
@@ -55,10 +56,10 @@ COLLAPSE_CANDIDATES = [
 
 
 def rotating_sets(op: str, T: int, D: int, l2: int):
-    probe, kw = make_inputs(op, T, D, seed=0)
+    probe, kw = op_inputs(op, T, D, seed=0)
     size = sum(t.numel() * t.element_size() for t in probe)
     R = max(2, math.ceil(2.2 * l2 / size))
-    return [probe] + [make_inputs(op, T, D, seed=i)[0] for i in range(1, R)], kw, R
+    return [probe] + [op_inputs(op, T, D, seed=i)[0] for i in range(1, R)], kw, R
 
 
 def timed(calls, T: int, R: int) -> float:

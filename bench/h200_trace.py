@@ -20,8 +20,8 @@ import importlib
 import json
 
 import torch
-from h200_mhc import make_inputs
 
+from dsv4mtp.conformance.inputs import op_inputs
 from dsv4mtp.optimized.kernels.mhc_collapse import (
     TRACE_WIDTH,
     CollapseConfig,
@@ -40,7 +40,7 @@ def _flush_l2(buf: torch.Tensor) -> None:
 def trace_once(
     op: str, T: int, D: int, cfg: CollapseConfig, flush: torch.Tensor, collapse=mhc_collapse
 ) -> dict:
-    (x, fn, scale, base), kw = make_inputs(op, T, D, seed=0)
+    (x, fn, scale, base), kw = op_inputs(op, T, D, seed=0)
     out = torch.empty(T, D, dtype=x.dtype, device="cuda")
     pc = {}
     if op == "hc_pre":

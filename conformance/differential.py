@@ -10,7 +10,8 @@ For a drawn :class:`~conformance.registry.Case` it runs
 
 and compares each output with the oracle by ||out-ref||/||ref|| and scaled max-abs.  NaN never
 passes.  Each comparison is recorded so the session summary can print the worst error seen per
-op and dtype next to its tolerance.
+op, dtype and preset next to its tolerance.  The contract (``conformance/test_contract.py``)
+calls it on every drawn case of every backend.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from dsv4mtp.conformance.registry import Case, OpPair, Tolerance
 
-__all__ = ["SUMMARY", "ErrorReport", "check_pair", "compare", "to_float64"]
+__all__ = ["SUMMARY", "ErrorReport", "check_pair", "compare", "poisoned_like", "to_float64"]
 
 
 @dataclass
@@ -37,8 +38,8 @@ class ErrorReport:
         return self.nan == 0 and self.rel <= tol.rel and self.max_abs <= tol.max_abs
 
 
-# (op, dtype, output) -> [examples, worst rel, worst scaled max-abs]
-SUMMARY: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+# (op, dtype, preset, output) -> [examples, worst rel, worst scaled max-abs]
+SUMMARY: dict[tuple[str, str, str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
 
 
 def to_float64(obj: Any) -> Any:
@@ -71,7 +72,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> ErrorReport:
     return ErrorReport(rel, float(diff.abs().max()) / scale, nan)
 
 
-def _poisoned_like(t: torch.Tensor) -> torch.Tensor:
+def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point():
         return torch.full_like(t, float("nan"))
     return torch.full_like(t, torch.iinfo(t.dtype).max)
@@ -82,26 +83,32 @@ def check_pair(
     case: Case,
     dtype: torch.dtype,
     *,
+    preset: str = "math",
     impl: Callable[..., Any] | None = None,
     poison: bool = True,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, ErrorReport]:
-    """Run ``impl`` (default: the pair's optimized op) on ``case`` and assert conformance."""
-    tol = pair.tolerances[dtype]
+    """Run ``impl`` (default: the pair's optimized op, with the keyword arguments ``extra``,
+    e.g. ``backend=``) on ``case`` and assert conformance under the (dtype, preset) tolerance."""
+    tol = pair.tolerance(dtype, preset)
     ref_fn = pair.reference_fn()
     under_test = impl if impl is not None else pair.optimized_fn()
     oracle = _as_tuple(ref_fn(*to_float64(case.args), **to_float64(case.kwargs)))
     expected = _as_tuple(ref_fn(*case.args, **case.kwargs))
 
     kwargs = dict(case.kwargs)
+    if impl is None:
+        kwargs.update(extra or {})
     buffers: tuple[torch.Tensor, ...] = ()
     if poison and impl is None and pair.out_kwarg:
-        buffers = tuple(_poisoned_like(e) for e in expected)
+        buffers = tuple(poisoned_like(e) for e in expected)
         kwargs[pair.out_kwarg] = buffers if len(buffers) > 1 else buffers[0]
     got = _as_tuple(under_test(*case.args, **kwargs))
 
     assert len(got) == len(pair.outputs), (
         f"{pair.name}: expected {len(pair.outputs)} outputs {pair.outputs}, got {len(got)}"
     )
+    dt = str(dtype).removeprefix("torch.")
     reports: dict[str, ErrorReport] = {}
     failures = []
     for i, name in enumerate(pair.outputs):
@@ -118,7 +125,7 @@ def check_pair(
             )
         rep = compare(g, o)
         reports[name] = rep
-        entry = SUMMARY[(pair.name, str(dtype).removeprefix("torch."), name)]
+        entry = SUMMARY[(pair.name, dt, preset, name)]
         entry[0] += 1
         entry[1] = max(entry[1], rep.rel)
         entry[2] = max(entry[2], rep.max_abs)
@@ -127,39 +134,9 @@ def check_pair(
                 f"{name}: rel={rep.rel:.3e} (tol {tol.rel:.1e}), max_abs={rep.max_abs:.3e} "
                 f"(tol {tol.max_abs:.1e}), non-finite={rep.nan}"
             )
+    via = "" if impl is not None else "".join(f" {k}={v}" for k, v in (extra or {}).items())
     assert not failures, (
-        f"{pair.name} [{str(dtype).removeprefix('torch.')}; {case.label}] exceeds tolerance "
+        f"{pair.name}{via} [{dt}, preset {preset}; {case.label}] exceeds tolerance "
         f"({tol.why}):\n  " + "\n  ".join(failures)
     )
     return reports
-
-
-def make_differential_test(concept: str) -> Callable[..., None]:
-    """The differential test of every pair of ``concept``, parametrized over pair and dtype.
-
-    Use as ``test_differential = make_differential_test("mhc")`` in conformance/test_mhc.py.
-    ``--impl`` swaps in a third-party implementation (no ``out=`` poisoning then).
-    """
-    import pytest
-    from hypothesis import given
-    from hypothesis import strategies as st
-
-    from dsv4mtp.conformance.registry import pairs_for
-
-    params = [
-        pytest.param(p, dt, id=f"{p.name}-{str(dt).removeprefix('torch.')}")
-        for p in pairs_for(concept)
-        for dt in p.tolerances
-    ]
-
-    @pytest.mark.parametrize(("pair", "dtype"), params)
-    @given(data=st.data())
-    def test_differential(
-        pair: OpPair, dtype: torch.dtype, data: Any, device: str, impl_override: Any
-    ) -> None:
-        max_tokens = 8192 if device == "cuda" else 33
-        case = data.draw(pair.strategy(dtype, device, max_tokens), label="case")
-        check_pair(pair, case, dtype, impl=impl_override(pair.name))
-
-    test_differential.__doc__ = f"Optimized {concept} ops against the float64 reference oracle."
-    return test_differential

@@ -22,9 +22,52 @@ def test_every_table_is_an_optimized_op_with_a_backend_argument() -> None:
         assert len(set(backend_names(op))) == len(backend_names(op)), op
 
 
-def test_auto_never_reads_the_batch_size() -> None:
-    """Facts carry no T, so auto cannot pick by batch size (the batch-invariance rule)."""
-    assert "T" not in {f for f in Facts.__dataclass_fields__}
+def test_auto_reads_the_batch_size_only_when_batch_invariant_is_false(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """T reaches the Facts only from a call with ``batch_invariant=False``; no requirement check
+    reads it, and auto consults an op's ``by_T`` rule only when it is there."""
+    import dsv4mtp.optimized._dispatch as dispatch
+    import dsv4mtp.optimized.mhc as mhc
+
+    base = dict(n=4, D=64, eps=(1e-6, 1e-6))
+    for op in TABLES:
+        for name in backend_names(op):
+            for dev, dt in (
+                (torch.device("cpu"), torch.float32),
+                (torch.device("cuda"), torch.bfloat16),
+            ):
+                plain = requirement(op, name, Facts(dev, (dt,), **base))  # type: ignore[arg-type]
+                for T in (1, 64, 1 << 20):
+                    with_t = Facts(dev, (dt,), T=T, **base)  # type: ignore[arg-type]
+                    assert requirement(op, name, with_t) == plain, (op, name, T)
+    monkeypatch.setattr(dispatch, "HEAD_MMA_MIN_T", 64)
+    cpu = torch.device("cpu")
+    assert select("hc_head", "auto", Facts(cpu, (torch.float32,), T=64, **base)) == "triton_mma"  # type: ignore[arg-type]
+    assert select("hc_head", "auto", Facts(cpu, (torch.float32,), T=63, **base)) == "triton_fma"  # type: ignore[arg-type]
+    assert select("hc_head", "auto", Facts(cpu, (torch.float32,), **base)) == "triton_fma"  # type: ignore[arg-type]
+    seen: list[tuple[str, int | None]] = []
+
+    class Chosen(Exception):
+        pass
+
+    def spy(op: str, backend: str, facts: Facts) -> str:
+        seen.append((op, facts.T))
+        raise Chosen  # stop before the launch: only the choice is under test
+
+    monkeypatch.setattr(mhc, "select", spy)
+    monkeypatch.setattr(mhc, "check_device", lambda named: named[0][1].device)
+    x = torch.randn(3, 4, 8)
+    eps = dict(rms_norm_eps=1e-6, hc_eps=1e-6)
+    for invariant in (False, True):
+        with pytest.raises(Chosen):
+            opt.hc_head(x, torch.randn(4, 32), torch.ones(1), torch.zeros(4), **eps,
+                        batch_invariant=invariant)  # fmt: skip
+        with pytest.raises(Chosen):
+            opt.hc_pre(x, torch.randn(24, 32), torch.ones(3), torch.zeros(24), **eps,
+                       sinkhorn_iters=2, batch_invariant=invariant)  # fmt: skip
+    # hc_head passes T only without batch_invariant; hc_pre has no rule by T and never does.
+    assert seen == [("hc_head", 3), ("hc_pre", None), ("hc_head", None), ("hc_pre", None)]
 
 
 def test_unknown_and_inapplicable_backends_are_input_errors_naming_op_and_reason() -> None:

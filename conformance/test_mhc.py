@@ -1,7 +1,9 @@
-"""mHC and hc_head: properties of the reference, then optimized-vs-reference differential tests."""
+"""mHC and hc_head: properties of the reference, then tests of the optimized kernels beyond the
+generated op contract (conformance/test_contract.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -9,7 +11,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dsv4mtp.conformance.differential import make_differential_test
+import dsv4mtp.optimized as opt
+from dsv4mtp.conformance.inputs import op_inputs
+from dsv4mtp.conformance.registry import REGISTRY
+from dsv4mtp.optimized.mhc import HEAD_AUTO_BACKEND, PRE_AUTO_BACKEND
 from dsv4mtp.reference import InputError, hc_head, hc_post, hc_pre, sinkhorn
 
 EPS = 1e-6
@@ -274,56 +279,22 @@ def test_hc_head_rejects_bad_shapes() -> None:
         )
 
 
-# ------------------------------------------------------------------------------ differential
-test_differential = make_differential_test("mhc")
-
-
 # ---- optimized-specific tests ----
-# Properties of dsv4mtp.optimized beyond the differential test: batch invariance and CUDA-graph
-# replay (bitwise), agreement of its FlashInfer and Triton paths, the generic n != 4 path, very
-# long batches, and input validation.  GPU-only tests carry the `gpu` marker.
-import dataclasses  # noqa: E402
-
-from hypothesis import settings  # noqa: E402
-
-import dsv4mtp.optimized as opt  # noqa: E402
-from dsv4mtp.optimized.mhc import HEAD_AUTO_BACKEND, PRE_AUTO_BACKEND  # noqa: E402
-
-_PRE_KW = dict(rms_norm_eps=EPS, hc_eps=EPS, sinkhorn_iters=20, post_mult=2.0)
-_HEAD_KW = dict(rms_norm_eps=EPS, hc_eps=EPS)
+# dsv4mtp.optimized beyond the generated contract (conformance/test_contract.py: differential,
+# T = 0, out=, batch invariance, graph replay and a typed error for every backend): agreement of
+# its FlashInfer and Triton paths, the generic n != 4 path, very long batches, the collapse's
+# fused form, schedules and diagnostics, and validation beyond the contract's typed error.
+# GPU-only tests carry the `gpu` marker.
 
 
 def _opt_inputs(op: str, T: int, n: int, D: int, dtype: torch.dtype, device: str, seed: int):
-    """(args, kwargs) for one optimized mHC op; V4-like magnitudes (spec 12.3)."""
-    g = torch.Generator(device=device).manual_seed(seed)  # drawn where used: fast at T = 8192
-
-    def rnd(*shape: int, std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(shape, generator=g, device=device) * std + mean
-
-    x = rnd(T, n, D).to(dtype)
-    if op == "hc_pre":
-        M = (2 + n) * n
-        fn, scale, base = rnd(M, n * D, std=0.02), rnd(3, std=0.3, mean=1.0), rnd(M, std=0.5)
-        return (x, fn, scale, base), dict(_PRE_KW)
-    if op == "hc_head":
-        fn, scale, base = rnd(n, n * D, std=0.02), rnd(1, std=0.3, mean=1.0), rnd(n, std=0.5)
-        return (x, fn, scale, base), dict(_HEAD_KW)
-    f = rnd(T, D).to(dtype)
-    post = 2 * torch.rand(T, n, generator=g, device=device)
-    comb = torch.softmax(rnd(T, n, n), dim=-2)
-    return (f, x, post, comb), {}
+    """(args, kwargs) for one optimized mHC op, from the shared builder."""
+    return op_inputs(op, T, D, seed, n=n, dtype=dtype, device=device)
 
 
 def _call(op: str, args, kwargs, **extra):
     out = getattr(opt, op)(*args, **kwargs, **extra)
     return tuple(out) if isinstance(out, tuple) else (out,)
-
-
-def _rows(args, op: str, lo: int, hi: int):
-    """The same op's inputs restricted to tokens [lo, hi) (parameters untouched)."""
-    if op == "hc_post":
-        return tuple(a[lo:hi] for a in args)
-    return (args[0][lo:hi], *args[1:])
 
 
 _GPU_OPS = ["hc_pre", "hc_head", "hc_post"]
@@ -333,59 +304,6 @@ _REF = {"hc_pre": hc_pre, "hc_head": hc_head, "hc_post": hc_post}
 def _reference_f64(op: str, args, kw) -> tuple[torch.Tensor, ...]:
     ref = _REF[op](*(a.double() for a in args), **kw)
     return tuple(ref) if isinstance(ref, tuple) else (ref,)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("op", [*_GPU_OPS, "hc_head:triton_mma", "hc_pre:triton"])
-@settings(max_examples=10)  # each example runs up to 5 batches of up to 8192 x 4 x 7168
-@given(T=st.integers(2, 8192), D=st.sampled_from([4096, 7168]), data=st.data())
-def test_optimized_batch_invariance_bitwise(op: str, T: int, D: int, data) -> None:
-    """A token's result is bitwise the same whichever batch it sits in: the full batch, a
-    drawn sub-range of it, and each of three single tokens."""
-    op, _, backend = op.partition(":")
-    extra = {"backend": backend} if backend else {}
-    args, kw = _opt_inputs(op, T, 4, D, torch.bfloat16, "cuda", seed=T + D)
-    full = _call(op, args, kw, **extra)
-    lo = data.draw(st.integers(0, T - 1), label="lo")
-    hi = data.draw(st.integers(lo + 1, T), label="hi")
-    for a, b in [(lo, hi), (0, 1), (T - 1, T), (lo, lo + 1)]:
-        part = _call(op, _rows(args, op, a, b), kw, **extra)
-        for name, f, p in zip(("out0", "out1", "out2"), full, part, strict=False):
-            assert torch.equal(f[a:b], p), f"{op}.{name}: tokens [{a}, {b}) of T={T} differ"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "op", [*_GPU_OPS, "hc_pre:flashinfer", "hc_pre:triton", "hc_head:triton_mma"]
-)
-@pytest.mark.parametrize(("T", "D"), [(1, 7168), (8, 4096), (64, 7168), (513, 4096)])
-def test_optimized_cuda_graph_replay_equals_eager(op: str, T: int, D: int) -> None:
-    """Capture the op writing into out= buffers, replay it on fresh inputs copied into the
-    captured input buffers: the replay is bitwise the eager result, in the same addresses."""
-    name, _, backend = op.partition(":")
-    extra = {"backend": backend} if backend else {}
-    args, kw = _opt_inputs(name, T, 4, D, torch.bfloat16, "cuda", seed=1)
-    outs = _call(name, args, kw, **extra)
-    out_kw = {"out": outs if len(outs) > 1 else outs[0]}
-    ptrs = [o.data_ptr() for o in outs]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (JIT, allocator) off the capture
-        _call(name, args, kw, **extra, **out_kw)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _call(name, args, kw, **extra, **out_kw)
-    for seed in (2, 3):
-        fresh, _ = _opt_inputs(name, T, 4, D, torch.bfloat16, "cuda", seed=seed)
-        for dst, src in zip(args, fresh, strict=True):
-            dst.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = _call(name, fresh, kw, **extra)
-        for o, e, p in zip(outs, eager, ptrs, strict=True):
-            assert o.data_ptr() == p
-            assert torch.equal(o, e), f"{op}: graph replay differs from eager (T={T}, D={D})"
 
 
 def _ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -424,10 +342,9 @@ def test_optimized_hc_head_backends_agree(dtype: torch.dtype, device: str) -> No
     both within the registry's tolerance of the float64 oracle, outputs within one rounding of
     each other's scale.  A schedule is refused by the backend that has none."""
     from dsv4mtp.conformance.differential import compare
-    from dsv4mtp.conformance.registry import REGISTRY
 
     shapes = [(1, 4096), (77, 7168), (700, 4096)] if device == "cuda" else [(1, 96), (37, 160)]
-    tol = REGISTRY["hc_head"].tolerances[dtype]
+    tol = REGISTRY["hc_head"].tolerance(dtype)
     for T, D in shapes:
         args, kw = _opt_inputs("hc_head", T, 4, D, dtype, device, seed=T)
         (oracle,) = _reference_f64("hc_head", args, kw)
@@ -492,9 +409,8 @@ def test_optimized_generic_n_path(op: str, n: int, D: int, dtype: torch.dtype) -
     """n != 4 (no FlashInfer kernel) and fp32 run the Triton kernels; compared with the float64
     reference under the registry's tolerance for the op and dtype."""
     from dsv4mtp.conformance.differential import compare
-    from dsv4mtp.conformance.registry import REGISTRY
 
-    tol = REGISTRY[op].tolerances[dtype]
+    tol = REGISTRY[op].tolerance(dtype)
     for T in (1, 37, 300):
         args, kw = _opt_inputs(op, T, n, D, dtype, "cuda", seed=n * T)
         got = _call(op, args, kw)
@@ -508,14 +424,13 @@ def test_optimized_generic_n_path(op: str, n: int, D: int, dtype: torch.dtype) -
 def test_optimized_very_long_batch(op: str) -> None:
     """T = 65537 (beyond one grid row of 65535 blocks, odd): finite, within tolerance."""
     from dsv4mtp.conformance.differential import compare
-    from dsv4mtp.conformance.registry import REGISTRY
 
     T, D = 65537, 1024
     args, kw = _opt_inputs(op, T, 4, D, torch.bfloat16, "cuda", seed=5)
     got = _call(op, args, kw)
     for g, r in zip(got, _reference_f64(op, args, kw), strict=True):
         rep = compare(g, r)
-        assert rep.within(REGISTRY[op].tolerances[torch.bfloat16]), f"{op}: {rep}"
+        assert rep.within(REGISTRY[op].tolerance(torch.bfloat16)), f"{op}: {rep}"
 
 
 def test_optimized_mhc_rejects_bad_input(device: str) -> None:
@@ -561,18 +476,6 @@ def test_optimized_mhc_rejects_bad_input(device: str) -> None:
     if device == "cuda":
         with pytest.raises(InputError, match="fn: expected device"):
             opt.hc_head(xh, fnh.cpu(), sh, bh, **hkw)
-
-
-def test_optimized_mhc_empty_and_out_in_place(device: str) -> None:
-    """T = 0 returns empty outputs (no launch); out= results come back in the given storage."""
-    for op in ("hc_pre", "hc_head", "hc_post"):
-        args, kw = _opt_inputs(op, 0, 4, 128, torch.bfloat16, device, seed=0)
-        assert all(o.shape[0] == 0 for o in _call(op, args, kw))
-    args, kw = _opt_inputs("hc_pre", 3, 4, 128, torch.bfloat16, device, seed=0)
-    bufs = tuple(torch.full_like(o, float("nan")) for o in _call("hc_pre", args, kw))
-    got = _call("hc_pre", args, kw, out=bufs)
-    assert all(g.data_ptr() == b.data_ptr() for g, b in zip(got, bufs, strict=True))
-    assert not any(bool(torch.isnan(g).any()) for g in got)
 
 
 def test_optimized_auto_backends_are_declared() -> None:

@@ -147,7 +147,7 @@ def test_a_test_run_leaves_the_checkout_clean(tmp_path: Path) -> None:
     # The suite's own differential test against a deliberately wrong implementation, and the
     # planted test.
     wrong = "rms_norm=dsv4mtp.conformance.test_registry:wrong_rms_norm"
-    tests = ["conformance/test_planted.py", "conformance/test_norm.py::test_differential"]
+    tests = ["conformance/test_planted.py", "conformance/test_contract.py::test_differential"]
 
     def run(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -159,7 +159,7 @@ def test_a_test_run_leaves_the_checkout_clean(tmp_path: Path) -> None:
             check=False,
         )
 
-    out = run("-k", "planted or float32", "--impl", wrong)
+    out = run("-k", "planted or rms_norm-impl-float32-math", "--impl", wrong)
     log = out.stdout[-3000:] + out.stderr[-2000:]
     assert out.returncode == 1 and "2 failed" in out.stdout, log
     assert _git(repo, "status", "--porcelain", "--untracked-files=all") == "", log

@@ -1,4 +1,5 @@
-"""RMSNorm: properties of the reference, then optimized-vs-reference differential tests."""
+"""RMSNorm: properties of the reference, then tests of the optimized kernel beyond the generated
+op contract (conformance/test_contract.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dsv4mtp.conformance.differential import make_differential_test
+import dsv4mtp.optimized as opt
+from dsv4mtp.conformance.inputs import norm_inputs
 from dsv4mtp.reference import InputError, rms_norm
 
 F64 = torch.float64
@@ -64,60 +66,15 @@ def test_rms_norm_rejects_bad_input() -> None:
         rms_norm(torch.randn(2, 16), torch.ones(16), 1e-6, order="other")  # type: ignore[arg-type]
 
 
-# ------------------------------------------------------------------------------ differential
-test_differential = make_differential_test("norm")
-
-
 # ---- optimized-specific tests ----
-# dsv4mtp.optimized.rms_norm beyond the differential test: batch invariance and CUDA-graph replay
-# (bitwise), FlashInfer vs Triton agreement, the vLLM order and input validation.
-from hypothesis import settings  # noqa: E402
-
-import dsv4mtp.optimized as opt  # noqa: E402
+# dsv4mtp.optimized.rms_norm beyond the generated contract (conformance/test_contract.py:
+# differential in both orders, T = 0, out=, batch invariance, graph replay, typed error for every
+# backend): FlashInfer vs Triton agreement, no weight, any leading shape, validation.
 
 
 def _norm_inputs(T: int, D: int, dtype: torch.dtype, device: str, seed: int):
-    g = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(T, D, generator=g, device=device).to(dtype)
-    w = (torch.randn(D, generator=g, device=device) * 0.5 + 1).to(dtype)
+    (x, w), _ = norm_inputs(T, D, dtype, device, seed)
     return x, w
-
-
-@pytest.mark.gpu
-@settings(max_examples=10)
-@given(T=st.integers(2, 8192), D=st.sampled_from([4096, 7168]), data=st.data())
-def test_optimized_rms_norm_batch_invariance_bitwise(T: int, D: int, data) -> None:
-    x, w = _norm_inputs(T, D, torch.bfloat16, "cuda", seed=T)
-    for backend in ("auto", "triton"):
-        full = opt.rms_norm(x, w, 1e-6, backend=backend)
-        lo = data.draw(st.integers(0, T - 1), label="lo")
-        hi = data.draw(st.integers(lo + 1, T), label="hi")
-        for a, b in [(lo, hi), (0, 1), (T - 1, T)]:
-            part = opt.rms_norm(x[a:b], w, 1e-6, backend=backend)
-            assert torch.equal(full[a:b], part), f"{backend}: rows [{a}, {b}) of T={T} differ"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["auto", "triton"])
-@pytest.mark.parametrize(("T", "D"), [(1, 7168), (64, 4096), (513, 7168)])
-def test_optimized_rms_norm_cuda_graph_replay_equals_eager(backend: str, T: int, D: int) -> None:
-    x, w = _norm_inputs(T, D, torch.bfloat16, "cuda", seed=0)
-    out = opt.rms_norm(x, w, 1e-6, backend=backend)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        opt.rms_norm(x, w, 1e-6, out=out, backend=backend)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.rms_norm(x, w, 1e-6, out=out, backend=backend)
-    for seed in (1, 2):
-        xn, wn = _norm_inputs(T, D, torch.bfloat16, "cuda", seed=seed)
-        x.copy_(xn)
-        w.copy_(wn)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, opt.rms_norm(xn, wn, 1e-6, backend=backend))
 
 
 @pytest.mark.gpu

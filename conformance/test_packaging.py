@@ -69,6 +69,7 @@ def test_wheel_contents_and_metadata(wheel: Path) -> None:
         "dsv4mtp/conformance/plugin.py",
         "dsv4mtp/docs/semantics.md",  # the installed suite checks the presets table in it
         "dsv4mtp/conformance/test_norm.py",
+        "dsv4mtp/conformance/test_contract.py",
     ):
         assert module in names, f"{module} missing from {wheel.name}"
     top = {n.split("/")[0] for n in names}
@@ -123,7 +124,7 @@ def test_suite_runs_from_the_installed_wheel(wheel: Path, tmp_path: Path) -> Non
     # -S: no .pth files, so neither the checkout (editable finder) nor its conformance/ is
     # importable; the working directory (tmp_path, which holds my_kernels) comes first as usual.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site_dir), *_third_party_paths()])}
-    subset = ["-k", "test_norm and (differential and float32 or rejects)"]
+    subset = ["-k", "rms_norm-impl-float32-math or test_norm and rejects"]
     impl = ["--impl", "rms_norm=my_kernels:rms_norm"]
     out = subprocess.run(
         [sys.executable, "-S", *INSTALLED_SUITE.split()[1:], *subset, *impl, "-v"],
@@ -135,11 +136,15 @@ def test_suite_runs_from_the_installed_wheel(wheel: Path, tmp_path: Path) -> Non
     )
     log = out.stdout[-4000:] + out.stderr[-2000:]
     assert out.returncode == 0, log
-    # Node ids are relative to the working directory: site/dsv4mtp/conformance/test_norm.py::...
+    # Node ids are relative to the working directory: site/dsv4mtp/conformance/test_*.py::...
     passed = [line for line in out.stdout.splitlines() if " PASSED" in line]
     assert passed, log
-    assert all(line.startswith("site/dsv4mtp/conformance/test_norm.py::") for line in passed), log
-    assert any("test_differential[rms_norm-float32]" in line for line in passed), log
+    here = (
+        "site/dsv4mtp/conformance/test_norm.py::",
+        "site/dsv4mtp/conformance/test_contract.py::",
+    )
+    assert all(line.startswith(here) for line in passed), log
+    assert any("test_differential[rms_norm-impl-float32-math]" in line for line in passed), log
     ran = (tmp_path / "impl-called").read_text()
     assert Path(ran).is_relative_to(site_dir), f"--impl ran against {ran}, not the wheel"
 

@@ -1,8 +1,10 @@
-"""Meta-tests: every optimized op has a registered pair, every pair has a test, and signatures
-match the reference (extra keyword-only arguments allowed, renames not)."""
+"""Meta-tests: every optimized op has a registered pair, every (op, backend) its generated contract
+tests, a new backend needs only its dispatch-table line, and signatures match the reference
+(extra keyword-only arguments allowed, renames not)."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import subprocess
@@ -10,12 +12,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import dsv4mtp.conformance.pairs  # noqa: F401  (declares the pairs)
 import dsv4mtp.optimized as optimized
 import dsv4mtp.reference as reference
+from dsv4mtp.conformance.contract import contracts
+from dsv4mtp.conformance.inputs import op_inputs
 from dsv4mtp.conformance.plugin import SOURCE_ROOT
-from dsv4mtp.conformance.registry import REGISTRY
+from dsv4mtp.conformance.registry import REGISTRY, Case
+from dsv4mtp.optimized import _dispatch
+from dsv4mtp.semantics import PRESETS
 
 # The suite's folder: conformance/ in a checkout, dsv4mtp/conformance/ when installed.
 HERE = Path(__file__).resolve().parent
@@ -98,35 +105,99 @@ def _pytest(tmp: Path, module: str, *args: str) -> subprocess.CompletedProcess[s
     )
 
 
-def _collected_ids(request: pytest.FixtureRequest, concept: str, tmp: Path) -> list[str]:
-    path = (HERE / f"test_{concept}.py").resolve()
+def _collected_ids(request: pytest.FixtureRequest, module: str, tmp: Path) -> list[str]:
+    path = (HERE / f"{module}.py").resolve()
     ids = [item.nodeid for item in request.session.items if item.path.resolve() == path]
     if ids:
         return ids
-    out = _pytest(tmp, f"test_{concept}", "--collect-only", "-q")
+    out = _pytest(tmp, module, "--collect-only", "-q")
     # One module collected: every node id is its (outside the rootdir the file part is empty).
     return [line for line in out.stdout.splitlines() if "::" in line]
 
 
-def test_every_pair_has_a_differential_test(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+# The generated tests and what each is parametrized over (conformance/contract.py KINDS).
+CONTRACT_TESTS = {
+    "test_differential": "case",
+    "test_empty_batch": "case",
+    "test_out_is_written": "case",
+    "test_batch_invariance": "case",
+    "test_graph_replay_equals_eager": "case",
+    "test_typed_error": "backend",
+}
+
+
+def test_every_backend_has_its_contract_tests(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Every (op, backend, dtype, preset) the registry and the dispatch tables declare has each
+    generated test collected, and nothing else is generated."""
+    ids = _collected_ids(request, "test_contract", tmp_path)
+    for test, kind in CONTRACT_TESTS.items():
+        want = {c.id for c in contracts(kind)}
+        got = {i.rpartition("[")[2].split("]")[0] for i in ids if f"::{test}[" in i}
+        # The graph test adds its own (T, D) parameters after the contract's id.
+        got = {g.rsplit("-", 2)[0] if test == "test_graph_replay_equals_eager" else g for g in got}
+        assert got == want, f"{test}: missing {sorted(want - got)}, unexpected {sorted(got - want)}"
+    backends = {(c.pair.name, c.backend) for c in contracts("backend")}
     for pair in REGISTRY.values():
-        assert (HERE / f"test_{pair.concept}.py").exists(), (
-            f"{pair.name}: no conformance/test_{pair.concept}.py"
-        )
-        ids = _collected_ids(request, pair.concept, tmp_path)
-        for dtype in pair.tolerances:
-            tag = f"test_differential[{pair.name}-{str(dtype).removeprefix('torch.')}]"
-            assert any(i.endswith(tag) for i in ids), f"{pair.name}: no collected test {tag}"
+        for backend in _dispatch.backend_names(pair.name):
+            assert (pair.name, backend) in backends, f"{pair.name}: backend {backend} untested"
+
+
+def test_a_new_backend_is_one_table_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adding a ``Backend(...)`` to an op's table in optimized/_dispatch.py is all it takes for
+    that backend's contract tests to be generated (every dtype and preset of the op, and a
+    typed-error test), each skipped with the backend's own reason where it does not apply."""
+    table = _dispatch.TABLES["hc_post"]
+    new = _dispatch.Backend("cutlass", lambda facts: "needs the (imaginary) cutlass kernels")
+    monkeypatch.setitem(
+        _dispatch.TABLES, "hc_post", dataclasses.replace(table, backends=(*table.backends, new))
+    )
+    generated = [c for c in contracts("case") if c.backend == "cutlass"]
+    assert [c.id for c in generated] == [
+        "hc_post-cutlass-bfloat16-math",
+        "hc_post-cutlass-float32-math",
+    ]
+    assert [c.id for c in contracts("backend") if c.backend == "cutlass"] == [
+        "hc_post-cutlass-bfloat16-math"
+    ]
+    assert generated[0].skip_reason("cpu") == (
+        "hc_post backend 'cutlass' does not apply to bfloat16 (preset math) on cpu: "
+        "it needs the (imaginary) cutlass kernels"
+    )
 
 
 def test_every_pair_declares_a_reasoned_tolerance() -> None:
+    presets = set(PRESETS)
     for pair in REGISTRY.values():
         assert pair.tolerances, f"{pair.name}: no dtype declared"
-        for dtype, tol in pair.tolerances.items():
+        assert (pair.dtypes()[0], "math") in pair.tolerances, f"{pair.name}: no math tolerance"
+        for (dtype, preset), tol in pair.tolerances.items():
+            assert preset in presets, f"{pair.name}/{dtype}: unknown preset {preset!r}"
             assert 0 < tol.rel < 1 and 0 < tol.max_abs < 1, (
-                f"{pair.name}/{dtype}: tolerance out of range"
+                f"{pair.name}/{dtype}/{preset}: tolerance out of range"
             )
-            assert len(tol.why) > 10, f"{pair.name}/{dtype}: say why the tolerance is what it is"
+            assert len(tol.why) > 10, (
+                f"{pair.name}/{dtype}/{preset}: say why the tolerance is what it is"
+            )
+            if not PRESETS[preset].act_quant:
+                assert tol.step_flips == 0, f"{pair.name}/{preset}: e4m3 flips without act_quant"
+
+
+def test_builder_is_the_one_behind_each_pair() -> None:
+    """Each pair's deterministic call is the shared builder's (conformance/inputs.py), and its
+    facts are the ones the op dispatches on: the builder's call runs on the op's auto backend."""
+    for pair in REGISTRY.values():
+        args, kw = op_inputs(pair.name, 3, 64, seed=7, dtype=torch.float32, device="cpu")
+        built = pair.build(3, 64, torch.float32, "cpu", 7)
+        assert all(torch.equal(a, b) for a, b in zip(args, built[0], strict=True)), pair.name
+        assert kw == built[1], pair.name
+        facts = pair.facts(Case(args, kw))
+        assert facts.device == torch.device("cpu") and torch.float32 in facts.dtypes, pair.name
+
+
+# The differential tests of rms_norm in float32; with --impl for rms_norm, one per preset.
+_IMPL_SUBSET = "differential and rms_norm and float32"
 
 
 def wrong_rms_norm(x, weight, eps, *, order="official"):  # type: ignore[no-untyped-def]
@@ -139,12 +210,12 @@ def test_impl_option_swaps_in_a_third_party_implementation(tmp_path: Path) -> No
     implementation fails the same differential test."""
 
     def run(spec: str) -> subprocess.CompletedProcess[str]:
-        return _pytest(
-            tmp_path, "test_norm", "-q", "-k", "differential and float32", "--impl", spec
-        )
+        return _pytest(tmp_path, "test_contract", "-q", "-k", _IMPL_SUBSET, "--impl", spec)
 
     good = run("rms_norm=dsv4mtp.reference:rms_norm")
     assert good.returncode == 0, good.stdout[-2000:] + good.stderr[-2000:]
+    # The third-party function replaces every backend: one test per (dtype, preset), no more.
+    assert "2 passed" in good.stdout, good.stdout[-2000:]
     # This module by its installed name, which a checkout's editable install provides too.
     bad = run("rms_norm=dsv4mtp.conformance.test_registry:wrong_rms_norm")
     assert bad.returncode == 1, bad.stdout[-2000:]
@@ -166,7 +237,7 @@ def test_impl_option_swaps_in_a_third_party_implementation(tmp_path: Path) -> No
 )
 def test_impl_option_typo_is_a_usage_error(spec: str, message: str, tmp_path: Path) -> None:
     """A mistyped ``--impl`` stops pytest before any test runs (exit code 4, usage error)."""
-    out = _pytest(tmp_path, "test_norm", "-q", "-k", "differential and float32", "--impl", spec)
+    out = _pytest(tmp_path, "test_contract", "-q", "-k", _IMPL_SUBSET, "--impl", spec)
     log = out.stdout[-2000:] + out.stderr[-2000:]
     assert out.returncode == pytest.ExitCode.USAGE_ERROR, log
     assert f"--impl {spec!r}: {message}" in out.stderr, log

@@ -7,8 +7,10 @@ conformance suite generates that backend's contract tests from :func:`backend_na
 
 The checks read :class:`Facts`, the few properties of a validated call that decide which
 kernels can run it (device, dtypes, stream count, eps, whether FlashInfer imports).  They never
-read T: ``auto`` picks the same backend for every batch size, so a token's bits do not depend on
-its batch (``batch_invariant`` is then free; ops whose default picks by T say so).
+read T.  ``auto`` may read T through an op's ``by_T`` rule, and only when the call passes
+``batch_invariant=False``: the op then puts T in its Facts; with ``batch_invariant=True`` Facts
+carry ``T=None`` and every choice is the same for every batch size, so a token's bits do not
+depend on its batch.  Today only ``hc_head`` has a ``by_T`` rule (:data:`HEAD_MMA_MIN_T`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,18 @@ import torch
 
 from dsv4mtp.errors import InputError
 
-from .kernels._launch import flashinfer_mhc, flashinfer_norm
+from .kernels._flashinfer import flashinfer_mismatch
 
-__all__ = ["TABLES", "Backend", "Facts", "OpTable", "backend_names", "requirement", "select"]
+__all__ = [
+    "HEAD_MMA_MIN_T",
+    "TABLES",
+    "Backend",
+    "Facts",
+    "OpTable",
+    "backend_names",
+    "requirement",
+    "select",
+]
 
 _FI_HC = 4  # FlashInfer's mHC kernels are compiled for 4 streams only
 
@@ -34,6 +45,8 @@ class Facts:
     dtypes: the dtypes of the tensors a kernel reads (for FlashInfer all must be bf16);
     n, D: streams and hidden size (mHC ops; 0 elsewhere); eps: the eps arguments;
     order: the RMSNorm order (rms_norm only); has_weight: rms_norm has a weight.
+    T: the batch size, given only by a call with ``batch_invariant=False`` (else None); read by
+    an op's ``by_T`` rule, never by a requirement check.
     """
 
     device: torch.device
@@ -43,6 +56,7 @@ class Facts:
     eps: tuple[float, ...] = ()
     order: str = "official"
     has_weight: bool = True
+    T: int | None = None
 
 
 @dataclass(frozen=True)
@@ -55,11 +69,16 @@ class Backend:
 
 @dataclass(frozen=True)
 class OpTable:
-    """An op's backends (every explicit choice) and the order ``"auto"`` tries them in."""
+    """An op's backends (every explicit choice) and the order ``"auto"`` tries them in.
+
+    ``by_T`` (optional): auto's pick by batch size, tried first when the Facts carry T; it
+    returns a backend name or None (then the ``auto`` order decides).
+    """
 
     op: str
     backends: tuple[Backend, ...]
     auto: tuple[str, ...]
+    by_T: Callable[[Facts], str | None] | None = None
 
     def backend(self, name: str) -> Backend:
         for b in self.backends:
@@ -91,8 +110,8 @@ def _flashinfer_mhc(facts: Facts) -> str | None:
         reason = f"needs D % 8 == 0, got D = {facts.D}"
     if reason is None and not all(e > 0 for e in facts.eps):
         reason = f"needs eps > 0, got {facts.eps}"
-    if reason is None and flashinfer_mhc() is None:
-        reason = "needs an importable flashinfer (the gpu extra)"
+    if reason is None:
+        reason = flashinfer_mismatch()
     return reason
 
 
@@ -104,9 +123,21 @@ def _flashinfer_norm(facts: Facts) -> str | None:
         reason = "needs a weight"
     if reason is None and facts.order != "official":
         reason = f"computes order='official' only, got {facts.order!r}"
-    if reason is None and flashinfer_norm() is None:
-        reason = "needs an importable flashinfer (the gpu extra)"
+    if reason is None:
+        reason = flashinfer_mismatch("norm")
     return reason
+
+
+# hc_head's default (batch_invariant=False) runs the tensor-core collapse from this T on and the
+# FMA kernel below it; None keeps the FMA kernel at every T.  Set from the crossover printed by
+# bench/h200_overhead.py's hc_head sweep (triton_fma vs triton_mma over T, D 4096 and 7168).
+HEAD_MMA_MIN_T: int | None = None
+
+
+def _head_by_T(facts: Facts) -> str | None:
+    if HEAD_MMA_MIN_T is not None and facts.T is not None and facts.T >= HEAD_MMA_MIN_T:
+        return "triton_mma"
+    return None
 
 
 # The auto orders are measured on the H200 (bench/results/mhc-h200.md, norm-h200.md).  hc_pre:
@@ -138,6 +169,7 @@ TABLES: dict[str, OpTable] = {
         "hc_head",
         (Backend("triton_fma", _always), Backend("triton_mma", _always)),
         auto=("triton_fma",),
+        by_T=_head_by_T,
     ),
 }
 
@@ -153,13 +185,18 @@ def requirement(op: str, backend: str, facts: Facts) -> str | None:
 
 
 def select(op: str, backend: str, facts: Facts) -> str:
-    """The backend that runs the call: ``backend`` itself, checked, or auto's first that applies.
+    """The backend that runs the call: ``backend`` itself, checked, or auto's pick: the op's
+    ``by_T`` rule where the Facts carry T, else the first of its auto order that applies.
 
     The one error path: an unknown name or a backend that does not apply is an
     :class:`InputError` naming the op, the backend and the reason.
     """
     table = TABLES[op]
     if backend == "auto":
+        if facts.T is not None and table.by_T is not None:
+            name = table.by_T(facts)
+            if name is not None and table.backend(name).requires(facts) is None:
+                return name
         for name in table.auto:
             if table.backend(name).requires(facts) is None:
                 return name

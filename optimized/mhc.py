@@ -10,8 +10,12 @@ barrier and each turns its share of the partials into gates, and after a second 
 program re-reads its piece (from L2, where it still is) to write the weighted sum.
 hc_pre can instead feed FlashInfer's consumer from a split-K mix producer (kernels/mhc_mix.py).
 hc_head has a latency-first kernel for the small T at which MTP calls it (kernels/mhc_head.py).
-Backends (``backend="auto"`` picks the first that applies; every choice depends on dtype, n and
-D only, never on T, so a token's result does not depend on its batch):
+Each public function validates its arguments, chooses the backend (optimized/_dispatch.py) and
+calls the operator ``torch.ops.dsv4mtp.<op>`` (or ``<op>_out`` when given ``out``;
+optimized/_ops.py), which runs it.  Backends (``backend="auto"`` picks the first that applies
+by dtype, n and D; hc_head's default may also pick by T, see ``_dispatch.HEAD_MMA_MIN_T``, and
+``batch_invariant=True`` keeps every choice independent of T, so a token's result does not
+depend on its batch):
 
 * ``hc_pre``  - n = 4, bf16, CUDA: ``PRE_AUTO_BACKEND`` (picked by measurement on the H200,
   bench/results/): the Triton collapse, or the mix producer feeding FlashInfer's
@@ -27,36 +31,22 @@ with our own ``out`` buffers and V4's multiplier, and return ``(layer_input, pos
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from dsv4mtp.checks import check_eps, check_ndim, check_shape
+from dsv4mtp.checks import check_eps, check_instance, check_ndim, check_shape
 from dsv4mtp.errors import InputError
 
+from . import _ops
 from ._dispatch import TABLES, Facts, select
-from .kernels._launch import (
-    check_device,
-    check_kernel_dtype,
-    check_out,
-    flashinfer_mhc,
-    triton_kernel,
-)
+from .kernels._launch import check_device, check_kernel_dtype, check_out
 
 if TYPE_CHECKING:
-    from .kernels.mhc_collapse import CollapseConfig, mhc_collapse
-    from .kernels.mhc_head import mhc_head_fma
-    from .kernels.mhc_mix import MixConfig, mhc_mix_splitk, mix_config
-    from .kernels.mhc_post import mhc_post_triton
-else:
-    # Imported on first use: triton is optional (the `gpu` extra), `import dsv4mtp.optimized`
-    # works without it, and a call that needs it says what to install.
-    mhc_collapse = triton_kernel("mhc_collapse", "mhc_collapse")
-    mhc_head_fma = triton_kernel("mhc_head", "mhc_head_fma")
-    mhc_mix_splitk = triton_kernel("mhc_mix", "mhc_mix_splitk")
-    mix_config = triton_kernel("mhc_mix", "mix_config")
-    mhc_post_triton = triton_kernel("mhc_post", "mhc_post_triton")
+    from .kernels.mhc_collapse import CollapseConfig
+    from .kernels.mhc_mix import MixConfig
 
 __all__ = [
     "HEAD_AUTO_BACKEND",
@@ -90,6 +80,23 @@ class CollapseSchedule:
     mix: MixConfig | None = None
 
 
+def _schedule(schedule: CollapseSchedule | None) -> tuple[Sequence[int], Sequence[int]]:
+    if schedule is None:
+        return _ops.NO_SCHEDULE, _ops.NO_SCHEDULE
+    check_instance("schedule", schedule, CollapseSchedule)
+    return _ops.schedule_fields(schedule.collapse, schedule.mix)
+
+
+# The operators (optimized/_ops.py), looked up once: the public functions validate and choose the
+# backend, the operators run it.
+_ops_hc_pre = torch.ops.dsv4mtp.hc_pre.default
+_ops_hc_pre_out = torch.ops.dsv4mtp.hc_pre_out.default
+_ops_hc_post = torch.ops.dsv4mtp.hc_post.default
+_ops_hc_post_out = torch.ops.dsv4mtp.hc_post_out.default
+_ops_hc_head = torch.ops.dsv4mtp.hc_head.default
+_ops_hc_head_out = torch.ops.dsv4mtp.hc_head_out.default
+
+
 def _check_streams(x: torch.Tensor) -> tuple[int, int, int]:
     check_kernel_dtype("x", x)
     check_ndim("x", x, 3)
@@ -107,59 +114,6 @@ def _check_params(
     check_shape("base", base, (rows,))
 
 
-def _collapse(
-    x: torch.Tensor,
-    fn: torch.Tensor,
-    scale32: torch.Tensor,
-    base32: torch.Tensor,
-    out: torch.Tensor,
-    post: torch.Tensor | None,
-    comb: torch.Tensor | None,
-    *,
-    rms_norm_eps: float,
-    hc_eps: float,
-    post_mult: float,
-    sinkhorn_iters: int,
-    consumer: str,
-    schedule: CollapseSchedule | None,
-) -> None:
-    """Run one backend on validated, contiguous inputs (T > 0).
-
-    "triton": the one-pass collapse kernel.  "flashinfer" / "flashinfer_prenorm": the split-K
-    mix producer, then FlashInfer's ``mhc_pre_big_fuse`` (S partials and square sums) or
-    ``mhc_pre_big_fuse_with_prenorm`` (one K split; it computes the square sum itself).
-    """
-    sched = schedule or CollapseSchedule()
-    if consumer == "triton":
-        mhc_collapse(
-            x, fn, scale32, base32, out,
-            rms_norm_eps=rms_norm_eps, hc_eps=hc_eps, post=post, comb=comb,
-            post_mult=post_mult, sinkhorn_iters=sinkhorn_iters, cfg=sched.collapse,
-        )  # fmt: skip
-        return
-    assert post is not None and comb is not None
-    T = x.shape[0]
-    M, K = fn.shape
-    mcfg = sched.mix or mix_config(M, K)
-    if consumer == "flashinfer_prenorm":
-        mcfg = replace(mcfg, num_splits=1)
-    S = mcfg.num_splits
-    mix, sq = mhc_mix_splitk(x.view(T, K), fn, mcfg)
-    fi = flashinfer_mhc()
-    assert fi is not None
-    module = fi.get_mhc_module()
-    scalars = (float(rms_norm_eps), float(hc_eps), float(hc_eps), float(post_mult))
-    if consumer == "flashinfer":
-        module.mhc_pre_big_fuse(
-            post, comb, out, mix[0] if S == 1 else mix, sq[0] if S == 1 else sq, x,
-            scale32, base32, K, *scalars, int(sinkhorn_iters), S, 0,
-        )  # fmt: skip
-    else:
-        module.mhc_pre_big_fuse_with_prenorm(
-            post, comb, out, mix[0], x, scale32, base32, *scalars, int(sinkhorn_iters), 0
-        )
-
-
 # ----------------------------------------------------------------------------------- hc_pre
 def hc_pre(
     x: torch.Tensor,
@@ -171,6 +125,7 @@ def hc_pre(
     hc_eps: float,
     sinkhorn_iters: int,
     post_mult: float = 2.0,
+    batch_invariant: bool = False,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     backend: PreBackend = "auto",
     schedule: CollapseSchedule | None = None,
@@ -184,7 +139,10 @@ def hc_pre(
     FlashInfer ``mhc_pre_big_fuse``), "flashinfer_prenorm" (producer with one split +
     ``mhc_pre_big_fuse_with_prenorm``), or "auto" (``PRE_AUTO_BACKEND`` where FlashInfer
     applies, else "triton").
+    ``batch_invariant=True`` pins a schedule that does not depend on T; "auto" picks by dtype,
+    n and D only, so the default is batch invariant too.
     """
+    check_instance("batch_invariant", batch_invariant, bool)
     T, n, D = _check_streams(x)
     M = (2 + n) * n
     _check_params(fn, scale, base, M, n * D, 3)
@@ -198,9 +156,7 @@ def hc_pre(
     check_eps("hc_eps", hc_eps)
     dev = check_device([("x", x), ("fn", fn), ("scale", scale), ("base", base)])
     shapes = (((T, D), x.dtype), ((T, n), torch.float32), ((T, n, n), torch.float32))
-    if out is None:
-        li, post, comb = (torch.empty(s, dtype=dt, device=dev) for s, dt in shapes)
-    else:
+    if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise InputError("out: expected a 3-tuple (layer_input, post, comb)")
         li, post, comb = (
@@ -209,14 +165,15 @@ def hc_pre(
         )
     facts = Facts(dev, (x.dtype,), n=n, D=D, eps=(rms_norm_eps, hc_eps))
     choice = select("hc_pre", backend, facts)
-    if T == 0:
-        return li, post, comb
-    _collapse(
-        x.contiguous(), fn.contiguous(), scale.to(torch.float32).contiguous(),
-        base.to(torch.float32).contiguous(), li, post, comb,
-        rms_norm_eps=rms_norm_eps, hc_eps=hc_eps, post_mult=post_mult,
-        sinkhorn_iters=sinkhorn_iters, consumer=choice, schedule=schedule,
+    collapse, mix = _schedule(schedule)
+    args = (
+        x, fn, scale, base, float(rms_norm_eps), float(hc_eps), sinkhorn_iters, float(post_mult),
+        choice, collapse, mix,
     )  # fmt: skip
+    if out is None:
+        li, post, comb = _ops_hc_pre(*args)
+    else:
+        _ops_hc_pre_out(*args, layer_input=li, post=post, comb=comb)
     return li, post, comb
 
 
@@ -227,13 +184,17 @@ def hc_post(
     post: torch.Tensor,
     comb: torch.Tensor,
     *,
+    batch_invariant: bool = False,
     out: torch.Tensor | None = None,
     backend: PostBackend = "auto",
 ) -> torch.Tensor:
     """``out[:, k] = post[:, k] * f + sum_j comb[:, j, k] * residual[:, j]`` in residual.dtype.
 
     f: (T, D); residual: (T, n, D); post: (T, n); comb: (T, n, n) [source j, destination k].
+    ``batch_invariant=True`` pins a schedule that does not depend on T; both backends compute
+    each token on its own, so the default is batch invariant too.
     """
+    check_instance("batch_invariant", batch_invariant, bool)
     check_kernel_dtype("residual", residual)
     check_ndim("residual", residual, 3)
     T, n, D = residual.shape
@@ -245,21 +206,10 @@ def hc_post(
     dev = check_device([("residual", residual), ("f", f), ("post", post), ("comb", comb)])
     choice = select("hc_post", backend, Facts(dev, (f.dtype, residual.dtype), n=n, D=D))
     if out is None:
-        out = torch.empty((T, n, D), dtype=residual.dtype, device=dev)
-    else:
-        check_out("out", out, (T, n, D), residual.dtype, dev)
-    if T == 0:
-        return out
-    f = f.contiguous()
-    residual = residual.contiguous()
-    post32 = post.to(torch.float32).contiguous()
-    comb32 = comb.to(torch.float32).contiguous()
-    if choice == "flashinfer":
-        fi = flashinfer_mhc()
-        assert fi is not None
-        fi.get_mhc_module().mhc_post(out, f, residual, post32, comb32)
-        return out
-    return mhc_post_triton(f, residual, post32, comb32, out)
+        return _ops_hc_post(f, residual, post, comb, choice)
+    check_out("out", out, (T, n, D), residual.dtype, dev)
+    _ops_hc_post_out(f, residual, post, comb, choice, out=out)
+    return out
 
 
 # ----------------------------------------------------------------------------------- hc_head
@@ -271,6 +221,7 @@ def hc_head(
     *,
     rms_norm_eps: float,
     hc_eps: float,
+    batch_invariant: bool = False,
     out: torch.Tensor | None = None,
     backend: HeadBackend = "auto",
     schedule: CollapseSchedule | None = None,
@@ -280,35 +231,27 @@ def hc_head(
     fn: (n, n*D); scale: (1,); base: (n,).  No FlashInfer kernel exists for it on sm_90.
     backend: "triton_fma" (kernels/mhc_head.py: one memory round trip per 4-token tile, fp32
     FMA mix; the fastest at T <= 64, where MTP calls it), "triton_mma" (the tensor-core
-    collapse, kernels/mhc_collapse.py: faster at T >= 512), or "auto" = "triton_fma".
-    ``schedule`` tunes "triton_mma" only.
+    collapse, kernels/mhc_collapse.py: faster at T >= 512), or "auto".
+    ``schedule`` tunes "triton_mma" only.  With ``batch_invariant=False`` (the default) "auto"
+    runs "triton_mma" from ``_dispatch.HEAD_MMA_MIN_T`` tokens on when that is set;
+    ``batch_invariant=True`` keeps "auto" on "triton_fma" at every T.
     """
+    check_instance("batch_invariant", batch_invariant, bool)
     T, n, D = _check_streams(x)
     _check_params(fn, scale, base, n, n * D, 1)
     check_eps("rms_norm_eps", rms_norm_eps)
     check_eps("hc_eps", hc_eps)
     dev = check_device([("x", x), ("fn", fn), ("scale", scale), ("base", base)])
-    choice = select(
-        "hc_head", backend, Facts(dev, (x.dtype,), n=n, D=D, eps=(rms_norm_eps, hc_eps))
+    facts = Facts(
+        dev, (x.dtype,), n=n, D=D, eps=(rms_norm_eps, hc_eps), T=None if batch_invariant else T
     )
+    choice = select("hc_head", backend, facts)
     if schedule is not None and choice != "triton_mma":
         raise InputError(f"schedule: only the 'triton_mma' backend takes one, not {choice!r}")
+    collapse, _ = _schedule(schedule)
+    args = (x, fn, scale, base, float(rms_norm_eps), float(hc_eps), choice, collapse)
     if out is None:
-        out = torch.empty((T, D), dtype=x.dtype, device=dev)
-    else:
-        check_out("out", out, (T, D), x.dtype, dev)
-    if T == 0:
-        return out
-    args = (
-        x.contiguous(), fn.contiguous(), scale.to(torch.float32).contiguous(),
-        base.to(torch.float32).contiguous(), out,
-    )  # fmt: skip
-    if choice == "triton_fma":
-        mhc_head_fma(*args, rms_norm_eps=rms_norm_eps, hc_eps=hc_eps)
-        return out
-    _collapse(
-        *args, None, None,
-        rms_norm_eps=rms_norm_eps, hc_eps=hc_eps, post_mult=1.0, sinkhorn_iters=1,
-        consumer="triton", schedule=schedule,
-    )  # fmt: skip
+        return _ops_hc_head(*args)
+    check_out("out", out, (T, D), x.dtype, dev)
+    _ops_hc_head_out(*args, out=out)
     return out

@@ -8,28 +8,22 @@ bench/results/norm-h200.md).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
-from dsv4mtp.checks import check_eps, check_shape
+from dsv4mtp.checks import check_eps, check_instance, check_shape
 from dsv4mtp.errors import InputError
 from dsv4mtp.semantics import NormOrder
 
+from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
 from ._dispatch import Facts, select
-from .kernels._launch import (
-    check_device,
-    check_kernel_dtype,
-    check_out,
-    flashinfer_norm,
-    triton_kernel,
-)
+from .kernels._launch import check_device, check_kernel_dtype, check_out
 
-if TYPE_CHECKING:
-    from .kernels.rms_norm import rms_norm_triton
-else:
-    # Imported on first use: triton is optional (the `gpu` extra; see optimized/mhc.py).
-    rms_norm_triton = triton_kernel("rms_norm", "rms_norm_triton")
+# The operators (optimized/_ops.py), looked up once: rms_norm validates and chooses the backend,
+# the operator runs it.
+_ops_rms_norm = torch.ops.dsv4mtp.rms_norm.default
+_ops_rms_norm_out = torch.ops.dsv4mtp.rms_norm_out.default
 
 __all__ = ["rms_norm"]
 
@@ -42,6 +36,7 @@ def rms_norm(
     eps: float,
     *,
     order: NormOrder = "official",
+    batch_invariant: bool = False,
     out: torch.Tensor | None = None,
     backend: NormBackend = "auto",
 ) -> torch.Tensor:
@@ -50,7 +45,11 @@ def rms_norm(
     x: (..., D) bf16 / fp32; weight: (D,) bf16 / fp32 or None.  ``out`` (same shape and dtype as
     x, contiguous) is written in place and returned.  ``backend="flashinfer"`` (bf16 x and weight,
     official order, CUDA) calls FlashInfer's ``rmsnorm``; "auto" and "triton" the Triton kernel.
+    ``batch_invariant=True`` pins a schedule that does not depend on the number of rows; every
+    rms_norm backend already reduces each row in one program, so the default is batch invariant
+    too.
     """
+    check_instance("batch_invariant", batch_invariant, bool)
     check_kernel_dtype("x", x)
     if weight is not None:
         check_kernel_dtype("weight", weight)
@@ -66,19 +65,7 @@ def rms_norm(
     if x.dim() == 0:
         raise InputError("x: expected at least 1 dimension, got a scalar")
     if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=dev)
-    else:
-        check_out("out", out, tuple(x.shape), x.dtype, dev)
-    D = x.shape[-1]
-    if x.numel() == 0:
-        return out
-    x2d = x.contiguous().view(-1, D)
-    out2d = out.view(-1, D)
-    w = weight.contiguous() if weight is not None else None
-    if choice == "flashinfer":
-        fi = flashinfer_norm()
-        assert fi is not None
-        fi.rmsnorm(x2d, w, eps, out=out2d, enable_pdl=False)
-        return out
-    rms_norm_triton(x2d, w, eps, out2d, vllm_order=(order == "vllm"))
+        return _ops_rms_norm(x, weight, float(eps), order, choice)
+    check_out("out", out, tuple(x.shape), x.dtype, dev)
+    _ops_rms_norm_out(x, weight, float(eps), order, choice, out=out)
     return out

@@ -16,6 +16,7 @@ from dsv4mtp.checks import (
     FLOAT_DTYPES,
     check_dtype,
     check_eps,
+    check_instance,
     check_int,
     check_ndim,
     check_shape,
@@ -80,6 +81,7 @@ def hc_pre(
     hc_eps: float,
     sinkhorn_iters: int,
     post_mult: float = 2.0,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Collapse n streams into one sublayer input.
 
@@ -87,7 +89,9 @@ def hc_pre(
     scale: (3,) = [s_pre, s_post, s_comb]; base: (M,).
     Returns ``layer_input (T, D)`` in x.dtype, ``post (T, n)`` and ``comb (T, n, n)`` in the
     compute dtype, ``comb[t, j, k]`` moving source stream j into destination stream k.
+    ``batch_invariant`` changes nothing: the reference is batch invariant by construction.
     """
+    check_instance("batch_invariant", batch_invariant, bool)
     T, n, D = _check_streams(x)
     M = (2 + n) * n
     _check_params(fn, scale, base, M, n * D, 3)
@@ -109,14 +113,21 @@ def hc_pre(
 
 
 def hc_post(
-    f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    f: torch.Tensor,
+    residual: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    *,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Write a sublayer output back into the streams.
 
     f: (T, D) sublayer output; residual: (T, n, D) the streams that entered hc_pre;
     post: (T, n); comb: (T, n, n) indexed [source j, destination k].
     ``out[:, k] = post[:, k] * f + sum_j comb[:, j, k] * residual[:, j]``; returns residual.dtype.
+    ``batch_invariant`` changes nothing: the reference is batch invariant by construction.
     """
+    check_instance("batch_invariant", batch_invariant, bool)
     check_dtype("residual", residual, FLOAT_DTYPES)
     check_ndim("residual", residual, 3)
     T, n, D = residual.shape
@@ -142,12 +153,15 @@ def hc_head(
     *,
     rms_norm_eps: float,
     hc_eps: float,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Collapse the n streams before the LM head: (T, n, D) -> (T, D) in x.dtype.
 
     fn: (n, n*D); scale: (1,); base: (n,).  The RMS factor only scales the gate logits; the
     weighted sum uses the un-normalized streams.  No post multiplier, no Sinkhorn.
+    ``batch_invariant`` changes nothing: the reference is batch invariant by construction.
     """
+    check_instance("batch_invariant", batch_invariant, bool)
     T, n, D = _check_streams(x)
     _check_params(fn, scale, base, n, n * D, 1)
     check_eps("rms_norm_eps", rms_norm_eps)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from dsv4mtp.checks import FLOAT_DTYPES, check_dtype, check_eps, check_shape, compute_dtype
+from dsv4mtp.checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_eps,
+    check_instance,
+    check_shape,
+    compute_dtype,
+)
 from dsv4mtp.errors import InputError
 from dsv4mtp.semantics import NormOrder
 
@@ -17,6 +24,7 @@ def rms_norm(
     eps: float,
     *,
     order: NormOrder = "official",
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """``y = w * x * rsqrt(mean(x**2, -1) + eps)`` over the last dim; returns ``x.dtype``.
 
@@ -25,7 +33,10 @@ def rms_norm(
     dtype and casts once (DeepSeek's ``RMSNorm``); ``order="vllm"`` casts the normalized value to
     ``x.dtype`` first and multiplies by the weight in ``x.dtype`` (one extra rounding, vLLM's
     ``forward_native``).
+    ``batch_invariant`` changes nothing here: every row is computed on its own, so a token's bits
+    never depend on its batch (the flag exists so both implementations share one signature).
     """
+    check_instance("batch_invariant", batch_invariant, bool)
     check_dtype("x", x, FLOAT_DTYPES)
     if weight is not None:
         check_dtype("weight", weight, FLOAT_DTYPES)

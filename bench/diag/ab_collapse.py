@@ -17,13 +17,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diag.ab_common import call_factory
-from h200_mhc import make_inputs
 
+from dsv4mtp.conformance.inputs import op_inputs
 from dsv4mtp.optimized.kernels.mhc_collapse import mhc_collapse
 
 
 def outputs(collapse, op: str, T: int, D: int) -> list[torch.Tensor]:
-    (x, *params), kw = make_inputs(op, T, D, seed=T + D)
+    (x, *params), kw = op_inputs(op, T, D, seed=T + D)
     call, outs = call_factory(collapse, op, x, params, kw)
     call()
     return outs

@@ -6,8 +6,9 @@ outputs with the committed kernel's.  Run from bench/ (h200_mhc.py is imported f
 from __future__ import annotations
 
 import torch
-from h200_mhc import graph_time_us, make_inputs, min_bytes
+from h200_mhc import graph_time_us, min_bytes
 
+from dsv4mtp.conformance.inputs import op_inputs
 from dsv4mtp.optimized.kernels.mhc_collapse import mhc_collapse
 
 
@@ -54,7 +55,7 @@ def timed(collapse, op, xs, params, kw, n_calls: int, cfg=None) -> float:
 def committed_baseline(op: str, T: int, D: int, l2: int, bw: float, n_calls: int):
     """Inputs of one (op, T, D) case, rotated through > 3x the L2 (``xs``), and the committed
     kernel's outputs on the first set and its time per call (printed as the case's header)."""
-    (x0, *params), kw = make_inputs(op, T, D, seed=T + D)
+    (x0, *params), kw = op_inputs(op, T, D, seed=T + D)
     copies = max(2, min(64, -(-3 * l2 // (x0.numel() * 2))))
     xs = [x0] + [x0.clone() for _ in range(copies - 1)]
     mb = min_bytes(op, T, D)

@@ -25,9 +25,7 @@ from types import ModuleType
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from h200_mhc import make_inputs
-
+from dsv4mtp.conformance.inputs import op_inputs
 from dsv4mtp.optimized.kernels import mhc_collapse as default_collapse
 from dsv4mtp.optimized.kernels.mhc_collapse import CollapseConfig, collapse_config
 from dsv4mtp.optimized.kernels.mhc_mix import mhc_mix_splitk, mix_config
@@ -43,7 +41,7 @@ def load_module(path: str) -> ModuleType:
 
 
 def run_collapse(mod, op: str, T: int, D: int, cfg: CollapseConfig) -> None:
-    (x, fn, scale, base), kw = make_inputs(op, T, D, seed=0)
+    (x, fn, scale, base), kw = op_inputs(op, T, D, seed=0)
     out = torch.empty(T, D, dtype=x.dtype, device="cuda")
     pc = {}
     if op == "hc_pre":
@@ -93,7 +91,7 @@ def main() -> None:
         return
     # The split-K mix producer alone (reads x once, like the collapse's mix phase).
     for i, T in enumerate(tokens, start=len(cases)):
-        (x, fn, _, _), _ = make_inputs("hc_pre", T, 4096, seed=0)
+        (x, fn, _, _), _ = op_inputs("hc_pre", T, 4096, seed=0)
         print(f"CASE {i}: mix producer M=24 T={T} D=4096", flush=True)
         mhc_mix_splitk(x.view(T, -1), fn, mix_config(24, 4 * 4096))
         torch.cuda.synchronize()

@@ -126,13 +126,21 @@ TRITON_MISSING = (
 
 
 @functools.cache
-def triton_available() -> bool:
-    """Whether triton imports (the ``gpu`` extra; a CUDA build of torch brings it too)."""
+def _triton_importable() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+@torch.compiler.assume_constant_result
+def triton_available() -> bool:
+    """Whether triton imports (the ``gpu`` extra; a CUDA build of torch brings it too).
+
+    torch.compile evaluates it once while tracing and keeps the answer as a constant: the
+    import behind it would otherwise break the graph."""
+    return _triton_importable()
 
 
 @functools.cache
