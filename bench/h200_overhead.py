@@ -1,0 +1,355 @@
+"""Eager host overhead of the optimized ops per call, and hc_head's FMA / MMA crossover in T.
+
+Part 1, host overhead at T = 1 (D 4096, n 4, bf16, CUDA), for every backend of every op that
+applies there.  Four callables per (op, backend), each called ``--calls`` times after a warm-up
+and timed call by call with ``time.perf_counter_ns`` (median reported; the device is synchronized
+every ``--block`` calls, outside the timed calls, so the launch queue never fills):
+
+* public:   ``dsv4mtp.optimized.<op>(..., backend=b)`` (validation, backend choice, operator);
+* op:       ``torch.ops.dsv4mtp.<op>(..., b)`` (dispatcher, our kernel's Python launcher);
+* launcher: the Python launcher the operator runs, called directly (workspace allocation,
+            schedule arithmetic, the launches);
+* bare:     the same compiled kernels launched alone, ``kernel[grid](*args)`` with the very
+            arguments and workspaces the launcher passed (recorded on one call), and FlashInfer's
+            raw module functions with the arguments the adapter passed.  Replayed workspaces
+            are not re-zeroed, so the bare launches compute nothing meaningful: only their host
+            cost is measured.
+
+The table gives public - bare and op - bare (the per-call cost above a bare launch, aim <= 5 us),
+and splits it: public - op (validation and backend choice), op - launcher (the registration:
+``torch.library`` dispatch into the Python kernel) and launcher - bare (allocation and launch
+arithmetic).  A second table times one no-op in three registrations: a plain Python call,
+``torch.library.Library`` define/impl (what optimized/_ops.py uses) and
+``torch.library.custom_op``.
+
+Part 2, hc_head crossover: ``triton_fma`` vs ``triton_mma`` for T in {1, 8, 32, 64, 128, 256,
+512, 1024, 4096} at D 4096 and 7168 (``triton.testing.do_bench``, median ms, operator with
+preallocated ``out``), and the smallest T from which MMA stays faster at both D: the value for
+``optimized/_dispatch.py::HEAD_MMA_MIN_T``.
+
+Usage (one GPU): python bench/h200_overhead.py --out DIR   (writes DIR/overhead-h200.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+N, EPS = 4, 1e-6
+DEV = "cuda"  # --device cpu (with TRITON_INTERPRET=1 and a small --dim) checks the script itself
+CROSS_T = (1, 8, 32, 64, 128, 256, 512, 1024, 4096)
+CROSS_D = (4096, 7168)
+_KERNELS = (
+    ("mhc_collapse", "mhc_collapse_kernel"),
+    ("mhc_head", "mhc_head_fma_kernel"),
+    ("mhc_mix", "mhc_mix_kernel"),
+    ("mhc_post", "mhc_post_kernel"),
+    ("rms_norm", "rms_norm_kernel"),
+)
+
+
+# ------------------------------------------------------------------------------ timing
+def _sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def host_us(fn: Callable[[], Any], calls: int, block: int) -> float:
+    """Median host time of one call, in us."""
+    for _ in range(min(50, calls)):
+        fn()
+    _sync()
+    times: list[int] = []
+    while len(times) < calls:
+        for _ in range(min(block, calls - len(times))):
+            t0 = time.perf_counter_ns()
+            fn()
+            times.append(time.perf_counter_ns() - t0)
+        _sync()
+    return statistics.median(times) / 1e3
+
+
+# ------------------------------------------------------------------------------ recording
+@contextlib.contextmanager
+def recording(calls: list[Callable[[], Any]]) -> Iterator[None]:
+    """Record every Triton launch and raw FlashInfer call made inside, as replayable closures."""
+    import dsv4mtp.optimized.kernels._flashinfer as fa
+
+    jits = []
+    for module, name in _KERNELS:
+        jit = getattr(importlib.import_module(f"dsv4mtp.optimized.kernels.{module}"), name)
+        orig = jit.run
+
+        def run(*args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
+            calls.append(lambda: _orig(*args, **kwargs))
+            return _orig(*args, **kwargs)
+
+        jit.run = run
+        jits.append(jit)
+
+    class Proxy:
+        def __init__(self, real: Any) -> None:
+            self.real = real
+
+        def __getattr__(self, attr: str) -> Any:
+            fn = getattr(self.real, attr)
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                calls.append(lambda: fn(*args, **kwargs))
+                return fn(*args, **kwargs)
+
+            return call
+
+    mhc_module, norm_module = fa._mhc_module, fa._norm_module
+    fa._mhc_module = lambda: Proxy(mhc_module())  # type: ignore[assignment]
+    fa._norm_module = lambda: Proxy(norm_module())  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        fa._mhc_module, fa._norm_module = mhc_module, norm_module  # type: ignore[assignment]
+        for jit in jits:
+            del jit.run
+
+
+# ------------------------------------------------------------------------------ the ops at T = 1
+def cases(T: int, D: int) -> list[dict[str, Any]]:
+    """Per (op, backend): the public call, the operator call and the launcher call."""
+    import dsv4mtp.optimized as opt
+    from dsv4mtp.optimized import _ops
+    from dsv4mtp.optimized._dispatch import Facts, backend_names, requirement
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    bf = torch.bfloat16 if DEV == "cuda" else torch.float32
+
+    def rnd(*shape: int, std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(shape, generator=g, device=DEV) * std + mean
+
+    x = rnd(T, N, D).to(bf)
+    M = (2 + N) * N
+    pre = (x, rnd(M, N * D, std=0.02), rnd(3, std=0.3, mean=1.0), rnd(M, std=0.5))
+    head = (x, rnd(N, N * D, std=0.02), rnd(1, std=0.3, mean=1.0), rnd(N, std=0.5))
+    post_args = (rnd(T, D).to(bf), x, 2 * torch.rand(T, N, device=DEV),
+                 torch.softmax(rnd(T, N, N), dim=-2))  # fmt: skip
+    norm = (rnd(T, D).to(bf), rnd(D, std=0.2, mean=1.0).to(bf))
+    ops = torch.ops.dsv4mtp
+    out: list[dict[str, Any]] = []
+    dev = torch.device(DEV)
+    for b in backend_names("rms_norm"):
+        if requirement("rms_norm", b, Facts(dev, (bf, bf), eps=(EPS,))) is None:
+            out.append(dict(
+                op="rms_norm", backend=b,
+                public=lambda b=b: opt.rms_norm(*norm, EPS, backend=b),
+                operator=lambda b=b: ops.rms_norm.default(*norm, EPS, "official", b),
+                launcher=lambda b=b: _ops._rms_norm(*norm, EPS, "official", b),
+            ))  # fmt: skip
+    pkw = dict(rms_norm_eps=EPS, hc_eps=EPS, sinkhorn_iters=20)
+    facts = Facts(dev, (bf,), n=N, D=D, eps=(EPS, EPS))
+    nothing: list[int] = []
+    for b in backend_names("hc_pre"):
+        if requirement("hc_pre", b, facts) is None:
+            out.append(dict(
+                op="hc_pre", backend=b,
+                public=lambda b=b: opt.hc_pre(*pre, **pkw, backend=b),
+                operator=lambda b=b: ops.hc_pre.default(
+                    *pre, EPS, EPS, 20, 2.0, b, nothing, nothing),
+                launcher=lambda b=b: _ops._hc_pre(*pre, EPS, EPS, 20, 2.0, b, nothing, nothing),
+            ))  # fmt: skip
+    for b in backend_names("hc_post"):
+        if requirement("hc_post", b, Facts(dev, (bf, bf), n=N, D=D)) is None:
+            out.append(dict(
+                op="hc_post", backend=b,
+                public=lambda b=b: opt.hc_post(*post_args, backend=b),
+                operator=lambda b=b: ops.hc_post.default(*post_args, b),
+                launcher=lambda b=b: _ops._hc_post(*post_args, b),
+            ))  # fmt: skip
+    for b in backend_names("hc_head"):
+        if requirement("hc_head", b, facts) is None:
+            out.append(dict(
+                op="hc_head", backend=b,
+                public=lambda b=b: opt.hc_head(*head, rms_norm_eps=EPS, hc_eps=EPS, backend=b),
+                operator=lambda b=b: ops.hc_head.default(*head, EPS, EPS, b, nothing),
+                launcher=lambda b=b: _ops._hc_head(*head, EPS, EPS, b, nothing),
+            ))  # fmt: skip
+    return out
+
+
+def bare(case: dict[str, Any]) -> Callable[[], None]:
+    case["launcher"]()  # compiled and cached before recording
+    _sync()
+    calls: list[Callable[[], Any]] = []
+    with recording(calls):
+        case["launcher"]()
+    _sync()
+    if len(calls) == 1:
+        return calls[0]  # type: ignore[return-value]
+
+    def replay() -> None:
+        for c in calls:
+            c()
+
+    return replay
+
+
+def overhead(a: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for case in cases(1, a.dim):
+        row: dict[str, Any] = dict(op=case["op"], backend=case["backend"])
+        row["bare"] = host_us(bare(case), a.calls, a.block)
+        for level in ("public", "operator", "launcher"):
+            row[level] = host_us(case[level], a.calls, a.block)
+        rows.append(row)
+    return rows
+
+
+def registration(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """One no-op (a tensor in, nothing out) through three registrations."""
+    lib = torch.library.Library("dsv4mtp_bench", "DEF")
+    lib.define("noop(Tensor x) -> ()")
+
+    def noop(x: torch.Tensor) -> None:
+        return None
+
+    lib.impl("noop", noop, "CUDA" if DEV == "cuda" else "CPU")
+
+    @torch.library.custom_op("dsv4mtp_bench::noop_custom", mutates_args=())
+    def noop_custom(x: torch.Tensor) -> None:
+        return None
+
+    x = torch.empty(1, device=DEV)
+    rows = [
+        dict(mechanism="plain Python call", us=host_us(lambda: noop(x), a.calls, a.block)),
+        dict(
+            mechanism="Library define/impl (torch.ops.dsv4mtp_bench.noop)",
+            us=host_us(lambda: torch.ops.dsv4mtp_bench.noop.default(x), a.calls, a.block),
+        ),
+        dict(
+            mechanism="torch.library.custom_op",
+            us=host_us(lambda: noop_custom(x), a.calls, a.block),
+        ),
+    ]
+    del lib
+    return rows
+
+
+# ------------------------------------------------------------------------------ crossover
+def crossover(a: argparse.Namespace) -> tuple[list[dict[str, Any]], int | None]:
+    import triton
+
+    rows = []
+    suggest: list[int | None] = []
+    for D in CROSS_D:
+        wins: list[tuple[int, bool]] = []
+        for T in CROSS_T:
+            (x, fn, scale, base) = _head_inputs(T, D)
+            out = torch.empty((T, D), dtype=x.dtype, device="cuda")
+            ms = {}
+            for b in ("triton_fma", "triton_mma"):
+                args = (x, fn, scale, base, EPS, EPS, b, [])
+                ms[b] = triton.testing.do_bench(
+                    lambda args=args, out=out: torch.ops.dsv4mtp.hc_head_out.default(
+                        *args, out=out
+                    ),
+                    return_mode="median",
+                )
+            rows.append(
+                dict(D=D, T=T, fma_us=ms["triton_fma"] * 1e3, mma_us=ms["triton_mma"] * 1e3)
+            )
+            wins.append((T, ms["triton_mma"] < ms["triton_fma"]))
+        # the smallest T from which MMA wins at every larger measured T
+        first = None
+        for T, mma_wins in reversed(wins):
+            if not mma_wins:
+                break
+            first = T
+        suggest.append(first)
+    both = None if any(s is None for s in suggest) else max(s for s in suggest if s is not None)
+    return rows, both
+
+
+def _head_inputs(T: int, D: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device="cuda").manual_seed(T + D)
+    x = torch.randn((T, N, D), generator=g, device="cuda").to(torch.bfloat16)
+    fn = torch.randn((N, N * D), generator=g, device="cuda") * 0.02
+    return x, fn, torch.ones(1, device="cuda"), torch.zeros(N, device="cuda")
+
+
+# ------------------------------------------------------------------------------ main
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out", type=Path, default=None, help="write overhead-h200.json here")
+    p.add_argument("--calls", type=int, default=2000, help="timed calls per callable")
+    p.add_argument("--block", type=int, default=100, help="calls between device syncs")
+    p.add_argument("--no-crossover", action="store_true", help="skip the hc_head T sweep")
+    p.add_argument("--dim", type=int, default=4096, help="D of the T = 1 overhead cases")
+    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    global DEV
+    DEV = a.device
+    if DEV == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/h200_overhead.py: needs a CUDA device")
+
+    import triton
+
+    rows = overhead(a)
+    print(f"\nHost time per eager call, T = 1, D {a.dim}, n {N}, {DEV} (median of {a.calls}, us)")
+    head = ("op", "backend", "public", "op", "launcher", "bare", "pub-bare", "op-bare",
+            "valid.", "regist.", "launch.")  # fmt: skip
+    print(f"{head[0]:<9}{head[1]:<20}" + "".join(f"{h:>10}" for h in head[2:]))
+    for r in rows:
+        vals = (r["public"], r["operator"], r["launcher"], r["bare"],
+                r["public"] - r["bare"], r["operator"] - r["bare"], r["public"] - r["operator"],
+                r["operator"] - r["launcher"], r["launcher"] - r["bare"])  # fmt: skip
+        print(f"{r['op']:<9}{r['backend']:<20}" + "".join(f"{v:>10.2f}" for v in vals))
+    print(
+        "valid. = public - op (validation, backend choice); regist. = op - launcher "
+        "(torch.library dispatch); launch. = launcher - bare (allocation, launch arithmetic)"
+    )
+
+    reg = registration(a)
+    print("\nOne no-op through each registration (median host us per call)")
+    for r in reg:
+        print(f"{r['mechanism']:<56}{r['us']:>8.2f}")
+
+    cross: list[dict[str, Any]] = []
+    min_t = None
+    if not a.no_crossover and DEV == "cuda":
+        cross, min_t = crossover(a)
+        print("\nhc_head: triton_fma vs triton_mma (triton.testing.do_bench median, us)")
+        print(f"{'D':>6}{'T':>7}{'fma':>10}{'mma':>10}  faster")
+        for r in cross:
+            faster = "mma" if r["mma_us"] < r["fma_us"] else "fma"
+            print(f"{r['D']:>6}{r['T']:>7}{r['fma_us']:>10.2f}{r['mma_us']:>10.2f}  {faster}")
+        print(
+            f"crossover: MMA faster from T = {min_t} on at every D "
+            f"(HEAD_MMA_MIN_T = {min_t}; None: FMA stays the default at every T)"
+        )
+
+    if a.out is not None:
+        a.out.mkdir(parents=True, exist_ok=True)
+        meta = dict(
+            gpu=torch.cuda.get_device_name() if DEV == "cuda" else DEV, torch=torch.__version__,
+            triton=triton.__version__, python=platform.python_version(), calls=a.calls,
+        )  # fmt: skip
+        doc = dict(meta=meta, overhead=rows, registration=reg, crossover=cross,
+                   head_mma_min_t=min_t)  # fmt: skip
+        (a.out / "overhead-h200.json").write_text(json.dumps(doc, indent=1))
+        print(f"\nwrote {a.out / 'overhead-h200.json'}")
+
+
+if __name__ == "__main__":
+    main()
