@@ -129,9 +129,12 @@ def _flashinfer_norm(facts: Facts) -> str | None:
 
 
 # hc_head's default (batch_invariant=False) runs the tensor-core collapse from this T on and the
-# FMA kernel below it; None keeps the FMA kernel at every T.  Set from the crossover printed by
-# bench/h200_overhead.py's hc_head sweep (triton_fma vs triton_mma over T, D 4096 and 7168).
-HEAD_MMA_MIN_T: int | None = None
+# FMA kernel below it (None: the FMA kernel at every T).  Device time on the H200
+# (bench/results/mhc-h200.md): FMA wins at T <= 64 (8.7 vs 17.8 us, D 4096), the collapse at
+# T 512 (19.9 vs 29.1 us at D 4096, 24.9 vs 49.6 us at D 7168).  The eager sweep of
+# bench/h200_overhead.py (host launch cost included) puts the crossover at 512 (D 7168) and
+# 1024 (D 4096); under CUDA graphs, as the draft step runs, device time decides.
+HEAD_MMA_MIN_T: int | None = 512
 
 
 def _head_by_T(facts: Facts) -> str | None:

@@ -233,7 +233,7 @@ def hc_head(
     FMA mix; the fastest at T <= 64, where MTP calls it), "triton_mma" (the tensor-core
     collapse, kernels/mhc_collapse.py: faster at T >= 512), or "auto".
     ``schedule`` tunes "triton_mma" only.  With ``batch_invariant=False`` (the default) "auto"
-    runs "triton_mma" from ``_dispatch.HEAD_MMA_MIN_T`` tokens on when that is set;
+    runs "triton_mma" from ``_dispatch.HEAD_MMA_MIN_T`` (512) tokens on;
     ``batch_invariant=True`` keeps "auto" on "triton_fma" at every T.
     """
     check_instance("batch_invariant", batch_invariant, bool)
