@@ -82,6 +82,6 @@ def test_unknown_and_inapplicable_backends_are_input_errors_naming_op_and_reason
         select("hc_post", "flashinfer", cpu)
     assert requirement("rms_norm", "flashinfer", cpu) == "needs CUDA tensors, got cpu"
     assert select("hc_post", "auto", cpu) == "triton"  # auto falls through to what applies
-    x = torch.randn(2, 8)
+    x = torch.randn(2, 8, device="cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(InputError, match=r"rms_norm has no backend 'fast'"):
         opt.rms_norm(x, None, 1e-6, backend="fast")  # type: ignore[arg-type]

@@ -356,7 +356,7 @@ def test_optimized_hc_head_backends_agree(dtype: torch.dtype, device: str) -> No
         scaled = (fma.double() - mma.double()).abs().max() / mma.double().abs().max()
         assert float(scaled) <= 2.0**-7, f"T={T} D={D}: backends differ by {float(scaled):.2e}"
     with pytest.raises(InputError, match="schedule: only the 'triton_mma' backend"):
-        opt.hc_head(*args, **kw, schedule=opt.CollapseSchedule())
+        opt.hc_head(*args, **kw, backend="triton_fma", schedule=opt.CollapseSchedule())
 
 
 @pytest.mark.parametrize(
