@@ -11,6 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import dsv4mtp.conformance.pairs  # noqa: F401  (declares the pairs REGISTRY holds)
 import dsv4mtp.optimized as opt
 from dsv4mtp.conformance.inputs import op_inputs
 from dsv4mtp.conformance.registry import REGISTRY
