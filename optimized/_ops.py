@@ -161,6 +161,18 @@ def _rms_norm_fake(
 
 
 # ------------------------------------------------------------------------------ hc_pre
+def _collapse_inputs(
+    x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hc_pre's and hc_head's kernels read contiguous x and fn, and scale / base in fp32."""
+    return (
+        x.contiguous(),
+        fn.contiguous(),
+        scale.to(torch.float32).contiguous(),
+        base.to(torch.float32).contiguous(),
+    )
+
+
 def _hc_pre_out(
     x: torch.Tensor,
     fn: torch.Tensor,
@@ -181,10 +193,7 @@ def _hc_pre_out(
     T = x.shape[0]
     if T == 0:
         return
-    x = x.contiguous()
-    fn = fn.contiguous()
-    scale32 = scale.to(torch.float32).contiguous()
-    base32 = base.to(torch.float32).contiguous()
+    x, fn, scale32, base32 = _collapse_inputs(x, fn, scale, base)
     if backend == "triton":
         mhc_collapse(
             x, fn, scale32, base32, layer_input,
@@ -296,10 +305,7 @@ def _hc_head_out(
 ) -> None:
     if x.shape[0] == 0:
         return
-    x = x.contiguous()
-    fn = fn.contiguous()
-    scale32 = scale.to(torch.float32).contiguous()
-    base32 = base.to(torch.float32).contiguous()
+    x, fn, scale32, base32 = _collapse_inputs(x, fn, scale, base)
     if backend == "triton_fma":
         mhc_head_fma(x, fn, scale32, base32, out, rms_norm_eps=rms_norm_eps, hc_eps=hc_eps)
     elif backend == "triton_mma":
