@@ -484,28 +484,65 @@ def test_optimized_auto_backends_are_declared() -> None:
     assert HEAD_AUTO_BACKEND in ("triton_fma", "triton_mma")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("op", ["hc_pre", "hc_head"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("T", "D"), [(1, 4096), (77, 7168), (3000, 4096)])
-def test_optimized_fused_collapse_equals_three_launches(
-    op: str, dtype: torch.dtype, T: int, D: int
-) -> None:
-    """The one-launch collapse (in-kernel wait for the block's partials, apply re-reading from
-    L2) and its three-launch form run the same arithmetic: equal bitwise.  A missed
-    release/acquire would show here as stale partials or gates."""
-    from dsv4mtp.optimized.kernels.mhc_collapse import collapse_config
+# (T, D): several token blocks and slices each way; on the GPU the real widths and a T with
+# thousands of programs (more than one wave), on the CPU what the interpreter runs fast.
+_ONE_LAUNCH_SHAPES = (
+    [(1, 4096), (77, 7168), (3000, 4096)] if torch.cuda.is_available() else [(1, 64), (37, 96)]
+)
 
-    args, kw = _opt_inputs(op, T, 4, D, dtype, "cuda", seed=T + 1)
-    extra = {"backend": "triton" if op == "hc_pre" else "triton_mma"}
-    cfg = dataclasses.replace(collapse_config(4, D, with_post_comb=op == "hc_pre"), fused=True)
-    fused = opt.CollapseSchedule(collapse=cfg)
-    split = opt.CollapseSchedule(collapse=dataclasses.replace(cfg, fused=False))
-    for _ in range(3):  # repeated: a race would not show every time
-        one = _call(op, args, kw, **extra, schedule=fused)
-        three = _call(op, args, kw, **extra, schedule=split)
-        for a, b in zip(one, three, strict=True):
-            assert torch.equal(a, b), f"{op} {dtype} T={T} D={D}: fused != three launches"
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("T", "D"), _ONE_LAUNCH_SHAPES)
+@pytest.mark.parametrize("op", ["hc_pre", "hc_head", "hc_head_fma"])
+def test_optimized_one_launch_collapse_equals_split_launches(
+    op: str, T: int, D: int, dtype: torch.dtype, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-launch kernels (roles by ticket, in-kernel waits on lower tickets, apply
+    re-reading from L2) and their split forms (one launch per phase) run the same arithmetic:
+    equal bitwise.  A missed release/acquire, a wrong role for a ticket or counters not left
+    zeroed for the next launch would show here as stale partials, stale gates or unwritten (NaN)
+    output.  The launches share one counter buffer, which must be all zero after each."""
+    from dsv4mtp.optimized.kernels import _sync
+    from dsv4mtp.optimized.kernels import mhc_collapse as collapse_mod
+    from dsv4mtp.optimized.kernels import mhc_head as head_mod
+    from dsv4mtp.optimized.kernels.mhc_collapse import collapse_config, mhc_collapse
+    from dsv4mtp.optimized.kernels.mhc_head import mhc_head_fma
+
+    shared = torch.zeros(4096, dtype=torch.int32, device=device)
+
+    def one_buffer(dev: torch.device, n: int) -> torch.Tensor:
+        assert n <= shared.numel()
+        return shared
+
+    for mod in (_sync, collapse_mod, head_mod):
+        if hasattr(mod, "counters"):
+            monkeypatch.setattr(mod, "counters", one_buffer)
+    base_op = "hc_pre" if op == "hc_pre" else "hc_head"
+    (x, fn, scale, base), kw = _opt_inputs(base_op, T, 4, D, dtype, device, seed=T + 1)
+    scale, base = scale.float(), base.float()
+    eps = dict(rms_norm_eps=kw["rms_norm_eps"], hc_eps=kw["hc_eps"])
+
+    def run(one: bool) -> list[torch.Tensor]:
+        outs = [torch.full((T, D), float("nan"), dtype=x.dtype, device=device)]
+        if op == "hc_head_fma":
+            mhc_head_fma(x, fn, scale, base, outs[0], one_launch=one, **eps)
+            return outs
+        cfg = dataclasses.replace(collapse_config(4, D, with_post_comb=op == "hc_pre"), fused=one)
+        pc: dict = {}
+        if op == "hc_pre":
+            pc = dict(post=torch.full((T, 4), float("nan"), device=device),
+                      comb=torch.full((T, 4, 4), float("nan"), device=device),
+                      post_mult=kw["post_mult"], sinkhorn_iters=kw["sinkhorn_iters"])  # fmt: skip
+            outs += [pc["post"], pc["comb"]]
+        mhc_collapse(x, fn, scale, base, outs[0], cfg=cfg, **eps, **pc)
+        return outs
+
+    for _ in range(3 if device == "cuda" else 2):  # repeated: a race would not show every time
+        one, split = run(True), run(False)
+        assert int(shared.count_nonzero()) == 0, "the counters were not left zeroed"
+        for a, b in zip(one, split, strict=True):
+            assert not a.isnan().any(), f"{op} {dtype} T={T} D={D}: output not written"
+            assert torch.equal(a, b), f"{op} {dtype} T={T} D={D}: one launch != split launches"
 
 
 @pytest.mark.gpu

@@ -11,27 +11,28 @@ Shapes (K = n*D; M = n for hc_head, (2+n)*n for hc_pre; S = cdiv(D, D_SLICE)):
     x     (T, n, D)   bf16 / fp32, contiguous      fn    (M, K) fp32 (or bf16), contiguous
     scale (1,) or (3,) fp32                        base  (M,) fp32
     part  (S, T, M)   fp32 workspace               sq    (S, T) fp32 workspace
-    gate  (T, NP)     fp32 workspace               count (cdiv(T, BLOCK_T),) int32 zeros
+    gate  (T, NP)     fp32 workspace               count (2 + cdiv(T, BLOCK_T),) int32 zeros
     out   (T, D) x.dtype;  post (T, n) fp32, comb (T, n, n) fp32 (hc_pre only)
 
-Schedule.  Program (token block b, slice s) owns BLOCK_T tokens x all n streams x the D-slice
-[s*D_SLICE, (s+1)*D_SLICE): a BLOCK_T x n*D_SLICE piece of the flattened rows.
- 1. Mix: it streams its piece from HBM in BLOCK_K steps (``mix_step``: bf16 tensor cores with
+Schedule.  Piece (token block b, slice s) is BLOCK_T tokens x all n streams x the D-slice
+[s*D_SLICE, (s+1)*D_SLICE): a BLOCK_T x n*D_SLICE part of the flattened rows.
+ 1. Mix: one program streams the piece from HBM in BLOCK_K steps (``mix_step``: bf16 tensor cores with
     fn split into two bf16 terms, fp32 square sums) and stores its partial mix and square sum
     to slot s of the workspace.
- 2. Reduce: the block's S programs meet at a barrier (an arrival counter per block); then
-    each sums the S partials of its own BLOCK_T / S tokens in the fixed slot order 0..S-1,
-    forms their gates (and post / comb with the Sinkhorn) and publishes them; a second
-    barrier waits for all of the block's gates.  The S programs of a block have
-    consecutive ids and so are resident together (blocks are dispatched in id order, and at
-    least S programs fit on the GPU), so no program waits on one that cannot start.
- 3. Apply: it re-reads its piece, streamed some 25 us earlier, from L2 when it is still there,
-    and writes its D-slice of the output.
-``fused=False`` runs the three phases as three launches (no in-kernel waiting; the re-read then
-comes from HBM): the CPU interpreter runs programs one at a time and needs it, and it is a
-fallback if co-residency cannot be assumed.  The phases do the same arithmetic in both forms
-(tested bitwise on the GPU): the weighted sum adds the streams in the order 0..n-1 whatever the
-tile layout, and the slot sums run in slot order.
+ 2. Reduce: once the block's S partials are all written, each of S programs sums the S
+    partials of BLOCK_T / S of the block's tokens in the fixed slot order 0..S-1, forms their
+    gates (and post / comb with the Sinkhorn) and publishes them.
+ 3. Apply: once the block's gates are all written, each of S programs re-reads one piece,
+    streamed some 25 us earlier, from L2 when it is still there, and writes its D-slice of the
+    output.
+One launch (``fused``): a program's role comes from a ticket taken when it starts (:mod:`._sync`),
+not from its program id, so that it only ever waits on programs that have already started and
+no wait depends on how many programs the GPU can hold at once.  Ticket q*S + s mixes piece
+(q, s), reduces for block q-1 and applies piece (q-2, s); the grid has two extra blocks of
+programs at the end.  ``fused=False`` runs the three phases as three launches (no in-kernel
+waiting; the re-read then comes from HBM).  The phases do the same arithmetic in both forms
+(tested bitwise): the weighted sum adds the streams in the order 0..n-1 whatever the tile
+layout, and the slot sums run in slot order.
 
 Where the bytes and the time go (H200, T 4096; bench/results/mhc-h200.md).  The pieces of the
 ~500 resident programs (~65 MB) outgrow the L2, so part of the re-read comes from HBM again:
@@ -60,10 +61,20 @@ import triton.language as tl
 from dsv4mtp.errors import ConfigError, InputError
 
 from ._launch import INTERPRET, next_pow2, rne_bf16_if_interpreted, sigmoid
+from ._sync import (
+    COUNTER_HEADER,
+    block_count,
+    counters,
+    finish,
+    signal,
+    take_ticket,
+    wait_until,
+    workspaces,
+)
 from .mhc_mix import mix_step
 
 # Diagnostics layout (``mhc_collapse(..., trace=...)``), int64 per program: TRACE_EVENTS clock64
-# stamps (start, mix stored, barrier 1 passed, gates stored, barrier 2 passed, end), the SM id,
+# stamps (start, mix stored, partials' wait passed, gates stored, gates' wait passed, end), the SM id,
 # and the global ns timer at start and at end (the only clock comparable across SMs).
 TRACE_WIDTH = 9
 TRACE_EVENTS = tl.constexpr(6)
@@ -169,21 +180,6 @@ def _stamp(trace_ptr, k: tl.constexpr, TRACE: tl.constexpr):
 
 
 @triton.jit
-def _block_barrier(count_ptr, target):
-    """Arrive on the block's counter and wait until ``target`` arrivals (all S programs).
-
-    Release on arrival publishes this program's stores, acquire on the spin makes the other
-    programs' stores visible; the thread barriers order every thread's stores before the
-    arrival and every thread's later loads after the wait."""
-    tl.debug_barrier()
-    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
-    ready = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
-    while ready < target:
-        ready = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
 def _apply_tile(x, gate_ptr, out_ptr, t64, t_ok, d, D: tl.constexpr, N: tl.constexpr,
                 NP: tl.constexpr, out_ty: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
     """out[t, d] = sum_j gate[t, j] * x[t, j, d] for an x tile (BT, NP, AD), streams summed
@@ -216,19 +212,35 @@ def mhc_collapse_kernel(
     WITH_POST_COMB: tl.constexpr, X_IS_BF16: tl.constexpr, INTERP: tl.constexpr,
     TRACE: tl.constexpr,
 ):  # fmt: skip
-    """Grid (cdiv(T, BLOCK_T) * S,); program id = block * S + slice."""
+    """Grid ((blocks + 2) * S,) when FUSED (roles by ticket, see _sync.py), else (blocks * S,)
+    with one phase per launch; ``q * S + s`` = (block q, slice s)."""
     _stamp(trace_ptr, 0, TRACE)
-    pid = tl.program_id(0)
-    blk = pid // S
-    s = pid % S
+    blocks = tl.cdiv(T, BLOCK_T)
+    if FUSED:
+        # Pipelined by phase, every wait on lower tickets only: ticket q*S + s mixes block q,
+        # reduces block q-1 (mixed by tickets (q-1)*S..), applies block q-2 (reduced by tickets
+        # (q-1)*S..).  The piece's re-read in the apply is two blocks behind its mix.
+        ticket = take_ticket(count_ptr)
+        q = ticket // S
+        s = ticket % S
+        mix_blk = q
+        red_blk = q - 1
+        app_blk = q - 2
+    else:
+        q = tl.program_id(0) // S
+        s = tl.program_id(0) % S
+        mix_blk = q
+        red_blk = q
+        app_blk = q
     K = N * D
-    t = blk * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)
-    t_ok = t < T
-    t64 = t.to(tl.int64)
-    x_row = x_ptr + t64[:, None] * K  # (BT, 1)
+    slab = s * T.to(tl.int64)
 
     # ------------------------------------------------------------------ 1. partial mix
-    if DO_MIX:
+    if DO_MIX and mix_blk < blocks:
+        t = mix_blk * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)
+        t_ok = t < T
+        t64 = t.to(tl.int64)
+        x_row = x_ptr + t64[:, None] * K  # (BT, 1)
         m = tl.arange(0, MP)
         acc = tl.zeros((BLOCK_T, MP), dtype=tl.float32)
         sq = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
@@ -253,35 +265,46 @@ def mhc_collapse_kernel(
                 other=0.0,
             )
             acc, sq = mix_step(x, w, acc, sq, X_IS_BF16, INTERP)
-        slab = s * T.to(tl.int64)
         tl.store(
             part_ptr + (slab + t64)[:, None] * M + m[None, :],
             acc,
             mask=t_ok[:, None] & (m[None, :] < M),
         )
         tl.store(sq_ptr + slab + t64, tl.sum(sq, axis=1), mask=t_ok)
-        _stamp(trace_ptr, 1, TRACE)
         if FUSED:
-            _block_barrier(count_ptr + blk, S)  # every slot of the block is written
-        _stamp(trace_ptr, 2, TRACE)
+            signal(block_count(count_ptr, mix_blk))  # count reaches S: all slots written
+    _stamp(trace_ptr, 1, TRACE)
 
     # ------------------------------------------------------------------ 2. gates
-    if DO_REDUCE:
-        # Program s reduces the block's tokens [s*TPP, (s+1)*TPP) (none if s*TPP >= BLOCK_T).
+    # Programs without a role in a phase stamp its events anyway (diagnostics stay ordered).
+    if DO_REDUCE and red_blk >= 0 and red_blk < blocks:
+        if FUSED:
+            wait_until(block_count(count_ptr, red_blk), S)
+        _stamp(trace_ptr, 2, TRACE)
+        # Slice s reduces the block's tokens [s*TPP, (s+1)*TPP) (none if s*TPP >= BLOCK_T).
         local = s * TPP + tl.arange(0, TPP)
-        tr = blk * BLOCK_T + local
+        tr = red_blk * BLOCK_T + local
         _reduce_gates(
             part_ptr, sq_ptr, scale_ptr, base_ptr, gate_ptr, post_ptr, comb_ptr,
             tr, (local < BLOCK_T) & (tr < T), T, K, rms_eps, hc_eps, post_mult,
             S, SINKHORN_ITERS, N, NP, M, TPP, WITH_POST_COMB,
         )  # fmt: skip
-        _stamp(trace_ptr, 3, TRACE)
         if FUSED:
-            _block_barrier(count_ptr + blk, 2 * S)  # every gate of the block is written
-        _stamp(trace_ptr, 4, TRACE)
+            signal(block_count(count_ptr, red_blk))  # count reaches 2S: all gates written
+        _stamp(trace_ptr, 3, TRACE)
+    else:
+        _stamp(trace_ptr, 2, TRACE)
+        _stamp(trace_ptr, 3, TRACE)
 
     # ------------------------------------------------------------------ 3. weighted sum
-    if DO_APPLY:
+    if DO_APPLY and app_blk >= 0 and app_blk < blocks:
+        if FUSED:
+            wait_until(block_count(count_ptr, app_blk), 2 * S)
+        _stamp(trace_ptr, 4, TRACE)
+        t = app_blk * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)
+        t_ok = t < T
+        t64 = t.to(tl.int64)
+        x_row = x_ptr + t64[:, None] * K  # (BT, 1)
         out_ty = out_ptr.dtype.element_ty
         jj = tl.arange(0, NP)
         x_base = x_row[:, :, None] + jj[None, :, None] * D  # (BT, NP, 1): all streams per step
@@ -300,6 +323,11 @@ def mhc_collapse_kernel(
                 x_base + d3, mask=ok_tj & (d3 < D), other=0.0, eviction_policy="evict_first"
             )  # (BT, NP, AD)
             _apply_tile(xa, gate_ptr, out_ptr, t64, t_ok, d, D, N, NP, out_ty, INTERP)
+    else:
+        _stamp(trace_ptr, 4, TRACE)
+    if FUSED:
+        # After the last counter access of this program; the last one zeroes the counters.
+        finish(count_ptr, (blocks + 2) * S, blocks, 256)
     _stamp(trace_ptr, 5, TRACE)
 
 
@@ -340,8 +368,9 @@ class CollapseConfig:
 
 
 def collapse_grid(T: int, D: int, cfg: CollapseConfig) -> int:
-    """Programs the collapse launches: token blocks x D-slices."""
-    return triton.cdiv(T, cfg.block_t) * triton.cdiv(D, cfg.d_slice)
+    """Programs the collapse launches (per launch): token blocks x D-slices, plus two blocks of
+    programs in the fused form (the last blocks' reduce and apply)."""
+    return (triton.cdiv(T, cfg.block_t) + (2 if cfg.fused else 0)) * triton.cdiv(D, cfg.d_slice)
 
 
 def tokens_per_reducer(block_t: int, S: int) -> int:
@@ -363,10 +392,11 @@ def collapse_config(n: int, D: int, with_post_comb: bool = False) -> CollapseCon
     D 4096) but pay it back in barriers and per-program overhead.
     """
     if INTERPRET:
-        # CPU tier: small shapes; several slices and K steps; three launches (the interpreter
-        # runs programs one after another, so in-kernel waiting would never end).
+        # CPU tier: small shapes, several slices and K steps, the same one-launch schedule (the
+        # interpreter runs programs in launch order, which is ticket order: every wait is on a
+        # program that already ran).
         d_slice = min(32, max(16, next_pow2(D)))
-        return CollapseConfig(16, d_slice, 16, 16, num_warps=4, num_stages=1, fused=False)
+        return CollapseConfig(16, d_slice, 16, 16, num_warps=4, num_stages=1, fused=True)
     d_slice = min(256, max(64, next_pow2(D)))
     return CollapseConfig(block_t=64, d_slice=d_slice, block_k=64, apply_d=64, num_warps=4,
                           num_stages=3, fused=True)  # fmt: skip
@@ -400,18 +430,11 @@ def mhc_collapse(
     M = fn.shape[0]
     NP = next_pow2(n)
     cfg = cfg or collapse_config(n, D, with_post_comb=post is not None)
-    if INTERPRET and cfg.fused:
-        raise ConfigError(
-            "CollapseConfig.fused: the fused collapse waits in-kernel, which never ends under "
-            "TRITON_INTERPRET=1; expected fused=False there, got fused=True"
-        )
     S = triton.cdiv(D, cfg.d_slice)
     blocks = triton.cdiv(T, cfg.block_t)
     dev = x.device
-    part = torch.empty((S, T, M), dtype=torch.float32, device=dev)
-    sq = torch.empty((S, T), dtype=torch.float32, device=dev)
-    gate = torch.empty((T, NP), dtype=torch.float32, device=dev)
-    count = torch.zeros((blocks,), dtype=torch.int32, device=dev) if cfg.fused else sq
+    part, sq, gate = workspaces(dev, S * T * M, S * T, T * NP)  # (S, T, M), (S, T), (T, NP)
+    count = counters(dev, COUNTER_HEADER + blocks) if cfg.fused else sq
     with_pc = post is not None
     args = (
         x, fn, scale, base, part, sq, gate, count, out,
@@ -440,7 +463,7 @@ def mhc_collapse(
     )
     if cfg.max_registers is not None and not INTERPRET:
         meta["maxnreg"] = cfg.max_registers
-    grid = (blocks * S,)
+    grid = (collapse_grid(T, D, cfg),)
     if trace is not None and (not cfg.fused or tuple(trace.shape) != (grid[0], TRACE_WIDTH)):
         raise InputError(
             f"trace: expected a fused schedule and shape ({grid[0]}, {TRACE_WIDTH}), got "

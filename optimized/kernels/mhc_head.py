@@ -1,4 +1,4 @@
-"""hc_head for small batches: one pass, fp32 FMA mix, 4-token tiles (Triton).
+"""hc_head for small batches: fp32 FMA mix, 4-token tiles (Triton).
 
 Computes what :mod:`.mhc_collapse` computes for hc_head (M = n gate rows, no post / comb), with
 a schedule built for latency rather than bandwidth.  MTP calls hc_head from ``compute_logits``
@@ -11,21 +11,30 @@ Shapes (K = n*D; S = cdiv(D, BLOCK_D) slices):
     x     (T, n, D)   bf16 / fp32, contiguous      fn    (n, K) fp32 (or bf16), contiguous
     scale (1,) fp32,  base (n,) fp32               out   (T, D) x.dtype
     part  (S, T, MP)  fp32 workspace               sq    (S, T) fp32 workspace
-    count (cdiv(T, BLOCK_T),) int32 zeros
+    count (2 + cdiv(T, BLOCK_T),) int32 zeros (``_sync.counters``; left zeroed)
 
-Schedule.  Program (token block b, slice s) loads its (BLOCK_T, n, BLOCK_D) residual tile once
-(a single memory round trip: no K loop), forms its partial mix with fp32 FMAs against the
-matching fn columns (n rows only: tensor cores would be idle) and its partial square sum, and
-stores them to slot s.  It then arrives on the block's counter (release) and spins (acquire)
-until all S slices of its block have arrived - the S programs of a block have consecutive ids
-and are resident together - sums the S partials in the fixed order 0..S-1, forms the gates and
-writes its output slice from the tile still in registers.  The interpreter (programs run one by
-one) uses the two-pass form: one launch with ``DO_MIX`` only, one with ``DO_APPLY`` only.
+Schedule.  The program holding ticket q*S + s (:mod:`._sync`: roles by start order, so that a
+program only ever waits on programs that have already started) loads the (BLOCK_T, n, BLOCK_D)
+residual tile of token block q, slice s, in one memory round trip (no K loop), forms its partial
+mix with fp32 FMAs against the matching fn columns (n rows only: tensor cores would be idle)
+and its partial square sum, stores them to slot s and counts itself on block q's counter.  Then
+it takes block q-1, slice s: waits until the S mixes of that block (all lower tickets) are
+counted, sums their partials in the fixed order 0..S-1, forms the gates and writes the output
+slice from the block's tile, re-read from L2.  The grid has one extra block of programs (apply
+only), so every block is applied.
+
+The default is the same two phases as two launches (``DO_MIX`` only, then ``DO_APPLY`` only):
+on the H200 it is faster than the one-launch form at every T it serves (D 4096: 6.6 / 7.1 / 9.2 /
+25.9 us at T 1 / 8 / 64 / 512 against 9.0 / 8.9 / 11.5 / 39.5 us; bench/results/mhc-h200.md),
+whose ticket, reset and L2 re-read sit on a critical path of a few microseconds.  The program
+that waited for its own block's partials with the tile in registers (6.0 / 6.1 / 8.3 / 28.2 us)
+assumed all S programs of a block resident at once, which another stream's work can break.
+``one_launch=True`` keeps the ticketed form (tested, and hang-tested, like the collapse).
 
 Arithmetic: fp32 throughout, exact fp32 products in the mix.  Tile sizes depend on n and D
 only: a token's result does not depend on its batch.
 
-Bytes: x once (T*n*D*itemsize), fn once per 4-token block (from L2: 2x the x bytes, which is
+Bytes: x twice (T*n*D*itemsize; the second read, moments after the first, mostly from L2), fn once per 4-token block (from L2: 2x the x bytes, which is
 why this schedule loses at large T), out once (T*D*itemsize), workspace S*T*(MP+1)*4 (L2).
 """
 
@@ -36,6 +45,16 @@ import triton
 import triton.language as tl
 
 from ._launch import INTERPRET, next_pow2, rne_bf16_if_interpreted, sigmoid
+from ._sync import (
+    COUNTER_HEADER,
+    block_count,
+    counters,
+    finish,
+    signal,
+    take_ticket,
+    wait_until,
+    workspaces,
+)
 
 __all__ = ["mhc_head_fma"]
 
@@ -48,27 +67,34 @@ def mhc_head_fma_kernel(
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     DO_MIX: tl.constexpr, DO_APPLY: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
-    """Grid (cdiv(T, BLOCK_T) * S,); program id = block * S + slice."""
-    pid = tl.program_id(0)
-    blk = pid // S
-    s = pid % S
+    """Grid ((blocks + 1) * S,) for the one-launch form (DO_MIX and DO_APPLY; roles by ticket,
+    see _sync.py), else (blocks * S,) with one phase per launch; ``q * S + s`` = (block q,
+    slice s)."""
+    blocks = tl.cdiv(T, BLOCK_T)
+    if DO_MIX and DO_APPLY:
+        # Ticket q*S + s mixes block q, then applies block q-1, mixed by lower tickets.
+        ticket = take_ticket(count_ptr)
+        q = ticket // S
+        s = ticket % S
+        app_blk = q - 1
+    else:
+        q = tl.program_id(0) // S
+        s = tl.program_id(0) % S
+        app_blk = q
     K = N * D
-    t = blk * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)
     j = tl.arange(0, NP)  # (NP,) stream
     d = s * BLOCK_D + tl.arange(0, BLOCK_D)  # (BD,) column of this slice
     mm = tl.arange(0, MP)  # (MP,) mix row
-    t_ok = t < T
-    t3 = t.to(tl.int64)[:, None, None]
     j3 = j[None, :, None]
     d3 = d[None, None, :]
-    tile_ok = (t3 < T) & (j3 < N) & (d3 < D)
-    x_tile = x_ptr + t3 * K + j3 * D + d3  # (BT, NP, BD) pointers
-    part_row = part_ptr + t.to(tl.int64)[:, None] * MP  # (BT, 1) within one slice's slab
 
     # ------------------------------------------------------------------ 1. partial mix
-    if DO_MIX:
-        x = tl.load(x_tile, mask=tile_ok, other=0.0)  # (BT, NP, BD), storage dtype
-        xf = x.to(tl.float32)
+    if DO_MIX and q < blocks:
+        t = q * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)
+        t_ok = t < T
+        t3 = t.to(tl.int64)[:, None, None]
+        x = tl.load(x_ptr + t3 * K + j3 * D + d3, mask=(t3 < T) & (j3 < N) & (d3 < D), other=0.0)
+        xf = x.to(tl.float32)  # (BT, NP, BD)
         sq = tl.sum(tl.sum(xf * xf, axis=2), axis=1)  # (BT,)
         part = tl.zeros((BLOCK_T, MP), dtype=tl.float32)
         for m in tl.static_range(N):
@@ -78,20 +104,22 @@ def mhc_head_fma_kernel(
             z = tl.sum(tl.sum(xf * w, axis=2), axis=1)  # (BT,)
             part = tl.where(mm[None, :] == m, z[:, None], part)
         slab = s.to(tl.int64) * T
+        part_row = part_ptr + t.to(tl.int64)[:, None] * MP  # (BT, 1) within one slice's slab
         tl.store(part_row + slab * MP + mm[None, :], part, mask=t_ok[:, None] & (mm[None, :] < N))
         tl.store(sq_ptr + slab + t, sq, mask=t_ok)
+        if DO_APPLY:
+            signal(block_count(count_ptr, q))  # count reaches S: the block's slots written
 
-    # ------------------------------------------------------------------ 2. wait for the block
-    if DO_MIX and DO_APPLY:
-        tl.debug_barrier()  # every thread's partial stores precede the release below
-        arrived = tl.atomic_add(count_ptr + blk, 1, sem="release", scope="gpu") + 1
-        while arrived < S:
-            arrived = tl.atomic_add(count_ptr + blk, 0, sem="acquire", scope="gpu")
-
-    # ------------------------------------------------------------------ 3. gates and output
-    if DO_APPLY:
-        if not DO_MIX:
-            x = tl.load(x_tile, mask=tile_ok, other=0.0)
+    # ------------------------------------------------------------------ 2. gates and output
+    if DO_APPLY and app_blk >= 0 and app_blk < blocks:
+        if DO_MIX:
+            wait_until(block_count(count_ptr, app_blk), S)
+        t = app_blk * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)
+        t_ok = t < T
+        t3 = t.to(tl.int64)[:, None, None]
+        # The block's tile again, from L2 (its mix streamed it moments ago).
+        x = tl.load(x_ptr + t3 * K + j3 * D + d3, mask=(t3 < T) & (j3 < N) & (d3 < D), other=0.0)
+        part_row = part_ptr + t.to(tl.int64)[:, None] * MP
         sq_tot = tl.zeros((BLOCK_T,), dtype=tl.float32)
         pre_l = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
         j2 = j[None, :]
@@ -114,6 +142,9 @@ def mhc_head_fma_kernel(
         out_ty = out_ptr.dtype.element_ty
         y = rne_bf16_if_interpreted(y, out_ty, INTERP)
         tl.store(out_ptrs, y.to(out_ty), mask=out_ok)
+    if DO_MIX and DO_APPLY:
+        # After the last counter access of this program; the last one zeroes the counters.
+        finish(count_ptr, (blocks + 1) * S, blocks, 256)
 
 
 def mhc_head_fma(
@@ -125,9 +156,11 @@ def mhc_head_fma(
     *,
     rms_norm_eps: float,
     hc_eps: float,
+    one_launch: bool = False,
 ) -> None:
     """Collapse x (T, n, D) into ``out`` (T, D); contiguous inputs on one device, scale / base
-    in fp32 (validated by the caller)."""
+    in fp32 (validated by the caller).  Two launches (mix, then gates and output), or with
+    ``one_launch`` one ticketed launch: the same arithmetic (module docstring)."""
     T, n, D = x.shape
     if T == 0:
         return
@@ -144,15 +177,15 @@ def mhc_head_fma(
     blocks = triton.cdiv(T, block_t)
     MP = max(16, next_pow2(n))
     dev = x.device
-    part = torch.empty((S, T, MP), dtype=torch.float32, device=dev)
-    sq = torch.empty((S, T), dtype=torch.float32, device=dev)
-    single_pass = not INTERPRET  # the interpreter runs programs in order: no waiting there
-    count = torch.zeros((blocks,), dtype=torch.int32, device=dev) if single_pass else sq
+    part, sq = workspaces(dev, S * T * MP, S * T)  # (S, T, MP), (S, T)
+    count = counters(dev, COUNTER_HEADER + blocks) if one_launch else sq
     args = (x, fn, scale, base, part, sq, count, out, T, D, float(rms_norm_eps), float(hc_eps))
     meta = dict(S=S, N=n, NP=NP, MP=MP, BLOCK_T=block_t, BLOCK_D=block_d, INTERP=INTERPRET)
-    grid = (blocks * S,)
-    if single_pass:
+    if one_launch:
+        # One extra block of programs, which only apply (see the kernel).
+        grid = ((blocks + 1) * S,)
         mhc_head_fma_kernel[grid](*args, DO_MIX=True, DO_APPLY=True, **meta, num_warps=4)
     else:
+        grid = (blocks * S,)
         mhc_head_fma_kernel[grid](*args, DO_MIX=True, DO_APPLY=False, **meta, num_warps=4)
         mhc_head_fma_kernel[grid](*args, DO_MIX=False, DO_APPLY=True, **meta, num_warps=4)
