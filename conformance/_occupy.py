@@ -33,6 +33,7 @@ import triton.language as tl
 
 # Seconds the blocker holds its SMs at most (it is released earlier once the checks are done).
 HOLD_S = 20.0
+HOLD_NS = int(HOLD_S * 1e9)  # one int64 value for the warm-up and the real launch
 # A kernel "completes while the blocker runs" if it finishes within this many seconds.
 COMPLETE_S = 5.0
 # The canary must still be waiting after this many seconds.
@@ -53,21 +54,28 @@ def _globaltimer():
 
 
 @triton.jit
-def _blocker_kernel(flag_ptr, started_ptr, smid_ptr, sink_ptr, hold_ns, TILE: tl.constexpr):
+def _blocker_kernel(flag_ptr, started_ptr, smid_ptr, info_ptr, sink_ptr, hold_ns,
+                    TILE: tl.constexpr):  # fmt: skip
     """Spin until ``*flag_ptr`` != 0 or ``hold_ns`` passed, keeping a TILE-wide fp32 tile live
-    (register pressure); record the SM and count the program as started."""
+    (register pressure); record the SM, count the program as started, and on exit record how
+    long it spun and the flag it saw."""
+    pid = tl.program_id(0)
     sm = tl.inline_asm_elementwise(
         "mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
     )
-    tl.store(smid_ptr + tl.program_id(0), sm)
+    tl.store(smid_ptr + pid, sm)
     tl.atomic_add(started_ptr, 1, sem="relaxed", scope="gpu")
     acc = tl.arange(0, TILE).to(tl.float32)
     start = _globaltimer()
+    elapsed = start - start
     flag = tl.load(flag_ptr, volatile=True)
-    while (flag == 0) & (_globaltimer() - start < hold_ns):
+    while (flag == 0) & (elapsed < hold_ns):
         acc = acc * 0.5 + 1.0
         flag = tl.load(flag_ptr, volatile=True)
-    tl.store(sink_ptr + tl.program_id(0) * TILE + tl.arange(0, TILE), acc)
+        elapsed = _globaltimer() - start
+    tl.store(info_ptr + 2 * pid, elapsed)
+    tl.store(info_ptr + 2 * pid + 1, flag.to(tl.int64))
+    tl.store(sink_ptr + pid * TILE + tl.arange(0, TILE), acc)
 
 
 @triton.jit
@@ -134,26 +142,27 @@ def main() -> dict:
     started = torch.zeros(1, dtype=torch.int32, device=dev)
     programs = sms - FREE_SMS
     sink = torch.empty(programs * BLOCKER_TILE, dtype=torch.float32, device=dev)
+    info = torch.zeros((programs, 2), dtype=torch.int64, device=dev)
     smid = torch.full((programs,), -1, dtype=torch.int32, device=dev)
     canary_count = torch.zeros(1, dtype=torch.int32, device=dev)
     canary_out = torch.zeros(CANARY_GROUP, dtype=torch.int32, device=dev)
     # Warm the blocker and the canary up (compile) on an idle GPU, with an immediate release.
     flag.fill_(1)
     compiled = _blocker_kernel[(1,)](
-        flag, started, smid, sink, 0, TILE=BLOCKER_TILE, num_warps=32, maxnreg=64
+        flag, started, smid, info, sink, HOLD_NS, TILE=BLOCKER_TILE, num_warps=32, maxnreg=64
     )
     _canary_kernel[(CANARY_GROUP,)](canary_count, canary_out, G=CANARY_GROUP, num_warps=4)
     torch.cuda.synchronize()
     # 1024 threads x 64 registers: the SM's whole register file.
     result["blocker_registers"] = int(compiled.n_regs)
-    flag.zero_(), started.zero_(), smid.fill_(-1), canary_count.zero_()
+    flag.zero_(), started.zero_(), smid.fill_(-1), canary_count.zero_(), info.zero_()
     torch.cuda.synchronize()
 
     blocker_s, work_s, canary_s, copy_s = (torch.cuda.Stream(dev) for _ in range(4))
     host = torch.zeros(1, dtype=torch.int32).pin_memory()
     with torch.cuda.stream(blocker_s):
         _blocker_kernel[(programs,)](
-            flag, started, smid, sink, int(HOLD_S * 1e9), TILE=BLOCKER_TILE, num_warps=32,
+            flag, started, smid, info, sink, HOLD_NS, TILE=BLOCKER_TILE, num_warps=32,
             maxnreg=64,
         )  # fmt: skip
         blocker_done = torch.cuda.Event()
@@ -200,6 +209,9 @@ def main() -> dict:
     result["blocker_sms_with_1"] = int((per_sm == 1).sum())
     result["blocker_sms_with_0"] = int((per_sm == 0).sum())
     result["blocker_sms_with_more"] = int((per_sm > 1).sum())
+    spun = info.cpu()
+    result["blocker_spun_s"] = [float(spun[:, 0].min()) / 1e9, float(spun[:, 0].max()) / 1e9]
+    result["blocker_released_by_flag"] = int((spun[:, 1] != 0).sum())
     return result
 
 

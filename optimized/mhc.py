@@ -4,10 +4,12 @@ Same signatures as :mod:`dsv4mtp.reference.mhc` plus keyword-only ``out``, ``bac
 (hc_pre / hc_head) ``schedule``.
 
 Kernels.  The Triton collapse (kernels/mhc_collapse.py) serves hc_pre and, at large T,
-hc_head: each program streams its piece of the residual once from HBM into a split-K mix on
-bf16 tensor cores (fn split into two bf16 terms), the programs of each token block meet at a
-barrier and each turns its share of the partials into gates, and after a second barrier every
-program re-reads its piece (from L2, where it still is) to write the weighted sum.
+hc_head: each piece of the residual is streamed once from HBM into a split-K mix on bf16
+tensor cores (fn split into two bf16 terms); once a token block's partials are all written,
+programs turn shares of them into gates, and once the gates are written, pieces are re-read
+(from L2, where they still are) to write the weighted sum.  All in one launch, whose programs
+only ever wait on programs that have already started (kernels/_sync.py), so no wait depends on
+how much of the GPU other work leaves free.
 hc_pre can instead feed FlashInfer's consumer from a split-K mix producer (kernels/mhc_mix.py).
 hc_head has a latency-first kernel for the small T at which MTP calls it (kernels/mhc_head.py).
 Each public function validates its arguments, chooses the backend (optimized/_dispatch.py) and
@@ -21,7 +23,7 @@ depend on its batch):
   bench/results/): the Triton collapse, or the mix producer feeding FlashInfer's
   ``mhc_pre_big_fuse`` (Sinkhorn + pre-weighted sum).  Otherwise the Triton collapse.
 * ``hc_post`` - n = 4, bf16 f and residual, CUDA: FlashInfer ``mhc_post``; otherwise Triton.
-* ``hc_head`` - ``HEAD_AUTO_BACKEND``: the small-batch one-pass FMA kernel (kernels/mhc_head.py)
+* ``hc_head`` - ``HEAD_AUTO_BACKEND``: the small-batch FMA kernel (kernels/mhc_head.py)
   or the Triton collapse (no FlashInfer kernel exists for it on sm_90).
 
 FlashInfer conventions handled here: its pre kernel returns ``(post (..., 4, 1), comb,
