@@ -6,14 +6,21 @@ and timed call by call with ``time.perf_counter_ns`` (median reported; the devic
 every ``--block`` calls, outside the timed calls, so the launch queue never fills):
 
 * public:   ``dsv4mtp.optimized.<op>(..., backend=b)`` (validation, backend choice, operator);
+* pub.out:  the same with preallocated ``out=`` buffers (no output allocation in the call);
 * op:       ``torch.ops.dsv4mtp.<op>(..., b)`` (dispatcher, our kernel's Python launcher);
 * launcher: the Python launcher the operator runs, called directly (workspace allocation,
             schedule arithmetic, the launches);
-* bare:     the same compiled kernels launched alone, ``kernel[grid](*args)`` with the very
-            arguments and workspaces the launcher passed (recorded on one call), and FlashInfer's
-            raw module functions with the arguments the adapter passed.  Replayed workspaces
-            are not re-zeroed, so the bare launches compute nothing meaningful: only their host
+* bare:     the same compiled kernels launched alone at the cheapest the host can: each
+            CompiledKernel's launcher called directly (``kernel.run(grid, stream, function,
+            packed metadata, no hooks, *args)``, what optimized/kernels/_launch.py's
+            TritonLaunch does after its first call) with the very arguments and workspaces the
+            launcher passed (recorded on one call), on the current stream, and FlashInfer's raw
+            module functions with the arguments the adapter passed.  Replayed workspaces are
+            not re-zeroed, so the bare launches compute nothing meaningful: only their host
             cost is measured.
+* jit.run:  the same launches through Triton's ``kernel[grid](*args, **meta)``
+            (``JITFunction.run``: argument binding, specialization and cache key per call), the
+            previous definition of "bare", for comparison.
 
 The table gives public - bare and op - bare (the per-call cost above a bare launch, aim <= 5 us),
 and splits it: public - op (validation and backend choice), op - launcher (the registration:
@@ -81,22 +88,66 @@ def host_us(fn: Callable[[], Any], calls: int, block: int) -> float:
 
 
 # ------------------------------------------------------------------------------ recording
+def _direct(kernel: Any, grid: Any, full_args: tuple[Any, ...]) -> Callable[[], None]:
+    """A compiled kernel's launcher called directly on the current stream (the cheapest launch)."""
+    from dsv4mtp.optimized.kernels._launch import _runtime
+
+    grid = (*grid, 1, 1)
+    g0, g1, g2 = grid[0], grid[1], grid[2]
+    dev_fn, stream_fn, _ = _runtime()  # Triton's device and stream functions, as TritonLaunch
+    run, function, packed = kernel.run, kernel.function, kernel.packed_metadata
+
+    def launch() -> None:
+        run(g0, g1, g2, stream_fn(dev_fn()), function, packed, None, None, None, *full_args)
+
+    return launch
+
+
 @contextlib.contextmanager
-def recording(calls: list[Callable[[], Any]]) -> Iterator[None]:
-    """Record every Triton launch and raw FlashInfer call made inside, as replayable closures."""
+def recording(calls: list[Callable[[], Any]], jit_calls: list[Callable[[], Any]]) -> Iterator[None]:
+    """Record every Triton launch and raw FlashInfer call made inside, as replayable closures:
+    ``calls`` gets the direct launcher calls (and FlashInfer's), ``jit_calls`` the same launches
+    through ``JITFunction.run`` (and FlashInfer's)."""
     import dsv4mtp.optimized.kernels._flashinfer as fa
+    from dsv4mtp.optimized.kernels._launch import INTERPRET, TritonLaunch, _arg_key, _runtime
 
     jits = []
     for module, name in _KERNELS:
         jit = getattr(importlib.import_module(f"dsv4mtp.optimized.kernels.{module}"), name)
         orig = jit.run
 
-        def run(*args: Any, _orig: Any = orig, **kwargs: Any) -> Any:
-            calls.append(lambda: _orig(*args, **kwargs))
-            return _orig(*args, **kwargs)
+        def run(*args: Any, _orig: Any = orig, _jit: Any = jit, **kwargs: Any) -> Any:
+            # a launcher that calls kernel[grid](...) itself (not through TritonLaunch)
+            kernel = _orig(*args, **kwargs)
+            jit_calls.append(lambda: _orig(*args, **kwargs))
+            if INTERPRET:  # no compiled kernel: the script's CPU check replays run() twice
+                calls.append(jit_calls[-1])
+                return kernel
+            tail = tuple(kwargs[p.name] for p in _jit.params[len(args) :])
+            calls.append(_direct(kernel, kwargs["grid"], (*args, *tail)))
+            return kernel
 
         jit.run = run
         jits.append(jit)
+    launch_call = TritonLaunch.__call__
+
+    def launch_rec(self: Any, grid: tuple[int, ...], *args: Any) -> None:
+        # a hit of TritonLaunch: its launch is replayed both ways
+        if INTERPRET:  # plain path: recorded by run() above
+            launch_call(self, grid, *args)
+            return
+        key = (_runtime()[0](), *[
+            (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else _arg_key(a)
+            for a in args])  # fmt: skip
+        entry = self._kernels.get(key)
+        assert entry is not None, "warm the launcher before recording"
+        run, function, packed = entry
+        kernel = type("K", (), dict(run=run, function=function, packed_metadata=packed))
+        calls.append(_direct(kernel, grid, (*args, *self._tail)))
+        jit_calls.append(lambda: self.jit[grid](*args, **self.meta))
+        launch_call(self, grid, *args)
+
+    TritonLaunch.__call__ = launch_rec  # type: ignore[method-assign]
 
     class Proxy:
         def __init__(self, real: Any) -> None:
@@ -107,6 +158,7 @@ def recording(calls: list[Callable[[], Any]]) -> Iterator[None]:
 
             def call(*args: Any, **kwargs: Any) -> Any:
                 calls.append(lambda: fn(*args, **kwargs))
+                jit_calls.append(lambda: fn(*args, **kwargs))
                 return fn(*args, **kwargs)
 
             return call
@@ -118,6 +170,7 @@ def recording(calls: list[Callable[[], Any]]) -> Iterator[None]:
         yield
     finally:
         fa._mhc_module, fa._norm_module = mhc_module, norm_module  # type: ignore[assignment]
+        TritonLaunch.__call__ = launch_call  # type: ignore[method-assign]
         for jit in jits:
             del jit.run
 
@@ -143,6 +196,12 @@ def cases(T: int, D: int) -> list[dict[str, Any]]:
                  torch.softmax(rnd(T, N, N), dim=-2))  # fmt: skip
     norm = (rnd(T, D).to(bf), rnd(D, std=0.2, mean=1.0).to(bf))
     ops = torch.ops.dsv4mtp
+    # preallocated outputs for the public out= calls (no allocation in the timed call)
+    o_norm = torch.empty_like(norm[0])
+    o_pre = (torch.empty((T, D), dtype=bf, device=DEV), torch.empty((T, N), device=DEV),
+             torch.empty((T, N, N), device=DEV))  # fmt: skip
+    o_post = torch.empty_like(x)
+    o_head = torch.empty((T, D), dtype=bf, device=DEV)
     out: list[dict[str, Any]] = []
     dev = torch.device(DEV)
     for b in backend_names("rms_norm"):
@@ -150,6 +209,7 @@ def cases(T: int, D: int) -> list[dict[str, Any]]:
             out.append(dict(
                 op="rms_norm", backend=b,
                 public=lambda b=b: opt.rms_norm(*norm, EPS, backend=b),
+                public_out=lambda b=b: opt.rms_norm(*norm, EPS, backend=b, out=o_norm),
                 operator=lambda b=b: ops.rms_norm.default(*norm, EPS, "official", b),
                 launcher=lambda b=b: _ops._rms_norm(*norm, EPS, "official", b),
             ))  # fmt: skip
@@ -161,6 +221,7 @@ def cases(T: int, D: int) -> list[dict[str, Any]]:
             out.append(dict(
                 op="hc_pre", backend=b,
                 public=lambda b=b: opt.hc_pre(*pre, **pkw, backend=b),
+                public_out=lambda b=b: opt.hc_pre(*pre, **pkw, backend=b, out=o_pre),
                 operator=lambda b=b: ops.hc_pre.default(
                     *pre, EPS, EPS, 20, 2.0, b, nothing, nothing),
                 launcher=lambda b=b: _ops._hc_pre(*pre, EPS, EPS, 20, 2.0, b, nothing, nothing),
@@ -170,6 +231,7 @@ def cases(T: int, D: int) -> list[dict[str, Any]]:
             out.append(dict(
                 op="hc_post", backend=b,
                 public=lambda b=b: opt.hc_post(*post_args, backend=b),
+                public_out=lambda b=b: opt.hc_post(*post_args, backend=b, out=o_post),
                 operator=lambda b=b: ops.hc_post.default(*post_args, b),
                 launcher=lambda b=b: _ops._hc_post(*post_args, b),
             ))  # fmt: skip
@@ -178,35 +240,47 @@ def cases(T: int, D: int) -> list[dict[str, Any]]:
             out.append(dict(
                 op="hc_head", backend=b,
                 public=lambda b=b: opt.hc_head(*head, rms_norm_eps=EPS, hc_eps=EPS, backend=b),
+                public_out=lambda b=b: opt.hc_head(
+                    *head, rms_norm_eps=EPS, hc_eps=EPS, backend=b, out=o_head),
                 operator=lambda b=b: ops.hc_head.default(*head, EPS, EPS, b, nothing),
                 launcher=lambda b=b: _ops._hc_head(*head, EPS, EPS, b, nothing),
             ))  # fmt: skip
     return out
 
 
-def bare(case: dict[str, Any]) -> Callable[[], None]:
+def bare(case: dict[str, Any]) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The launches of one launcher call, replayed as direct launcher calls and through
+    ``JITFunction.run``."""
     case["launcher"]()  # compiled and cached before recording
+    case["launcher"]()  # a TritonLaunch keeps its compiled kernel on the first call
     _sync()
     calls: list[Callable[[], Any]] = []
-    with recording(calls):
+    jit_calls: list[Callable[[], Any]] = []
+    with recording(calls, jit_calls):
         case["launcher"]()
     _sync()
-    if len(calls) == 1:
-        return calls[0]  # type: ignore[return-value]
 
-    def replay() -> None:
-        for c in calls:
-            c()
+    def replay(cs: list[Callable[[], Any]]) -> Callable[[], None]:
+        if len(cs) == 1:
+            return cs[0]  # type: ignore[return-value]
 
-    return replay
+        def run_all() -> None:
+            for c in cs:
+                c()
+
+        return run_all
+
+    return replay(calls), replay(jit_calls)
 
 
 def overhead(a: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for case in cases(1, a.dim):
         row: dict[str, Any] = dict(op=case["op"], backend=case["backend"])
-        row["bare"] = host_us(bare(case), a.calls, a.block)
-        for level in ("public", "operator", "launcher"):
+        direct, through_jit = bare(case)
+        row["bare"] = host_us(direct, a.calls, a.block)
+        row["jit_run"] = host_us(through_jit, a.calls, a.block)
+        for level in ("public", "public_out", "operator", "launcher"):
             row[level] = host_us(case[level], a.calls, a.block)
         rows.append(row)
     return rows
@@ -307,17 +381,21 @@ def main() -> None:
 
     rows = overhead(a)
     print(f"\nHost time per eager call, T = 1, D {a.dim}, n {N}, {DEV} (median of {a.calls}, us)")
-    head = ("op", "backend", "public", "op", "launcher", "bare", "pub-bare", "op-bare",
-            "valid.", "regist.", "launch.")  # fmt: skip
+    head = ("op", "backend", "public", "pub.out", "op", "launcher", "bare", "jit.run",
+            "pub-bare", "out-bare", "op-bare", "valid.", "regist.", "launch.")  # fmt: skip
     print(f"{head[0]:<9}{head[1]:<20}" + "".join(f"{h:>10}" for h in head[2:]))
     for r in rows:
-        vals = (r["public"], r["operator"], r["launcher"], r["bare"],
-                r["public"] - r["bare"], r["operator"] - r["bare"], r["public"] - r["operator"],
+        vals = (r["public"], r["public_out"], r["operator"], r["launcher"], r["bare"],
+                r["jit_run"], r["public"] - r["bare"], r["public_out"] - r["bare"],
+                r["operator"] - r["bare"], r["public"] - r["operator"],
                 r["operator"] - r["launcher"], r["launcher"] - r["bare"])  # fmt: skip
         print(f"{r['op']:<9}{r['backend']:<20}" + "".join(f"{v:>10.2f}" for v in vals))
     print(
-        "valid. = public - op (validation, backend choice); regist. = op - launcher "
-        "(torch.library dispatch); launch. = launcher - bare (allocation, launch arithmetic)"
+        "bare = the compiled kernels' launchers called directly; jit.run = the same launches "
+        "through kernel[grid](...); pub.out = the public call with out= (no output "
+        "allocation).  valid. = public - op (validation, backend choice); "
+        "regist. = op - launcher (torch.library dispatch); launch. = launcher - bare "
+        "(allocation, launch arithmetic)"
     )
 
     reg = registration(a)

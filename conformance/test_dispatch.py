@@ -57,6 +57,7 @@ def test_auto_reads_the_batch_size_only_when_batch_invariant_is_false(
 
     monkeypatch.setattr(mhc, "select", spy)
     monkeypatch.setattr(mhc, "check_device", lambda named: named[0][1].device)
+    dispatch.clear_plans()  # a cached plan of an earlier call would skip the spy
     x = torch.randn(3, 4, 8)
     eps = dict(rms_norm_eps=1e-6, hc_eps=1e-6)
     for invariant in (False, True):

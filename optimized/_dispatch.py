@@ -26,11 +26,14 @@ from .kernels._flashinfer import flashinfer_mismatch
 
 __all__ = [
     "HEAD_MMA_MIN_T",
+    "PLANS",
     "TABLES",
     "Backend",
     "Facts",
     "OpTable",
     "backend_names",
+    "clear_plans",
+    "remember",
     "requirement",
     "select",
 ]
@@ -175,6 +178,34 @@ TABLES: dict[str, OpTable] = {
         by_T=_head_by_T,
     ),
 }
+
+
+# ------------------------------------------------------------------------------ plans
+# The validated plan of a call signature (chosen backend, schedule fields), keyed by everything
+# the public function's checks and choice read: each tensor's class, dtype, shape and device,
+# each scalar's class and value, backend, schedule, and each ``out`` tensor's class, shape,
+# dtype, device and contiguity.  A call whose key is here passed every check with those exact
+# properties, so it skips them; any other call (a new dtype, device, shape or out stride, or a
+# key that cannot be built because an argument is not a tensor) takes the full path, which
+# raises the same typed error as before.  Nothing is cached for a refused call.  No check of the
+# ops reads tensor values (none syncs the device), so nothing per call is skipped that the
+# uncached path does.  While torch.compile traces, the full path runs (its checks become guards).
+# The keys hold T, so a serving loop adds one plan per distinct batch size; past _MAX_PLANS the
+# cache starts over.  Tests that monkeypatch the tables or the checks call clear_plans().
+_MAX_PLANS = 4096
+PLANS: dict[tuple[object, ...], tuple[object, ...]] = {}
+
+
+def remember(key: tuple[object, ...], plan: tuple[object, ...]) -> None:
+    """Keep ``plan`` for calls with ``key`` (a validated call only)."""
+    if len(PLANS) >= _MAX_PLANS:
+        PLANS.clear()
+    PLANS[key] = plan
+
+
+def clear_plans() -> None:
+    """Forget every cached plan (after changing a table or a check in a test)."""
+    PLANS.clear()
 
 
 def backend_names(op: str) -> tuple[str, ...]:

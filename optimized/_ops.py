@@ -31,7 +31,7 @@ import torch
 from dsv4mtp.errors import InputError
 
 from .kernels import _flashinfer as fi
-from .kernels._launch import triton_kernel
+from .kernels._launch import triton_kernel, workspace
 
 if TYPE_CHECKING:
     from .kernels.mhc_collapse import CollapseConfig, mhc_collapse
@@ -134,8 +134,12 @@ def _rms_norm_out(
     if x.numel() == 0:
         return
     D = x.shape[-1]
-    x2d = x.contiguous().view(-1, D)
-    out2d = out.view(-1, D)
+    # (R, D) rows; a view only where x is not 2-D already (a view costs ~1 us of host time)
+    x2d = x.contiguous()
+    out2d = out
+    if x.dim() != 2:
+        x2d = x2d.view(-1, D)
+        out2d = out.view(-1, D)
     w = weight.contiguous() if weight is not None else None
     if backend == "triton":
         rms_norm_triton(x2d, w, eps, out2d, vllm_order=(order == "vllm"))
@@ -164,13 +168,18 @@ def _rms_norm_fake(
 def _collapse_inputs(
     x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hc_pre's and hc_head's kernels read contiguous x and fn, and scale / base in fp32."""
+    """hc_pre's and hc_head's kernels read contiguous x and fn, and scale / base in fp32 (the
+    conversions only where needed: a no-op ``.to`` still costs a dispatcher round trip)."""
     return (
         x.contiguous(),
         fn.contiguous(),
-        scale.to(torch.float32).contiguous(),
-        base.to(torch.float32).contiguous(),
+        _f32(scale),
+        _f32(base),
     )
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous() if t.dtype == torch.float32 else t.to(torch.float32).contiguous()
 
 
 def _hc_pre_out(
@@ -210,7 +219,14 @@ def _hc_pre_out(
     if backend == "flashinfer_prenorm":
         mcfg = replace(mcfg, num_splits=1)
     S = mcfg.num_splits
-    mixes, sq = mhc_mix_splitk(x.view(T, K), fn, mcfg)
+    # The split-K partials live in per-stream workspaces (kernels/_launch.py, "workspaces"):
+    # written by the producer, read by FlashInfer's consumer next on the same stream.
+    dev = x.device
+    mixes, sq = mhc_mix_splitk(
+        x.view(T, K), fn, mcfg,
+        workspace("hc_pre.mix", (S, T, M), torch.float32, dev),
+        workspace("hc_pre.sqsum", (S, T), torch.float32, dev),
+    )  # fmt: skip
     if backend == "flashinfer":
         fi.mhc_pre_big_fuse(
             post_mix=post, comb_mix=comb, layer_input=layer_input,
@@ -266,8 +282,8 @@ def _hc_post_out(
         return
     f = f.contiguous()
     residual = residual.contiguous()
-    post32 = post.to(torch.float32).contiguous()
-    comb32 = comb.to(torch.float32).contiguous()
+    post32 = _f32(post)
+    comb32 = _f32(comb)
     if backend == "flashinfer":
         fi.mhc_post(out=out, x=f, residual=residual, post_layer_mix=post32, comb_res_mix=comb32)
     elif backend == "triton":

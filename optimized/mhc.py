@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -43,7 +43,7 @@ from dsv4mtp.checks import check_eps, check_instance, check_ndim, check_shape
 from dsv4mtp.errors import InputError
 
 from . import _ops
-from ._dispatch import TABLES, Facts, select
+from ._dispatch import PLANS, TABLES, Facts, remember, select
 from .kernels._launch import check_device, check_kernel_dtype, check_out
 
 if TYPE_CHECKING:
@@ -144,6 +144,72 @@ def hc_pre(
     ``batch_invariant=True`` pins a schedule that does not depend on T; "auto" picks by dtype,
     n and D only, so the default is batch invariant too.
     """
+    # The plan of this call signature (optimized/_dispatch.py, "plans"): the checks run once
+    # per signature.  While torch.compile traces, they run every time and become its guards.
+    key: tuple[object, ...] | None = None
+    plan: tuple[Any, ...] | None = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = (
+                "hc_pre",
+                x.__class__, x.dtype, x.shape, x.device,
+                fn.__class__, fn.dtype, fn.shape, fn.device,
+                scale.__class__, scale.dtype, scale.shape, scale.device,
+                base.__class__, base.dtype, base.shape, base.device,
+                rms_norm_eps.__class__, rms_norm_eps, hc_eps.__class__, hc_eps,
+                sinkhorn_iters.__class__, sinkhorn_iters, post_mult.__class__, post_mult,
+                batch_invariant.__class__, batch_invariant, backend, schedule,
+                None if out is None else _outs_key(out),
+            )  # fmt: skip
+            plan = PLANS.get(key)
+        except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
+            key = None
+    if plan is None:
+        plan = _hc_pre_plan(
+            x, fn, scale, base, rms_norm_eps, hc_eps, sinkhorn_iters, batch_invariant, out,
+            backend, schedule,
+        )  # fmt: skip
+        if key is not None:
+            remember(key, plan)
+    choice, collapse, mix = plan
+    args = (
+        x, fn, scale, base, float(rms_norm_eps), float(hc_eps), sinkhorn_iters, float(post_mult),
+        choice, collapse, mix,
+    )  # fmt: skip
+    if out is None:
+        return _ops_hc_pre(*args)  # type: ignore[no-any-return]
+    li, post, comb = out
+    _ops_hc_pre_out(*args, layer_input=li, post=post, comb=comb)
+    return li, post, comb
+
+
+def _outs_key(out: Any) -> tuple[object, ...]:
+    """What check_out reads from each tensor of an ``out`` tuple (or list)."""
+    return (out.__class__, *[(o.__class__, o.shape, o.dtype, o.device, o.is_contiguous())
+                             for o in out])  # fmt: skip
+
+
+def _out_key(o: torch.Tensor | None) -> tuple[object, ...] | None:
+    """What check_out reads from one ``out`` tensor."""
+    if o is None:
+        return None
+    return (o.__class__, o.shape, o.dtype, o.device, o.is_contiguous())
+
+
+def _hc_pre_plan(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    rms_norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    batch_invariant: bool,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    backend: str,
+    schedule: CollapseSchedule | None,
+) -> tuple[str, Sequence[int], Sequence[int]]:
+    """Every check of hc_pre's arguments, then the backend choice: (backend, schedule fields)."""
     check_instance("batch_invariant", batch_invariant, bool)
     T, n, D = _check_streams(x)
     M = (2 + n) * n
@@ -161,22 +227,12 @@ def hc_pre(
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise InputError("out: expected a 3-tuple (layer_input, post, comb)")
-        li, post, comb = (
+        for i, (o, (s, dt)) in enumerate(zip(out, shapes, strict=True)):
             check_out(f"out[{i}]", o, s, dt, dev)
-            for i, (o, (s, dt)) in enumerate(zip(out, shapes, strict=True))
-        )
     facts = Facts(dev, (x.dtype,), n=n, D=D, eps=(rms_norm_eps, hc_eps))
     choice = select("hc_pre", backend, facts)
     collapse, mix = _schedule(schedule)
-    args = (
-        x, fn, scale, base, float(rms_norm_eps), float(hc_eps), sinkhorn_iters, float(post_mult),
-        choice, collapse, mix,
-    )  # fmt: skip
-    if out is None:
-        li, post, comb = _ops_hc_pre(*args)
-    else:
-        _ops_hc_pre_out(*args, layer_input=li, post=post, comb=comb)
-    return li, post, comb
+    return choice, collapse, mix
 
 
 # ----------------------------------------------------------------------------------- hc_post
@@ -196,6 +252,44 @@ def hc_post(
     ``batch_invariant=True`` pins a schedule that does not depend on T; both backends compute
     each token on its own, so the default is batch invariant too.
     """
+    # The plan of this call signature (optimized/_dispatch.py, "plans"): the checks run once
+    # per signature.  While torch.compile traces, they run every time and become its guards.
+    key: tuple[object, ...] | None = None
+    plan: tuple[Any, ...] | None = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = (
+                "hc_post",
+                f.__class__, f.dtype, f.shape, f.device,
+                residual.__class__, residual.dtype, residual.shape, residual.device,
+                post.__class__, post.dtype, post.shape, post.device,
+                comb.__class__, comb.dtype, comb.shape, comb.device,
+                batch_invariant.__class__, batch_invariant, backend, _out_key(out),
+            )  # fmt: skip
+            plan = PLANS.get(key)
+        except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
+            key = None
+    if plan is None:
+        plan = _hc_post_plan(f, residual, post, comb, batch_invariant, out, backend)
+        if key is not None:
+            remember(key, plan)
+    (choice,) = plan
+    if out is None:
+        return _ops_hc_post(f, residual, post, comb, choice)  # type: ignore[no-any-return]
+    _ops_hc_post_out(f, residual, post, comb, choice, out=out)
+    return out
+
+
+def _hc_post_plan(
+    f: torch.Tensor,
+    residual: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    batch_invariant: bool,
+    out: torch.Tensor | None,
+    backend: str,
+) -> tuple[str]:
+    """Every check of hc_post's arguments, then the backend choice."""
     check_instance("batch_invariant", batch_invariant, bool)
     check_kernel_dtype("residual", residual)
     check_ndim("residual", residual, 3)
@@ -207,11 +301,9 @@ def hc_post(
     check_shape("comb", comb, (T, n, n))
     dev = check_device([("residual", residual), ("f", f), ("post", post), ("comb", comb)])
     choice = select("hc_post", backend, Facts(dev, (f.dtype, residual.dtype), n=n, D=D))
-    if out is None:
-        return _ops_hc_post(f, residual, post, comb, choice)
-    check_out("out", out, (T, n, D), residual.dtype, dev)
-    _ops_hc_post_out(f, residual, post, comb, choice, out=out)
-    return out
+    if out is not None:
+        check_out("out", out, (T, n, D), residual.dtype, dev)
+    return (choice,)
 
 
 # ----------------------------------------------------------------------------------- hc_head
@@ -238,6 +330,51 @@ def hc_head(
     runs "triton_mma" from ``_dispatch.HEAD_MMA_MIN_T`` (512) tokens on;
     ``batch_invariant=True`` keeps "auto" on "triton_fma" at every T.
     """
+    # The plan of this call signature (optimized/_dispatch.py, "plans"): the checks run once
+    # per signature.  While torch.compile traces, they run every time and become its guards.
+    key: tuple[object, ...] | None = None
+    plan: tuple[Any, ...] | None = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = (
+                "hc_head",
+                x.__class__, x.dtype, x.shape, x.device,
+                fn.__class__, fn.dtype, fn.shape, fn.device,
+                scale.__class__, scale.dtype, scale.shape, scale.device,
+                base.__class__, base.dtype, base.shape, base.device,
+                rms_norm_eps.__class__, rms_norm_eps, hc_eps.__class__, hc_eps,
+                batch_invariant.__class__, batch_invariant, backend, schedule, _out_key(out),
+            )  # fmt: skip
+            plan = PLANS.get(key)
+        except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
+            key = None
+    if plan is None:
+        plan = _hc_head_plan(
+            x, fn, scale, base, rms_norm_eps, hc_eps, batch_invariant, out, backend, schedule
+        )
+        if key is not None:
+            remember(key, plan)
+    choice, collapse = plan
+    args = (x, fn, scale, base, float(rms_norm_eps), float(hc_eps), choice, collapse)
+    if out is None:
+        return _ops_hc_head(*args)  # type: ignore[no-any-return]
+    _ops_hc_head_out(*args, out=out)
+    return out
+
+
+def _hc_head_plan(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    rms_norm_eps: float,
+    hc_eps: float,
+    batch_invariant: bool,
+    out: torch.Tensor | None,
+    backend: str,
+    schedule: CollapseSchedule | None,
+) -> tuple[str, Sequence[int]]:
+    """Every check of hc_head's arguments, then the backend choice (which may read T)."""
     check_instance("batch_invariant", batch_invariant, bool)
     T, n, D = _check_streams(x)
     _check_params(fn, scale, base, n, n * D, 1)
@@ -251,9 +388,6 @@ def hc_head(
     if schedule is not None and choice != "triton_mma":
         raise InputError(f"schedule: only the 'triton_mma' backend takes one, not {choice!r}")
     collapse, _ = _schedule(schedule)
-    args = (x, fn, scale, base, float(rms_norm_eps), float(hc_eps), choice, collapse)
-    if out is None:
-        return _ops_hc_head(*args)
-    check_out("out", out, (T, D), x.dtype, dev)
-    _ops_hc_head_out(*args, out=out)
-    return out
+    if out is not None:
+        check_out("out", out, (T, D), x.dtype, dev)
+    return choice, collapse

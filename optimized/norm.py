@@ -8,7 +8,7 @@ bench/results/norm-h200.md).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -17,7 +17,7 @@ from dsv4mtp.errors import InputError
 from dsv4mtp.semantics import NormOrder
 
 from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
-from ._dispatch import Facts, select
+from ._dispatch import PLANS, Facts, remember, select
 from .kernels._launch import check_device, check_kernel_dtype, check_out
 
 # The operators (optimized/_ops.py), looked up once: rms_norm validates and chooses the backend,
@@ -49,6 +49,45 @@ def rms_norm(
     rms_norm backend already reduces each row in one program, so the default is batch invariant
     too.
     """
+    # The plan of this call signature (optimized/_dispatch.py, "plans"): the checks run once
+    # per signature.  While torch.compile traces, they run every time and become its guards.
+    key: tuple[object, ...] | None = None
+    plan: tuple[Any, ...] | None = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = (
+                "rms_norm",
+                x.__class__, x.dtype, x.shape, x.device,
+                None if weight is None
+                else (weight.__class__, weight.dtype, weight.shape, weight.device),
+                eps.__class__, eps, order, batch_invariant.__class__, batch_invariant, backend,
+                None if out is None
+                else (out.__class__, out.shape, out.dtype, out.device, out.is_contiguous()),
+            )  # fmt: skip
+            plan = PLANS.get(key)
+        except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
+            key = None
+    if plan is None:
+        plan = _rms_norm_plan(x, weight, eps, order, batch_invariant, out, backend)
+        if key is not None:
+            remember(key, plan)
+    (choice,) = plan
+    if out is None:
+        return _ops_rms_norm(x, weight, float(eps), order, choice)  # type: ignore[no-any-return]
+    _ops_rms_norm_out(x, weight, float(eps), order, choice, out=out)
+    return out
+
+
+def _rms_norm_plan(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    order: NormOrder,
+    batch_invariant: bool,
+    out: torch.Tensor | None,
+    backend: str,
+) -> tuple[str]:
+    """Every check of rms_norm's arguments, then the backend choice."""
     check_instance("batch_invariant", batch_invariant, bool)
     check_kernel_dtype("x", x)
     if weight is not None:
@@ -64,8 +103,6 @@ def rms_norm(
     choice = select("rms_norm", backend, facts)
     if x.dim() == 0:
         raise InputError("x: expected at least 1 dimension, got a scalar")
-    if out is None:
-        return _ops_rms_norm(x, weight, float(eps), order, choice)
-    check_out("out", out, tuple(x.shape), x.dtype, dev)
-    _ops_rms_norm_out(x, weight, float(eps), order, choice, out=out)
-    return out
+    if out is not None:
+        check_out("out", out, tuple(x.shape), x.dtype, dev)
+    return (choice,)

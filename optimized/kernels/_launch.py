@@ -8,6 +8,10 @@ CUDA-graph capturable.
 Nothing here imports triton: it is the optional ``gpu`` extra, and ``import dsv4mtp.optimized``
 works without it.  The entry points reach their kernels through :func:`triton_kernel`, which
 imports the kernel's module on the first call, or raises :data:`TRITON_MISSING` as an InputError.
+
+:class:`TritonLaunch` is the one way the launchers start a compiled kernel: it skips
+``JITFunction.run``'s per-call argument binding and cache-key arithmetic on repeat calls (see
+its docstring for the rule that keeps that exact).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import threading
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -27,6 +32,7 @@ __all__ = [
     "INTERPRET",
     "KERNEL_DTYPES",
     "TRITON_MISSING",
+    "TritonLaunch",
     "check_device",
     "check_kernel_dtype",
     "check_out",
@@ -35,6 +41,8 @@ __all__ = [
     "next_pow2",
     "triton_available",
     "triton_kernel",
+    "triton_launch",
+    "workspace",
 ]
 
 # Under TRITON_INTERPRET=1 every kernel runs program by program, in order, on the CPU.  Kernels
@@ -154,11 +162,192 @@ def triton_kernel(module: str, name: str) -> Callable[..., Any]:
     """``kernels/<module>.py``'s ``name``, imported on the first call (which raises an InputError
     saying what to install when triton is missing)."""
 
+    resolved: Callable[..., Any] | None = None
+
     def call(*args: Any, **kwargs: Any) -> Any:
-        return getattr(_kernel_module(module), name)(*args, **kwargs)
+        nonlocal resolved
+        if resolved is None:
+            resolved = getattr(_kernel_module(module), name)
+        return resolved(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = name
     return call
+
+
+# ------------------------------------------------------------------------------ launches
+def _arg_key(a: object) -> object:
+    """What Triton's specialization of one runtime argument depends on, or something finer.
+
+    A tensor: dtype and 16-byte alignment of its data pointer.  An int: == 1 (Triton makes it a
+    constant), divisible by 16, and its integer type (i32 / i64 / u64 ranges).  A bool: its
+    type (``u1``, never a constant).  A float: fp32, nothing specialized.  Anything else (None,
+    a dtype): its value.  Finer than Triton only costs a cache miss; coarser would launch a
+    kernel compiled for another alignment, so conformance/test_fastpath.py checks this against
+    Triton's own ``native_specialize_impl``.
+    """
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    t = type(a)
+    if t is int:
+        assert isinstance(a, int)
+        return (a == 1, a % 16 == 0, -0x80000000 <= a <= 0x7FFFFFFF, a <= 0x7FFFFFFFFFFFFFFF)
+    if t is float or t is bool:
+        return t
+    return (t, a)
+
+
+@functools.cache
+def _runtime() -> tuple[Callable[[], int], Callable[[int], int], Any]:
+    """Triton's current-device and current-stream functions (the raw torch ones where Triton
+    uses them: ``torch.cuda.current_device`` re-checks lazy initialization on every call), and
+    its launch-hook chains.  Read once: the first launch of every kernel goes through
+    ``JITFunction.run``, which has initialized CUDA by the time these are used."""
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    active = driver.active
+    device: Callable[[], int] = active.get_current_device
+    if device is torch.cuda.current_device and hasattr(torch._C, "_cuda_getDevice"):
+        device = torch._C._cuda_getDevice
+    return device, active.get_current_stream, knobs.runtime
+
+
+def _hooks_idle(runtime: Any) -> bool:
+    """No launch hook is installed (a profiler such as proton adds them): the direct call may
+    skip building launch metadata and pass no hooks."""
+    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return (enter is None or not getattr(enter, "calls", True)) and (
+        exit_ is None or not getattr(exit_, "calls", True)
+    )
+
+
+class TritonLaunch:
+    """One Triton kernel with its constexprs and launch options fixed: ``launch(grid, *args)``.
+
+    ``args`` are the kernel's runtime (non-constexpr) parameters, in signature order, all
+    positional; ``meta`` (given once) holds every constexpr and the options (``num_warps``,
+    ``num_stages``, ``maxnreg``).  The first call per (current device, specialization of args)
+    goes through ``kernel[grid](*args, **meta)``, i.e. ``JITFunction.run``, which compiles or
+    finds the kernel, checks the kernel's globals and launches it; the CompiledKernel it returns
+    is kept under that key.  Later calls compute only the key (:func:`_arg_key` per argument:
+    dtype and alignment of each tensor, the integer class of each int) and call the compiled
+    kernel's launcher directly on the current stream, which is what ``JITFunction.run`` ends
+    in: it spends ~10-20 us per call re-binding keyword arguments, re-deriving the
+    specialization and the cache key string, and building launch metadata for hooks.
+
+    The plain path is kept where the direct call would differ: under ``TRITON_INTERPRET=1``
+    (the interpreter has no compiled kernel), while a launch hook or a pre-run hook is
+    installed (they see every launch with its metadata), and for a kernel whose constexprs are
+    not all in ``meta`` after the runtime arguments.  Environment knobs that Triton reads at
+    launch (``TRITON_DEBUG``, instrumentation mode) are those of the first launch per key.
+    A CUDA graph capture records the direct call like any other launch on the capturing stream.
+    """
+
+    __slots__ = ("_direct", "_kernels", "_tail", "jit", "meta")
+
+    def __init__(self, jit: Any, meta: dict[str, Any]) -> None:
+        self.jit = jit
+        self.meta = meta
+        self._kernels: dict[tuple[object, ...], tuple[Any, Any, Any]] = {}
+        self._tail: tuple[Any, ...] = ()
+        self._direct: bool | None = None  # decided on the first compiled launch
+
+    def __call__(self, grid: tuple[int, ...], *args: Any) -> None:
+        if INTERPRET:
+            self.jit[grid](*args, **self.meta)
+            return
+        device, stream, runtime = _runtime()
+        dev = device()
+        # _arg_key inlined for tensors, the common argument: a call per argument costs more.
+        key = (dev, *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, _Tensor) else _arg_key(a)
+                      for a in args])  # fmt: skip
+        entry = self._kernels.get(key)
+        if entry is None or self.jit.pre_run_hooks or not _hooks_idle(runtime):
+            self._plain(key, grid, args)
+            return
+        run, function, packed = entry
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        run(grid[0], g1, g2, stream(dev), function, packed, None, None, None, *args, *self._tail)
+
+    def _plain(self, key: tuple[object, ...], grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
+        kernel = self.jit[grid](*args, **self.meta)
+        if self._direct is None:
+            self._direct = self._bind_tail(len(args))
+        if self._direct and kernel is not None:
+            self._kernels[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+
+    def _bind_tail(self, n_args: int) -> bool:
+        """The launcher takes every parameter in signature order: the runtime ones (``args``)
+        then the constexprs, whose values are fixed in ``meta``.  False (plain path for good)
+        when the signature is not laid out that way."""
+        params = self.jit.params
+        runtime = [p for p in params if not p.is_constexpr]
+        if len(runtime) != n_args or any(p.is_constexpr for p in params[:n_args]):
+            return False
+        names = [p.name for p in params[n_args:]]
+        if any(n not in self.meta for n in names):
+            return False
+        self._tail = tuple(self.meta[n] for n in names)
+        return True
+
+
+_Tensor = torch.Tensor
+_LAUNCHES: dict[tuple[object, ...], TritonLaunch] = {}
+
+
+def triton_launch(jit: Any, **meta: Any) -> TritonLaunch:
+    """The :class:`TritonLaunch` of ``jit`` with these constexprs and options (one object per
+    distinct ``meta``, kept for the process: a launcher's schedules are few).  Launchers whose
+    meta depends only on shapes keep the result in their own plan cache, which saves this
+    lookup too."""
+    key = (jit, *meta.items())
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        launch = _LAUNCHES[key] = TritonLaunch(jit, meta)
+    return launch
+
+
+# ------------------------------------------------------------------------------ workspaces
+# Scratch tensors a launcher hands its kernels (split-K partials), kept between calls instead of
+# allocated per call.  Key: (name, shape, dtype, device, current stream, host thread).  The rule
+# that makes reuse safe: every kernel that writes or reads a workspace runs on the stream that
+# was current when it was handed out, so the next call's writes are ordered after this call's
+# reads, also with several calls in flight.  Two streams, or two host threads sharing a stream
+# (their launches could interleave between a producer and its consumer), get separate buffers.
+# While the current stream captures a CUDA graph the workspace is allocated fresh, from the
+# graph's private pool, so the graph owns it for as long as it lives and eager calls never
+# write into memory a replay reads.  At most _MAX_WORKSPACES are kept (a serving loop sees few
+# distinct T); past that the cache starts over, dropping only its own references (a tensor still
+# used by a queued kernel stays alive through the caching allocator's stream ordering).
+_MAX_WORKSPACES = 256
+_WORKSPACES: dict[tuple[object, ...], torch.Tensor] = {}
+
+
+def _stream_key(device: torch.device) -> object:
+    if device.type != "cuda":
+        return None  # CPU (the interpreter): every launch completes before the next starts
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    return torch._C._cuda_getCurrentRawStream(device.index)  # type: ignore[attr-defined]
+
+
+def workspace(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """An uninitialized scratch tensor ``name`` of this shape and dtype, reused by later calls
+    on the same device, stream and host thread (the rule above); kernels must write it before
+    they read it."""
+    stream = _stream_key(device)
+    if stream is False:
+        return torch.empty(shape, dtype=dtype, device=device)
+    key = (name, shape, dtype, device, stream, threading.get_ident())
+    t = _WORKSPACES.get(key)
+    if t is None:
+        if len(_WORKSPACES) >= _MAX_WORKSPACES:
+            _WORKSPACES.clear()
+        t = _WORKSPACES[key] = torch.empty(shape, dtype=dtype, device=device)
+    return t
 
 
 def __getattr__(name: str) -> Any:

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, next_pow2
+from ._launch import INTERPRET, TritonLaunch, next_pow2, triton_launch
 
 __all__ = ["MixConfig", "mhc_mix_splitk", "mix_config", "mix_step"]
 
@@ -155,6 +155,27 @@ def mix_config(M: int, K: int) -> MixConfig:
     return MixConfig(block_t=128, block_k=64, num_splits=s, num_warps=8, num_stages=4)
 
 
+# The launch and K columns per split for (schedule, M, K, x is bf16): nothing else decides them.
+_LAUNCHES: dict[tuple[MixConfig, int, int, bool], tuple[TritonLaunch, int]] = {}
+
+
+def _launch(cfg: MixConfig, M: int, K: int, x_is_bf16: bool) -> tuple[TritonLaunch, int]:
+    k_per_split = triton.cdiv(triton.cdiv(K, cfg.num_splits), cfg.block_k) * cfg.block_k
+    launch = triton_launch(
+        mhc_mix_kernel,
+        K_PER_SPLIT=k_per_split,
+        M=M,
+        MP=max(16, next_pow2(M)),
+        BLOCK_T=cfg.block_t,
+        BLOCK_K=cfg.block_k,
+        X_IS_BF16=x_is_bf16,
+        UPCAST=INTERPRET,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return launch, k_per_split
+
+
 def mhc_mix_splitk(
     x_flat: torch.Tensor,
     fn: torch.Tensor,
@@ -165,7 +186,8 @@ def mhc_mix_splitk(
     """Launch :func:`mhc_mix_kernel`; returns ``(mix (S, T, M), sqsum (S, T))`` in fp32.
 
     ``x_flat`` (T, K) and ``fn`` (M, K) contiguous on one device (validated by the caller);
-    ``mix`` / ``sqsum`` may be preallocated workspaces of exactly those shapes.
+    ``mix`` / ``sqsum`` may be preallocated of exactly those shapes (hc_pre passes
+    :func:`~._launch.workspace` buffers: the kernel writes every element its consumer reads).
     """
     T, K = x_flat.shape
     M = fn.shape[0]
@@ -177,23 +199,10 @@ def mhc_mix_splitk(
         sqsum = torch.empty((S, T), dtype=torch.float32, device=dev)
     if T == 0:
         return mix, sqsum
-    k_per_split = triton.cdiv(triton.cdiv(K, S), cfg.block_k) * cfg.block_k
-    grid = (triton.cdiv(T, cfg.block_t), S)
-    mhc_mix_kernel[grid](
-        x_flat,
-        fn,
-        mix,
-        sqsum,
-        T,
-        K,
-        K_PER_SPLIT=k_per_split,
-        M=M,
-        MP=max(16, next_pow2(M)),
-        BLOCK_T=cfg.block_t,
-        BLOCK_K=cfg.block_k,
-        X_IS_BF16=(x_flat.dtype == torch.bfloat16),
-        UPCAST=INTERPRET,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    key = (cfg, M, K, x_flat.dtype == torch.bfloat16)
+    entry = _LAUNCHES.get(key)
+    if entry is None:
+        entry = _LAUNCHES[key] = _launch(*key)
+    launch, _ = entry
+    launch((triton.cdiv(T, cfg.block_t), S), x_flat, fn, mix, sqsum, T, K)
     return mix, sqsum

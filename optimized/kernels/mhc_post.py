@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, next_pow2, rne_bf16_if_interpreted
+from ._launch import INTERPRET, TritonLaunch, next_pow2, rne_bf16_if_interpreted, triton_launch
 
 __all__ = ["mhc_post_triton"]
 
@@ -57,6 +57,18 @@ def mhc_post_kernel(
     tl.store(out, acc.to(out_ty), mask=k_ok[:, None] & d_ok[None, :])
 
 
+# The launch and D-blocks per (n, D): the schedule depends on nothing else.
+_LAUNCHES: dict[tuple[int, int], tuple[TritonLaunch, int]] = {}
+
+
+def _launch(n: int, D: int) -> tuple[TritonLaunch, int]:
+    block_d = min(1024, next_pow2(D))
+    launch = triton_launch(
+        mhc_post_kernel, N=n, NP=next_pow2(n), BLOCK_D=block_d, INTERP=INTERPRET, num_warps=4
+    )
+    return launch, triton.cdiv(D, block_d)
+
+
 def mhc_post_triton(
     f: torch.Tensor,
     residual: torch.Tensor,
@@ -68,19 +80,9 @@ def mhc_post_triton(
     T, n, D = residual.shape
     if T == 0:
         return out
-    block_d = min(1024, next_pow2(D))
-    grid = (T, triton.cdiv(D, block_d))
-    mhc_post_kernel[grid](
-        f,
-        residual,
-        post,
-        comb,
-        out,
-        D,
-        N=n,
-        NP=next_pow2(n),
-        BLOCK_D=block_d,
-        INTERP=INTERPRET,
-        num_warps=4,
-    )
+    entry = _LAUNCHES.get((n, D))
+    if entry is None:
+        entry = _LAUNCHES[(n, D)] = _launch(n, D)
+    launch, d_blocks = entry
+    launch((T, d_blocks), f, residual, post, comb, out, D)
     return out

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, next_pow2, rne_bf16_if_interpreted
+from ._launch import INTERPRET, TritonLaunch, next_pow2, rne_bf16_if_interpreted, triton_launch
 
 __all__ = ["rms_norm_triton"]
 
@@ -73,6 +73,23 @@ def default_num_warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
+def _launch(D: int, has_weight: bool, vllm_order: bool, num_warps: int | None) -> TritonLaunch:
+    block = min(8192, next_pow2(D))
+    return triton_launch(
+        rms_norm_kernel,
+        HAS_WEIGHT=has_weight,
+        VLLM_ORDER=vllm_order,
+        BLOCK_D=block,
+        NUM_CHUNKS=triton.cdiv(D, block),
+        INTERP=INTERPRET,
+        num_warps=num_warps or default_num_warps(block),
+    )
+
+
+# The launch per (D, weight, order, warps): the schedule depends on nothing else.
+_LAUNCHES: dict[tuple[int, bool, bool, int | None], TritonLaunch] = {}
+
+
 def rms_norm_triton(
     x2d: torch.Tensor,
     weight: torch.Tensor | None,
@@ -85,18 +102,9 @@ def rms_norm_triton(
     R, D = x2d.shape
     if R == 0 or D == 0:
         return out2d
-    block = min(8192, next_pow2(D))
-    rms_norm_kernel[(R,)](
-        x2d,
-        weight if weight is not None else x2d,
-        out2d,
-        D,
-        float(eps),
-        HAS_WEIGHT=weight is not None,
-        VLLM_ORDER=vllm_order,
-        BLOCK_D=block,
-        NUM_CHUNKS=triton.cdiv(D, block),
-        INTERP=INTERPRET,
-        num_warps=num_warps or default_num_warps(block),
-    )
+    key = (D, weight is not None, vllm_order, num_warps)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        launch = _LAUNCHES[key] = _launch(*key)
+    launch((R,), x2d, weight if weight is not None else x2d, out2d, D, float(eps))
     return out2d

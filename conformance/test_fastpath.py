@@ -1,0 +1,281 @@
+"""The host fast paths of dsv4mtp.optimized: a cached plan per call signature (optimized/
+_dispatch.py, "plans"), cached Triton launches (kernels/_launch.py, TritonLaunch) and per-stream
+workspaces.  None may change a result, and a cached plan never accepts what the full checks
+refuse: each refused call below is made right after an accepted call of the same shapes and
+must raise the same typed error as with no plan cached."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import dsv4mtp.optimized as opt
+from dsv4mtp.errors import InputError
+from dsv4mtp.optimized import _dispatch
+from dsv4mtp.optimized.kernels._launch import _arg_key, workspace
+
+EPS = 1e-6
+N, D, T = 4, 32, 3
+
+
+def _inputs(op: str, device: str) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(5)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+
+    def rnd(*shape: int, std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=g) * std + mean).to(device)
+
+    x = rnd(T, N, D).to(dt)
+    if op == "rms_norm":
+        return rnd(T, D).to(dt), rnd(D, std=0.2, mean=1.0).to(dt)
+    if op == "hc_pre":
+        M = (2 + N) * N
+        return x, rnd(M, N * D, std=0.02), rnd(3, std=0.3, mean=1.0), rnd(M, std=0.5)
+    if op == "hc_head":
+        return x, rnd(N, N * D, std=0.02), rnd(1, std=0.3, mean=1.0), rnd(N, std=0.5)
+    comb = torch.softmax(rnd(T, N, N), dim=-2)
+    return rnd(T, D).to(dt), x, (2 * torch.rand(T, N, generator=g)).to(device), comb
+
+
+def _call(op: str, ts: tuple[Any, ...], out: Any = None, **kw: Any) -> Any:
+    fn = getattr(opt, op)
+    if op == "rms_norm":
+        return fn(ts[0], ts[1], kw.pop("eps", EPS), out=out, **kw)
+    if op in ("hc_pre", "hc_head"):
+        kw.setdefault("rms_norm_eps", EPS)
+        kw.setdefault("hc_eps", EPS)
+    if op == "hc_pre":
+        kw.setdefault("sinkhorn_iters", 3)
+    return fn(*ts, out=out, **kw)
+
+
+def _outs(op: str, ts: tuple[torch.Tensor, ...]) -> Any:
+    x = ts[0]
+    if op == "rms_norm":
+        return torch.empty_like(x)
+    if op == "hc_pre":
+        f32 = torch.float32
+        return (
+            x.new_empty((T, D)),
+            x.new_empty((T, N), dtype=f32),
+            x.new_empty((T, N, N), dtype=f32),
+        )
+    if op == "hc_post":
+        return torch.empty_like(ts[1])
+    return x.new_empty((T, D))
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """Same shape and dtype, not contiguous."""
+    return torch.empty((*t.shape[:-1], 2 * t.shape[-1]), dtype=t.dtype, device=t.device)[..., ::2]
+
+
+def _refusals(op: str, ts: tuple[torch.Tensor, ...]) -> list[tuple[str, Callable[[], Any]]]:
+    """Calls the full checks refuse, each a small change of an accepted call."""
+    ts = tuple(ts)
+    first = ts[0] if op != "hc_post" else ts[1]
+    i = 0 if op != "hc_post" else 1
+
+    def swap(t: Any) -> tuple[Any, ...]:
+        return (*ts[:i], t, *ts[i + 1 :])
+
+    out = _outs(op, ts)
+    bad_out = (out[0], _strided(out[1]), out[2]) if op == "hc_pre" else _strided(out)
+    wrong_dtype_out = (out[0], out[1].double(), out[2]) if op == "hc_pre" else out.double()
+    eps_kw = "eps" if op == "rms_norm" else ("hc_eps" if op != "hc_post" else None)
+    cases: list[tuple[str, Callable[[], Any]]] = [
+        ("float64", lambda: _call(op, swap(first.double()))),
+        ("float16", lambda: _call(op, swap(first.half()))),
+        ("meta device", lambda: _call(op, swap(torch.empty_like(first, device="meta")))),
+        ("a list", lambda: _call(op, swap(first.tolist()))),
+        ("non-contiguous out", lambda: _call(op, ts, out=bad_out)),
+        ("out dtype", lambda: _call(op, ts, out=wrong_dtype_out)),
+        ("batch_invariant=1", lambda: _call(op, ts, batch_invariant=1)),
+        ("unknown backend", lambda: _call(op, ts, backend="fast")),
+    ]
+    if eps_kw is not None:
+        cases += [
+            ("eps True", lambda: _call(op, ts, **{eps_kw: True})),
+            ("eps nan", lambda: _call(op, ts, **{eps_kw: float("nan")})),
+            ("eps -1", lambda: _call(op, ts, **{eps_kw: -1.0})),
+        ]
+    if op == "hc_pre":
+        cases.append(("sinkhorn_iters True", lambda: _call(op, ts, sinkhorn_iters=True)))
+    return cases
+
+
+def _message(call: Callable[[], Any]) -> str:
+    with pytest.raises(InputError) as e:
+        call()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "hc_pre", "hc_post", "hc_head"])
+def test_a_cached_plan_refuses_what_the_full_checks_refuse(op: str, device: str) -> None:
+    ts = _inputs(op, device)
+    out = _outs(op, ts)
+    for what, refused in _refusals(op, ts):
+        _dispatch.clear_plans()
+        uncached = _message(refused)
+        _call(op, ts)  # accepted: the plans of this signature (functional and out=) are kept
+        _call(op, ts, out=out)
+        n = len(_dispatch.PLANS)
+        assert n == 2, what
+        assert _message(refused) == uncached, what
+        assert len(_dispatch.PLANS) == n, f"{what}: a refused call left a plan"
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "hc_pre", "hc_post", "hc_head"])
+def test_a_cached_plan_gives_the_uncached_bits(op: str, device: str) -> None:
+    ts = _inputs(op, device)
+    _dispatch.clear_plans()
+    first = _call(op, ts)
+    assert len(_dispatch.PLANS) == 1
+    again = _call(op, ts)  # from the plan, into a poisoned out= buffer too
+    out = _outs(op, ts)
+    for o in out if isinstance(out, tuple) else (out,):
+        o.fill_(float("nan"))
+    into = _call(op, ts, out=out)
+    for a, b, c in zip(
+        *(r if isinstance(r, tuple) else (r,) for r in (first, again, into)), strict=True
+    ):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def _samples() -> list[object]:
+    base = torch.zeros(64, dtype=torch.float32)
+    out: list[object] = []
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.int32):
+        t = base.to(dt)
+        out += [t, t[1:], t[4:], t[8:]]  # offsets of 1..32 bytes: aligned and not
+    out += [0, 1, -1, 2, 15, 16, -16, 2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**63 - 1, 2**63]
+    out += [True, False, 1.0, 0.5, float("inf"), None]
+    return out
+
+
+def test_launch_keys_are_at_least_as_fine_as_tritons_specialization() -> None:
+    """Two runtime arguments with one TritonLaunch key get one Triton specialization, so a
+    cached compiled kernel is never launched with an argument it was not compiled for."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    samples = _samples()
+
+    def spec(a: object) -> object:
+        return native_specialize_impl(backend, a, False, True, True)
+
+    for a in samples:
+        for b in samples:
+            if _arg_key(a) == _arg_key(b):
+                assert spec(a) == spec(b), (a, b)
+    ptrs = {t.data_ptr() % 16 for t in samples if isinstance(t, torch.Tensor)}
+    assert 0 in ptrs and len(ptrs) > 1  # both alignments were compared
+
+
+def test_workspaces_are_per_name_shape_and_thread() -> None:
+    cpu = torch.device("cpu")
+    a = workspace("test.a", (2, 3), torch.float32, cpu)
+    assert workspace("test.a", (2, 3), torch.float32, cpu) is a
+    assert workspace("test.b", (2, 3), torch.float32, cpu) is not a
+    assert workspace("test.a", (3, 2), torch.float32, cpu) is not a
+    assert workspace("test.a", (2, 3), torch.bfloat16, cpu) is not a
+    other: list[torch.Tensor] = []
+    th = threading.Thread(
+        target=lambda: other.append(workspace("test.a", (2, 3), torch.float32, cpu))
+    )
+    th.start()
+    th.join()
+    assert other[0] is not a
+
+
+_DIRECT = textwrap.dedent(
+    """
+    # A compiled kernel stands in for the GPU: a mock driver, and JITFunction's compile step
+    # replaced by a recorder.  Checks what TritonLaunch hands the launcher on a hit, and that
+    # a new alignment or dtype, a launch hook, or a pre-run hook goes through JITFunction.run.
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.driver import CudaDriver
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+    from triton import knobs
+
+    class Mock(CudaDriver):
+        def __init__(self):
+            self.get_current_device = lambda: 0
+            self.get_current_stream = lambda idx: 1234
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    driver.set_active(Mock())
+    launches, compiles = [], []
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+        def __init__(self, key):
+            self.key = key
+        def run(self, *a):
+            launches.append(a)
+        def launch_metadata(self, grid, stream, *args):
+            return None
+
+    def do_compile(self, key, signature, device, constexprs, options, attrs, warmup):
+        k = self.device_caches[device][0][key] = Compiled(key)
+        compiles.append(key)
+        return k
+
+    JITFunction._do_compile = do_compile
+    from dsv4mtp.optimized.kernels import rms_norm as rn
+    from dsv4mtp.optimized.kernels._launch import INTERPRET
+    assert not INTERPRET
+    x = torch.randn(2, 64); w = torch.randn(64); o = torch.empty_like(x)
+    rn.rms_norm_triton(x, w, 1e-6, o, False)          # miss: JITFunction.run
+    rn.rms_norm_triton(x, w, 1e-6, o, False)          # hit: the launcher directly
+    assert len(compiles) == 1 and len(launches) == 2, (compiles, launches)
+    plain, direct = launches
+    assert direct[:9] == (2, 1, 1, 1234, "fn", "meta", None, None, None), direct[:9]
+    assert plain[:6] == direct[:6]
+    # the launcher gets every parameter in signature order, constexprs included, either way
+    assert direct[9:] == plain[9:], (direct[9:], plain[9:])
+    assert direct[9] is x and direct[10] is w and direct[11] is o and direct[12:14] == (64, 1e-6)
+    # a 4-byte offset: another alignment, another specialization
+    xs = torch.randn(2 * 64 + 1)[1:].view(2, 64)
+    assert xs.data_ptr() % 16
+    rn.rms_norm_triton(xs, w, 1e-6, o, False)
+    assert len(compiles) == 2, "a misaligned tensor reused an aligned kernel"
+    rn.rms_norm_triton(x.double(), w.double(), 1e-6, o.double(), False)
+    assert len(compiles) == 3, "a new dtype reused another dtype's kernel"
+    # a launch hook sees every launch: the plain path runs
+    seen = []
+    hook = lambda meta: seen.append(meta)
+    knobs.runtime.launch_enter_hook.add(hook)
+    rn.rms_norm_triton(x, w, 1e-6, o, False)
+    knobs.runtime.launch_enter_hook.remove(hook)
+    assert launches[-1][7] is not None, "the hooked launch took the direct path"
+    pre = []
+    rn.rms_norm_kernel.add_pre_run_hook(lambda *a, **k: pre.append(1))
+    rn.rms_norm_triton(x, w, 1e-6, o, False)
+    assert pre == [1], "a pre-run hook was skipped"
+    print("ok")
+    """
+)
+
+
+def test_triton_launch_calls_the_compiled_launcher_directly_on_a_hit() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, "-c", _DIRECT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
