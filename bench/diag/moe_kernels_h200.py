@@ -56,9 +56,10 @@ def experts(fmt: str, e: int) -> RoutedExperts:
             **kw,
         )
     if fmt == "nvfp4":
-        sc = lambda *s: (torch.rand(*s, generator=gen, device=dev) * 2 + 0.25).to(
-            torch.float8_e4m3fn
-        )
+
+        def sc(*s):
+            return (torch.rand(*s, generator=gen, device=dev) * 2 + 0.25).to(torch.float8_e4m3fn)
+
         return RoutedExperts(
             "nvfp4",
             rbytes(e, 2 * I, D // 2),
@@ -72,7 +73,10 @@ def experts(fmt: str, e: int) -> RoutedExperts:
     if fmt == "fp8":
         w13 = rbytes(e, 2 * I, D) & 0xF7  # avoid 0x7F/0xFF NaN bytes
         w2 = rbytes(e, D, I) & 0xF7
-        s = lambda *sh: torch.rand(*sh, generator=gen, device=dev) * 1e-3 + 1e-4
+
+        def s(*sh):
+            return torch.rand(*sh, generator=gen, device=dev) * 1e-3 + 1e-4
+
         return RoutedExperts(
             "fp8_f32",
             w13.view(torch.float8_e4m3fn),
@@ -147,7 +151,9 @@ def copy_bw():
 
 
 def expert_bytes(pack):
-    per = lambda t: t[0].numel() * t.element_size() if t.numel() else 0
+    def per(t):
+        return t[0].numel() * t.element_size() if t.numel() else 0
+
     return per(pack.w13) + per(pack.s13) + per(pack.w2) + per(pack.s2)
 
 
@@ -203,9 +209,14 @@ def main():
             touched = n_exp * eb
             out = torch.empty_like(x)
             ms_fe = triton.testing.do_bench_cudagraph(
-                lambda: fused_experts(x, pack, ids, w, limit=L, out=out), rep=100
+                lambda x=x, pack=pack, ids=ids, w=w, out=out: fused_experts(
+                    x, pack, ids, w, limit=L, out=out
+                ),
+                rep=100,
             )
-            ms_moe = triton.testing.do_bench_cudagraph(lambda: moe(x, pack, cfg, out=out), rep=100)
+            ms_moe = triton.testing.do_bench_cudagraph(
+                lambda x=x, pack=pack, out=out: moe(x, pack, cfg, out=out), rep=100
+            )
             floor_fe = touched / bw * 1e6
             floor_moe = (touched + sb + gb + 2 * x.numel() * 2) / bw * 1e6
             rows.append((fmt, T, n_exp, ms_fe * 1e3, floor_fe, ms_moe * 1e3, floor_moe))
@@ -214,7 +225,6 @@ def main():
                 f"  moe {ms_moe * 1e3:8.1f} us (floor {floor_moe:7.1f}, x{ms_moe * 1e3 / floor_moe:5.2f})",
                 flush=True,
             )
-        del pack, p
         torch.cuda.empty_cache()
         print(f"{fmt} done in {time.time() - t0:.0f} s", flush=True)
 
