@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from dsv4mtp.checkpoint.schema import MTP_LAYER_PARAMS
-from dsv4mtp.checkpoint.weights import MTPLayerWeights, RoutedExperts
+from dsv4mtp.checkpoint.weights import MTPLayerWeights, QuantizedWeight, RoutedExperts
 from dsv4mtp.checks import compute_dtype
 from dsv4mtp.errors import ConfigError, InputError
 
@@ -91,7 +91,10 @@ class DenseExperts:
 class MoEParams:
     """gate_weight (E, D); gate_bias (E,) = e_score_correction_bias (selection only);
     shared_w1, shared_w3 (I, D); shared_w2 (D, I); shared_quantized: FP8 shared expert
-    (act_quant applies); experts: the routed :class:`ExpertSource`."""
+    (act_quant applies); experts: the routed :class:`ExpertSource`.
+    ``shared_fp8``: the shared expert's (w1, w3, w2) as stored when the checkpoint keeps them in
+    FP8 128x128 blocks (None otherwise), so an implementation can stream the FP8 codes instead of
+    the dense copies (which stay the reference's input)."""
 
     gate_weight: torch.Tensor
     gate_bias: torch.Tensor
@@ -100,6 +103,7 @@ class MoEParams:
     shared_w2: torch.Tensor
     experts: ExpertSource
     shared_quantized: bool = True
+    shared_fp8: tuple[QuantizedWeight, QuantizedWeight, QuantizedWeight] | None = None
 
 
 class PackedExperts:
@@ -155,6 +159,16 @@ class MTPLayerParams:
     dense_quantized: bool = True
 
 
+def _shared_fp8(
+    w: MTPLayerWeights, device: torch.device
+) -> tuple[QuantizedWeight, QuantizedWeight, QuantizedWeight] | None:
+    """The shared expert's FP8 (w1, w3, w2) on ``device`` when all three are FP8 blocks."""
+    parts = (w.shared_w1, w.shared_w3, w.shared_w2)
+    if not all(p.format in ("fp8_e8m0", "fp8_f32") for p in parts):
+        return None
+    return parts[0].to(device), parts[1].to(device), parts[2].to(device)
+
+
 def build_layer_params(
     w: MTPLayerWeights,
     dtype: torch.dtype,
@@ -196,6 +210,10 @@ def build_layer_params(
     return MTPLayerParams(
         **values[""],
         attn=AttentionParams(**values["attn"]),
-        ffn=MoEParams(**values["ffn"], shared_quantized=w.shared_w2.format != "bf16"),
+        ffn=MoEParams(
+            **values["ffn"],
+            shared_quantized=w.shared_w2.format != "bf16",
+            shared_fp8=_shared_fp8(w, device),
+        ),
         dense_quantized=w.e_proj.format != "bf16",
     )

@@ -241,3 +241,17 @@ def select(op: str, backend: str, facts: Facts) -> str:
     if reason is not None:
         raise InputError(f"backend: {op} backend {backend!r} does not apply: it {reason}")
     return backend
+
+
+# ------------------------------------------------------------------------------ MoE
+# route, fused_experts and moe run the Triton kernels of optimized/kernels/moe_*.py (FlashInfer's
+# sm_90 CUTLASS W4A16 MoE did not finish its JIT build in 9 minutes on the GPU machine, and its
+# moe_ep modules have no FP4 path on sm_90).  The kernels take bf16 / fp32 activations on CUDA or
+# under the interpreter; the entry points check dtypes and devices before the table is read.
+TABLES.update(
+    {
+        "route": OpTable("route", (Backend("triton", _always),), auto=("triton",)),
+        "fused_experts": OpTable("fused_experts", (Backend("triton", _always),), auto=("triton",)),
+        "moe": OpTable("moe", (Backend("triton", _always),), auto=("triton",)),
+    }
+)

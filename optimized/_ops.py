@@ -387,3 +387,292 @@ def _register() -> torch.library.Library | None:
 
 
 _LIB = _register()  # kept alive: dropping the Library object would deregister the ops
+
+
+# ------------------------------------------------------------------------------ MoE
+# The MoE operators (optimized/moe.py validates and packs; these run the kernels of
+# optimized/kernels/moe_*.py).  A MoEPack cannot cross a schema: its tensors travel flat, the
+# weight format as a string ("bf16", "fp8", "mxfp4", "nvfp4"; the shared expert "fp8" / "bf16").
+if TYPE_CHECKING:
+    from .kernels.moe_align import moe_align_triton
+    from .kernels.moe_gemm import (
+        act_quant_triton,
+        moe_down_triton,
+        moe_gate_up_triton,
+        moe_reduce_triton,
+    )
+    from .kernels.moe_route import route_triton
+else:
+    moe_align_triton = triton_kernel("moe_align", "moe_align_triton")
+    act_quant_triton = triton_kernel("moe_gemm", "act_quant_triton")
+    moe_down_triton = triton_kernel("moe_gemm", "moe_down_triton")
+    moe_gate_up_triton = triton_kernel("moe_gemm", "moe_gate_up_triton")
+    moe_reduce_triton = triton_kernel("moe_gemm", "moe_reduce_triton")
+    route_triton = triton_kernel("moe_route", "route_triton")
+
+_ROUTE_ARGS = "Tensor x, Tensor gate_weight, Tensor gate_bias, int top_k, float scaling"
+_EXPERTS_ARGS = (
+    "Tensor expert_map, Tensor w13, Tensor s13, Tensor w2, Tensor s2, Tensor gscale, str fmt, "
+    "float limit, bool act_quant, bool batch_invariant"
+)
+_SHARED_ARGS = (
+    "Tensor shared_w13, Tensor shared_s13, Tensor shared_w2, Tensor shared_s2, str shared_fmt, "
+    "float shared_limit, bool shared_act_quant"
+)
+_FE_ARGS = f"Tensor x, Tensor topk_ids, Tensor topk_weights, {_EXPERTS_ARGS}"
+_MOE_ARGS = f"{_ROUTE_ARGS}, {_EXPERTS_ARGS}, {_SHARED_ARGS}"
+_MOE_SCHEMAS: dict[str, str] = {
+    "moe_route": f"moe_route({_ROUTE_ARGS}) -> (Tensor, Tensor)",
+    "moe_route_out": f"moe_route_out({_ROUTE_ARGS}, *, Tensor(a!) weights, Tensor(b!) ids) -> ()",
+    "fused_experts": f"fused_experts({_FE_ARGS}) -> Tensor",
+    "fused_experts_out": f"fused_experts_out({_FE_ARGS}, *, Tensor(a!) out) -> ()",
+    "moe": f"moe({_MOE_ARGS}) -> Tensor",
+    "moe_out": f"moe_out({_MOE_ARGS}, *, Tensor(a!) out) -> ()",
+}
+SCHEMAS.update(_MOE_SCHEMAS)
+OPS = tuple(SCHEMAS)
+
+_FMT_CODE = {"bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3}
+
+
+def _fmt(fmt: str) -> int:
+    if fmt not in _FMT_CODE:
+        raise InputError(f"fmt: expected one of {tuple(_FMT_CODE)}, got {fmt!r}")
+    return _FMT_CODE[fmt]
+
+
+def _moe_tiles(T: int, batch_invariant: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).  16-row M blocks up to 64 tokens (decode: an
+    expert sees a few rows, and the weight stream is spread over (experts x N tiles) programs);
+    64 rows above, and always with batch_invariant (a schedule that does not depend on T).
+    BLOCK_K 128 is one FP8 scale block."""
+    from .kernels._launch import INTERPRET
+
+    if INTERPRET:
+        return 16, 32, 128, 4, 1
+    bm = 64 if (batch_invariant or T > 64) else 16
+    return bm, 64, 128, 4, 3
+
+
+@functools.cache
+def _ones3(device: torch.device) -> torch.Tensor:
+    return torch.ones((1, 3), dtype=torch.float32, device=device)
+
+
+def _act_quant(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    act_quant_triton(x, out)
+    return out
+
+
+def _routed_into(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    expert_map: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    gscale: torch.Tensor,
+    fmt: str,
+    limit: float,
+    act_quant: bool,
+    batch_invariant: bool,
+    shared: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    T, D = x.shape
+    K = topk_ids.shape[1]
+    if T == 0:
+        return
+    code = _fmt(fmt)
+    inter = w13.shape[1] // 2
+    bm, bn, bk, warps, stages = _moe_tiles(T, batch_invariant)
+    xin = _act_quant(x.contiguous()) if act_quant else x.contiguous()
+    ids = topk_ids.contiguous()
+    sorted_slot, block_expert = moe_align_triton(ids, expert_map, w13.shape[0], bm)
+    nb = block_expert.numel()
+    h = torch.empty((nb * bm, inter), dtype=x.dtype, device=x.device)
+    tiles = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+    moe_gate_up_triton(
+        xin, w13, s13, gscale, sorted_slot, block_expert, topk_weights.contiguous(), h,
+        fmt=code, inter=inter, top_k=K, limit=limit, num_m_blocks=nb, **tiles,
+    )  # fmt: skip
+    if act_quant:
+        act_quant_triton(h, h)  # in place: each program reads its 128 values before writing
+    ws = torch.empty((T * K, D), dtype=x.dtype, device=x.device)
+    moe_down_triton(
+        h, w2, s2, gscale, sorted_slot, block_expert, ws,
+        fmt=code, T=T, D=D, inter=inter, num_m_blocks=nb, **tiles,
+    )  # fmt: skip
+    moe_reduce_triton(ws, ids, expert_map, shared, out, w13.shape[0])
+
+
+def _shared_expert(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    fmt: str,
+    limit: float,
+    act_quant: bool,
+    batch_invariant: bool,
+) -> torch.Tensor:
+    """The shared expert on every token: (T, D) in x.dtype (the same kernels, one expert)."""
+    T, D = x.shape
+    code = _fmt(fmt)
+    inter = w13.shape[1] // 2
+    bm, bn, bk, warps, stages = _moe_tiles(T, batch_invariant)
+    nb = -(-T // bm)
+    xin = _act_quant(x.contiguous()) if act_quant else x.contiguous()
+    h = torch.empty((nb * bm, inter), dtype=x.dtype, device=x.device)
+    tiles = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+    ones = _ones3(x.device)
+    moe_gate_up_triton(
+        xin, w13, s13, ones, None, None, None, h,
+        fmt=code, inter=inter, top_k=1, limit=limit, num_m_blocks=nb, **tiles,
+    )  # fmt: skip
+    if act_quant:
+        act_quant_triton(h, h)
+    y = torch.empty((T, D), dtype=x.dtype, device=x.device)
+    moe_down_triton(
+        h, w2, s2, ones, None, None, y,
+        fmt=code, T=T, D=D, inter=inter, num_m_blocks=nb, **tiles,
+    )  # fmt: skip
+    return y
+
+
+def _moe_route_out(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: torch.Tensor,
+    top_k: int,
+    scaling: float,
+    *,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> None:
+    if x.shape[0] == 0:
+        return
+    route_triton(
+        x.contiguous(), gate_weight.contiguous(), gate_bias.contiguous(), top_k, scaling,
+        weights, ids,
+    )  # fmt: skip
+
+
+def _route_outputs(x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    T = x.shape[0]
+    return (
+        x.new_empty((T, top_k), dtype=torch.float32),
+        x.new_empty((T, top_k), dtype=torch.int32),
+    )
+
+
+def _moe_route(
+    x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor, top_k: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    w, ids = _route_outputs(x, top_k)
+    _moe_route_out(x, gate_weight, gate_bias, top_k, scaling, weights=w, ids=ids)
+    return w, ids
+
+
+def _moe_route_fake(x: torch.Tensor, gw: Any, gb: Any, top_k: int, scaling: float) -> Any:
+    return _route_outputs(x, top_k)
+
+
+def _fused_experts_out(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *args: Any,
+    out: torch.Tensor,
+) -> None:
+    _routed_into(x, topk_ids, topk_weights, *args, None, out)  # type: ignore[call-arg]
+
+
+def _fused_experts(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *args: Any
+) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _fused_experts_out(x, topk_ids, topk_weights, *args, out=out)
+    return out
+
+
+def _x_like(x: torch.Tensor, *args: Any) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+def _moe_out(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: torch.Tensor,
+    top_k: int,
+    scaling: float,
+    expert_map: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    gscale: torch.Tensor,
+    fmt: str,
+    limit: float,
+    act_quant: bool,
+    batch_invariant: bool,
+    shared_w13: torch.Tensor,
+    shared_s13: torch.Tensor,
+    shared_w2: torch.Tensor,
+    shared_s2: torch.Tensor,
+    shared_fmt: str,
+    shared_limit: float,
+    shared_act_quant: bool,
+    *,
+    out: torch.Tensor,
+) -> None:
+    if x.shape[0] == 0:
+        return
+    weights, ids = _moe_route(x, gate_weight, gate_bias, top_k, scaling)
+    shared = _shared_expert(
+        x, shared_w13, shared_s13, shared_w2, shared_s2, shared_fmt, shared_limit,
+        shared_act_quant, batch_invariant,
+    )  # fmt: skip
+    _routed_into(
+        x, ids, weights, expert_map, w13, s13, w2, s2, gscale, fmt, limit, act_quant,
+        batch_invariant, shared, out,
+    )  # fmt: skip
+
+
+def _moe(x: torch.Tensor, *args: Any) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _moe_out(x, *args, out=out)
+    return out
+
+
+_KERNELS.update(
+    {
+        "moe_route": (_moe_route, _moe_route_fake),
+        "moe_route_out": (_moe_route_out, _out_fake),
+        "fused_experts": (_fused_experts, _x_like),
+        "fused_experts_out": (_fused_experts_out, _out_fake),
+        "moe": (_moe, _x_like),
+        "moe_out": (_moe_out, _out_fake),
+    }
+)
+
+
+def _register_moe() -> torch.library.Library | None:
+    # A FRAGMENT beside the "DEF" library above: this section is registered after it.
+    if all(_defined(name) for name in _MOE_SCHEMAS):
+        return None
+    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+    for name, schema in _MOE_SCHEMAS.items():
+        kernel, fake = _KERNELS[name]
+        lib.define(schema)
+        lib.impl(name, kernel, "CPU")
+        lib.impl(name, kernel, "CUDA")
+        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
+    return lib
+
+
+_MOE_LIB = _register_moe()
