@@ -58,14 +58,15 @@ class Contract:
     def case(self, T: int, device: str, seed: int, D: int | None = None) -> Case:
         """A deterministic call from the shared builder; D defaults to a V4 width on CUDA and
         an interpreter-sized one on CPU."""
-        D = D if D is not None else (4096 if _cuda(device) else 64)
+        D = D if D is not None else (4096 if _cuda(device) else self.pair.cpu_D)
         args, kw = self.pair.build(T, D, self.dtype, device, seed)
         return self.with_preset(Case(args, kw, label=f"T={T} D={D} seed={seed}"))
 
     def run(self, case: Case, **extra: Any) -> tuple[torch.Tensor, ...]:
         """The optimized op on ``case`` through this backend; outputs as a tuple."""
         fn = self.pair.optimized_fn()
-        out = fn(*case.args, **case.kwargs, **self.backend_kwargs(), **extra)
+        args, kwargs = self.pair.optimized_call(case.args, case.kwargs)
+        out = fn(*args, **kwargs, **self.backend_kwargs(), **extra)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
     def reference(self, case: Case) -> tuple[torch.Tensor, ...]:

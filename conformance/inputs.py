@@ -11,19 +11,45 @@ generator on ``device`` (drawing 8192 x 4 x 7168 on the host would dominate a GP
 with ``seed``, activations first, then parameters in argument order (hc_post: residual, post,
 comb, f).  ``zero_rows`` then zeroes each activation row with that probability, from the same
 generator after every other draw, so it leaves the other values unchanged.
+
+The MoE ops (``route``, ``fused_experts``, ``moe``): :func:`moe_inputs`, described there.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
-__all__ = ["EPS", "MHC_OPS", "OPS", "mhc_inputs", "norm_inputs", "op_inputs", "token_rows"]
+from dsv4mtp.checkpoint.nvfp4 import fold_nvfp4_experts
+from dsv4mtp.checkpoint.weights import RoutedExperts
+from dsv4mtp.config import DSV4Config
+from dsv4mtp.params import MoEParams, PackedExperts
+
+__all__ = [
+    "EPS",
+    "EXPERT_FORMATS",
+    "MHC_OPS",
+    "MOE_OPS",
+    "MOE_SHAPES",
+    "OPS",
+    "SKEWS",
+    "mhc_inputs",
+    "moe_inputs",
+    "moe_params",
+    "moe_shape",
+    "norm_inputs",
+    "op_inputs",
+    "token_rows",
+]
 
 EPS = 1e-6
 MHC_OPS = ("hc_pre", "hc_post", "hc_head")
-OPS = ("rms_norm", *MHC_OPS)
+MOE_OPS = ("route", "fused_experts", "moe")
+OPS = ("rms_norm", *MHC_OPS, *MOE_OPS)
 
 Inputs = tuple[tuple[torch.Tensor, ...], dict[str, Any]]
 
@@ -111,7 +137,12 @@ def op_inputs(
     magnitude: float = 1.0,
     zero_rows: float = 0.0,
 ) -> Inputs:
-    """``(args, kwargs)`` of one call of any op in :data:`OPS` (defaults: V4's n = 4, bf16)."""
+    """``(args, kwargs)`` of one call of any op in :data:`OPS` (defaults: V4's n = 4, bf16).
+    MoE ops: D picks the shape (:func:`moe_shape`), the experts are MXFP4, routing uniform."""
+    if op in MOE_OPS:
+        return moe_inputs(
+            op, T, seed, shape=moe_shape(D), dtype=dtype, device=device, magnitude=magnitude
+        )
     if op == "rms_norm":
         return norm_inputs(T, D, dtype, device, seed, magnitude=magnitude, zero_rows=zero_rows)
     return mhc_inputs(op, T, n, D, dtype, device, seed, magnitude=magnitude, zero_rows=zero_rows)
@@ -122,4 +153,291 @@ def token_rows(op: str, args: tuple[torch.Tensor, ...], index: Any) -> tuple[tor
     arguments are indexed along dim 0, parameters are shared and left alone."""
     if op == "hc_post":
         return tuple(a[index] for a in args)
+    if op == "fused_experts":  # x, experts, topk_ids, topk_weights
+        return (args[0][index], args[1], args[2][index], args[3][index])
     return (args[0][index], *args[1:])
+
+
+# ==================================================================================== MoE
+#: Shapes of the MoE inputs by name.  ``tiny`` is the CPU tier's (the Triton kernels run in the
+#: interpreter); ``reduced`` the GPU tier's hypothesis shape; ``flash`` and ``pro`` the real
+#: V4-Flash (E 256, top-6, I 2048, D 4096) and V4-Pro (E 384, top-6, I 3072, D 7168) experts.
+MOE_SHAPES: dict[str, DSV4Config] = {
+    "tiny": DSV4Config.tiny(),  # E 8, top-2, I 128, D 256
+    "reduced": DSV4Config.tiny().replace(
+        hidden_size=1024, n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=512
+    ),
+    "flash": DSV4Config.flash(),
+    "pro": DSV4Config.pro(),
+}
+_SHAPE_BY_D = {c.hidden_size: name for name, c in MOE_SHAPES.items()}
+
+#: Routed-expert formats: the core's RoutedExperts tags, plus NVFP4 after the gate/up fold.
+EXPERT_FORMATS = ("mxfp4", "nvfp4", "nvfp4_folded", "fp8", "bf16")
+
+#: Routing skews.  fused_experts takes the ids directly, so all four are exact there; route and
+#: moe reach the first three through the router bias (+-100 dominates every score).
+SKEWS = ("uniform", "one_expert", "empty_experts", "one_per_expert")
+
+
+def moe_shape(D: int) -> str:
+    """The :data:`MOE_SHAPES` name of hidden size D (256, 1024, 4096, 7168)."""
+    if D not in _SHAPE_BY_D:
+        raise ValueError(f"no MoE shape has hidden size {D}; expected one of {sorted(_SHAPE_BY_D)}")
+    return _SHAPE_BY_D[D]
+
+
+# Decoded magnitudes.  Every linear weight is drawn so that its decoded values have rms about
+# 1/sqrt(K) (K = its input width), as N(0, 1/fan_in) would, so with x ~ N(0, 1) every projection
+# is O(1) and magnitude 8 drives a good share of gate/up past swiglu_limit (10).
+#  * e2m1 codes uniform over the 16 codes: rms 2.93 (E2M1_RMS).  MXFP4: e8m0 block exponent
+#    round(log2(1 / (2.93 sqrt(K)))) + {-1, 0, 1}.  NVFP4: e4m3 block scales 2^U(0, 3) (rms 3.9,
+#    all exact in e4m3, <= 8 so that the fold's x2 stays exact), weight_scale_2 per expert
+#    1 / (2.93 * 3.9 * sqrt(K)) * 2^U(-1/2, 1/2) (an arbitrary fp32 value, as ModelOpt's amax /
+#    2688 is); up's weight_scale_2 is twice gate's and its block scales 2^U(-1, 2), so the fold
+#    (ratio 2) is exact and up keeps gate's magnitude.
+#  * FP8 experts: e4m3 codes of N(0, 48^2) clamped to +-448 (rms ~48) with fp32 (not power of
+#    two) 128x128 block scales 1 / (48 sqrt(K)) * U(1/2, 3/2), like V4-Flash-Base.  The shared
+#    expert: the same codes with e8m0 block scales 2^(round(log2(1 / (48 sqrt(K)))) + {-1, 0, 1})
+#    (the checkpoint's dense FP8), decoded exactly to bf16.
+#  * bf16 experts: N(0, 1/K) rounded to bf16.  Router: gate_weight N(0, 1/D) fp32 (logits
+#    N(0, 1)), gate_bias N(0, 0.1^2) fp32, as the synthetic checkpoint.
+# Codes and scales are drawn directly (random bytes, torch casts), never through the reference
+# quantizers, so full V4 shapes are built on the GPU in well under a second per format.
+E2M1_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # 2.93
+_NV_SCALE_RMS = 3.9
+_FP8_CODE_STD = 48.0
+
+
+class _Gen:
+    """One generator on ``device``; every draw goes through it in a fixed order."""
+
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.g = torch.Generator(device=device).manual_seed(seed)
+
+    def bytes(self, *shape: int) -> torch.Tensor:
+        return torch.randint(0, 256, shape, generator=self.g, device=self.device, dtype=torch.uint8)
+
+    def ints(self, lo: int, hi: int, *shape: int) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, generator=self.g, device=self.device)
+
+    def uniform(self, lo: float, hi: float, *shape: int) -> torch.Tensor:
+        return torch.rand(shape, generator=self.g, device=self.device) * (hi - lo) + lo
+
+    def normal(self, *shape: int, std: float = 1.0) -> torch.Tensor:
+        return torch.randn(shape, generator=self.g, device=self.device) * std
+
+
+def _pow2_exponent(x: float) -> int:
+    return round(math.log2(x))
+
+
+def _fp4_linear(r: _Gen, E: int, N: int, K: int, fmt: str, up_rows: int = 0):
+    """One stacked FP4 weight (E, N, K): (codes (E, N, K/2), block scales, weight_scale_2)."""
+    codes = r.bytes(E, N, K // 2)  # two uniform e2m1 codes per byte
+    if fmt == "mxfp4":
+        base = _pow2_exponent(1 / (E2M1_RMS * math.sqrt(K)))
+        return codes, (127 + base + r.ints(-1, 2, E, N, K // 32)).to(torch.uint8), None
+    # nvfp4: rows [0, N - up_rows) gate-like, the last up_rows rows up (x2 global, /2 blocks)
+    exps = r.uniform(0.0, 3.0, E, N, K // 16)
+    if up_rows:
+        exps[:, N - up_rows :] -= 1.0
+    block = torch.exp2(exps).to(torch.float8_e4m3fn)
+    s2 = (1 / (E2M1_RMS * _NV_SCALE_RMS * math.sqrt(K))) * torch.exp2(r.uniform(-0.5, 0.5, E))
+    return codes, block, s2.float()
+
+
+def _fp8_codes(r: _Gen, *shape: int) -> torch.Tensor:
+    return r.normal(*shape, std=_FP8_CODE_STD).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def _fp8_linear(r: _Gen, E: int, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes (E, N, K) e4m3, fp32 block scales (E, N/128, K/128))."""
+    scale = r.uniform(0.5, 1.5, E, -(-N // 128), -(-K // 128)) / (_FP8_CODE_STD * math.sqrt(K))
+    return _fp8_codes(r, E, N, K), scale
+
+
+def _routed_experts(cfg: DSV4Config, fmt: str, r: _Gen) -> RoutedExperts:
+    E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    common = dict(
+        num_experts=E,
+        expert_start=0,
+        num_local_experts=E,
+        hidden_size=D,
+        intermediate_size=I,
+        name="moe_inputs.experts",
+    )
+    if fmt == "bf16":
+        w13 = r.normal(E, 2 * I, D, std=D**-0.5).to(torch.bfloat16)
+        w2 = r.normal(E, D, I, std=I**-0.5).to(torch.bfloat16)
+        return RoutedExperts("bf16", w13, None, w2, None, **common)  # type: ignore[arg-type]
+    if fmt == "fp8":
+        (w13, s13), (w2, s2) = _fp8_linear(r, E, 2 * I, D), _fp8_linear(r, E, D, I)
+        return RoutedExperts("fp8_f32", w13, s13, w2, s2, **common)  # type: ignore[arg-type]
+    base = "mxfp4" if fmt == "mxfp4" else "nvfp4"
+    w13, s13, g13 = _fp4_linear(r, E, 2 * I, D, base, up_rows=I)
+    w2, s2, g2 = _fp4_linear(r, E, D, I, base)
+    extra: dict[str, Any] = {}
+    if base == "nvfp4":
+        assert g13 is not None
+        extra = dict(w13_weight_scale_2=torch.stack([g13, 2 * g13], 1), w2_weight_scale_2=g2)
+    experts = RoutedExperts(base, w13, s13, w2, s2, **common, **extra)  # type: ignore[arg-type]
+    return fold_nvfp4_experts(experts) if fmt == "nvfp4_folded" else experts
+
+
+def _shared_linear(r: _Gen, N: int, K: int) -> torch.Tensor:
+    """A dense FP8-block (e8m0) weight (N, K), decoded exactly to bf16."""
+    base = _pow2_exponent(1 / (_FP8_CODE_STD * math.sqrt(K)))
+    exps = base + r.ints(-1, 2, -(-N // 128), -(-K // 128))
+    scale = torch.exp2(exps.float()).repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)
+    return (_fp8_codes(r, N, K).float() * scale[:, :K]).to(torch.bfloat16)
+
+
+def _local_experts(experts: RoutedExperts, owned: torch.Tensor) -> RoutedExperts:
+    """The experts ``owned`` (global ids, in local order) as one rank's RoutedExperts."""
+
+    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[owned].contiguous()
+
+    return dataclasses.replace(
+        experts,
+        w13_weight=pick(experts.w13_weight),
+        w13_weight_scale=pick(experts.w13_weight_scale),
+        w2_weight=pick(experts.w2_weight),
+        w2_weight_scale=pick(experts.w2_weight_scale),
+        w13_weight_scale_2=pick(experts.w13_weight_scale_2),
+        w2_weight_scale_2=pick(experts.w2_weight_scale_2),
+        num_local_experts=int(owned.numel()),
+    )
+
+
+_Params = tuple[MoEParams, PackedExperts | None, torch.Tensor | None]
+# Built parameters by (shape, format, device, weight_seed, skew): the contract calls the builder
+# for every drawn case, and a V4-Pro MXFP4 expert stack alone is 12 GB.  Full shapes keep the
+# last two, the small ones a few dozen.
+_CACHE: OrderedDict[tuple[Any, ...], _Params] = OrderedDict()
+
+
+def moe_params(
+    shape: str,
+    fmt: str,
+    device: str | torch.device,
+    *,
+    weight_seed: int = 0,
+    skew: str = "uniform",
+) -> _Params:
+    """``(MoEParams, local experts, expert_map)`` of one shape and expert format (cached).
+
+    The routed experts are ``PackedExperts`` over a core ``RoutedExperts`` of format ``fmt``
+    (:data:`EXPERT_FORMATS`; ``nvfp4_folded`` through ``fold_nvfp4_experts``); the shared expert
+    is FP8-exact bf16 (``shared_quantized``).  ``skew`` moves the router bias: ``one_expert``
+    +100 on one expert (every token selects it), ``empty_experts`` -100 on three quarters of
+    them (never selected).  The local experts and ``expert_map`` (int32, E) model rank 0 of an
+    expert-parallel split owning a scattered half of the experts, for ``fused_experts(...,
+    expert_map=...)``.
+    """
+    dev = torch.device(device)
+    key = (shape, fmt, str(dev), weight_seed, skew)
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    if fmt not in EXPERT_FORMATS:
+        raise ValueError(f"fmt: expected one of {EXPERT_FORMATS}, got {fmt!r}")
+    if skew not in SKEWS[:3]:
+        raise ValueError(f"skew: the router reaches {SKEWS[:3]}, got {skew!r}")
+    cfg = MOE_SHAPES[shape]
+    E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    r = _Gen(dev, weight_seed)
+    gate_weight = r.normal(E, D, std=D**-0.5)  # (E, D) fp32
+    gate_bias = r.normal(E, std=0.1)  # (E,) fp32
+    shared = [_shared_linear(r, I, D), _shared_linear(r, I, D), _shared_linear(r, D, I)]
+    experts = _routed_experts(cfg, fmt, r)
+    owned = torch.randperm(E, generator=r.g, device=dev)[: E // 2]  # scattered half, local order
+    expert_map = torch.full((E,), -1, dtype=torch.int32, device=dev)
+    expert_map[owned] = torch.arange(E // 2, dtype=torch.int32, device=dev)
+    if skew == "one_expert":
+        gate_bias[int(r.ints(0, E, 1))] += 100.0
+    elif skew == "empty_experts":
+        gate_bias[torch.randperm(E, generator=r.g, device=dev)[: E - E // 4]] -= 100.0
+    params = MoEParams(gate_weight, gate_bias, *shared, experts=PackedExperts(experts))
+    local = PackedExperts(_local_experts(experts, owned))
+    big = shape in ("flash", "pro")
+    while _CACHE and (len(_CACHE) >= 48 or (big and len(_CACHE) >= 2)):
+        _CACHE.popitem(last=False)
+    _CACHE[key] = (params, local, expert_map)
+    return params, local, expert_map
+
+
+def _topk_ids(r: _Gen, T: int, E: int, K: int, skew: str) -> torch.Tensor:
+    """(T, K) int32 distinct expert ids per row, by skew (fused_experts)."""
+    if skew == "one_per_expert":  # token t takes experts perm[tK .. tK + K - 1] (mod E)
+        perm = torch.randperm(E, generator=r.g, device=r.device)
+        slots = torch.arange(T * K, device=r.device).view(T, K) % E
+        return perm[slots].int()
+    keys = r.uniform(0.0, 1.0, T, E)
+    if skew == "one_expert":
+        keys[:, int(r.ints(0, E, 1))] = 2.0  # in every row
+    elif skew == "empty_experts":
+        keys[:, torch.randperm(E, generator=r.g, device=r.device)[: E - E // 4]] = -1.0
+    elif skew != "uniform":
+        raise ValueError(f"skew: expected one of {SKEWS}, got {skew!r}")
+    return torch.topk(keys, K, dim=-1).indices.int()
+
+
+def moe_inputs(
+    op: str,
+    T: int,
+    seed: int,
+    *,
+    shape: str = "tiny",
+    fmt: str = "mxfp4",
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cuda",
+    skew: str = "uniform",
+    padding: float = 0.0,
+    ep: bool = False,
+    magnitude: float = 1.0,
+    weight_seed: int = 0,
+) -> Inputs:
+    """``(args, kwargs)`` of one MoE call; parameters from :func:`moe_params` (cached by
+    ``weight_seed``, so calls differing only in ``seed`` share their weights).
+
+    * ``route``: ``(x, gate_weight, gate_bias, config)``;
+    * ``moe``: ``(x, params, config)``;
+    * ``fused_experts``: ``(x, experts, topk_ids, topk_weights)``, kwargs ``limit``
+      (``swiglu_limit``) and, with ``ep``, ``expert_map``: then ``experts`` holds half of the
+      experts and the ids stay global.  ``topk_ids (T, K)`` int32 distinct per row, drawn by
+      ``skew`` (:data:`SKEWS`); ``topk_weights (T, K)`` fp32, positive, each row summing to
+      ``routed_scaling_factor``, like the router's.  ``padding``: that fraction of rows is all
+      -1 (padding tokens) and that fraction of single slots -1.
+
+    From one generator on ``device`` seeded with ``seed``: x ~ N(0, magnitude^2) (T, D) in
+    ``dtype`` first, then ids, weights and padding.
+    """
+    if op not in MOE_OPS:
+        raise ValueError(f"not a MoE op: {op!r}")
+    cfg = MOE_SHAPES[shape]
+    dev = torch.device(device)
+    params, local, expert_map = moe_params(
+        shape, fmt, dev, weight_seed=weight_seed, skew=skew if op != "fused_experts" else "uniform"
+    )
+    r = _Gen(dev, seed)
+    x = (r.normal(T, cfg.hidden_size) * magnitude).to(dtype)  # (T, D)
+    if op == "route":
+        return (x, params.gate_weight, params.gate_bias, cfg), {}
+    if op == "moe":
+        return (x, params, cfg), {}
+    E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
+    ids = _topk_ids(r, T, E, K, skew)  # (T, K) int32
+    w = r.uniform(0.1, 1.0, T, K)
+    w = w / w.sum(-1, keepdim=True) * cfg.routed_scaling_factor  # (T, K) fp32
+    if padding > 0 and T > 0:
+        ids[r.uniform(0.0, 1.0, T) < padding] = -1
+        ids[r.uniform(0.0, 1.0, T, K) < padding / K] = -1
+    kw: dict[str, Any] = {"limit": cfg.swiglu_limit}
+    experts = params.experts
+    if ep:
+        assert local is not None
+        experts, kw["expert_map"] = local, expert_map
+    return (x, experts, ids, w), kw

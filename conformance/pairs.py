@@ -12,6 +12,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from hypothesis import strategies as st
 
 from dsv4mtp.conformance.inputs import op_inputs
@@ -171,5 +172,192 @@ register(
         build=partial(_build, "hc_head"),
         facts=_streams_facts,
         tolerances={(BF16, "math"): _BF16_OUT, (FP32, "math"): _TF32_MIX},
+    )
+)
+
+
+# --------------------------------------------------------------------------- MoE
+# Inputs: conformance/inputs.py, moe_inputs (shapes, formats, skews, magnitudes there).  On CPU
+# the tiny shape (E 8, top-2, I 128, D 256) with few examples: the Triton kernels run in the
+# interpreter and the CPU tier's MoE budget is 3 minutes.  On CUDA the reduced shape (E 64,
+# top-6, I 512, D 1024) with T up to 512; full V4-Flash / V4-Pro shapes run in the contract's
+# graph and batch-invariance tests (D 4096 / 7168) and in test_moe_gpu.py's fixed cases.
+
+#: Router near-tie: the reference's K-th and (K+1)-th biased scores closer than this.  The
+#: scores are O(1) (sqrt(softplus) of N(0, 1) logits, bias N(0, 0.1^2), or +-100 under a skew);
+#: an fp32 logit over D <= 7168 products of O(1/sqrt(D)) terms is off by well under 1e-6, so a
+#: selection that differs from float64's at a gap above 2e-5 is a bug (a TF32 logit, ~1e-3, is
+#: caught), and below it is excused: only that row is left out of the comparison.
+ROUTE_SCORE_TOL = 2e-5
+
+
+def _near_ties(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor, k: int):
+    """(T,) bool on CPU: rows whose reference top-k boundary is a near-tie."""
+    logits = x.double().cpu() @ gate_weight.double().cpu().T  # (T, E)
+    biased = torch.sqrt(F.softplus(logits)) + gate_bias.double().cpu()
+    if biased.shape[1] <= k:
+        return torch.zeros(x.shape[0], dtype=torch.bool)
+    top = biased.topk(k + 1, dim=-1).values  # (T, K + 1) descending
+    return (top[:, k - 1] - top[:, k]) <= ROUTE_SCORE_TOL
+
+
+def _by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's (weights, ids) ordered by id, on CPU: the selection as a set."""
+    ids = ids.long().cpu()
+    order = ids.argsort(-1)
+    return weights.cpu().gather(1, order), ids.gather(1, order)
+
+
+def _route_canonical(case: Case, got: tuple, oracle: tuple):
+    x, gate_weight, gate_bias, config = case.args[:4]
+    near = _near_ties(x, gate_weight, gate_bias, config.num_experts_per_tok)
+    gw, gi = _by_id(*got)
+    ow, oi = _by_id(*oracle)
+    keep = (gi == oi).all(-1) | ~near  # a different set is excused only at a near-tie
+    note = f"{int((~keep).sum())} of {len(keep)} rows excused at a router near-tie"
+    return (gw[keep], gi[keep]), (ow[keep], oi[keep]), note
+
+
+def _moe_canonical(case: Case, got: tuple, oracle: tuple):
+    x, params, config = case.args[:3]
+    near = _near_ties(x, params.gate_weight, params.gate_bias, config.num_experts_per_tok)
+    keep = ~near  # which experts the optimized router picked there is not observable
+    note = f"{int(near.sum())} of {len(keep)} rows excused at a router near-tie"
+    return (got[0].cpu()[keep],), (oracle[0].cpu()[keep],), note
+
+
+# The optimized fused_experts takes the packed experts (pack_moe's MoEPack), the reference the
+# core's ExpertSource: pack each source once (keyed by identity; the source is kept alive with
+# its pack, and moe_inputs caches sources, so the contract's many calls share one pack).
+_PACKS: dict[int, tuple[Any, Any]] = {}
+
+
+def _packed_experts(args: tuple[Any, ...], kwargs: dict[str, Any]):
+    from dsv4mtp.optimized import pack_moe  # type: ignore[attr-defined]
+    from dsv4mtp.params import MoEParams
+
+    x, experts = args[0], args[1]
+    if id(experts) not in _PACKS:
+        w1 = experts(0, torch.float32)[0]  # (I, D): the shapes only
+        (I, D), E = w1.shape, experts.num_experts
+        dev = x.device
+        zeros = partial(torch.zeros, dtype=torch.bfloat16, device=dev)
+        # Router and shared expert are not used by fused_experts: zeros of the right shapes.
+        params = MoEParams(
+            torch.zeros(E, D, device=dev), torch.zeros(E, device=dev),
+            zeros(I, D), zeros(I, D), zeros(D, I), experts=experts,
+        )  # fmt: skip
+        if len(_PACKS) >= 16:
+            _PACKS.pop(next(iter(_PACKS)))
+        _PACKS[id(experts)] = (experts, pack_moe(params, dev, max_tokens=_MAX_TOKENS))
+    return (x, _PACKS[id(experts)][1], *args[2:]), kwargs
+
+
+_MAX_TOKENS = 8192  # the largest T any generated test draws
+
+
+def _moe_shape(device: str) -> st.SearchStrategy[str]:
+    return st.just("tiny") if device == "cpu" else st.just("reduced")
+
+
+def _moe_tokens(device: str, max_tokens: int) -> st.SearchStrategy[int]:
+    if device == "cpu":
+        return st.one_of(st.sampled_from([0, 1, 5]), st.integers(0, 12))
+    return st.one_of(st.sampled_from([0, 1, 64, 512]), st.integers(0, min(512, max_tokens)))
+
+
+@st.composite
+def _moe_case(draw: Any, op: str, dtype: torch.dtype, device: str, max_tokens: int) -> Case:
+    from dsv4mtp.conformance.inputs import EXPERT_FORMATS, SKEWS, moe_inputs
+
+    T = draw(_moe_tokens(device, max_tokens))
+    shape = draw(_moe_shape(device))
+    fmt = "mxfp4" if op == "route" else draw(st.sampled_from(EXPERT_FORMATS))
+    skew = draw(st.sampled_from(SKEWS if op == "fused_experts" else SKEWS[:3]))
+    magnitude = draw(st.sampled_from([1.0, 8.0]))  # 8: many gate/up values past swiglu_limit
+    seed = draw(st.integers(0, 2**31 - 1))
+    extra: dict[str, Any] = {}
+    if op == "fused_experts":
+        extra = dict(padding=draw(st.sampled_from([0.0, 0.25])), ep=draw(st.booleans()))
+    args, kw = moe_inputs(
+        op, T, seed, shape=shape, fmt=fmt, dtype=dtype, device=device, skew=skew,
+        magnitude=magnitude, **extra,
+    )  # fmt: skip
+    flags = "".join(f" {k}={v}" for k, v in extra.items())
+    label = f"T={T} {shape} {fmt} skew={skew} magnitude={magnitude:g}{flags} seed={seed}"
+    return Case(args, kw, label=label)
+
+
+def _moe_facts(case: Case) -> Facts:
+    x = case.args[0]
+    return Facts(x.device, (x.dtype,), D=x.shape[-1])
+
+
+_MOE_COMMON: dict[str, Any] = dict(concept="moe", facts=_moe_facts, cpu_D=256)
+
+# route: the weights are fp32 from fp32 logits; each is sigma_e / sum sigma * rho, a few fp32
+# roundings (~1e-7) plus the logit's own fp32 error (~1e-6 relative at D 7168).
+_ROUTE = Tolerance(2e-5, 4e-5, "fp32 logits over D products and a K-term renormalisation")
+register(
+    OpPair(
+        name="route",
+        strategy=partial(_moe_case, "route"),
+        build=partial(_build, "route"),
+        outputs=("weights", "ids"),
+        result_dtypes={"ids": torch.int32},
+        canonical=_route_canonical,
+        exact=("ids",),
+        cpu_examples=10,
+        tolerances={(BF16, "math"): _ROUTE, (FP32, "math"): _ROUTE},
+        **_MOE_COMMON,
+    )
+)
+
+# fused_experts / moe, bf16 activations.  math: the weights decode exactly (FP4: e2m1 x scale
+# fits bf16; FP8 and the global scales go to the fp32 accumulator), so the error is bf16
+# rounding: the output (2^-9), the hidden activation fed to w2 (2^-9), and where an
+# implementation rounds gate/up to bf16 (the reference does) 2^-9 more before the SwiGLU.
+# Measured for the reference in bf16 against float64 on these inputs (every format and skew,
+# magnitudes 1 and 8, T 33 tiny / T 64 reduced): rel <= 4.1e-3, scaled max-abs <= 8.5e-3.
+_EXPERTS_MATH = Tolerance(
+    1e-2, 2.5e-2, "bf16 output, hidden and gate/up roundings (2^-9 each); 2.5x the reference's own"
+)
+# official (act_quant): the expert inputs are rounded to e4m3 in 1x128 blocks.  x's rounding is
+# the same in every implementation (same bf16 x, same power-of-two scale rule), but the hidden
+# activation before w2 is computed in another order and precision than float64's, so a few %
+# of its elements (2 x 2^-9 relative perturbation / 2^-3 e4m3 step ~ 3 %) land on the other
+# side of an e4m3 rounding boundary and move by one e4m3 step (6-12 % of the element).  Each
+# flip feeds a whole output row through w2, so it shows up as norm error, not elementwise
+# (step_flips stays 0): rel ~ sqrt(3 %) x 9 % ~ 1.6e-2.  Measured for the reference in bf16:
+# rel <= 2.4e-2, scaled max-abs <= 8.9e-2 (bf16 experts: no act_quant, as math).
+_EXPERTS_OFFICIAL = Tolerance(
+    5e-2,
+    0.2,
+    "e4m3 flips of the hidden activation before w2 (~3 % of elements by one e4m3 step, "
+    "spread over the row by w2): ~2x the reference-in-bf16's own error",
+)
+
+register(
+    OpPair(
+        name="fused_experts",
+        strategy=partial(_moe_case, "fused_experts"),
+        build=partial(_build, "fused_experts"),
+        switches=lambda s: {"act_quant": s.act_quant},
+        optimized_args=_packed_experts,
+        cpu_examples=4,
+        tolerances={(BF16, "math"): _EXPERTS_MATH, (BF16, "official"): _EXPERTS_OFFICIAL},
+        **_MOE_COMMON,
+    )
+)
+register(
+    OpPair(
+        name="moe",
+        strategy=partial(_moe_case, "moe"),
+        build=partial(_build, "moe"),
+        switches=lambda s: {"act_quant": s.act_quant, "shared_clamp": s.shared_clamp},
+        canonical=_moe_canonical,
+        cpu_examples=4,
+        tolerances={(BF16, "math"): _EXPERTS_MATH, (BF16, "official"): _EXPERTS_OFFICIAL},
+        **_MOE_COMMON,
     )
 )

@@ -91,6 +91,13 @@ class Case:
     label: str = ""
 
 
+# (case, got, oracle) -> (got, oracle, note); see OpPair.canonical.
+Canonical = Callable[
+    [Case, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
+    tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], str],
+]
+ArgsMap = Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
+
 # (T, D, dtype, device, seed) -> (args, kwargs); see conformance/inputs.py.
 Builder = Callable[[int, int, torch.dtype, str, int], tuple[tuple[Any, ...], dict[str, Any]]]
 
@@ -115,6 +122,16 @@ class OpPair:
         (e.g. rms_norm's ``order``); merged into every case of that preset.
     outputs: names of the outputs (a 1-tuple for single-tensor ops).
     out_kwarg: the optimized op accepts preallocated outputs under this keyword.
+    result_dtypes: output name -> the optimized op's dtype, where it differs from the
+        reference's (in the test dtype).
+    canonical: ``(case, got, oracle) -> (got, oracle, note)``: both output tuples in comparable
+        form (same length and order as ``outputs``); ``note`` is added to failure messages.
+    exact: outputs compared bitwise after ``canonical`` (integer outputs).
+    optimized_args: ``(args, kwargs) -> (args, kwargs)`` for the optimized op (reference
+        arguments it takes in another form); the reference always gets the case as drawn.
+    cpu_D: the hidden size of the deterministic calls on CPU (the builder's D).
+    cpu_examples: at most this many hypothesis examples per generated test on CPU (None: the
+        profile's); the GPU tier always runs the profile's.
     """
 
     name: str
@@ -128,6 +145,20 @@ class OpPair:
     reference: str = ""
     optimized: str = ""
     out_kwarg: str | None = "out"
+    result_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    canonical: Canonical | None = None
+    exact: tuple[str, ...] = ()
+    optimized_args: ArgsMap | None = None
+    cpu_D: int = 64
+    cpu_examples: int | None = None
+
+    def result_dtype(self, index: int, reference_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of output ``index`` of the optimized op, given the reference's."""
+        return self.result_dtypes.get(self.outputs[index], reference_dtype)
+
+    def optimized_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
+        """The arguments as the optimized op takes them (``optimized_args`` applied)."""
+        return (args, kwargs) if self.optimized_args is None else self.optimized_args(args, kwargs)
 
     def reference_fn(self) -> Callable[..., Any]:
         return resolve(self.reference or f"dsv4mtp.reference:{self.name}")

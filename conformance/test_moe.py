@@ -9,8 +9,15 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from dsv4mtp.conformance._mtp_random import random_moe_params
-from dsv4mtp.reference import DSV4Config
-from dsv4mtp.reference.moe import DenseExperts, MoEParams, moe, route, swiglu_expert
+from dsv4mtp.reference import DSV4Config, InputError
+from dsv4mtp.reference.moe import (
+    DenseExperts,
+    MoEParams,
+    fused_experts,
+    moe,
+    route,
+    swiglu_expert,
+)
 
 F64, BF16 = torch.float64, torch.bfloat16
 CFG = DSV4Config.tiny()  # 8 experts, top-2, intermediate 128, swiglu_limit 10, scale 1.5
@@ -253,3 +260,112 @@ def test_unfoldable_nvfp4_is_refused_by_the_fold_but_runs_unfolded(tmp_path) -> 
     x, p = make(4, 16, x_gain=4.0)
     out = moe(x, MoEParams(**{**p.__dict__, "experts": PackedExperts(experts)}), ck.config)
     assert torch.isfinite(out).all() and out.abs().max() > 0
+
+
+# ------------------------------------------------------------------ fused_experts (given routing)
+def shared_only(x: torch.Tensor, p: MoEParams, cfg: DSV4Config) -> torch.Tensor:
+    return swiglu_expert(x, p.shared_w1, p.shared_w3, p.shared_w2, limit=cfg.swiglu_limit)
+
+
+def test_fused_experts_with_the_routers_ids_is_moe_without_the_shared_expert() -> None:
+    x, p = make(5, 17, x_gain=6.0)
+    w, ids = route(x, p.gate_weight, p.gate_bias, CFG)
+    got = fused_experts(x, p.experts, ids, w, limit=CFG.swiglu_limit)
+    want = moe(x, p, CFG) - shared_only(x, p, CFG)
+    assert got.dtype == F64 and rel_err(got, want) < 1e-13
+    # int32 ids (what the optimized router returns) give the same bits
+    assert torch.equal(fused_experts(x, p.experts, ids.int(), w, limit=CFG.swiglu_limit), got)
+    # bf16: the routed sum is rounded once (as in moe, before the shared expert is added)
+    pb, xb = cast_params(p, BF16), x.to(BF16)
+    wb, idb = route(xb, pb.gate_weight, pb.gate_bias, CFG)
+    gotb = fused_experts(xb, pb.experts, idb, wb, limit=CFG.swiglu_limit)
+    assert gotb.dtype == BF16 and rel_err(gotb, oracle(xb, pb, CFG) - oracle_shared(xb, pb)) < 3e-2
+
+
+def oracle_shared(x: torch.Tensor, p: MoEParams) -> torch.Tensor:
+    x = x.double()
+    g, u = x @ p.shared_w1.double().T, x @ p.shared_w3.double().T
+    L = CFG.swiglu_limit
+    return (F.silu(g.clamp(max=L)) * u.clamp(-L, L)) @ p.shared_w2.double().T
+
+
+def test_fused_experts_padding_slots_touch_nothing() -> None:
+    x, p = make(6, 9, x_gain=3.0)
+    w, ids = route(x, p.gate_weight, p.gate_bias, CFG)
+    padded = ids.clone()
+    padded[2] = -1  # a whole padding row (apply_routing_padding_mask)
+    padded[5, 1] = -1  # one padding slot
+    counting = CountingExperts(p.experts)
+    got = fused_experts(x, counting, padded, w, limit=CFG.swiglu_limit)
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+    # a padded slot equals a zero routing weight on that slot
+    w0 = w.clone()
+    w0[2], w0[5, 1] = 0.0, 0.0
+    want = fused_experts(x, p.experts, ids, w0, limit=CFG.swiglu_limit)
+    assert rel_err(got, want) < 1e-13
+    assert -1 not in counting.calls and sorted(counting.calls) == sorted(set(counting.calls))
+
+
+def test_fused_experts_expert_map_splits_the_sum_over_ranks() -> None:
+    """Two expert-parallel ranks holding scattered halves of the experts: each rank's output is
+    its own experts' share, and the two shares add up to the single-rank result."""
+    x, p = make(7, 12, x_gain=4.0)
+    w, ids = route(x, p.gate_weight, p.gate_bias, CFG)
+    full = fused_experts(x, p.experts, ids, w, limit=CFG.swiglu_limit)
+    perm = torch.randperm(CFG.n_routed_experts, generator=torch.Generator().manual_seed(0))
+    total = torch.zeros_like(full)
+    for owned in (perm[:4], perm[4:]):
+        emap = torch.full((CFG.n_routed_experts,), -1, dtype=torch.int32)
+        emap[owned] = torch.arange(len(owned), dtype=torch.int32)
+        ex = p.experts
+        local = DenseExperts(ex.w1[owned], ex.w3[owned], ex.w2[owned], quantized=True)
+        part = fused_experts(x, local, ids, w, limit=CFG.swiglu_limit, expert_map=emap)
+        mine = torch.isin(ids, owned)
+        w_mine = torch.where(mine, w, torch.zeros_like(w))
+        assert (
+            rel_err(part, fused_experts(x, p.experts, ids, w_mine, limit=CFG.swiglu_limit)) < 1e-13
+        )
+        total += part
+    assert rel_err(total, full) < 1e-13
+
+
+def test_out_buffers_and_flags() -> None:
+    x, p = make(8, 5)
+    w, ids = route(x, p.gate_weight, p.gate_bias, CFG)
+    wb, ib = torch.full_like(w, float("nan")), torch.zeros(ids.shape, dtype=torch.int32)
+    got = route(x, p.gate_weight, p.gate_bias, CFG, out=(wb, ib), batch_invariant=True)
+    assert got[0] is wb and got[1] is ib and torch.equal(wb, w) and torch.equal(ib.long(), ids)
+    ob = torch.full_like(x, float("nan"))
+    assert moe(x, p, CFG, out=ob, batch_invariant=True) is ob and torch.equal(ob, moe(x, p, CFG))
+    fb = torch.full_like(x, float("nan"))
+    res = fused_experts(x, p.experts, ids, w, limit=CFG.swiglu_limit, out=fb, batch_invariant=True)
+    assert res is fb and torch.equal(
+        fb, fused_experts(x, p.experts, ids, w, limit=CFG.swiglu_limit)
+    )
+    with pytest.raises(InputError, match=r"^out: expected dtype"):
+        moe(x, p, CFG, out=torch.empty_like(x, dtype=torch.float32))
+    with pytest.raises(InputError, match=r"^out: expected shape"):
+        fused_experts(x, p.experts, ids, w, limit=CFG.swiglu_limit, out=x[:-1].clone())
+    with pytest.raises(InputError, match=r"^out\[1\]: expected dtype"):
+        route(x, p.gate_weight, p.gate_bias, CFG, out=(wb, ib.float()))
+    with pytest.raises(InputError, match=r"^batch_invariant: expected a bool"):
+        moe(x, p, CFG, batch_invariant=1)
+
+
+@pytest.mark.parametrize(
+    ("ids", "emap", "message"),
+    [
+        ([[0, 8]], None, r"^topk_ids: expected ids in \[-1, 8\)"),
+        ([[0, -2]], None, r"^topk_ids: expected ids in \[-1, 8\)"),
+        ([[0, 1]], [0, 8, -1], r"^expert_map: expected ids in \[-1, 8\)"),
+        ([[0, 3]], [0, 1, -1], r"^topk_ids: expected ids in \[-1, 3\)"),
+    ],
+    ids=["id-too-large", "id-below-minus-one", "map-beyond-local", "id-beyond-map"],
+)
+def test_fused_experts_rejects_ids_out_of_range(ids, emap, message) -> None:
+    x, p = make(9, 1)
+    t_ids = torch.tensor(ids, dtype=torch.int32)
+    w = torch.ones(t_ids.shape, dtype=F64)
+    emap_t = None if emap is None else torch.tensor(emap, dtype=torch.int32)
+    with pytest.raises(InputError, match=message):
+        fused_experts(x, p.experts, t_ids, w, limit=10.0, expert_map=emap_t)

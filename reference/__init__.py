@@ -40,7 +40,7 @@ from .mhc import hc_head, hc_post, hc_pre, sinkhorn
 from .rope import apply_rope, rope_frequencies
 from .quant_sim import fp8_block_roundtrip
 from .attention import attention, sink_attention
-from .moe import moe, route, swiglu_expert
+from .moe import fused_experts, moe, route, swiglu_expert
 
 # --- the layer: parameters, KV cache, semantics switches (core) and the reference MTPLayer
 from dsv4mtp.kv_cache import KVCache
@@ -114,6 +114,7 @@ __all__ = [
     "fold_nvfp4_gate_up_scales",
     "formats",
     "fp8_block_roundtrip",
+    "fused_experts",
     "hc_head",
     "hc_post",
     "hc_pre",
