@@ -54,3 +54,29 @@ def test_full_shape(op: str, shape: str, fmt: str, T: int, preset: str) -> None:
     args, kw = moe_inputs(op, T, 11, shape=shape, fmt=fmt, device="cuda", magnitude=8.0)
     case = Case(args, {**kw, **pair.preset_kwargs(preset)}, label=f"{shape} {fmt} T={T}")
     check_pair(pair, case, torch.bfloat16, preset=preset)
+
+
+@pytest.mark.parametrize("fmt", EXPERT_FORMATS)
+def test_pack_moe_decode_equals_the_core_decode(fmt: str, device: str) -> None:
+    """``MoEPack.decode_expert`` (codes x block scales, rounded once to bf16) is the core's
+    decode of the same expert: bitwise for MXFP4, FP8 and bf16; for NVFP4 (folded or not) the
+    core also applies the per-expert global scales, so those are applied here in fp32 and the
+    two agree to fp32 rounding."""
+    from dsv4mtp.conformance.inputs import moe_params
+    from dsv4mtp.optimized import pack_moe
+
+    params = moe_params("tiny", fmt, device)[0]
+    pack = pack_moe(params, device)
+    core = params.experts.packed
+    for e in range(core.num_local_experts):
+        w13, w2 = pack.decode_expert(e)
+        want13, want2 = core.dequantize_expert(e, torch.float32)
+        if not fmt.startswith("nvfp4"):
+            assert torch.equal(w13, want13.to(torch.bfloat16)), (fmt, e)
+            assert torch.equal(w2, want2.to(torch.bfloat16)), (fmt, e)
+            continue
+        inter = core.intermediate_size
+        g13 = core.w13_weight_scale_2[e].float().repeat_interleave(inter)[:, None]  # (2I, 1)
+        g2 = core.w2_weight_scale_2[e].float()
+        torch.testing.assert_close(w13.float() * g13, want13, rtol=2e-7, atol=0)
+        torch.testing.assert_close(w2.float() * g2, want2, rtol=2e-7, atol=0)

@@ -102,8 +102,8 @@ _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def test_every_operator_is_defined_with_its_schema() -> None:
     ns = getattr(torch.ops, NAMESPACE)
-    assert set(OPS) == {f"{b}{s}" for b in ("rms_norm", "hc_pre", "hc_post", "hc_head")
-                        for s in ("", "_out")}  # fmt: skip
+    ops = ("rms_norm", "hc_pre", "hc_post", "hc_head", "moe_route", "fused_experts", "moe")
+    assert set(OPS) == {f"{b}{s}" for b in ops for s in ("", "_out")}
     for name, schema in SCHEMAS.items():
         parsed = getattr(ns, name).default._schema
         assert str(parsed) == f"{NAMESPACE}::{schema}", name

@@ -71,7 +71,8 @@ def test_every_dense_param_appears_once() -> None:
     want = {
         *(tensors(MTPLayerParams, ("attn", "ffn", "dense_quantized"))),
         *(f"attn.{n}" for n in tensors(AttentionParams)),
-        *(f"ffn.{n}" for n in tensors(MoEParams, ("shared_quantized",))),
+        # shared_fp8: the same checkpoint tensors as shared_w*, kept packed (not a table row).
+        *(f"ffn.{n}" for n in tensors(MoEParams, ("shared_quantized", "shared_fp8"))),
     }
     params = [s.param for s in MTP_LAYER_PARAMS]
     assert len(set(params)) == len(params) and set(params) == want

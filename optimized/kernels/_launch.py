@@ -43,11 +43,11 @@ __all__ = [
     "triton_kernel",
     "triton_launch",
     "workspace",
+    "workspaces",
 ]
 
-# Under TRITON_INTERPRET=1 every kernel runs program by program, in order, on the CPU.  Kernels
-# whose programs wait for each other (the single-pass mHC collapse) must not be launched that
-# way; the launchers pick their two-pass schedule instead.
+# Under TRITON_INTERPRET=1 every kernel runs program by program, in launch order, on the CPU
+# (kernels whose programs wait for each other only wait on earlier ones: kernels/_sync.py).
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -348,6 +348,20 @@ def workspace(
             _WORKSPACES.clear()
         t = _WORKSPACES[key] = torch.empty(shape, dtype=dtype, device=device)
     return t
+
+
+def workspaces(name: str, device: torch.device, *sizes: int) -> list[torch.Tensor]:
+    """fp32 scratch buffers of the given element counts, carved from one :func:`workspace`.
+
+    Each starts on a 64-byte boundary: Triton specializes pointer arguments on 16-byte
+    alignment, and offsets that depend on T would otherwise compile new variants as T varies."""
+    padded = [-(-n // 16) * 16 for n in sizes]
+    flat = workspace(name, (sum(padded),), torch.float32, device)
+    views, start = [], 0
+    for n, p in zip(sizes, padded, strict=True):
+        views.append(flat[start : start + n])
+        start += p
+    return views
 
 
 def __getattr__(name: str) -> Any:

@@ -44,7 +44,6 @@ __all__ = [
     "signal",
     "take_ticket",
     "wait_until",
-    "workspaces",
 ]
 
 #: Entries before the per-block counts: the ticket dispenser and the finished-program count.
@@ -124,17 +123,3 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
                           dtype=torch.int32, device=device)  # fmt: skip
         _CACHE[key] = buf
     return buf
-
-
-def workspaces(device: torch.device, *sizes: int) -> list[torch.Tensor]:
-    """fp32 scratch buffers of the given element counts, carved from one allocation.
-
-    Each starts on a 64-byte boundary: Triton specializes pointer arguments on 16-byte
-    alignment, and offsets that depend on T would otherwise compile new variants as T varies."""
-    padded = [-(-n // 16) * 16 for n in sizes]
-    flat = torch.empty((sum(padded),), dtype=torch.float32, device=device)
-    views, start = [], 0
-    for n, p in zip(sizes, padded, strict=True):
-        views.append(flat[start : start + n])
-        start += p
-    return views

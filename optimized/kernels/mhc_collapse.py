@@ -52,6 +52,7 @@ T*NP*4 stays in L2.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +61,15 @@ import triton.language as tl
 
 from dsv4mtp.errors import ConfigError, InputError
 
-from ._launch import INTERPRET, next_pow2, rne_bf16_if_interpreted, sigmoid
+from ._launch import (
+    INTERPRET,
+    TritonLaunch,
+    next_pow2,
+    rne_bf16_if_interpreted,
+    sigmoid,
+    triton_launch,
+    workspaces,
+)
 from ._sync import (
     COUNTER_HEADER,
     block_count,
@@ -69,7 +78,6 @@ from ._sync import (
     signal,
     take_ticket,
     wait_until,
-    workspaces,
 )
 from .mhc_mix import mix_step
 
@@ -378,6 +386,7 @@ def tokens_per_reducer(block_t: int, S: int) -> int:
     return next_pow2(triton.cdiv(block_t, S))
 
 
+@functools.cache
 def collapse_config(n: int, D: int, with_post_comb: bool = False) -> CollapseConfig:
     """The schedule for (n, D, op); never a function of T (batch invariance).
 
@@ -400,6 +409,44 @@ def collapse_config(n: int, D: int, with_post_comb: bool = False) -> CollapseCon
     d_slice = min(256, max(64, next_pow2(D)))
     return CollapseConfig(block_t=64, d_slice=d_slice, block_k=64, apply_d=64, num_warps=4,
                           num_stages=3, fused=True)  # fmt: skip
+
+
+@functools.cache
+def _launches(
+    cfg: CollapseConfig, n: int, D: int, M: int, x_is_bf16: bool, with_pc: bool, trace: bool,
+    sinkhorn_iters: int,
+) -> tuple[int, tuple[TritonLaunch, ...]]:  # fmt: skip
+    """(S, the launches: one fused, or the three phases) of one schedule; a function of the
+    schedule and shapes only, so it is built once."""
+    S = triton.cdiv(D, cfg.d_slice)
+    meta: dict = dict(
+        D=D,
+        S=S,
+        D_SLICE=cfg.d_slice,
+        SINKHORN_ITERS=sinkhorn_iters,
+        N=n,
+        NP=next_pow2(n),
+        M=M,
+        MP=max(16, next_pow2(M)),
+        BLOCK_T=cfg.block_t,
+        BLOCK_K=cfg.block_k,
+        APPLY_D=cfg.apply_d,
+        TPP=tokens_per_reducer(cfg.block_t, S),
+        WITH_POST_COMB=with_pc,
+        X_IS_BF16=x_is_bf16,
+        INTERP=INTERPRET,
+        TRACE=trace,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if cfg.max_registers is not None and not INTERPRET:
+        meta["maxnreg"] = cfg.max_registers
+    if cfg.fused:
+        phases = [dict(DO_MIX=True, DO_REDUCE=True, DO_APPLY=True, FUSED=True)]
+    else:
+        phases = [dict(DO_MIX=p == "mix", DO_REDUCE=p == "reduce", DO_APPLY=p == "apply",
+                       FUSED=False) for p in ("mix", "reduce", "apply")]  # fmt: skip
+    return S, tuple(triton_launch(mhc_collapse_kernel, **meta, **f) for f in phases)
 
 
 def mhc_collapse(
@@ -429,52 +476,24 @@ def mhc_collapse(
         return
     M = fn.shape[0]
     NP = next_pow2(n)
-    cfg = cfg or collapse_config(n, D, with_post_comb=post is not None)
-    S = triton.cdiv(D, cfg.d_slice)
-    blocks = triton.cdiv(T, cfg.block_t)
-    dev = x.device
-    part, sq, gate = workspaces(dev, S * T * M, S * T, T * NP)  # (S, T, M), (S, T), (T, NP)
-    count = counters(dev, COUNTER_HEADER + blocks) if cfg.fused else sq
     with_pc = post is not None
-    args = (
-        x, fn, scale, base, part, sq, gate, count, out,
-        post if with_pc else out, comb if with_pc else out, trace if trace is not None else count,
-        T, float(rms_norm_eps), float(hc_eps), float(post_mult),
-    )  # fmt: skip
-    meta = dict(
-        D=D,
-        S=S,
-        D_SLICE=cfg.d_slice,
-        SINKHORN_ITERS=int(sinkhorn_iters),
-        N=n,
-        NP=NP,
-        M=M,
-        MP=max(16, next_pow2(M)),
-        BLOCK_T=cfg.block_t,
-        BLOCK_K=cfg.block_k,
-        APPLY_D=cfg.apply_d,
-        TPP=tokens_per_reducer(cfg.block_t, S),
-        WITH_POST_COMB=with_pc,
-        X_IS_BF16=(x.dtype == torch.bfloat16),
-        INTERP=INTERPRET,
-        TRACE=trace is not None,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    if cfg.max_registers is not None and not INTERPRET:
-        meta["maxnreg"] = cfg.max_registers
+    cfg = cfg or collapse_config(n, D, with_post_comb=with_pc)
+    S, launches = _launches(cfg, n, D, M, x.dtype == torch.bfloat16, with_pc, trace is not None,
+                            int(sinkhorn_iters))  # fmt: skip
     grid = (collapse_grid(T, D, cfg),)
     if trace is not None and (not cfg.fused or tuple(trace.shape) != (grid[0], TRACE_WIDTH)):
         raise InputError(
             f"trace: expected a fused schedule and shape ({grid[0]}, {TRACE_WIDTH}), got "
             f"fused={cfg.fused} and shape {tuple(trace.shape)}"
         )
-    if cfg.fused:
-        mhc_collapse_kernel[grid](
-            *args, DO_MIX=True, DO_REDUCE=True, DO_APPLY=True, FUSED=True, **meta
-        )
-        return
-    for phase in ("DO_MIX", "DO_REDUCE", "DO_APPLY"):
-        flags = dict(DO_MIX=False, DO_REDUCE=False, DO_APPLY=False, FUSED=False)
-        flags[phase] = True
-        mhc_collapse_kernel[grid](*args, **flags, **meta)
+    dev = x.device
+    # (S, T, M), (S, T), (T, NP): reused per (T, stream), written before they are read.
+    part, sq, gate = workspaces("mhc_collapse", dev, S * T * M, S * T, T * NP)
+    count = counters(dev, COUNTER_HEADER + triton.cdiv(T, cfg.block_t)) if cfg.fused else sq
+    args = (
+        x, fn, scale, base, part, sq, gate, count, out,
+        post if with_pc else out, comb if with_pc else out, trace if trace is not None else count,
+        T, float(rms_norm_eps), float(hc_eps), float(post_mult),
+    )  # fmt: skip
+    for launch in launches:
+        launch(grid, *args)

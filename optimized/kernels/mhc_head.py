@@ -40,11 +40,21 @@ why this schedule loses at large T), out once (T*D*itemsize), workspace S*T*(MP+
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, next_pow2, rne_bf16_if_interpreted, sigmoid
+from ._launch import (
+    INTERPRET,
+    TritonLaunch,
+    next_pow2,
+    rne_bf16_if_interpreted,
+    sigmoid,
+    triton_launch,
+    workspaces,
+)
 from ._sync import (
     COUNTER_HEADER,
     block_count,
@@ -53,7 +63,6 @@ from ._sync import (
     signal,
     take_ticket,
     wait_until,
-    workspaces,
 )
 
 __all__ = ["mhc_head_fma"]
@@ -147,6 +156,30 @@ def mhc_head_fma_kernel(
         finish(count_ptr, (blocks + 1) * S, blocks, 256)
 
 
+@functools.cache
+def _launches(n: int, D: int, one_launch: bool) -> tuple[int, int, int, tuple[TritonLaunch, ...]]:
+    """(block_t, S, MP, the launches) for one (n, D, form); built once."""
+    NP = next_pow2(n)
+    # 4 tokens x 256 columns x 4 warps: the fastest of six tiles tried on the H200 at T 1 and
+    # T 4096, both D (bench/results/mhc-h200.md, "How the schedules were picked").  The
+    # (BLOCK_T, NP, BLOCK_D) tile stays in registers.
+    block_t = 4
+    block_d = max(16, min(256, 1024 // NP))
+    if INTERPRET:
+        block_d = min(block_d, 64)  # several slices on the CPU tier's small shapes
+    block_d = min(block_d, max(16, next_pow2(D)))
+    S = triton.cdiv(D, block_d)
+    MP = max(16, next_pow2(n))
+    meta = dict(S=S, N=n, NP=NP, MP=MP, BLOCK_T=block_t, BLOCK_D=block_d, INTERP=INTERPRET,
+                num_warps=4)  # fmt: skip
+    phases = [(True, True)] if one_launch else [(True, False), (False, True)]
+    launches = tuple(
+        triton_launch(mhc_head_fma_kernel, **meta, DO_MIX=mix, DO_APPLY=apply)
+        for mix, apply in phases
+    )
+    return block_t, S, MP, launches
+
+
 def mhc_head_fma(
     x: torch.Tensor,
     fn: torch.Tensor,
@@ -164,28 +197,13 @@ def mhc_head_fma(
     T, n, D = x.shape
     if T == 0:
         return
-    NP = next_pow2(n)
-    # 4 tokens x 256 columns x 4 warps: the fastest of six tiles tried on the H200 at T 1 and
-    # T 4096, both D (bench/results/mhc-h200.md, "How the schedules were picked").  The
-    # (BLOCK_T, NP, BLOCK_D) tile stays in registers.
-    block_t = 4
-    block_d = max(16, min(256, 1024 // NP))
-    if INTERPRET:
-        block_d = min(block_d, 64)  # several slices on the CPU tier's small shapes
-    block_d = min(block_d, max(16, next_pow2(D)))
-    S = triton.cdiv(D, block_d)
+    block_t, S, MP, launches = _launches(n, D, one_launch)
     blocks = triton.cdiv(T, block_t)
-    MP = max(16, next_pow2(n))
     dev = x.device
-    part, sq = workspaces(dev, S * T * MP, S * T)  # (S, T, MP), (S, T)
+    part, sq = workspaces("mhc_head_fma", dev, S * T * MP, S * T)  # (S, T, MP), (S, T)
     count = counters(dev, COUNTER_HEADER + blocks) if one_launch else sq
     args = (x, fn, scale, base, part, sq, count, out, T, D, float(rms_norm_eps), float(hc_eps))
-    meta = dict(S=S, N=n, NP=NP, MP=MP, BLOCK_T=block_t, BLOCK_D=block_d, INTERP=INTERPRET)
-    if one_launch:
-        # One extra block of programs, which only apply (see the kernel).
-        grid = ((blocks + 1) * S,)
-        mhc_head_fma_kernel[grid](*args, DO_MIX=True, DO_APPLY=True, **meta, num_warps=4)
-    else:
-        grid = (blocks * S,)
-        mhc_head_fma_kernel[grid](*args, DO_MIX=True, DO_APPLY=False, **meta, num_warps=4)
-        mhc_head_fma_kernel[grid](*args, DO_MIX=False, DO_APPLY=True, **meta, num_warps=4)
+    # One launch: one extra block of programs, which only apply (see the kernel).
+    grid = ((blocks + 1) * S,) if one_launch else (blocks * S,)
+    for launch in launches:
+        launch(grid, *args)
