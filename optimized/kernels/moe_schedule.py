@@ -28,10 +28,10 @@ What each knob changes (optimized/kernels/moe_gemm.py, module doc, "Schedule"):
 
 Numerics: for a fixed schedule every row is computed the same way whatever T is (batch
 invariant).  ``split_k`` and ``block_k`` change the fp32 summation order (allowed: within the
-pairs' tolerance); ``swap_ab`` and ``num_warps`` may change the tensor-core instruction and so
-its internal order, and so may ``fp4_join`` (one dot over K where there were two);
-``block_m``, ``block_n``, ``group_m``, ``num_stages``, ``decode`` and the
-align knobs change no value.
+pairs' tolerance); ``block_m``, ``block_n``, ``num_warps`` and ``swap_ab`` pick the tile and
+so may change the tensor-core instruction (mma.sync below 64 rows, wgmma above) and its internal
+order, and so may ``fp4_join`` (one dot over K where there were two); ``group_m``,
+``num_stages``, ``decode`` and the align knobs change no value (tested bitwise on the CPU).
 """
 
 from __future__ import annotations
