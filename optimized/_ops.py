@@ -410,10 +410,14 @@ else:
     moe_reduce_triton = triton_kernel("moe_gemm", "moe_reduce_triton")
     route_triton = triton_kernel("moe_route", "route_triton")
 
+# A MoESchedule travels as an int list (kernels/moe_schedule.py, schedule_to_fields); an empty
+# list is the default of the call's T (moe_config).
+from .kernels.moe_schedule import MoESchedule, moe_config, schedule_from_fields  # noqa: E402
+
 _ROUTE_ARGS = "Tensor x, Tensor gate_weight, Tensor gate_bias, int top_k, float scaling"
 _EXPERTS_ARGS = (
     "Tensor expert_map, Tensor w13, Tensor s13, Tensor w2, Tensor s2, Tensor gscale, str fmt, "
-    "float limit, bool act_quant, bool batch_invariant"
+    "float limit, bool act_quant, bool batch_invariant, int[] schedule"
 )
 _SHARED_ARGS = (
     "Tensor shared_w13, Tensor shared_s13, Tensor shared_w2, Tensor shared_s2, str shared_fmt, "
@@ -441,17 +445,10 @@ def _fmt(fmt: str) -> int:
     return _FMT_CODE[fmt]
 
 
-def _moe_tiles(T: int, batch_invariant: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).  16-row M blocks up to 64 tokens (decode: an
-    expert sees a few rows, and the weight stream is spread over (experts x N tiles) programs);
-    64 rows above, and always with batch_invariant (a schedule that does not depend on T).
-    BLOCK_K 128 is one FP8 scale block."""
-    from .kernels._launch import INTERPRET
-
-    if INTERPRET:
-        return 16, 32, 128, 4, 1
-    bm = 64 if (batch_invariant or T > 64) else 16
-    return bm, 64, 128, 4, 3
+def _moe_schedule(T: int, batch_invariant: bool, fields: Sequence[int]) -> MoESchedule:
+    if fields:
+        return schedule_from_fields(tuple(fields))
+    return moe_config(T, batch_invariant=batch_invariant)
 
 
 @functools.cache
@@ -479,6 +476,7 @@ def _routed_into(
     limit: float,
     act_quant: bool,
     batch_invariant: bool,
+    schedule: Sequence[int],
     shared: torch.Tensor | None,
     out: torch.Tensor,
 ) -> None:
@@ -488,25 +486,28 @@ def _routed_into(
         return
     code = _fmt(fmt)
     inter = w13.shape[1] // 2
-    bm, bn, bk, warps, stages = _moe_tiles(T, batch_invariant)
+    sched = _moe_schedule(T, batch_invariant, schedule)
+    bm = sched.block_m
     xin = _act_quant(x.contiguous()) if act_quant else x.contiguous()
     ids = topk_ids.contiguous()
-    sorted_slot, block_expert = moe_align_triton(ids, expert_map, w13.shape[0], bm)
+    sorted_slot, block_expert = moe_align_triton(
+        ids, expert_map, w13.shape[0], bm, chunk=sched.align_chunk, num_warps=sched.align_warps
+    )
     nb = block_expert.numel()
     h = torch.empty((nb * bm, inter), dtype=x.dtype, device=x.device)
-    tiles = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
     moe_gate_up_triton(
         xin, w13, s13, gscale, sorted_slot, block_expert, topk_weights.contiguous(), h,
-        fmt=code, inter=inter, top_k=K, limit=limit, num_m_blocks=nb, **tiles,
+        fmt=code, inter=inter, top_k=K, limit=limit, tile=sched.gate_up, num_m_blocks=nb,
+        block_m=bm, decode=sched.decode, fp4_join=sched.fp4_join,
     )  # fmt: skip
     if act_quant:
         act_quant_triton(h, h)  # in place: each program reads its 128 values before writing
-    ws = torch.empty((T * K, D), dtype=x.dtype, device=x.device)
-    moe_down_triton(
-        h, w2, s2, gscale, sorted_slot, block_expert, ws,
-        fmt=code, T=T, D=D, inter=inter, num_m_blocks=nb, **tiles,
+    ws = moe_down_triton(
+        h, w2, s2, gscale, sorted_slot, block_expert,
+        fmt=code, T=T, D=D, inter=inter, rows_out=T * K, tile=sched.down, num_m_blocks=nb,
+        block_m=bm, decode=sched.decode, fp4_join=sched.fp4_join,
     )  # fmt: skip
-    moe_reduce_triton(ws, ids, expert_map, shared, out, w13.shape[0])
+    moe_reduce_triton(ws, ids, expert_map, shared, out, w13.shape[0], gscale)
 
 
 def _shared_expert(
@@ -518,30 +519,30 @@ def _shared_expert(
     fmt: str,
     limit: float,
     act_quant: bool,
-    batch_invariant: bool,
+    sched: MoESchedule,
 ) -> torch.Tensor:
-    """The shared expert on every token: (T, D) in x.dtype (the same kernels, one expert)."""
+    """The shared expert on every token (the same kernels, one expert): (T, D) in x.dtype, or
+    with a K-split down its fp32 partials (split, T, D) for the reduce kernel."""
     T, D = x.shape
     code = _fmt(fmt)
     inter = w13.shape[1] // 2
-    bm, bn, bk, warps, stages = _moe_tiles(T, batch_invariant)
+    bm = sched.shared_block_m
     nb = -(-T // bm)
     xin = _act_quant(x.contiguous()) if act_quant else x.contiguous()
     h = torch.empty((nb * bm, inter), dtype=x.dtype, device=x.device)
-    tiles = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
     ones = _ones3(x.device)
     moe_gate_up_triton(
         xin, w13, s13, ones, None, None, None, h,
-        fmt=code, inter=inter, top_k=1, limit=limit, num_m_blocks=nb, **tiles,
+        fmt=code, inter=inter, top_k=1, limit=limit, tile=sched.shared_gate_up,
+        num_m_blocks=nb, block_m=bm, decode=sched.decode, fp4_join=sched.fp4_join,
     )  # fmt: skip
     if act_quant:
         act_quant_triton(h, h)
-    y = torch.empty((T, D), dtype=x.dtype, device=x.device)
-    moe_down_triton(
-        h, w2, s2, ones, None, None, y,
-        fmt=code, T=T, D=D, inter=inter, num_m_blocks=nb, **tiles,
+    return moe_down_triton(
+        h, w2, s2, ones, None, None,
+        fmt=code, T=T, D=D, inter=inter, rows_out=T, tile=sched.shared_down, num_m_blocks=nb,
+        block_m=bm, decode=sched.decode, fp4_join=sched.fp4_join,
     )  # fmt: skip
-    return y
 
 
 def _moe_route_out(
@@ -620,6 +621,7 @@ def _moe_out(
     limit: float,
     act_quant: bool,
     batch_invariant: bool,
+    schedule: Sequence[int],
     shared_w13: torch.Tensor,
     shared_s13: torch.Tensor,
     shared_w2: torch.Tensor,
@@ -633,13 +635,14 @@ def _moe_out(
     if x.shape[0] == 0:
         return
     weights, ids = _moe_route(x, gate_weight, gate_bias, top_k, scaling)
+    sched = _moe_schedule(x.shape[0], batch_invariant, schedule)
     shared = _shared_expert(
         x, shared_w13, shared_s13, shared_w2, shared_s2, shared_fmt, shared_limit,
-        shared_act_quant, batch_invariant,
+        shared_act_quant, sched,
     )  # fmt: skip
     _routed_into(
         x, ids, weights, expert_map, w13, s13, w2, s2, gscale, fmt, limit, act_quant,
-        batch_invariant, shared, out,
+        batch_invariant, schedule, shared, out,
     )  # fmt: skip
 
 

@@ -23,8 +23,13 @@ fixed T is CUDA-graph capturable):
 the dequantized values (exact in bf16) to the same dots: the reference's quantize-dequantize-
 then-matmul, computed without FP8 x FP8 tensor cores.
 
-``batch_invariant=True`` fixes BLOCK_M at 64 for every T (the default uses 16 rows per block up to
-64 tokens, where a 64-row tile would be mostly padding); every other choice is already T-free.
+Schedules: every tile, split, launch-order and decode choice is one :class:`MoESchedule`
+(kernels/moe_schedule.py), passed as ``schedule=`` to :func:`fused_experts` and :func:`moe`
+(for sweeps and tests; bench/diag/moe_sweep.py); ``None`` takes :func:`moe_config`'s default
+for the call's T.  ``batch_invariant=True`` takes the default that does not depend on T
+(BLOCK_M 64 for every T; the T-dependent default uses 16 rows per block up to 64 tokens, where
+a 64-row tile would be mostly padding).  Any fixed schedule is batch invariant: a row's result
+does not depend on the other rows.
 """
 
 from __future__ import annotations
@@ -44,8 +49,24 @@ from dsv4mtp.params import DenseExperts, MoEParams, PackedExperts
 from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
 from ._dispatch import Facts, select
 from .kernels._launch import check_device, check_kernel_dtype, check_out
+from .kernels.moe_schedule import (
+    GemmTile,
+    MoESchedule,
+    check_schedule_shapes,
+    moe_config,
+    schedule_to_fields,
+)
 
-__all__ = ["MoEPack", "fused_experts", "moe", "pack_moe", "route"]
+__all__ = [
+    "GemmTile",
+    "MoEPack",
+    "MoESchedule",
+    "fused_experts",
+    "moe",
+    "moe_config",
+    "pack_moe",
+    "route",
+]
 
 MoEBackend = Literal["auto", "triton"]
 
@@ -320,6 +341,18 @@ def _routed_args(pack: MoEPack) -> tuple[object, ...]:
     return (pack.w13, pack.s13, pack.w2, pack.s2, pack.gscale, pack.fmt)
 
 
+def _schedule_fields(schedule: MoESchedule | None, pack: MoEPack) -> list[int]:
+    """The operators' int list of ``schedule`` (empty: the default), checked against the
+    pack's shapes."""
+    if schedule is None:
+        return []
+    check_instance("schedule", schedule, MoESchedule)
+    check_schedule_shapes(
+        schedule, pack.fmt, pack.shared_fmt, pack.hidden_size, pack.intermediate_size
+    )
+    return schedule_to_fields(schedule)
+
+
 def _shared_args(pack: MoEPack, limit: float, act_quant: bool) -> tuple[object, ...]:
     return (
         pack.shared_w13, pack.shared_s13, pack.shared_w2, pack.shared_s2, pack.shared_fmt,
@@ -339,6 +372,7 @@ def fused_experts(
     batch_invariant: bool = False,
     out: torch.Tensor | None = None,
     backend: MoEBackend = "auto",
+    schedule: MoESchedule | None = None,
 ) -> torch.Tensor:
     """Routed experts with caller-supplied routing: x (T, D) -> (T, D) in x.dtype.
 
@@ -348,7 +382,9 @@ def fused_experts(
     multiplies the hidden before w2), clamped SwiGLU with ``limit``, fp32 accumulation, no shared
     expert.  ``act_quant``: e4m3 activation rounding before both GEMMs (quantized experts only,
     as the reference).  Moves the codes and scales of every expert with a routed row once (at
-    T <= 64), x, and a (T*K, D) workspace twice.
+    T <= 64), x, and a (T*K, D) workspace twice.  ``schedule``: a :class:`MoESchedule`
+    (tiles, K splits, decode; its shared-expert fields are unused here), default
+    :func:`moe_config`.
     """
     pack = _check_pack(experts)
     check_instance("batch_invariant", batch_invariant, bool)
@@ -380,7 +416,7 @@ def fused_experts(
     emap = pack.expert_map if expert_map is None else expert_map
     args = (
         x, topk_ids, topk_weights, emap, *_routed_args(pack), float(limit),
-        bool(act_quant and pack.quantized), batch_invariant,
+        bool(act_quant and pack.quantized), batch_invariant, _schedule_fields(schedule, pack),
     )  # fmt: skip
     if out is None:
         return _ops_experts(*args)
@@ -421,6 +457,7 @@ def moe(
     batch_invariant: bool = False,
     out: torch.Tensor | None = None,
     backend: MoEBackend = "auto",
+    schedule: MoESchedule | None = None,
 ) -> torch.Tensor:
     """MoE sublayer: x (T, D) (already ffn_norm-ed) -> (T, D) in x.dtype.
 
@@ -428,7 +465,8 @@ def moe(
     for that object; refused during CUDA-graph capture).  Router, routed experts, shared expert
     (added unscaled; ``swiglu_limit`` on it only with ``shared_clamp``), one rounding at the end.
     Moves the router, the routed experts with a routed row, the shared expert (FP8 when the params
-    carry its codes) and x once at decode sizes.
+    carry its codes) and x once at decode sizes.  ``schedule``: a :class:`MoESchedule`, default
+    :func:`moe_config`.
     """
     check_instance("config", config, DSV4Config)
     check_instance("shared_clamp", shared_clamp, bool)
@@ -448,7 +486,7 @@ def moe(
     args = (
         x, pack.gate_weight, pack.gate_bias, config.num_experts_per_tok,
         float(config.routed_scaling_factor), pack.expert_map, *_routed_args(pack), limit,
-        bool(act_quant and pack.quantized), batch_invariant,
+        bool(act_quant and pack.quantized), batch_invariant, _schedule_fields(schedule, pack),
         *_shared_args(pack, limit if shared_clamp else 0.0, act_quant),
     )  # fmt: skip
     if out is None:

@@ -15,6 +15,13 @@ Outputs: ``sorted_slot (NB_MAX*BLOCK_M,)`` int32 (the slot of each row, -1 on pa
 ``block_expert (NB_MAX,)`` int32.  NB_MAX = cdiv(S, BLOCK_M) + min(E_local, S) bounds the padded
 block count (every expert wastes less than one block).  Deterministic: rows of an expert keep
 slot order.  Slots whose id is -1 or maps to -1 appear nowhere.
+
+Cost: one program (one SM) for the whole call, serial over cdiv(S, CHUNK) chunks in each pass;
+the sort pass does a CHUNK x E_local one-hot and a CHUNK x CHUNK compare per chunk (48 K element
+ops at CHUNK 128, E 256), the padding pass NB_MAX*BLOCK_M/CHUNK stores.  At V4-Flash (top-6) S
+is 6 / 48 / 384 / 3072 / 24576 at T 1 / 8 / 64 / 512 / 4096: one chunk up to T 16, 192 chunks
+(~9 M element ops on one SM, a few hundred us) at T 4096; bench/diag/moe_sweep.py times it
+alone.  ``chunk`` and ``num_warps`` are schedule knobs (MoESchedule.align_chunk / align_warps).
 """
 
 from __future__ import annotations
@@ -96,9 +103,16 @@ def max_blocks(S: int, e_local: int, block_m: int) -> int:
 
 
 def moe_align_triton(
-    topk_ids: torch.Tensor, expert_map: torch.Tensor | None, e_local: int, block_m: int
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    e_local: int,
+    block_m: int,
+    *,
+    chunk: int = 64 if INTERPRET else 128,
+    num_warps: int = 4 if INTERPRET else 16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted_slot (NB_MAX*block_m,) int32, block_expert (NB_MAX,) int32); see the module doc."""
+    """(sorted_slot (NB_MAX*block_m,) int32, block_expert (NB_MAX,) int32); see the module doc.
+    ``chunk``: slots per step of the passes (the sort's compare is chunk x chunk)."""
     S = topk_ids.numel()
     nb = max_blocks(S, e_local, block_m)
     dev = topk_ids.device
@@ -112,6 +126,6 @@ def moe_align_triton(
         ids, expert_map if expert_map is not None else ids, sorted_slot, block_expert,
         S, e_global, e_local, nb,
         HAS_MAP=expert_map is not None, BLOCK_M=block_m, BLOCK_E=next_pow2(max(e_local, 2)),
-        CHUNK=64 if INTERPRET else 128, CHUNK_B=64, num_warps=4 if INTERPRET else 16,
+        CHUNK=chunk, CHUNK_B=64, num_warps=num_warps,
     )  # fmt: skip
     return sorted_slot, block_expert

@@ -39,6 +39,46 @@ stored in the activation dtype at the row's slot (t*K + k) of a (T*K, D) workspa
 shared expert's row), one rounding; no atomics, so the result is deterministic.
 Bytes per call: the codes and scales of every expert with a routed row, once per M block (once at
 decode sizes), x and h from L2, workspace 2*T*K*D*itemsize.
+
+Schedule (kernels/moe_schedule.py holds the knobs; ``moe_config`` the defaults).  S = T*K slots;
+the align kernel pads each expert's rows to BLOCK_M, so NB = cdiv(S, BLOCK_M) + min(E, S) M
+blocks are launched, those past the used ones exiting at once.  Grids at V4-Flash (E 256, top-6,
+I 2048, D 4096) with the default 64-column N tiles: gate/up (NB, I/64 = 32), down (NB,
+D/64 = 64); active blocks = experts with a row at T <= 512 (about 6 / 44 / 200 / 256 at
+T 1 / 8 / 64 / 512), ~2.5 per expert at T 4096 (96 rows each, BLOCK_M 64):
+
+======  ========  ====  ===================  ===================  ================
+T       BLOCK_M   NB    gate/up programs     down programs        shared (g/u, dn)
+======  ========  ====  ===================  ===================  ================
+1       16        7     224 (192 active)     448 (384 active)     32, 64
+8       16        51    1632 (~1410 active)  3264 (~2820 active)  32, 64
+64      16        280   8960 (~6400 active)  17920 (~12800)       128, 256
+512     64        304   9728 (~8190 active)  19456 (~16380)       256, 512
+4096    64        640   20480                40960                2048, 4096
+======  ========  ====  ===================  ===================  ================
+
+A gate/up program streams BLOCK_N gate and BLOCK_N up rows over all of D: MXFP4 2*64*(2048 B
+codes + 128 B scales) = 272 KB, FP8 2*64*4096 B = 512 KB (+ 4 KB scales); a down program BLOCK_N
+rows over I: MXFP4 68 KB, FP8 128 KB.  Each K step (BLOCK_K = 128) re-loads the block's x rows
+(gathered, from L2): the x traffic is NB * (I/BLOCK_N) * 2 * BLOCK_M * D * 2 B for gate/up,
+~21 GB at T 4096, and the FP4 path reads x as even and odd columns (stride-2 loads) for its two
+half-K dots (``fp4_join`` interleaves the decoded halves instead and reads x contiguously).  At
+T 1 the shared expert runs on 32 + 64 programs (one M block), a quarter of the SMs.
+
+Decode cost per element (``decode="f16"``, the default): FP4: and/shift/or into an fp16 pattern,
+fp16 -> fp32 conversion, fp32 multiply by the group scale, fp32 -> bf16 conversion; FP8 the same
+without the multiply.  Two float conversions per weight element; at the conversion pipe's
+16 per clock per SM that is ~1.05 TB/s of MXFP4 codes and ~2.1 TB/s of FP8 codes on 132 SMs,
+the rates the first H200 measurement showed at T 8 (0.9 and 2.1 TB/s).  ``decode="bits"``
+builds the fp32 pattern with integer ops and takes the bf16 as the product's high half: the same
+operands bit for bit, no conversion.
+
+Split-K (``split_k`` > 1): program (m, n, s) covers K slice s; gate/up stores fp32 partials
+(split, NB*BLOCK_M, 2I) and ``moe_swiglu_kernel`` sums them in the order 0..split-1 before the
+epilogue; down stores unscaled fp32 partials (split, rows, D) at the row's slot and the reduce
+kernel forms each slot's row from them (split order, down scale, rounding) before the top-k sum.
+No atomics: deterministic, batch invariant for a fixed schedule; the split changes the fp32
+summation order only.
 """
 
 from __future__ import annotations
@@ -49,6 +89,7 @@ import triton.language as tl
 
 from ._launch import INTERPRET, rne_bf16_if_interpreted
 from .moe_common import jit_loop_bounds
+from .moe_schedule import DECODES, GemmTile
 
 __all__ = [
     "FMT_BF16",
@@ -62,8 +103,10 @@ __all__ = [
 ]
 
 FMT_BF16, FMT_FP8, FMT_MXFP4, FMT_NVFP4 = 0, 1, 2, 3
+DECODE_F16, DECODE_BITS = 0, 1
 
 
+# ----------------------------------------------------------------------------- decode
 @triton.jit
 def _fp16_pattern_to_f32(bits):
     """int32 holding a 16-bit pattern -> the fp16 value it encodes, widened to fp32 (exact)."""
@@ -83,11 +126,58 @@ def _e2m1_times_2m14(n):
 
 
 @triton.jit
+def _e2m1_f32(n):
+    """e2m1 nibble (int32) -> its value in fp32, from integer ops only (``decode="bits"``).
+
+    Magnitudes 2..7 are (exponent e = m >> 1, mantissa bit m & 1): their fp32 pattern is
+    ``(m << 22) + (126 << 23)``; 1 is 0.5 (``126 << 23``), 0 is zero; the sign is bit 3."""
+    mag = n & 7
+    b = (mag << 22) + (126 << 23)
+    b = tl.where(mag == 1, 126 << 23, b)
+    b = tl.where(mag == 0, 0, b)
+    return (b | ((n >> 3) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_f32(b):
+    """e4m3 byte (int32) -> its value in fp32, from integer ops and one exact subtraction.
+
+    Normal codes: the 7 magnitude bits moved under fp32's exponent and re-biased (+120).
+    Subnormal codes (exponent field 0, value m/8 * 2**-6): 2**-6 * (1 + m/8) - 2**-6."""
+    mag = b & 0x7F
+    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    sub = ((mag << 20) + (121 << 23)).to(tl.float32, bitcast=True) - 0.015625
+    v = tl.where(mag < 8, sub, normal).to(tl.int32, bitcast=True)
+    return (v | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exact_to(w, ty: tl.constexpr, BITS: tl.constexpr):
+    """fp32 ``w`` whose values are exact in ``ty`` -> ``ty``.  With BITS and bf16: the high
+    half of the fp32 pattern (exact values need no rounding), no float conversion."""
+    if BITS and ty == tl.bfloat16:
+        return (w.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return w.to(ty)
+
+
+@triton.jit
 def _dot(a, b, acc, USE_F32: tl.constexpr):
     if USE_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _dot_xw(x, w, USE_F32: tl.constexpr, SWAP: tl.constexpr):
+    """x (M, K) times w (N, K)^T in fp32: (M, N), or with SWAP computed as w @ x^T: (N, M)."""
+    if SWAP:
+        acc = tl.zeros((w.shape[0], x.shape[0]), dtype=tl.float32)
+        return _dot(w, tl.trans(x), acc, USE_F32)
+    else:
+        acc = tl.zeros((x.shape[0], w.shape[0]), dtype=tl.float32)
+        return _dot(x, tl.trans(w), acc, USE_F32)
 
 
 @triton.jit
@@ -104,9 +194,14 @@ def _k_step(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_F32: tl.constexpr,
+    DECODE: tl.constexpr,
+    SWAP: tl.constexpr,
+    FP4_JOIN: tl.constexpr,
 ):
-    """The fp32 (BLOCK_M, BLOCK_N) product of x_rows[:, k0:k0+BLOCK_K] and the expert rows n,
-    block scales applied (FP8: the fp32 block scale on the partial)."""
+    """The fp32 product of x_rows[:, k0:k0+BLOCK_K] and the expert rows n, block scales
+    applied (FP8: the fp32 block scale on the partial): (BLOCK_M, BLOCK_N), or its transpose
+    with SWAP."""
+    BITS: tl.constexpr = DECODE == 1
     if FMT == 2 or FMT == 3:
         BKH: tl.constexpr = BLOCK_K // 2
         GH: tl.constexpr = 16 if FMT == 2 else 8  # bytes per scale group
@@ -123,35 +218,79 @@ def _k_step(
             mask=nm[:, None],
             other=0,
         ).to(tl.int32)
-        if FMT == 2:  # e8m0 2**(s-127), times 2**14; byte 0 is 2**-127 (fp32 subnormal)
-            sf = tl.where(sraw == 0, 2.0**-113, (sraw << 23).to(tl.float32, bitcast=True) * 16384.0)
-        else:  # e4m3, times 2**14
-            sf = _e4m3_times_2m8(sraw) * (256.0 * 16384.0)
-        lo = (_e2m1_times_2m14(codes & 15).reshape(BLOCK_N, NG, GH) * sf[:, :, None]).reshape(
-            BLOCK_N, BKH
-        )
-        hi = (_e2m1_times_2m14(codes >> 4).reshape(BLOCK_N, NG, GH) * sf[:, :, None]).reshape(
-            BLOCK_N, BKH
-        )
-        xe = tl.load(x_rows + (k0 + 2 * jj)[None, :], mask=xm, other=0.0)
-        xo = tl.load(x_rows + (k0 + 2 * jj + 1)[None, :], mask=xm, other=0.0)
-        acc = tl.zeros((xe.shape[0], BLOCK_N), dtype=tl.float32)
-        acc = _dot(xe, tl.trans(lo.to(xe.dtype)), acc, USE_F32)
-        acc = _dot(xo, tl.trans(hi.to(xo.dtype)), acc, USE_F32)
-        return acc
+        if BITS:
+            if FMT == 2:  # e8m0 2**(s-127); byte 0 is 2**-127 (fp32 subnormal 0x400000)
+                sf = tl.where(sraw == 0, 0x400000, sraw << 23).to(tl.float32, bitcast=True)
+            else:
+                sf = _e4m3_f32(sraw)
+            lo = _e2m1_f32(codes & 15)
+            hi = _e2m1_f32(codes >> 4)
+        else:
+            if FMT == 2:  # e8m0 2**(s-127), times 2**14; byte 0 is 2**-127 (fp32 subnormal)
+                sf = tl.where(
+                    sraw == 0, 2.0**-113, (sraw << 23).to(tl.float32, bitcast=True) * 16384.0
+                )
+            else:  # e4m3, times 2**14
+                sf = _e4m3_times_2m8(sraw) * (256.0 * 16384.0)
+            lo = _e2m1_times_2m14(codes & 15)
+            hi = _e2m1_times_2m14(codes >> 4)
+        lo = (lo.reshape(BLOCK_N, NG, GH) * sf[:, :, None]).reshape(BLOCK_N, BKH)
+        hi = (hi.reshape(BLOCK_N, NG, GH) * sf[:, :, None]).reshape(BLOCK_N, BKH)
+        if FP4_JOIN:
+            # columns back in order (low nibble = even column): one dot over contiguous x
+            w = tl.join(lo, hi).reshape(BLOCK_N, BLOCK_K)
+            kk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
+            return _dot_xw(x, _exact_to(w, x.dtype, BITS), USE_F32, SWAP)
+        else:
+            xe = tl.load(x_rows + (k0 + 2 * jj)[None, :], mask=xm, other=0.0)
+            xo = tl.load(x_rows + (k0 + 2 * jj + 1)[None, :], mask=xm, other=0.0)
+            acc = _dot_xw(xe, _exact_to(lo, xe.dtype, BITS), USE_F32, SWAP)
+            if SWAP:
+                acc = _dot(_exact_to(hi, xo.dtype, BITS), tl.trans(xo), acc, USE_F32)
+            else:
+                acc = _dot(xo, tl.trans(_exact_to(hi, xo.dtype, BITS)), acc, USE_F32)
+            return acc
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
         wp = w_base + n[:, None].to(tl.int64) * KDIM + kk[None, :]
-        acc = tl.zeros((x.shape[0], BLOCK_N), dtype=tl.float32)
         if FMT == 1:
-            w = _e4m3_times_2m8(tl.load(wp, mask=nm[:, None], other=0).to(tl.int32))
-            acc = _dot(x, tl.trans(w.to(x.dtype)), acc, USE_F32)
-            s = tl.load(s_base + (n // 128) * (KDIM // 128) + k0 // 128, mask=nm, other=0.0)
-            return acc * (s * 256.0)[None, :]
+            b = tl.load(wp, mask=nm[:, None], other=0).to(tl.int32)
+            if BITS:
+                acc = _dot_xw(x, _exact_to(_e4m3_f32(b), x.dtype, BITS), USE_F32, SWAP)
+                s = tl.load(s_base + (n // 128) * (KDIM // 128) + k0 // 128, mask=nm, other=0.0)
+            else:
+                acc = _dot_xw(x, _e4m3_times_2m8(b).to(x.dtype), USE_F32, SWAP)
+                s = tl.load(s_base + (n // 128) * (KDIM // 128) + k0 // 128, mask=nm, other=0.0)
+                s = s * 256.0
+            if SWAP:
+                return acc * s[:, None]
+            else:
+                return acc * s[None, :]
         else:
             w = tl.load(wp, mask=nm[:, None], other=0.0)
-            return _dot(x, tl.trans(w.to(x.dtype)), acc, USE_F32)
+            return _dot_xw(x, w.to(x.dtype), USE_F32, SWAP)
+
+
+# ----------------------------------------------------------------------------- tiles
+@triton.jit
+def _tile_ids(NUM_M, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(M block, N tile, K split) of this program.  GROUP_M 0: the 2-D grid (M block fastest);
+    else a 1-D grid walking groups of GROUP_M M blocks, all N tiles of a group first."""
+    if GROUP_M == 0:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_s = tl.program_id(2)
+    else:
+        pid = tl.program_id(0)
+        width = GROUP_M * tl.cdiv(N, BLOCK_N)
+        first_m = (pid // width) * GROUP_M
+        size_m = tl.minimum(NUM_M - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % size_m
+        pid_n = (pid % width) // size_m
+        pid_s = tl.program_id(1)
+    return pid_m, pid_n, pid_s
 
 
 @triton.jit
@@ -176,54 +315,27 @@ def _rows(
     return e, slot, ok
 
 
-@jit_loop_bounds("D")
-def moe_gate_up_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
+@triton.jit
+def _swiglu_store(
+    acc_g,
+    acc_u,
     gs_ptr,
-    sorted_ptr,
-    block_expert_ptr,
+    e,
+    slot,
+    ok,
     topw_ptr,
     h_ptr,
-    T,
-    D,
+    pid_m,
+    n,
+    nm,
     I,
-    TOPK,
     limit,
-    W_STRIDE_E,
-    S_STRIDE_E,
     IDENTITY: tl.constexpr,
-    FMT: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    USE_F32: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """Global scales, the gate/up roundings, clamp, silu(g) * u * routing weight -> h rows."""
     h_ty = h_ptr.dtype.element_ty
-    e, slot, ok = _rows(sorted_ptr, block_expert_ptr, pid_m, T, IDENTITY, BLOCK_M)
-    token = slot if IDENTITY else slot // TOPK
-    active = e >= 0  # unused blocks stream no weights
-    e = tl.maximum(e, 0).to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < I
-    x_rows = x_ptr + token[:, None].to(tl.int64) * D
-    xm = ok[:, None]
-    w_base = w_ptr + e * W_STRIDE_E
-    s_base = s_ptr + e * S_STRIDE_E
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if active:
-        for k0 in range(0, D, BLOCK_K):
-            acc_g += _k_step(
-                x_rows, xm, k0, w_base, s_base, n, nm, D, FMT, BLOCK_N, BLOCK_K, USE_F32
-            )
-            acc_u += _k_step(
-                x_rows, xm, k0, w_base, s_base, n + I, nm, D, FMT, BLOCK_N, BLOCK_K, USE_F32
-            )
     g = acc_g * tl.load(gs_ptr + e * 3)
     u = acc_u * tl.load(gs_ptr + e * 3 + 1)
     # the reference's gate and up linears return the activation dtype
@@ -237,7 +349,128 @@ def moe_gate_up_kernel(
         h = h * tl.load(topw_ptr + slot, mask=ok, other=0.0).to(tl.float32)[:, None]
     h = rne_bf16_if_interpreted(h, h_ty, INTERP)
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    tl.store(h_ptr + r[:, None].to(tl.int64) * I + n[None, :], h.to(h_ty), mask=xm & nm[None, :])
+    mask = ok[:, None] & nm[None, :]
+    tl.store(h_ptr + r[:, None].to(tl.int64) * I + n[None, :], h.to(h_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- kernels
+@jit_loop_bounds("D")
+def moe_gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    gs_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    topw_ptr,
+    h_ptr,
+    part_ptr,
+    T,
+    D,
+    I,
+    TOPK,
+    limit,
+    W_STRIDE_E,
+    S_STRIDE_E,
+    NUM_M,
+    IDENTITY: tl.constexpr,
+    FMT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SWAP: tl.constexpr,
+    DECODE: tl.constexpr,
+    FP4_JOIN: tl.constexpr,
+    USE_F32: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    pid_m, pid_n, pid_s = _tile_ids(NUM_M, I, BLOCK_N, GROUP_M)
+    e, slot, ok = _rows(sorted_ptr, block_expert_ptr, pid_m, T, IDENTITY, BLOCK_M)
+    token = slot if IDENTITY else slot // TOPK
+    active = e >= 0  # unused blocks stream no weights
+    e = tl.maximum(e, 0).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < I
+    x_rows = x_ptr + token[:, None].to(tl.int64) * D
+    xm = ok[:, None]
+    w_base = w_ptr + e * W_STRIDE_E
+    s_base = s_ptr + e * S_STRIDE_E
+    if SWAP:
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = 0
+    if SPLIT_K > 1:
+        k_lo = tl.multiple_of(pid_s * (D // SPLIT_K), BLOCK_K)
+    if active:
+        for kk in range(0, D // SPLIT_K, BLOCK_K):
+            k0 = k_lo + kk
+            acc_g += _k_step(
+                x_rows, xm, k0, w_base, s_base, n, nm, D,
+                FMT, BLOCK_N, BLOCK_K, USE_F32, DECODE, SWAP, FP4_JOIN,
+            )  # fmt: skip
+            acc_u += _k_step(
+                x_rows, xm, k0, w_base, s_base, n + I, nm, D,
+                FMT, BLOCK_N, BLOCK_K, USE_F32, DECODE, SWAP, FP4_JOIN,
+            )  # fmt: skip
+    if SWAP:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
+    if SPLIT_K == 1:
+        _swiglu_store(
+            acc_g, acc_u, gs_ptr, e, slot, ok, topw_ptr, h_ptr, pid_m, n, nm, I, limit,
+            IDENTITY, BLOCK_M, INTERP,
+        )  # fmt: skip
+    else:
+        # fp32 partials (SPLIT_K, rows, [gate ; up]); moe_swiglu_kernel sums them in split order
+        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = (pid_s * NUM_M * BLOCK_M + r[:, None]).to(tl.int64) * (2 * I)
+        mask = xm & nm[None, :]
+        tl.store(part_ptr + rows + n[None, :], acc_g, mask=mask)
+        tl.store(part_ptr + rows + I + n[None, :], acc_u, mask=mask)
+
+
+@triton.jit
+def moe_swiglu_kernel(
+    part_ptr,
+    gs_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    topw_ptr,
+    h_ptr,
+    T,
+    I,
+    limit,
+    NUM_M,
+    IDENTITY: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """Split-K gate/up: sum the SPLIT_K partials in the order 0..SPLIT_K-1, then the epilogue."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, slot, ok = _rows(sorted_ptr, block_expert_ptr, pid_m, T, IDENTITY, BLOCK_M)
+    e = tl.maximum(e, 0).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < I
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = ok[:, None] & nm[None, :]
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        row = part_ptr + (s * NUM_M * BLOCK_M + r[:, None]).to(tl.int64) * (2 * I) + n[None, :]
+        acc_g += tl.load(row, mask=mask, other=0.0)
+        acc_u += tl.load(row + I, mask=mask, other=0.0)
+    _swiglu_store(
+        acc_g, acc_u, gs_ptr, e, slot, ok, topw_ptr, h_ptr, pid_m, n, nm, I, limit,
+        IDENTITY, BLOCK_M, INTERP,
+    )  # fmt: skip
 
 
 @jit_loop_bounds("I")
@@ -254,16 +487,22 @@ def moe_down_kernel(
     I,
     W_STRIDE_E,
     S_STRIDE_E,
+    NUM_M,
+    ROWS_OUT,
     IDENTITY: tl.constexpr,
     FMT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SWAP: tl.constexpr,
+    DECODE: tl.constexpr,
+    FP4_JOIN: tl.constexpr,
     USE_F32: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n, pid_s = _tile_ids(NUM_M, D, BLOCK_N, GROUP_M)
     y_ty = y_ptr.dtype.element_ty
     e, slot, ok = _rows(sorted_ptr, block_expert_ptr, pid_m, T, IDENTITY, BLOCK_M)
     active = e >= 0
@@ -275,13 +514,31 @@ def moe_down_kernel(
     xm = ok[:, None]
     w_base = w_ptr + e * W_STRIDE_E
     s_base = s_ptr + e * S_STRIDE_E
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = 0
+    if SPLIT_K > 1:
+        k_lo = tl.multiple_of(pid_s * (I // SPLIT_K), BLOCK_K)
     if active:
-        for k0 in range(0, I, BLOCK_K):
-            acc += _k_step(h_rows, xm, k0, w_base, s_base, n, nm, I, FMT, BLOCK_N, BLOCK_K, USE_F32)
-    y = acc * tl.load(gs_ptr + e * 3 + 2)
-    y = rne_bf16_if_interpreted(y, y_ty, INTERP)
-    tl.store(y_ptr + slot[:, None].to(tl.int64) * D + n[None, :], y.to(y_ty), mask=xm & nm[None, :])
+        for kk in range(0, I // SPLIT_K, BLOCK_K):
+            acc += _k_step(
+                h_rows, xm, k_lo + kk, w_base, s_base, n, nm, I,
+                FMT, BLOCK_N, BLOCK_K, USE_F32, DECODE, SWAP, FP4_JOIN,
+            )  # fmt: skip
+    if SWAP:
+        acc = tl.trans(acc)
+    mask = xm & nm[None, :]
+    if SPLIT_K == 1:
+        y = acc * tl.load(gs_ptr + e * 3 + 2)
+        y = rne_bf16_if_interpreted(y, y_ty, INTERP)
+        tl.store(y_ptr + slot[:, None].to(tl.int64) * D + n[None, :], y.to(y_ty), mask=mask)
+    else:
+        # unscaled fp32 partials (SPLIT_K, ROWS_OUT, D) at the row's slot; the reduce kernel
+        # sums them in split order, applies the down scale and rounds
+        rows = (pid_s * ROWS_OUT + slot[:, None]).to(tl.int64) * D
+        tl.store(y_ptr + rows + n[None, :], acc, mask=mask)
 
 
 @triton.jit
@@ -289,17 +546,25 @@ def moe_reduce_kernel(
     ws_ptr,
     ids_ptr,
     map_ptr,
+    gs_ptr,
     shared_ptr,
     out_ptr,
+    T,
     D,
     E_GLOBAL,
     E_LOCAL,
     TOPK: tl.constexpr,
     HAS_MAP: tl.constexpr,
     HAS_SHARED: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SHARED_SPLIT: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INTERP: tl.constexpr,
 ):
+    """out[t] = sum over the valid slots k in slot order (+ the shared row), fp32, one rounding.
+    SPLIT > 1: each slot's row is first formed from its down partials (split order, down
+    scale, rounding to the output dtype, as the unsplit down kernel stores it); likewise the
+    shared row with SHARED_SPLIT > 1."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
@@ -310,10 +575,23 @@ def moe_reduce_kernel(
         valid = (g >= 0) & (g < E_GLOBAL)
         loc = tl.load(map_ptr + tl.where(valid, g, 0)).to(tl.int32) if HAS_MAP else g
         valid = valid & (loc >= 0) & (loc < E_LOCAL)
-        y = tl.load(ws_ptr + (t * TOPK + k) * D + d, mask=dm & valid, other=0.0)
-        acc += y.to(tl.float32)
+        if SPLIT == 1:
+            y = tl.load(ws_ptr + (t * TOPK + k) * D + d, mask=dm & valid, other=0.0)
+            acc += y.to(tl.float32)
+        else:
+            ys = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                ys += tl.load(ws_ptr + ((s * T + t) * TOPK + k) * D + d, mask=dm & valid, other=0.0)
+            ys = ys * tl.load(gs_ptr + tl.where(valid, loc, 0).to(tl.int64) * 3 + 2)
+            acc += rne_bf16_if_interpreted(ys, o_ty, INTERP).to(o_ty).to(tl.float32)
     if HAS_SHARED:
-        acc += tl.load(shared_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
+        if SHARED_SPLIT == 1:
+            acc += tl.load(shared_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
+        else:
+            ys = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            for s in tl.static_range(SHARED_SPLIT):
+                ys += tl.load(shared_ptr + (s * T + t) * D + d, mask=dm, other=0.0)
+            acc += rne_bf16_if_interpreted(ys, o_ty, INTERP).to(o_ty).to(tl.float32)
     acc = rne_bf16_if_interpreted(acc, o_ty, INTERP)
     tl.store(out_ptr + t * D + d, acc.to(o_ty), mask=dm)
 
@@ -351,6 +629,21 @@ def _use_f32(x: torch.Tensor) -> bool:
     return INTERPRET or x.dtype == torch.float32
 
 
+def _grid(num_m: int, n: int, tile: GemmTile) -> tuple[int, ...]:
+    nt = triton.cdiv(n, tile.block_n)
+    if tile.group_m:
+        return (num_m * nt, tile.split_k)
+    return (num_m, nt, tile.split_k)
+
+
+def _tile_meta(tile: GemmTile, decode: str, fp4_join: bool) -> dict[str, object]:
+    return dict(
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT_K=tile.split_k, GROUP_M=tile.group_m,
+        SWAP=tile.swap_ab, DECODE=DECODES.index(decode), FP4_JOIN=fp4_join,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+
+
 def moe_gate_up_triton(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -367,24 +660,38 @@ def moe_gate_up_triton(
     limit: float,
     num_m_blocks: int,
     block_m: int,
-    block_n: int,
-    block_k: int,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    tile: GemmTile,
+    decode: str = "f16",
+    fp4_join: bool = False,
 ) -> None:
-    """h (num_m_blocks*block_m, I) = clamped SwiGLU of x's rows (see the module doc)."""
+    """h (num_m_blocks*block_m, I) = clamped SwiGLU of x's rows (see the module doc).  With
+    ``tile.split_k`` > 1: fp32 partials, then ``moe_swiglu_kernel``."""
     T, D = x.shape
     identity = sorted_slot is None
     dummy = gscale
-    grid = (num_m_blocks, triton.cdiv(inter, block_n))
-    moe_gate_up_kernel[grid](
-        x, w13, s13, gscale,
-        dummy if identity else sorted_slot, dummy if identity else block_expert,
-        dummy if topk_weights is None else topk_weights, h,
+    split = tile.split_k
+    rows = num_m_blocks * block_m
+    part = (
+        torch.empty((split, rows, 2 * inter), dtype=torch.float32, device=x.device)
+        if split > 1
+        else dummy
+    )
+    srt = dummy if identity else sorted_slot
+    blk = dummy if identity else block_expert
+    topw = dummy if topk_weights is None else topk_weights
+    moe_gate_up_kernel[_grid(num_m_blocks, inter, tile)](
+        x, w13, s13, gscale, srt, blk, topw, h, part,
         T, D, inter, top_k, float(limit), w13[0].numel(), s13[0].numel() if s13.numel() else 0,
-        IDENTITY=identity, FMT=fmt, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        USE_F32=_use_f32(x) or w13.dtype == torch.float32, INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages,
+        num_m_blocks,
+        IDENTITY=identity, FMT=fmt, BLOCK_M=block_m, USE_F32=_use_f32(x) or w13.dtype == torch.float32,
+        INTERP=INTERPRET, **_tile_meta(tile, decode, fp4_join),
     )  # fmt: skip
+    if split > 1:
+        moe_swiglu_kernel[(num_m_blocks, triton.cdiv(inter, tile.block_n))](
+            part, gscale, srt, blk, topw, h, T, inter, float(limit), num_m_blocks,
+            IDENTITY=identity, BLOCK_M=block_m, BLOCK_N=tile.block_n, SPLIT_K=split,
+            INTERP=INTERPRET, num_warps=4,
+        )  # fmt: skip
 
 
 def moe_down_triton(
@@ -394,30 +701,36 @@ def moe_down_triton(
     gscale: torch.Tensor,
     sorted_slot: torch.Tensor | None,
     block_expert: torch.Tensor | None,
-    y: torch.Tensor,
     *,
     fmt: int,
     T: int,
     D: int,
     inter: int,
+    rows_out: int,
     num_m_blocks: int,
     block_m: int,
-    block_n: int,
-    block_k: int,
-    num_warps: int = 4,
-    num_stages: int = 3,
-) -> None:
-    """y[slot] = h[row] @ w2^T (rows of each M block; see the module doc)."""
+    tile: GemmTile,
+    decode: str = "f16",
+    fp4_join: bool = False,
+) -> torch.Tensor:
+    """y[slot] = h[row] @ w2^T (rows of each M block; see the module doc).  Returns y
+    (rows_out, D) in h's dtype, or with ``tile.split_k`` > 1 the fp32 partials
+    (split_k, rows_out, D), unscaled, for :func:`moe_reduce_triton`."""
     identity = sorted_slot is None
     dummy = gscale
-    grid = (num_m_blocks, triton.cdiv(D, block_n))
-    moe_down_kernel[grid](
+    split = tile.split_k
+    if split > 1:
+        y = torch.empty((split, rows_out, D), dtype=torch.float32, device=h.device)
+    else:
+        y = torch.empty((rows_out, D), dtype=h.dtype, device=h.device)
+    moe_down_kernel[_grid(num_m_blocks, D, tile)](
         h, w2, s2, gscale,
         dummy if identity else sorted_slot, dummy if identity else block_expert, y,
-        T, D, inter, w2[0].numel(), s2[0].numel() if s2.numel() else 0,
-        IDENTITY=identity, FMT=fmt, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        USE_F32=_use_f32(h) or w2.dtype == torch.float32, INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages,
+        T, D, inter, w2[0].numel(), s2[0].numel() if s2.numel() else 0, num_m_blocks, rows_out,
+        IDENTITY=identity, FMT=fmt, BLOCK_M=block_m, USE_F32=_use_f32(h) or w2.dtype == torch.float32,
+        INTERP=INTERPRET, **_tile_meta(tile, decode, fp4_join),
     )  # fmt: skip
+    return y
 
 
 def moe_reduce_triton(
@@ -427,19 +740,27 @@ def moe_reduce_triton(
     shared: torch.Tensor | None,
     out: torch.Tensor,
     e_local: int,
+    gscale: torch.Tensor | None = None,
 ) -> None:
-    """out (T, D) = sum over valid slots of ws (T*K, D) (+ shared (T, D))."""
+    """out (T, D) = sum over valid slots of ws (T*K, D) (+ shared (T, D)).  A 3-D ``ws`` or
+    ``shared`` holds fp32 down partials (split, rows, D) (``gscale`` then gives the routed
+    down scales)."""
     T, D = out.shape
     K = topk_ids.shape[1]
     if T == 0:
         return
+    split = ws.shape[0] if ws.dim() == 3 else 1
+    shared_split = shared.shape[0] if shared is not None and shared.dim() == 3 else 1
+    if split > 1 and gscale is None:
+        raise ValueError("moe_reduce_triton: split-K partials need the routed gscale")
     block = min(1024, triton.next_power_of_2(D))
     e_global = expert_map.numel() if expert_map is not None else e_local
     moe_reduce_kernel[(T, triton.cdiv(D, block))](
         ws, topk_ids, topk_ids if expert_map is None else expert_map,
-        out if shared is None else shared, out, D, e_global, e_local,
-        TOPK=K, HAS_MAP=expert_map is not None, HAS_SHARED=shared is not None,
-        BLOCK_D=block, INTERP=INTERPRET, num_warps=4,
+        ws if gscale is None else gscale, out if shared is None else shared, out,
+        T, D, e_global, e_local,
+        TOPK=K, HAS_MAP=expert_map is not None, HAS_SHARED=shared is not None, SPLIT=split,
+        SHARED_SPLIT=shared_split, BLOCK_D=block, INTERP=INTERPRET, num_warps=4,
     )  # fmt: skip
 
 

@@ -17,6 +17,12 @@ softplus follows torch (threshold 20: the identity above it) and uses log1p's Ka
 of 1 (plain ``log(1 + exp(l))`` loses all digits there).
 Bytes: gate E*D*itemsize once (SPLIT programs each read their slice), x T*D*itemsize per
 E / BLOCK_E program column (L2), partials 2*SPLIT*T*E*4.
+
+Schedule at V4-Flash (E 256, D 4096; BLOCK_T 4, BLOCK_E 32, SPLIT 8): the logits grid is
+cdiv(T, 4) x 8 x 8 programs, 64 at T 1 and 65536 at T 4096; each reads a 32 KB slice of the
+gate, so the gate is re-read from L2 once per 4 tokens (2 GB of L2 reads at T 4096) and the
+T*E*D = 4.3 G fp32 FMAs run on CUDA cores (no tensor cores: the fixed order keeps it batch
+invariant).  Not a schedule knob yet; bench/diag/moe_sweep.py times it alone.
 """
 
 from __future__ import annotations

@@ -1,0 +1,339 @@
+"""Pick MoE schedules on the H200: time candidate ``MoESchedule``s of the whole optimized moe.
+
+For MXFP4 and FP8 routed experts at V4-Flash shapes (E 256, top-6, I 2048, D 4096), uniform
+routing (fixed seeds), T in {1, 8, 64, 512, 4096}: each candidate schedule of that T
+(:func:`candidates`, most promising first) is
+
+* checked against the default schedule's output on the same input (rel. Frobenius error <=
+  ``--max-rel``, finite; the router is the same kernel, so only summation order and the dot
+  instruction can differ: a failing candidate is printed and skipped, never picked);
+* timed as the whole ``moe`` (route, align, routed experts, shared expert, reduce) from CUDA-graph
+  replay of a graph of back-to-back calls cycling through ``--weight-copies`` packs (each its
+  own experts, router and shared expert) and ``--input-sets`` inputs, so no call finds the
+  previous call's weights in the 60 MB L2 (bench/h200_moe.py's method and byte model).
+
+For the default and the best schedule of each (format, T) the parts are also timed alone, the
+same way: router, align (the single-program sort), routed gate/up (+ split-K epilogue), routed
+down, the reduce, and the shared expert; so the table attributes the time.  A global time cap
+(``--cap-s``, default 480 s) stops the sweep between candidates; what ran is printed.  Output:
+one table (us per call, time / floor, rel. error vs the default) and the best schedule per
+(format, T) as a ``MoESchedule(...)`` literal; ``--json PATH`` also writes the rows.
+
+Plain command on the GPU machine (repository root, its own Python, no nox):
+    python bench/diag/moe_sweep.py [--formats mxfp4,fp8] [--tokens 1,8,64,512,4096]
+        [--cap-s 480] [--json /tmp/moe_sweep.json]
+``--dry-run``: the same code paths on the CPU (TRITON_INTERPRET=1 is set by the script) at the
+tiny shape (E 8, top-2, I 128, D 256), T 1, three candidates, wall-clock timed (~1 min).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+if "--dry-run" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from h200_moe import Clock, call_bytes, call_flops, copy_bandwidth, gemm_peak, routing_stats
+
+from dsv4mtp.conformance.inputs import MOE_SHAPES, moe_inputs, moe_params
+from dsv4mtp.optimized import _ops
+from dsv4mtp.optimized.kernels.moe_align import moe_align_triton
+from dsv4mtp.optimized.kernels.moe_gemm import (
+    moe_down_triton,
+    moe_gate_up_triton,
+    moe_reduce_triton,
+)
+from dsv4mtp.optimized.moe import MoEPack, MoESchedule, moe, moe_config, pack_moe, route
+
+TOKENS = (1, 8, 64, 512, 4096)
+FORMATS = ("mxfp4", "fp8")
+_FMT = {"bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3}
+
+
+# ------------------------------------------------------------------------------ candidates
+def _all(s: MoESchedule, **tile: Any) -> MoESchedule:
+    """``s`` with the same GemmTile changes on all four GEMMs."""
+    return replace(
+        s,
+        gate_up=replace(s.gate_up, **tile),
+        down=replace(s.down, **tile),
+        shared_gate_up=replace(s.shared_gate_up, **tile),
+        shared_down=replace(s.shared_down, **tile),
+    )
+
+
+def candidates(T: int, dry: bool) -> list[tuple[str, MoESchedule]]:
+    """Schedules to try at T, the default first, then by expected value (the time cap cuts
+    the tail).  Decode sizes: the integer decode (no float conversions; the first H200 run
+    moved MXFP4 at ~1 TB/s, FP8 at ~2 TB/s, about the conversion pipe's rate at two
+    conversions per element), K splits and narrower N tiles for more programs in flight, the
+    swapped dot.  Large T: bigger M and N tiles (x re-read once per N tile), the interleaved
+    FP4 dot (contiguous x), 8 warps, grouped launch order."""
+    d = moe_config(T, batch_invariant=False)
+    b = replace(d, decode="bits")
+    out = [("default", d), ("bits", b)]
+    if dry:  # tiny shape: D 256, I 128
+        j = replace(b, fp4_join=True)
+        out.append(("bits_split2_swap_join", _all(j, block_k=64, split_k=2, swap_ab=True)))
+        return out
+    if T <= 64:
+        out += [
+            ("bits_split2", _all(b, split_k=2)),
+            ("bits_split4", _all(b, split_k=4)),
+            ("bits_n32_split2", _all(b, block_n=32, split_k=2)),
+            ("bits_join_split2", _all(replace(b, fp4_join=True), split_k=2)),
+            ("bits_swap_split2", _all(b, split_k=2, swap_ab=True)),
+            ("bits_n128_s4_split4", _all(b, block_n=128, num_stages=4, split_k=4)),
+            ("bits_n32_split4_w8", _all(b, block_n=32, split_k=4, num_warps=8)),
+            ("bits_bk64_split2", _all(b, block_k=64, split_k=2)),
+        ]
+    else:
+        j = replace(b, fp4_join=True)
+        m128 = replace(j, block_m=128, shared_block_m=128)
+        out += [
+            ("bits_join", j),
+            ("bits_join_n128", _all(j, block_n=128)),
+            ("bits_join_m128_n128_w8", _all(m128, block_n=128, num_warps=8)),
+            ("bits_join_n128_w8_g8", _all(j, block_n=128, num_warps=8, group_m=8)),
+            ("bits_join_m128_n256_k64_w8", _all(m128, block_n=256, block_k=64, num_warps=8)),
+            ("bits_join_n256_k64_w8", _all(j, block_n=256, block_k=64, num_warps=8)),
+            ("bits_join_m32_n128", _all(replace(j, block_m=32, shared_block_m=32), block_n=128)),
+            ("bits_join_n128_s4", _all(j, block_n=128, num_stages=4)),
+        ]
+    return out
+
+
+# ------------------------------------------------------------------------------ parts
+def part_calls(
+    pack: MoEPack, x: torch.Tensor, cfg: Any, s: MoESchedule
+) -> dict[str, Callable[[], Any]]:
+    """Zero-argument calls of each part of one moe call under ``s`` (inputs of the later parts
+    computed once here, so each part runs alone)."""
+    T, D = x.shape
+    K = cfg.num_experts_per_tok
+    inter = pack.intermediate_size
+    e_loc = pack.num_local_experts
+    w, ids = route(x, pack.gate_weight, pack.gate_bias, cfg)
+    srt, blk = moe_align_triton(
+        ids, pack.expert_map, e_loc, s.block_m, chunk=s.align_chunk, num_warps=s.align_warps
+    )
+    nb = blk.numel()
+    h = torch.zeros((nb * s.block_m, inter), dtype=x.dtype, device=x.device)
+    code = _FMT[pack.fmt]
+    common = dict(num_m_blocks=nb, block_m=s.block_m, decode=s.decode, fp4_join=s.fp4_join)
+    ws = moe_down_triton(
+        h, pack.w2, pack.s2, pack.gscale, srt, blk, fmt=code, T=T, D=D, inter=inter,
+        rows_out=T * K, tile=s.down, **common,
+    )  # fmt: skip
+    out = torch.empty_like(x)
+    limit = float(cfg.swiglu_limit)
+    return {
+        "route": lambda: route(x, pack.gate_weight, pack.gate_bias, cfg),
+        "align": lambda: moe_align_triton(
+            ids, pack.expert_map, e_loc, s.block_m, chunk=s.align_chunk, num_warps=s.align_warps
+        ),
+        "gate_up": lambda: moe_gate_up_triton(
+            x,
+            pack.w13,
+            pack.s13,
+            pack.gscale,
+            srt,
+            blk,
+            w,
+            h,
+            fmt=code,
+            inter=inter,
+            top_k=K,
+            limit=limit,
+            tile=s.gate_up,
+            **common,
+        ),
+        "down": lambda: moe_down_triton(
+            h,
+            pack.w2,
+            pack.s2,
+            pack.gscale,
+            srt,
+            blk,
+            fmt=code,
+            T=T,
+            D=D,
+            inter=inter,
+            rows_out=T * K,
+            tile=s.down,
+            **common,
+        ),
+        "reduce": lambda: moe_reduce_triton(
+            ws, ids, pack.expert_map, None, out, e_loc, pack.gscale
+        ),
+        # the operator's own shared-expert path (optimized/_ops.py)
+        "shared": lambda: _ops._shared_expert(
+            x,
+            pack.shared_w13,
+            pack.shared_s13,
+            pack.shared_w2,
+            pack.shared_s2,
+            pack.shared_fmt,
+            limit,
+            False,
+            s,
+        ),
+    }
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a64, b64 = a.double(), b.double()
+    if not bool(torch.isfinite(a64).all()):
+        return float("inf")
+    return float((a64 - b64).norm() / b64.norm().clamp_min(1e-300))
+
+
+# ------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--cap-s", type=float, default=480.0, help="global time cap (seconds)")
+    p.add_argument("--weight-copies", type=int, default=2)
+    p.add_argument("--input-sets", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--max-rel", type=float, default=2e-3, help="rel. error bound vs the default")
+    p.add_argument("--no-parts", action="store_true", help="skip the per-part times")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shape, wall clock")
+    a = p.parse_args(argv)
+    t_start = time.time()
+    cuda = not a.dry_run
+    if cuda and not torch.cuda.is_available():
+        p.error("needs a CUDA device (or --dry-run)")
+    shape = "flash" if cuda else "tiny"
+    tokens = [int(t) for t in a.tokens.split(",")]
+    if a.dry_run:
+        tokens = [t for t in tokens if t <= 8][:1]
+        a.weight_copies, a.input_sets, a.reps = 2, 1, 1
+    dev = torch.device("cuda" if cuda else "cpu")
+    clock = Clock(cuda)
+    cfg = MOE_SHAPES[shape]
+    bw = copy_bandwidth(clock, dev, (1 << 30) if cuda else (1 << 22))
+    flops_peak = gemm_peak(clock, dev, 8192 if cuda else 256)
+    print(f"copy {bw / 1e12:.3f} TB/s, bf16 GEMM {flops_peak / 1e12:.1f} TFLOP/s", flush=True)
+    rows: list[dict[str, Any]] = []
+    best: dict[tuple[str, int], tuple[float, str, MoESchedule]] = {}
+    capped = False
+
+    def over() -> bool:
+        return time.time() - t_start > a.cap_s
+
+    for fmt in a.formats.split(","):
+        if capped:
+            break
+        weights = [moe_params(shape, fmt, dev, weight_seed=w)[0] for w in range(a.weight_copies)]
+        packs = [pack_moe(w, dev, max_tokens=max(tokens)) for w in weights]
+        for T in tokens:
+            xs = [
+                moe_inputs("moe", T, 100 + i, shape=shape, fmt=fmt, device=dev)[0][0]
+                for i in range(a.input_sets)
+            ]
+            distinct, slots = routing_stats(cfg, weights[0], xs)
+            floor_us = (
+                max(
+                    call_bytes(cfg, weights[0], T, distinct) / bw,
+                    call_flops(cfg, T, slots) / flops_peak,
+                )
+                * 1e6
+            )
+            outs = [torch.empty_like(x) for x in xs]
+            n_calls = len(xs) * len(packs)
+            if cuda:
+                n_calls = max(n_calls, 8 if T <= 64 else 4)
+            want = moe(xs[0], packs[0], cfg)
+            for name, s in candidates(T, a.dry_run):
+                if over():
+                    capped = True
+                    break
+                t0 = time.time()
+                row: dict[str, Any] = dict(fmt=fmt, T=T, name=name, floor_us=floor_us)
+                try:
+                    err = rel(moe(xs[0], packs[0], cfg, schedule=s), want)
+                    row["rel_vs_default"] = err
+                    if err > a.max_rel:
+                        raise ValueError(f"rel. error {err:.2e} vs the default > {a.max_rel}")
+                    calls = [
+                        (lambda x=x, o=o, pk=pk, s=s: moe(x, pk, cfg, out=o, schedule=s))
+                        for pk in packs
+                        for x, o in zip(xs, outs, strict=True)
+                    ]
+                    us = clock.graph_us(calls, n_calls, a.reps)
+                    row.update(time_us=us, x_floor=us / floor_us)
+                    if (fmt, T) not in best or us < best[fmt, T][0]:
+                        best[fmt, T] = (us, name, s)
+                except Exception as exc:  # reported in the table; the sweep goes on
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+                row["wall_s"] = round(time.time() - t0, 1)
+                rows.append(row)
+                shown = (
+                    f"{row['time_us']:10.1f} us {row['x_floor']:6.2f}x  rel {row['rel_vs_default']:.1e}"
+                    if "time_us" in row
+                    else "FAILED " + row["error"]
+                )
+                print(f"{fmt:6s} T={T:5d} {name:28s} {shown}  ({row['wall_s']} s)", flush=True)
+            if a.no_parts or (fmt, T) not in best:
+                continue
+            both = [("default", moe_config(T, batch_invariant=False)), ("best", best[fmt, T][2])]
+            for label, s in both if both[1][1] != both[0][1] else both[:1]:
+                if over():
+                    capped = True
+                    break
+                per_pack = [part_calls(pk, xs[0], cfg, s) for pk in packs]
+                parts = {}
+                for part in per_pack[0]:
+                    parts[part] = clock.graph_us(
+                        [pc[part] for pc in per_pack], len(packs) * (2 if cuda else 1), a.reps
+                    )
+                rows.append(dict(fmt=fmt, T=T, name=f"parts:{label}", parts=parts))
+                print(
+                    f"{fmt:6s} T={T:5d} parts of {label:7s} "
+                    + "  ".join(f"{k} {v:.1f}" for k, v in parts.items())
+                    + " (us)",
+                    flush=True,
+                )
+        del weights, packs
+        if cuda:
+            torch.cuda.empty_cache()
+
+    print(f"\n# MoE schedule sweep ({shape}; copy {bw / 1e12:.3f} TB/s)"
+          + (" -- time cap reached" if capped else ""))  # fmt: skip
+    print("| format | T | schedule | us | time/floor | rel vs default |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if "parts" in r:
+            continue
+        cell = (
+            f"{r['time_us']:.1f} | {r['x_floor']:.2f}"
+            if "time_us" in r
+            else f"fail: {r['error'][:60]} | -"
+        )
+        err = f"{r['rel_vs_default']:.1e}" if "rel_vs_default" in r else "-"
+        print(f"| {r['fmt']} | {r['T']} | {r['name']} | {cell} | {err} |")
+    print("\nBest schedule per (format, T):")
+    for (fmt, T), (us, name, s) in sorted(best.items()):
+        print(f"{fmt} T={T}: {name} {us:.1f} us\n    {s!r}")
+    if a.json is not None:
+        a.json.write_text(json.dumps(dict(copy_bw=bw, gemm_flops=flops_peak, rows=rows), indent=1))
+    print(f"total {time.time() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

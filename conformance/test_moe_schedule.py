@@ -1,0 +1,144 @@
+"""Non-default MoE schedules (optimized/kernels/moe_schedule.py) compute the declared function.
+
+Every knob the H200 sweep (bench/diag/moe_sweep.py) may pick runs here through the kernels
+(under the interpreter on CPU, the tiny shape): K splits with their ordered partial sums, the
+grouped launch order, swapped dots, the integer-only decode and the interleaved FP4 dot, against
+the float64 reference within the pairs' tolerance (conformance/pairs.py).  The knobs documented
+as value-preserving (decode, group_m, the sort's chunk and warps) are checked bitwise against
+the default, and a split schedule for batch invariance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4mtp.conformance.differential import compare, to_float64
+from dsv4mtp.conformance.inputs import moe_inputs
+from dsv4mtp.conformance.registry import Case, pairs_for
+from dsv4mtp.errors import ConfigError
+
+pytest.importorskip("triton")
+
+from dsv4mtp.optimized.kernels.moe_schedule import (
+    schedule_from_fields,
+    schedule_to_fields,
+)
+from dsv4mtp.optimized.moe import GemmTile, MoESchedule, moe, moe_config
+
+PAIRS = {p.name: p for p in pairs_for("moe")}
+_T = GemmTile
+# Schedules valid at the tiny shape (D 256, I 128) and the reduced one (D 1024, I 512).
+SCHEDULES = {
+    "split_group_swap_bits": MoESchedule(
+        32, _T(64, 64, split_k=2, group_m=2), _T(32, 32, split_k=4, swap_ab=True),
+        16, _T(16, 128, split_k=2, swap_ab=True), _T(32, 64, split_k=2, group_m=1),
+        decode="bits", align_chunk=32,
+    ),
+    "join_swap": MoESchedule(
+        16, _T(32, 64, swap_ab=True), _T(16, 128, group_m=3),
+        32, _T(64, 32), _T(16, 128, swap_ab=True), fp4_join=True,
+    ),
+    "m64_split2": MoESchedule(
+        64, _T(128, 128, split_k=2), _T(64, 64, split_k=2, swap_ab=True),
+        64, _T(32, 64, split_k=4), _T(64, 32, split_k=4), decode="bits", fp4_join=True,
+    ),
+}  # fmt: skip
+
+
+def _check(op: str, got: torch.Tensor, args: tuple, kwargs: dict) -> None:
+    pair = PAIRS[op]
+    oracle = pair.reference_fn()(*to_float64(args), **to_float64(kwargs))
+    if pair.canonical is not None:
+        (got,), (oracle,), _ = pair.canonical(Case(args, kwargs), (got,), (oracle,))
+    rep = compare(got, oracle)
+    assert rep.within(pair.tolerance(torch.bfloat16)), rep
+
+
+def _shape(device: str) -> str:
+    return "tiny" if device == "cpu" else "reduced"
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt"),
+    [
+        ("split_group_swap_bits", "mxfp4"),
+        ("join_swap", "nvfp4"),
+        ("m64_split2", "fp8"),
+        ("split_group_swap_bits", "nvfp4_folded"),
+    ],
+)
+def test_moe_schedule_matches_the_reference(name: str, fmt: str, device: str) -> None:
+    """The whole moe (router, routed experts, shared expert) under a non-default schedule."""
+    args, kw = moe_inputs("moe", 9, 21, shape=_shape(device), fmt=fmt, device=device, magnitude=8.0)
+    got = moe(*args, **kw, schedule=SCHEDULES[name])
+    _check("moe", got, args, kw)
+
+
+@pytest.mark.parametrize(("name", "fmt"), [("m64_split2", "mxfp4"), ("join_swap", "bf16")])
+def test_fused_experts_schedule_matches_the_reference(name: str, fmt: str, device: str) -> None:
+    """Caller routing with padding slots and an expert map (split partials of -1 slots and
+    off-rank experts must contribute nothing)."""
+    pair = PAIRS["fused_experts"]
+    args, kw = moe_inputs(
+        "fused_experts", 7, 4, shape=_shape(device), fmt=fmt, device=device, padding=0.25, ep=True
+    )
+    oargs, okw = pair.optimized_call(args, kw)
+    got = pair.optimized_fn()(*oargs, **okw, schedule=SCHEDULES[name])
+    _check("fused_experts", got, args, kw)
+
+
+def test_value_preserving_knobs_are_bitwise(device: str) -> None:
+    """decode, group_m and the sort's chunk / warps change no output bit (same dot operands,
+    same sums); the rest of the schedule is the default."""
+    args, kw = moe_inputs("moe", 6, 8, shape=_shape(device), fmt="mxfp4", device=device)
+    base = moe_config(6, batch_invariant=False)
+    want = moe(*args, **kw)
+    other = MoESchedule(
+        base.block_m,
+        GemmTile(**{**base.gate_up.__dict__, "group_m": 2}),
+        GemmTile(**{**base.down.__dict__, "group_m": 1}),
+        base.shared_block_m, base.shared_gate_up, base.shared_down,
+        decode="bits", align_chunk=16, align_warps=2,
+    )  # fmt: skip
+    assert torch.equal(moe(*args, **kw, schedule=other), want)
+
+
+def test_split_schedule_is_batch_invariant(device: str) -> None:
+    (x, params, cfg), _ = moe_inputs("moe", 9, 13, shape=_shape(device), fmt="fp8", device=device)
+    s = SCHEDULES["split_group_swap_bits"]
+    full = moe(x, params, cfg, schedule=s)
+    one = moe(x[4:5].clone(), params, cfg, schedule=s)
+    assert torch.equal(full[4:5], one)
+
+
+def test_schedule_validation() -> None:
+    with pytest.raises(ConfigError, match="block_m"):
+        MoESchedule(
+            48, GemmTile(64, 128), GemmTile(64, 128), 16, GemmTile(64, 128), GemmTile(64, 128)
+        )
+    with pytest.raises(ConfigError, match="block_k"):
+        GemmTile(64, 16)
+    with pytest.raises(ConfigError, match="split_k"):
+        GemmTile(64, 128, split_k=3)
+    with pytest.raises(ConfigError, match="decode"):
+        s = moe_config(1, batch_invariant=True)
+        MoESchedule(16, s.gate_up, s.down, 16, s.shared_gate_up, s.shared_down, decode="lut")
+    for s in (*SCHEDULES.values(), moe_config(1, batch_invariant=False)):
+        assert schedule_from_fields(tuple(schedule_to_fields(s))) == s
+    b = moe_config(4096, batch_invariant=True)
+    assert all(moe_config(t, batch_invariant=True) == b for t in (1, 8, 64, 512))
+
+
+def test_schedule_shape_rules_raise(device: str) -> None:
+    """K not a multiple of block_k x split_k, and FP8 steps wider than a scale block."""
+    args, kw = moe_inputs("moe", 2, 1, shape=_shape(device), fmt="fp8", device=device)
+    base = moe_config(2, batch_invariant=False)
+    too_split = MoESchedule(16, base.gate_up, GemmTile(32, 128, split_k=64), 16,
+                            base.shared_gate_up, base.shared_down)  # fmt: skip
+    with pytest.raises(ConfigError, match="split_k"):
+        moe(*args, **kw, schedule=too_split)
+    wide = MoESchedule(16, GemmTile(32, 256), base.down, 16, base.shared_gate_up,
+                       base.shared_down)  # fmt: skip
+    with pytest.raises(ConfigError, match="FP8"):
+        moe(*args, **kw, schedule=wide)

@@ -1,0 +1,204 @@
+"""The MoE kernels' schedule: every tile, launch and decode choice as one validated object.
+
+:class:`MoESchedule` (with one :class:`GemmTile` per GEMM) is what the operators run;
+:func:`moe_config` holds the measured defaults.  Nothing here imports triton, so the public
+functions can validate a schedule without loading the kernels.
+
+What each knob changes (optimized/kernels/moe_gemm.py, module doc, "Schedule"):
+
+* ``block_m``: rows (token, expert slots) per M block; the align kernel pads every expert's rows
+  to whole blocks, so it is also the padding granularity.  ``shared_block_m`` for the shared
+  expert (its rows are the tokens, no sort).
+* per GEMM (``gate_up``, ``down``, ``shared_gate_up``, ``shared_down``): ``block_n`` output
+  columns and ``block_k`` reduction columns per step, ``num_warps``, ``num_stages``; ``split_k``
+  programs share one tile's K range, each writing an fp32 partial that a later pass sums in the
+  fixed order 0..split_k-1 (no atomics: deterministic); ``group_m`` > 0 launches a 1-D grid
+  ordered in groups of ``group_m`` M blocks (all N tiles of a group before the next group),
+  0 the 2-D grid with the M block fastest; ``swap_ab`` computes ``w @ x^T`` (the weight tile
+  as the dot's M side: at decode sizes the 16-row token tile is then the N side).
+* ``decode``: how FP4 / FP8 codes become bf16 dot operands.  ``"f16"``: an fp16 bit pattern,
+  converted to fp32, times the scale, converted to bf16 (two float conversions per element);
+  ``"bits"``: the fp32 bit pattern built with integer ops, times the scale in fp32, and the
+  bf16 taken as the high half of the (exact) product: no float conversion.  Both give the same
+  bf16 operands bit for bit (every decoded value is exact in bf16).
+* ``fp4_join``: FP4 only.  False: the low and high nibbles feed two dots of half the K step
+  against x's even and odd columns (strided loads of x); True: the decoded halves are
+  interleaved back in registers (``tl.join``) and one dot reads x contiguously.
+* ``align_chunk`` / ``align_warps``: the single-program sort's slot chunk and warps.
+
+Numerics: for a fixed schedule every row is computed the same way whatever T is (batch
+invariant).  ``split_k`` and ``block_k`` change the fp32 summation order (allowed: within the
+pairs' tolerance); ``block_m``, ``block_n``, ``num_warps`` and ``swap_ab`` pick the tile and
+so may change the tensor-core instruction (mma.sync below 64 rows, wgmma above) and its internal
+order, and so may ``fp4_join`` (one dot over K where there were two); ``group_m``,
+``num_stages``, ``decode`` and the align knobs change no value (tested bitwise on the CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import astuple, dataclass, fields
+
+from dsv4mtp.errors import ConfigError
+
+from ._launch import INTERPRET
+
+__all__ = [
+    "DECODES",
+    "GemmTile",
+    "MoESchedule",
+    "check_schedule_shapes",
+    "moe_config",
+    "schedule_from_fields",
+    "schedule_to_fields",
+]
+
+DECODES = ("f16", "bits")
+_BLOCK_M = (16, 32, 64, 128)
+
+
+def _pow2(name: str, v: object, lo: int, hi: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or v > hi or v & (v - 1):
+        raise ConfigError(f"{name}: expected a power of two in [{lo}, {hi}], got {v!r}")
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """One grouped GEMM's launch: N and K tile, warps, pipeline stages, K split, M grouping,
+    and whether the dot runs as ``w @ x^T`` (see the module doc)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+    group_m: int = 0
+    swap_ab: bool = False
+
+    def __post_init__(self) -> None:
+        _pow2("GemmTile.block_n", self.block_n, 16, 256)
+        # >= 32: an FP4 step splits K into even and odd columns, each a dot of >= 16
+        _pow2("GemmTile.block_k", self.block_k, 32, 256)
+        _pow2("GemmTile.num_warps", self.num_warps, 1, 16)
+        if isinstance(self.num_stages, bool) or self.num_stages not in range(1, 7):
+            raise ConfigError(f"GemmTile.num_stages: expected 1..6, got {self.num_stages!r}")
+        _pow2("GemmTile.split_k", self.split_k, 1, 64)
+        if isinstance(self.group_m, bool) or not isinstance(self.group_m, int) or self.group_m < 0:
+            raise ConfigError(f"GemmTile.group_m: expected an int >= 0, got {self.group_m!r}")
+        if not isinstance(self.swap_ab, bool):
+            raise ConfigError(f"GemmTile.swap_ab: expected a bool, got {self.swap_ab!r}")
+
+
+@dataclass(frozen=True)
+class MoESchedule:
+    """The whole MoE schedule (routed and shared expert GEMMs, decode, sort); see the module
+    doc.  :func:`moe_config` gives the defaults."""
+
+    block_m: int
+    gate_up: GemmTile
+    down: GemmTile
+    shared_block_m: int
+    shared_gate_up: GemmTile
+    shared_down: GemmTile
+    decode: str = "f16"
+    fp4_join: bool = False
+    align_chunk: int = 128
+    align_warps: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "shared_block_m"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or v not in _BLOCK_M:
+                raise ConfigError(f"MoESchedule.{name}: expected one of {_BLOCK_M}, got {v!r}")
+        for name in ("gate_up", "down", "shared_gate_up", "shared_down"):
+            if not isinstance(getattr(self, name), GemmTile):
+                raise ConfigError(f"MoESchedule.{name}: expected a GemmTile")
+        if self.decode not in DECODES:
+            raise ConfigError(f"MoESchedule.decode: expected one of {DECODES}, got {self.decode!r}")
+        if not isinstance(self.fp4_join, bool):
+            raise ConfigError(f"MoESchedule.fp4_join: expected a bool, got {self.fp4_join!r}")
+        _pow2("MoESchedule.align_chunk", self.align_chunk, 16, 1024)
+        _pow2("MoESchedule.align_warps", self.align_warps, 1, 32)
+
+
+def check_schedule_shapes(
+    s: MoESchedule, fmt: str, shared_fmt: str, hidden: int, inter: int
+) -> None:
+    """The shape rules a schedule must meet for one pack: each GEMM's K (D for gate/up, I for
+    down) a multiple of block_k * split_k (the K loops have no tail mask), and block_k <= 128
+    where the weights are FP8 (one 128x128 scale block per K step)."""
+    gemms = (
+        ("gate_up", s.gate_up, fmt, hidden),
+        ("down", s.down, fmt, inter),
+        ("shared_gate_up", s.shared_gate_up, shared_fmt, hidden),
+        ("shared_down", s.shared_down, shared_fmt, inter),
+    )
+    for name, g, f, k in gemms:
+        if k % (g.block_k * g.split_k):
+            raise ConfigError(
+                f"schedule.{name}: K = {k} is not a multiple of block_k x split_k = "
+                f"{g.block_k} x {g.split_k}"
+            )
+        if f == "fp8" and g.block_k > 128:
+            raise ConfigError(
+                f"schedule.{name}: FP8 weights need block_k <= 128 (one scale block per step), "
+                f"got {g.block_k}"
+            )
+
+
+# The operators carry a schedule as a flat int list (a MoEPack-free schema): GemmTile as 7 ints,
+# MoESchedule as block_m, 4 tiles, shared_block_m, decode index, fp4_join, align chunk
+# and warps.
+_TILE_LEN = len(fields(GemmTile))
+FIELDS_LEN = 6 + 4 * _TILE_LEN
+
+
+def _tile_ints(g: GemmTile) -> list[int]:
+    return [int(v) for v in astuple(g)]
+
+
+def schedule_to_fields(s: MoESchedule) -> list[int]:
+    """The operators' int list of a schedule (inverse: :func:`schedule_from_fields`)."""
+    return [
+        s.block_m, *_tile_ints(s.gate_up), *_tile_ints(s.down), s.shared_block_m,
+        *_tile_ints(s.shared_gate_up), *_tile_ints(s.shared_down), DECODES.index(s.decode),
+        int(s.fp4_join), s.align_chunk, s.align_warps,
+    ]  # fmt: skip
+
+
+@functools.cache
+def schedule_from_fields(f: tuple[int, ...]) -> MoESchedule:
+    if len(f) != FIELDS_LEN:
+        raise ConfigError(f"schedule: expected {FIELDS_LEN} ints, got {len(f)}")
+
+    def tile(i: int) -> GemmTile:
+        n, k, warps, stages, split, group, swap = f[i : i + _TILE_LEN]
+        return GemmTile(n, k, warps, stages, split, group, bool(swap))
+
+    n = _TILE_LEN
+    return MoESchedule(
+        block_m=f[0], gate_up=tile(1), down=tile(1 + n), shared_block_m=f[1 + 2 * n],
+        shared_gate_up=tile(2 + 2 * n), shared_down=tile(2 + 3 * n),
+        decode=DECODES[f[2 + 4 * n]], fp4_join=bool(f[3 + 4 * n]), align_chunk=f[4 + 4 * n],
+        align_warps=f[5 + 4 * n],
+    )  # fmt: skip
+
+
+@functools.cache
+def moe_config(T: int, *, batch_invariant: bool) -> MoESchedule:
+    """The default schedule of a call with T tokens.
+
+    ``batch_invariant=True``: one schedule for every T (T is ignored).  Otherwise 16-row M
+    blocks up to 64 tokens (decode: an expert sees a few rows and the weight stream is spread
+    over experts x N tiles) and 64 rows above; 64-column N tiles, 128-column K steps (one FP8
+    scale block), 4 warps, 3 stages, no K split, the 2-D grid, fp16-pattern decode, for every
+    GEMM.  Under the interpreter: 16 x 32 tiles, one stage (small shapes, fewer programs).
+    These are the first H200 measurement's values, not yet swept (bench/diag/moe_sweep.py
+    picks from candidates around them).
+    """
+    if INTERPRET:
+        t = GemmTile(block_n=32, block_k=128, num_warps=4, num_stages=1)
+        return MoESchedule(16, t, t, 16, t, t, align_chunk=64, align_warps=4)
+    bm = 64 if (batch_invariant or T > 64) else 16
+    t = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3)
+    return MoESchedule(bm, t, t, bm, t, t, align_chunk=128, align_warps=16)
