@@ -80,3 +80,26 @@ def test_pack_moe_decode_equals_the_core_decode(fmt: str, device: str) -> None:
         g2 = core.w2_weight_scale_2[e].float()
         torch.testing.assert_close(w13.float() * g13, want13, rtol=2e-7, atol=0)
         torch.testing.assert_close(w2.float() * g2, want2, rtol=2e-7, atol=0)
+
+
+def test_moe_packs_a_params_object_once_and_forgets_it_with_the_object(device: str) -> None:
+    """``moe(x, MoEParams, ...)`` packs on first use and reuses the pack for that object; the
+    cache holds the params weakly, so a dropped layer's packed weights are freed, and a new
+    object at the same address is packed anew."""
+    import gc
+    import sys
+
+    from dsv4mtp.conformance.inputs import moe_params
+
+    moe_mod = sys.modules["dsv4mtp.optimized.moe"]
+
+    params = moe_params("tiny", "mxfp4", device)[0]
+    fresh = type(params)(**{f: getattr(params, f) for f in params.__dataclass_fields__})
+    dev = torch.device(device)
+    pack = moe_mod._pack_for(fresh, dev)
+    assert moe_mod._pack_for(fresh, dev) is pack
+    key = (id(fresh), dev)
+    assert key in moe_mod._PACKS
+    del fresh
+    gc.collect()
+    assert key not in moe_mod._PACKS

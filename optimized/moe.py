@@ -34,6 +34,7 @@ does not depend on the other rows.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Literal
 
@@ -426,7 +427,10 @@ def fused_experts(
 
 
 # ----------------------------------------------------------------------------------- moe
-_PACKS: dict[int, tuple[MoEParams, MoEPack]] = {}
+# Packs of the MoEParams objects passed to ``moe``, per object and device.  Weak: an entry is
+# dropped (and its GPU weights freed) when its params object is collected, so the cache never
+# keeps a layer alive; a params object changed in place after its first call is not re-packed.
+_PACKS: dict[tuple[int, torch.device], tuple[weakref.ref[MoEParams], MoEPack]] = {}
 
 
 def _pack_for(params: object, device: torch.device) -> MoEPack:
@@ -434,8 +438,9 @@ def _pack_for(params: object, device: torch.device) -> MoEPack:
         return params
     check_instance("params", params, MoEParams)
     assert isinstance(params, MoEParams)
-    hit = _PACKS.get(id(params))
-    if hit is not None and hit[0] is params and hit[1].device == device:
+    key = (id(params), device)
+    hit = _PACKS.get(key)
+    if hit is not None and hit[0]() is params:
         return hit[1]
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise InputError(
@@ -443,7 +448,8 @@ def _pack_for(params: object, device: torch.device) -> MoEPack:
             "capture; call moe once before capturing, or pass pack_moe(params, device)"
         )
     pack = pack_moe(params, device)
-    _PACKS[id(params)] = (params, pack)  # the params object is kept alive with its pack
+    _PACKS[key] = (weakref.ref(params), pack)
+    weakref.finalize(params, _PACKS.pop, key, None)
     return pack
 
 
