@@ -12,8 +12,8 @@ imports the kernel's module on the first call, or raises :data:`TRITON_MISSING` 
 :class:`TritonLaunch` is the one way the launchers start a compiled kernel: it skips
 ``JITFunction.run``'s per-call argument binding and cache-key arithmetic on repeat calls (see
 its docstring for the rule that keeps that exact).  :func:`plan` keeps what a launcher derives
-from its shapes (grid, launches, workspace views, counters) per stream, so that a repeated call
-costs a dictionary lookup, the launch keys and the launches.
+from its shapes (grid, launches, workspace views) per stream, so that a repeated call costs a
+dictionary lookup, the launch keys and the launches.
 """
 
 from __future__ import annotations
@@ -461,7 +461,7 @@ def workspaces(name: str, device: torch.device, *sizes: int) -> list[torch.Tenso
 
 # ------------------------------------------------------------------------------ plans
 # A launcher's per-call state that depends only on its shapes and the stream: grid, launches,
-# workspace views, counters.  Kept under the workspace rule above (per device, current stream
+# workspace views.  Kept under the workspace rule above (per device, current stream
 # and host thread; never while capturing), so that a repeated call does no allocation, no
 # schedule arithmetic and no view slicing.
 _PLANS: dict[tuple[object, ...], Any] = {}
@@ -470,9 +470,9 @@ _P = TypeVar("_P")
 
 def plan(build: Callable[..., _P], device: torch.device, *key: Hashable) -> _P:
     """``build(device, *key)``, kept per (build, key, device, current stream, host thread) and
-    built afresh while the current stream captures a CUDA graph, so that the workspaces and
-    counters it hands out are the graph's own (:func:`workspace`, ``_sync.counters``).  ``key``
-    must determine everything ``build`` returns."""
+    built afresh while the current stream captures a CUDA graph, so that the workspaces it
+    hands out are the graph's own (:func:`workspace`).  ``key`` must determine everything
+    ``build`` returns."""
     stream = stream_key(device)
     if stream is False:
         return build(device, *key)

@@ -110,9 +110,7 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
 
     During CUDA-graph capture a fresh ``torch.zeros`` is returned instead: the memset becomes
     part of the graph and the buffer lives in the graph's pool, so a replay never shares
-    counters with eager launches or other graphs.  On the CPU (interpreter) always fresh.
-    A caller may keep the buffer for its later launches on the same stream (the launchers'
-    plans, ``_launch.plan``, do): every launch leaves it zeroed, also once it is retired."""
+    counters with eager launches or other graphs.  On the CPU (interpreter) always fresh."""
     if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing():  # type: ignore[attr-defined]
         return torch.zeros((n,), dtype=torch.int32, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()

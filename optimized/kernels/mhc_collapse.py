@@ -452,9 +452,8 @@ def _launches(
     return S, tuple(triton_launch(mhc_collapse_kernel, **meta, **f) for f in phases)
 
 
-# A call's plan: (grid, launches, part, sq, gate, count or None: fresh counters per call, counts).
-_Plan = tuple[tuple[int], tuple[TritonLaunch, ...], torch.Tensor, torch.Tensor, torch.Tensor,
-              torch.Tensor | None, int]  # fmt: skip
+# A call's plan: (grid, launches, part, sq, gate, counter entries: 0 without counters).
+_Plan = tuple[tuple[int], tuple[TritonLaunch, ...], torch.Tensor, torch.Tensor, torch.Tensor, int]
 
 
 def _plan(
@@ -469,9 +468,7 @@ def _plan(
     # (S, T, M), (S, T), (T, NP): reused per (T, stream), written before they are read.
     part, sq, gate = workspaces("mhc_collapse", device, S * T * M, S * T, T * next_pow2(n))
     counts = COUNTER_HEADER + cdiv(T, cfg.block_t) if cfg.fused else 0
-    # The counters are the launch's own on the CPU (fresh per call: _sync.counters).
-    count = (counters(device, counts) if device.type == "cuda" else None) if counts else sq
-    return grid, launches, part, sq, gate, count, counts
+    return grid, launches, part, sq, gate, counts
 
 
 def mhc_collapse(
@@ -501,12 +498,13 @@ def mhc_collapse(
         return
     dev = x.device
     with_pc = post is not None
-    grid, launches, part, sq, gate, count, counts = plan(
+    grid, launches, part, sq, gate, counts = plan(
         _plan, dev, T, n, D, fn.shape[0], x.dtype == torch.bfloat16, with_pc, trace is not None,
         int(sinkhorn_iters), cfg,
     )  # fmt: skip
-    if count is None:
-        count = counters(dev, counts)
+    # Asked per call, not kept in the plan: _sync.counters owns the rule (fresh on the CPU and
+    # while capturing, the stream's zeroed buffer otherwise).
+    count = counters(dev, counts) if counts else sq
     if trace is not None and (len(launches) != 1 or tuple(trace.shape) != (grid[0], TRACE_WIDTH)):
         raise InputError(
             f"trace: expected a fused schedule and shape ({grid[0]}, {TRACE_WIDTH}), got "

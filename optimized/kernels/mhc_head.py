@@ -183,9 +183,8 @@ def _launches(n: int, D: int, one_launch: bool) -> tuple[int, int, int, tuple[Tr
     return block_t, S, MP, launches
 
 
-# A call's plan: (grid, launches, part, sq, count or None: fresh counters per call, counts).
-_Plan = tuple[tuple[int], tuple[TritonLaunch, ...], torch.Tensor, torch.Tensor,
-              torch.Tensor | None, int]  # fmt: skip
+# A call's plan: (grid, launches, part, sq, counter entries: 0 without counters).
+_Plan = tuple[tuple[int], tuple[TritonLaunch, ...], torch.Tensor, torch.Tensor, int]
 
 
 def _plan(device: torch.device, T: int, n: int, D: int, one_launch: bool) -> _Plan:
@@ -197,9 +196,7 @@ def _plan(device: torch.device, T: int, n: int, D: int, one_launch: bool) -> _Pl
     # One launch: one extra block of programs, which only apply (see the kernel).
     grid = ((blocks + 1) * S,) if one_launch else (blocks * S,)
     counts = COUNTER_HEADER + blocks if one_launch else 0
-    # The counters are the launch's own on the CPU (fresh per call: _sync.counters).
-    count = (counters(device, counts) if device.type == "cuda" else None) if counts else sq
-    return grid, launches, part, sq, count, counts
+    return grid, launches, part, sq, counts
 
 
 def mhc_head_fma(
@@ -220,8 +217,9 @@ def mhc_head_fma(
     if T == 0:
         return
     dev = x.device
-    grid, launches, part, sq, count, counts = plan(_plan, dev, T, n, D, one_launch)
-    if count is None:
-        count = counters(dev, counts)
+    grid, launches, part, sq, counts = plan(_plan, dev, T, n, D, one_launch)
+    # Asked per call, not kept in the plan: _sync.counters owns the rule (fresh on the CPU and
+    # while capturing, the stream's zeroed buffer otherwise).
+    count = counters(dev, counts) if counts else sq
     args = (x, fn, scale, base, part, sq, count, out, T, D, float(rms_norm_eps), float(hc_eps))
     launch_each(launches, grid, args)
