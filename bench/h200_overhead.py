@@ -35,6 +35,16 @@ preallocated ``out``), and the smallest T from which MMA stays faster at both D:
 ``optimized/_dispatch.py::HEAD_MMA_MIN_T``.
 
 Usage (one GPU): python bench/h200_overhead.py --out DIR   (writes DIR/overhead-h200.json)
+
+``--mock`` (no GPU, CPU only, ``TRITON_INTERPRET`` unset): the Python cost of each Triton
+launcher with Triton's CUDA driver mocked and every compiled kernel replaced by a recorder whose
+launcher does nothing, so the time is the launcher's own host work (schedule and plan lookups,
+workspaces, the launch keys) on top of a free launch.  It also counts the launches that went
+through ``JITFunction.run`` on a repeated identical call (0 means TritonLaunch's direct path).
+CPU tensors stand in for CUDA ones, so the CUDA-only calls (current stream, capture state)
+are not in these numbers, and fused schedules allocate fresh counters (CPU rule of
+optimized/kernels/_sync.py::counters): one ``torch.zeros`` per call.
+Usage: env -u TRITON_INTERPRET python bench/h200_overhead.py --mock
 """
 
 from __future__ import annotations
@@ -109,7 +119,7 @@ def recording(calls: list[Callable[[], Any]], jit_calls: list[Callable[[], Any]]
     ``calls`` gets the direct launcher calls (and FlashInfer's), ``jit_calls`` the same launches
     through ``JITFunction.run`` (and FlashInfer's)."""
     import dsv4mtp.optimized.kernels._flashinfer as fa
-    from dsv4mtp.optimized.kernels._launch import INTERPRET, TritonLaunch, _arg_key, _runtime
+    from dsv4mtp.optimized.kernels._launch import INTERPRET, TritonLaunch, _runtime
 
     jits = []
     for module, name in _KERNELS:
@@ -136,10 +146,7 @@ def recording(calls: list[Callable[[], Any]], jit_calls: list[Callable[[], Any]]
         if INTERPRET:  # plain path: recorded by run() above
             launch_call(self, grid, *args)
             return
-        key = (_runtime()[0](), *[
-            (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else _arg_key(a)
-            for a in args])  # fmt: skip
-        entry = self._kernels.get(key)
+        entry = self._kernels.get(self.key(_runtime()[0](), args))
         assert entry is not None, "warm the launcher before recording"
         run, function, packed = entry
         kernel = type("K", (), dict(run=run, function=function, packed_metadata=packed))
@@ -148,6 +155,18 @@ def recording(calls: list[Callable[[], Any]], jit_calls: list[Callable[[], Any]]
         launch_call(self, grid, *args)
 
     TritonLaunch.__call__ = launch_rec  # type: ignore[method-assign]
+
+    def each(launches: Any, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
+        # the launchers' launch_each, one recorded launch at a time
+        for launch in launches:
+            launch(grid, *args)
+
+    # the launcher modules that bound launch_each at import
+    eachers = [importlib.import_module(f"dsv4mtp.optimized.kernels.{m}") for m, _ in _KERNELS]
+    eachers = [m for m in eachers if hasattr(m, "launch_each")]
+    saved = [m.launch_each for m in eachers]
+    for m in eachers:
+        m.launch_each = each
 
     class Proxy:
         def __init__(self, real: Any) -> None:
@@ -171,6 +190,8 @@ def recording(calls: list[Callable[[], Any]], jit_calls: list[Callable[[], Any]]
     finally:
         fa._mhc_module, fa._norm_module = mhc_module, norm_module  # type: ignore[assignment]
         TritonLaunch.__call__ = launch_call  # type: ignore[method-assign]
+        for m, f in zip(eachers, saved, strict=True):
+            m.launch_each = f
         for jit in jits:
             del jit.run
 
@@ -358,6 +379,116 @@ def _head_inputs(T: int, D: int) -> tuple[torch.Tensor, ...]:
     return x, fn, torch.ones(1, device="cuda"), torch.zeros(N, device="cuda")
 
 
+# ------------------------------------------------------------------------------ mocked driver
+def mock_driver() -> list[str]:
+    """Install a CUDA driver that needs no GPU and a compile step that records instead of
+    compiling (what conformance/test_fastpath.py does); returns the list that receives the
+    name of every kernel launched through ``JITFunction.run``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.driver import CudaDriver
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    class Mock(CudaDriver):
+        def __init__(self) -> None:
+            self.get_current_device = lambda: 0
+            self.get_current_stream = lambda idx: 1234
+
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", 90, 32)
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *args: Any) -> None:
+            return None
+
+        def launch_metadata(self, *args: Any) -> None:
+            return None
+
+    def do_compile(self: Any, key: Any, *args: Any) -> Compiled:
+        kernel = self.device_caches[0][0][key] = Compiled()
+        return kernel
+
+    driver.set_active(Mock())
+    JITFunction._do_compile = do_compile  # type: ignore[method-assign]
+    plain: list[str] = []
+    run = JITFunction.run
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        plain.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    JITFunction.run = counted  # type: ignore[method-assign]
+    return plain
+
+
+def mock_cases(T: int, D: int) -> dict[str, Callable[[], Any]]:
+    """Every Triton launcher on CPU tensors, and the operator implementations that call them
+    (the ``launcher`` column of the GPU table)."""
+    from dsv4mtp.optimized import _ops
+    from dsv4mtp.optimized.kernels import mhc_collapse as mc
+    from dsv4mtp.optimized.kernels import mhc_head as mh
+    from dsv4mtp.optimized.kernels import mhc_mix as mm
+    from dsv4mtp.optimized.kernels import mhc_post as mp
+    from dsv4mtp.optimized.kernels import rms_norm as rn
+    from dsv4mtp.optimized.kernels._launch import workspace
+
+    g = torch.Generator().manual_seed(0)
+    bf, M, K = torch.bfloat16, (2 + N) * N, N * D
+    x = torch.randn((T, N, D), generator=g).to(bf)
+    fn_pre, fn_head = torch.randn((M, K), generator=g), torch.randn((N, K), generator=g)
+    s3, s1, b_pre, b_head = torch.ones(3), torch.ones(1), torch.zeros(M), torch.zeros(N)
+    out, post, comb = torch.empty((T, D), dtype=bf), torch.empty((T, N)), torch.empty((T, N, N))
+    x2, w = torch.randn((T, D), generator=g).to(bf), torch.ones(D, dtype=bf)
+    o2, o3 = torch.empty_like(x2), torch.empty_like(x)
+    pm, cm = torch.rand((T, N), generator=g), torch.softmax(torch.randn((T, N, N)), dim=-2)
+    split = mc.CollapseConfig(64, 256, 64, 64, num_warps=4, num_stages=3, fused=False)
+    mcfg = mm.mix_config(M, K)
+    S = mcfg.num_splits
+    kw = dict(rms_norm_eps=EPS, hc_eps=EPS)
+    return {
+        "rms_norm_triton": lambda: rn.rms_norm_triton(x2, w, EPS, o2, False),
+        "mhc_post_triton": lambda: mp.mhc_post_triton(x2, x, pm, cm, o3),
+        "mhc_mix_splitk": lambda: mm.mhc_mix_splitk(
+            x.view(T, K), fn_pre, mcfg, workspace("hc_pre.mix", (S, T, M), torch.float32, x.device),
+            workspace("hc_pre.sqsum", (S, T), torch.float32, x.device)),
+        "mhc_collapse hc_pre": lambda: mc.mhc_collapse(
+            x, fn_pre, s3, b_pre, out, **kw, post=post, comb=comb, sinkhorn_iters=20),
+        "mhc_collapse hc_head": lambda: mc.mhc_collapse(x, fn_head, s1, b_head, out, **kw,
+                                                        post_mult=1.0),
+        "mhc_collapse hc_head split": lambda: mc.mhc_collapse(
+            x, fn_head, s1, b_head, out, **kw, post_mult=1.0, cfg=split),
+        "mhc_head_fma": lambda: mh.mhc_head_fma(x, fn_head, s1, b_head, out, **kw),
+        "mhc_head_fma one_launch": lambda: mh.mhc_head_fma(
+            x, fn_head, s1, b_head, out, **kw, one_launch=True),
+        "op impl rms_norm": lambda: _ops._rms_norm(x2, w, EPS, "official", "triton"),
+        "op impl hc_post": lambda: _ops._hc_post(x2, x, pm, cm, "triton"),
+        "op impl hc_pre": lambda: _ops._hc_pre(x, fn_pre, s3, b_pre, EPS, EPS, 20, 2.0,
+                                               "triton", [], []),
+        "op impl hc_head fma": lambda: _ops._hc_head(x, fn_head, s1, b_head, EPS, EPS,
+                                                     "triton_fma", []),
+        "op impl hc_head mma": lambda: _ops._hc_head(x, fn_head, s1, b_head, EPS, EPS,
+                                                     "triton_mma", []),
+    }  # fmt: skip
+
+
+def mock(a: argparse.Namespace) -> None:
+    from dsv4mtp.optimized.kernels._launch import INTERPRET
+
+    if INTERPRET:
+        sys.exit("bench/h200_overhead.py --mock: unset TRITON_INTERPRET")
+    plain = mock_driver()
+    print(f"Launcher host time with a mocked driver, T = 1, D {a.dim}, n {N}, CPU tensors "
+          f"(median of {a.calls}, us); plain = launches through JITFunction.run on a repeat")  # fmt: skip
+    for name, fn in mock_cases(1, a.dim).items():
+        fn()
+        plain.clear()
+        fn()
+        repeat = len(plain)
+        print(f"{name:<30}{host_us(fn, a.calls, a.block):>8.2f}   plain {repeat}")
+
+
 # ------------------------------------------------------------------------------ main
 def main() -> None:
     p = argparse.ArgumentParser(
@@ -371,9 +502,13 @@ def main() -> None:
     p.add_argument("--no-crossover", action="store_true", help="skip the hc_head T sweep")
     p.add_argument("--dim", type=int, default=4096, help="D of the T = 1 overhead cases")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    p.add_argument("--mock", action="store_true", help="launchers' host time, mocked driver, CPU")
     a = p.parse_args()
     global DEV
-    DEV = a.device
+    DEV = "cpu" if a.mock else a.device
+    if a.mock:
+        mock(a)
+        return
     if DEV == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/h200_overhead.py: needs a CUDA device")
 

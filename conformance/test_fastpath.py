@@ -1,8 +1,9 @@
 """The host fast paths of dsv4mtp.optimized: a cached plan per call signature (optimized/
-_dispatch.py, "plans"), cached Triton launches (kernels/_launch.py, TritonLaunch) and per-stream
-workspaces.  None may change a result, and a cached plan never accepts what the full checks
-refuse: each refused call below is made right after an accepted call of the same shapes and
-must raise the same typed error as with no plan cached."""
+_dispatch.py, "plans"), cached Triton launches (kernels/_launch.py, TritonLaunch), per-stream
+workspaces and the launchers' per-stream plans (kernels/_launch.py, ``plan``).  None may change
+a result, and a cached plan never accepts what the full checks refuse: each refused call below
+is made right after an accepted call of the same shapes and must raise the same typed error as
+with no plan cached."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ pytest.importorskip("triton")
 import dsv4mtp.optimized as opt
 from dsv4mtp.errors import InputError
 from dsv4mtp.optimized import _dispatch
-from dsv4mtp.optimized.kernels._launch import _arg_key, workspace
+from dsv4mtp.optimized.kernels._launch import TritonLaunch, _arg_key, _key_function, plan, workspace
 
 EPS = 1e-6
 N, D, T = 4, 32, 3
@@ -184,6 +185,40 @@ def test_launch_keys_are_at_least_as_fine_as_tritons_specialization() -> None:
     assert 0 in ptrs and len(ptrs) > 1  # both alignments were compared
 
 
+def test_compiled_launch_keys_are_the_generic_key() -> None:
+    """A key function compiled for the argument kinds of one call gives
+    ``(device, *map(_arg_key, args))`` for arguments of any kinds (the check above covers that
+    key), and a TritonLaunch called with another argument count falls back to it."""
+    samples = _samples()
+    for first in (torch.zeros(4), 3, 0.5, None, True, torch.float32):
+        key = _key_function((first, first))
+        for a in samples:
+            for b in samples[::3]:
+                assert key(7, a, b) == (7, _arg_key(a), _arg_key(b)), (first, a, b)
+    launch = TritonLaunch(None, {})
+    args = (torch.zeros(4), 5, 1.0)
+    assert launch.key(0, args) == (0, *map(_arg_key, args))
+    assert launch.key(0, args[:2]) == (0, *map(_arg_key, args[:2]))
+
+
+def test_plans_are_per_key_and_thread() -> None:
+    cpu = torch.device("cpu")
+    built: list[tuple[object, ...]] = []
+
+    def build(device: torch.device, *key: object) -> object:
+        built.append(key)
+        return object()
+
+    p = plan(build, cpu, 1, "a")
+    assert plan(build, cpu, 1, "a") is p and built == [(1, "a")]
+    assert plan(build, cpu, 2, "a") is not p
+    other: list[object] = []
+    th = threading.Thread(target=lambda: other.append(plan(build, cpu, 1, "a")))
+    th.start()
+    th.join()
+    assert other[0] is not p and len(built) == 3
+
+
 def test_workspaces_are_per_name_shape_and_thread() -> None:
     cpu = torch.device("cpu")
     a = workspace("test.a", (2, 3), torch.float32, cpu)
@@ -200,11 +235,10 @@ def test_workspaces_are_per_name_shape_and_thread() -> None:
     assert other[0] is not a
 
 
-_DIRECT = textwrap.dedent(
+_MOCK = textwrap.dedent(
     """
     # A compiled kernel stands in for the GPU: a mock driver, and JITFunction's compile step
-    # replaced by a recorder.  Checks what TritonLaunch hands the launcher on a hit, and that
-    # a new alignment or dtype, a launch hook, or a pre-run hook goes through JITFunction.run.
+    # replaced by a recorder.
     import torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.driver import CudaDriver
@@ -237,6 +271,19 @@ _DIRECT = textwrap.dedent(
         return k
 
     JITFunction._do_compile = do_compile
+    via_run = []  # the kernels launched through JITFunction.run
+    _run = JITFunction.run
+    def counted(self, *args, **kwargs):
+        via_run.append(self.fn.__name__)
+        return _run(self, *args, **kwargs)
+    JITFunction.run = counted
+    """
+)
+
+_DIRECT = _MOCK + textwrap.dedent(
+    """
+    # What TritonLaunch hands the launcher on a hit, and that a new alignment or dtype, a
+    # launch hook, or a pre-run hook goes through JITFunction.run.
     from dsv4mtp.optimized.kernels import rms_norm as rn
     from dsv4mtp.optimized.kernels._launch import INTERPRET
     assert not INTERPRET
@@ -277,5 +324,86 @@ def test_triton_launch_calls_the_compiled_launcher_directly_on_a_hit() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run(
         [sys.executable, "-c", _DIRECT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+_REPEAT = _MOCK + textwrap.dedent(
+    """
+    # Every Triton launcher, and the operator implementations around them, called twice with
+    # identical arguments: the second call launches every kernel directly (none through
+    # JITFunction.run) and hands the launcher what the first call's JITFunction.run did.
+    from dsv4mtp.optimized import _ops
+    from dsv4mtp.optimized.kernels import mhc_collapse as mc, mhc_head as mh, mhc_mix as mm
+    from dsv4mtp.optimized.kernels import mhc_post as mp, rms_norm as rn
+    from dsv4mtp.optimized.kernels._launch import INTERPRET, workspace
+    assert not INTERPRET
+    T, n, D, E = 5, 4, 96, 1e-6
+    M, K, bf = (2 + n) * n, n * D, torch.bfloat16
+    x = torch.randn(T, n, D).to(bf)
+    fp, fh = torch.randn(M, K), torch.randn(n, K)
+    s3, s1, bp, bh = torch.ones(3), torch.ones(1), torch.zeros(M), torch.zeros(n)
+    out, post, comb = torch.empty(T, D, dtype=bf), torch.empty(T, n), torch.empty(T, n, n)
+    x2, w = torch.randn(T, D).to(bf), torch.ones(D, dtype=bf)
+    o2, o3 = torch.empty_like(x2), torch.empty_like(x)
+    pm, cm = torch.rand(T, n), torch.softmax(torch.randn(T, n, n), dim=-2)
+    split = mc.CollapseConfig(16, 32, 16, 16, num_warps=4, num_stages=1, fused=False)
+    mcfg = mm.mix_config(M, K)
+    ws = lambda name, *shape: workspace(name, shape, torch.float32, x.device)
+    kw = dict(rms_norm_eps=E, hc_eps=E)
+    cases = {
+        "rms_norm_triton": lambda: rn.rms_norm_triton(x2, w, E, o2, False),
+        "rms_norm_triton vllm": lambda: rn.rms_norm_triton(x2, None, E, o2, True),
+        "mhc_post_triton": lambda: mp.mhc_post_triton(x2, x, pm, cm, o3),
+        "mhc_mix_splitk": lambda: mm.mhc_mix_splitk(
+            x.view(T, K), fp, mcfg, ws("m", mcfg.num_splits, T, M), ws("s", mcfg.num_splits, T)),
+        "mhc_collapse hc_pre": lambda: mc.mhc_collapse(
+            x, fp, s3, bp, out, **kw, post=post, comb=comb, sinkhorn_iters=3),
+        "mhc_collapse hc_head": lambda: mc.mhc_collapse(x, fh, s1, bh, out, **kw, post_mult=1.0),
+        "mhc_collapse split": lambda: mc.mhc_collapse(
+            x, fh, s1, bh, out, **kw, post_mult=1.0, cfg=split),
+        "mhc_collapse hc_pre split": lambda: mc.mhc_collapse(
+            x, fp, s3, bp, out, **kw, post=post, comb=comb, sinkhorn_iters=3, cfg=split),
+        "mhc_head_fma": lambda: mh.mhc_head_fma(x, fh, s1, bh, out, **kw),
+        "mhc_head_fma one_launch": lambda: mh.mhc_head_fma(x, fh, s1, bh, out, **kw,
+                                                           one_launch=True),
+        "op rms_norm": lambda: _ops._rms_norm(x2, w, E, "official", "triton"),
+        "op hc_post": lambda: _ops._hc_post(x2, x, pm, cm, "triton"),
+        "op hc_pre": lambda: _ops._hc_pre(x, fp, s3, bp, E, E, 3, 2.0, "triton", [], []),
+        "op hc_head fma": lambda: _ops._hc_head(x, fh, s1, bh, E, E, "triton_fma", []),
+        "op hc_head mma": lambda: _ops._hc_head(x, fh, s1, bh, E, E, "triton_mma", []),
+    }
+
+    def same(a, b, fresh):
+        # the same memory (inputs, outputs, the workspaces kept between calls), or one of the
+        # tensors a call allocates: the CPU's fresh counters (int32), an operator's outputs
+        if isinstance(a, torch.Tensor):
+            like = a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            kept = a.data_ptr() == b.data_ptr()
+            return like and (kept or fresh or a.dtype == torch.int32)
+        return type(a) is type(b) and a == b
+
+    for name, call in cases.items():
+        del launches[:]
+        call()  # through JITFunction.run (a kernel new to this process is compiled)
+        first = list(launches)
+        via_run.clear(); del launches[:]
+        call()
+        assert via_run == [], f"{name}: a repeated call went through JITFunction.run: {via_run}"
+        assert len(launches) == len(first) > 0, (name, len(launches), len(first))
+        for a, b in zip(first, launches):
+            # grid, stream, function, metadata; no launch metadata or hooks; the same arguments
+            assert a[:6] == b[:6] and b[6:9] == (None, None, None), (name, a[:9], b[:9])
+            fresh = name.startswith("op ")
+            assert len(a) == len(b) and all(same(u, v, fresh) for u, v in zip(a[9:], b[9:])), name
+    print("ok")
+    """
+)
+
+
+def test_every_launcher_launches_directly_on_a_repeated_call() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, "-c", _REPEAT], env=env, capture_output=True, text=True, timeout=300
     )
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]

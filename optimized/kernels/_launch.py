@@ -11,7 +11,9 @@ imports the kernel's module on the first call, or raises :data:`TRITON_MISSING` 
 
 :class:`TritonLaunch` is the one way the launchers start a compiled kernel: it skips
 ``JITFunction.run``'s per-call argument binding and cache-key arithmetic on repeat calls (see
-its docstring for the rule that keeps that exact).
+its docstring for the rule that keeps that exact).  :func:`plan` keeps what a launcher derives
+from its shapes (grid, launches, workspace views) per stream, so that a repeated call costs a
+dictionary lookup, the launch keys and the launches.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import functools
 import importlib
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -33,12 +35,16 @@ __all__ = [
     "KERNEL_DTYPES",
     "TRITON_MISSING",
     "TritonLaunch",
+    "cdiv",
     "check_device",
     "check_kernel_dtype",
     "check_out",
     "flashinfer_mhc",
     "flashinfer_norm",
+    "launch_each",
     "next_pow2",
+    "plan",
+    "stream_key",
     "triton_available",
     "triton_kernel",
     "triton_launch",
@@ -54,6 +60,12 @@ INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (>= 1); Triton's ``tl.arange`` needs power-of-two extents."""
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints.  ``triton.cdiv`` computes the same, but as a ``constexpr_function``
+    it costs ~1.5 us per call on the host, more than the arithmetic of a whole launcher."""
+    return -(-a // b)
 
 
 # The optimized kernels are built for these; anything else is the reference's job.
@@ -196,6 +208,40 @@ def _arg_key(a: object) -> object:
     return (t, a)
 
 
+# Source of the per-argument key expressions of _key_function, by argument kind: each is
+# _arg_key(a) inlined for that kind, with _arg_key itself for any other type.
+_KEY_EXPRS = {
+    "t": "({a}.dtype, {a}.data_ptr() % 16 == 0) if isinstance({a}, _Tensor) else _arg_key({a})",
+    "i": "({a} == 1, {a} % 16 == 0, -0x80000000 <= {a} <= 0x7FFFFFFF, {a} <= 0x7FFFFFFFFFFFFFFF) "
+    "if type({a}) is int else _arg_key({a})",
+    "f": "float if type({a}) is float else _arg_key({a})",
+    "o": "_arg_key({a})",
+}
+_KEY_FUNCTIONS: dict[tuple[str, ...], Callable[..., tuple[object, ...]]] = {}
+
+
+def _kind(a: object) -> str:
+    return "t" if isinstance(a, torch.Tensor) else {int: "i", float: "f"}.get(type(a), "o")
+
+
+def _key_function(args: Sequence[object]) -> Callable[..., tuple[object, ...]]:
+    """``f(device, *args) == (device, *map(_arg_key, args))`` for any arguments of this count,
+    with each _arg_key inlined for the kind of argument ``args`` has at that position: a launch
+    key costs half of the generic loop (one tuple display, no per-argument call)."""
+    kinds = tuple(_kind(a) for a in args)
+    fn = _KEY_FUNCTIONS.get(kinds)
+    if fn is None:
+        names = [f"a{i}" for i in range(len(kinds))]
+        exprs = "".join(
+            f"({_KEY_EXPRS[k].format(a=a)}), " for k, a in zip(kinds, names, strict=True)
+        )
+        src = f"def key(dev, {', '.join(names)}):\n    return (dev, {exprs})\n"
+        scope: dict[str, Any] = {"_Tensor": torch.Tensor, "_arg_key": _arg_key}
+        exec(src, scope)  # the source: fixed templates above, argument names a0, a1, ...
+        fn = _KEY_FUNCTIONS[kinds] = scope["key"]
+    return fn
+
+
 @functools.cache
 def _runtime() -> tuple[Callable[[], int], Callable[[int], int], Any]:
     """Triton's current-device and current-stream functions (the raw torch ones where Triton
@@ -230,10 +276,12 @@ class TritonLaunch:
     goes through ``kernel[grid](*args, **meta)``, i.e. ``JITFunction.run``, which compiles or
     finds the kernel, checks the kernel's globals and launches it; the CompiledKernel it returns
     is kept under that key.  Later calls compute only the key (:func:`_arg_key` per argument:
-    dtype and alignment of each tensor, the integer class of each int) and call the compiled
-    kernel's launcher directly on the current stream, which is what ``JITFunction.run`` ends
-    in: it spends ~10-20 us per call re-binding keyword arguments, re-deriving the
-    specialization and the cache key string, and building launch metadata for hooks.
+    dtype and alignment of each tensor, the integer class of each int; evaluated by a function
+    compiled for the argument kinds, :func:`_key_function`) and call the compiled kernel's
+    launcher directly on the current stream, which is what ``JITFunction.run`` ends in: it
+    spends ~10-20 us per call re-binding keyword arguments, re-deriving the specialization and
+    the cache key string, and building launch metadata for hooks.  :func:`launch_each` runs the
+    launches of a multi-phase schedule with one key.
 
     The plain path is kept where the direct call would differ: under ``TRITON_INTERPRET=1``
     (the interpreter has no compiled kernel), while a launch hook or a pre-run hook is
@@ -243,7 +291,7 @@ class TritonLaunch:
     A CUDA graph capture records the direct call like any other launch on the capturing stream.
     """
 
-    __slots__ = ("_direct", "_kernels", "_tail", "jit", "meta")
+    __slots__ = ("_direct", "_kernels", "_keyfn", "_tail", "jit", "meta")
 
     def __init__(self, jit: Any, meta: dict[str, Any]) -> None:
         self.jit = jit
@@ -251,6 +299,18 @@ class TritonLaunch:
         self._kernels: dict[tuple[object, ...], tuple[Any, Any, Any]] = {}
         self._tail: tuple[Any, ...] = ()
         self._direct: bool | None = None  # decided on the first compiled launch
+        self._keyfn: Callable[..., tuple[object, ...]] | None = None  # built on the first call
+
+    def key(self, dev: int, args: tuple[Any, ...]) -> tuple[object, ...]:
+        """``(dev, *map(_arg_key, args))``, through a key function compiled for the argument
+        kinds of the first call (:func:`_key_function`)."""
+        keyfn = self._keyfn
+        if keyfn is None:
+            keyfn = self._keyfn = _key_function(args)
+        try:
+            return keyfn(dev, *args)
+        except TypeError:  # another argument count than the first call's
+            return (dev, *[_arg_key(a) for a in args])
 
     def __call__(self, grid: tuple[int, ...], *args: Any) -> None:
         if INTERPRET:
@@ -258,9 +318,7 @@ class TritonLaunch:
             return
         device, stream, runtime = _runtime()
         dev = device()
-        # _arg_key inlined for tensors, the common argument: a call per argument costs more.
-        key = (dev, *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, _Tensor) else _arg_key(a)
-                      for a in args])  # fmt: skip
+        key = self.key(dev, args)
         entry = self._kernels.get(key)
         if entry is None or self.jit.pre_run_hooks or not _hooks_idle(runtime):
             self._plain(key, grid, args)
@@ -292,7 +350,32 @@ class TritonLaunch:
         return True
 
 
-_Tensor = torch.Tensor
+def launch_each(
+    launches: Sequence[TritonLaunch], grid: tuple[int, ...], args: tuple[Any, ...]
+) -> None:
+    """``launch(grid, *args)`` for each launch in order (the phases of one schedule): the key
+    depends on the arguments only (:func:`_arg_key`), so it is computed once for all of them,
+    as are the device, the stream and the hook check."""
+    if INTERPRET or len(launches) == 1:
+        for launch in launches:
+            launch(grid, *args)
+        return
+    device, stream, runtime = _runtime()
+    dev = device()
+    key = launches[0].key(dev, args)
+    idle = _hooks_idle(runtime)
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    s = stream(dev)
+    for launch in launches:
+        entry = launch._kernels.get(key)
+        if entry is None or launch.jit.pre_run_hooks or not idle:
+            launch._plain(key, grid, args)
+            continue
+        run, function, packed = entry
+        run(grid[0], g1, g2, s, function, packed, None, None, None, *args, *launch._tail)
+
+
 _LAUNCHES: dict[tuple[object, ...], TritonLaunch] = {}
 
 
@@ -324,12 +407,24 @@ _MAX_WORKSPACES = 256
 _WORKSPACES: dict[tuple[object, ...], torch.Tensor] = {}
 
 
-def _stream_key(device: torch.device) -> object:
+def stream_key(device: torch.device) -> object:
+    """What a workspace is kept under besides its name and shape: the current stream's handle on
+    a CUDA device, None on the CPU (the interpreter: every launch completes before the next
+    starts), False while the current stream captures a CUDA graph (nothing is kept then).
+    Two C calls: ``torch.cuda.current_stream()`` would build a Stream object per call."""
     if device.type != "cuda":
-        return None  # CPU (the interpreter): every launch completes before the next starts
-    if torch.cuda.is_current_stream_capturing():
+        return None
+    if torch._C._cuda_isCurrentStreamCapturing():  # type: ignore[attr-defined]
         return False
-    return torch._C._cuda_getCurrentRawStream(device.index)  # type: ignore[attr-defined]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch._C._cuda_getCurrentRawStream(index)  # type: ignore[attr-defined]
+
+
+def _forget() -> None:
+    """Past _MAX_WORKSPACES entries in either cache both start over (a plan holds views of
+    workspaces: forgetting one without the other would keep up to twice the buffers)."""
+    _WORKSPACES.clear()
+    _PLANS.clear()
 
 
 def workspace(
@@ -338,14 +433,14 @@ def workspace(
     """An uninitialized scratch tensor ``name`` of this shape and dtype, reused by later calls
     on the same device, stream and host thread (the rule above); kernels must write it before
     they read it."""
-    stream = _stream_key(device)
+    stream = stream_key(device)
     if stream is False:
         return torch.empty(shape, dtype=dtype, device=device)
     key = (name, shape, dtype, device, stream, threading.get_ident())
     t = _WORKSPACES.get(key)
     if t is None:
         if len(_WORKSPACES) >= _MAX_WORKSPACES:
-            _WORKSPACES.clear()
+            _forget()
         t = _WORKSPACES[key] = torch.empty(shape, dtype=dtype, device=device)
     return t
 
@@ -362,6 +457,32 @@ def workspaces(name: str, device: torch.device, *sizes: int) -> list[torch.Tenso
         views.append(flat[start : start + n])
         start += p
     return views
+
+
+# ------------------------------------------------------------------------------ plans
+# A launcher's per-call state that depends only on its shapes and the stream: grid, launches,
+# workspace views.  Kept under the workspace rule above (per device, current stream
+# and host thread; never while capturing), so that a repeated call does no allocation, no
+# schedule arithmetic and no view slicing.
+_PLANS: dict[tuple[object, ...], Any] = {}
+_P = TypeVar("_P")
+
+
+def plan(build: Callable[..., _P], device: torch.device, *key: Hashable) -> _P:
+    """``build(device, *key)``, kept per (build, key, device, current stream, host thread) and
+    built afresh while the current stream captures a CUDA graph, so that the workspaces it
+    hands out are the graph's own (:func:`workspace`).  ``key`` must determine everything
+    ``build`` returns."""
+    stream = stream_key(device)
+    if stream is False:
+        return build(device, *key)
+    k = (build, *key, device, stream, threading.get_ident())
+    p = _PLANS.get(k)
+    if p is None:
+        if len(_PLANS) >= _MAX_WORKSPACES:
+            _forget()
+        p = _PLANS[k] = build(device, *key)
+    return p  # type: ignore[no-any-return]
 
 
 def __getattr__(name: str) -> Any:

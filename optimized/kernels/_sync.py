@@ -111,10 +111,11 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
     During CUDA-graph capture a fresh ``torch.zeros`` is returned instead: the memset becomes
     part of the graph and the buffer lives in the graph's pool, so a replay never shares
     counters with eager launches or other graphs.  On the CPU (interpreter) always fresh."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing():  # type: ignore[attr-defined]
         return torch.zeros((n,), dtype=torch.int32, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch.cuda.current_stream(index).cuda_stream)
+    # The raw handle: torch.cuda.current_stream() would build a Stream object per call.
+    key = (index, torch._C._cuda_getCurrentRawStream(index))  # type: ignore[attr-defined]
     buf = _CACHE.get(key)
     if buf is None or buf.numel() < n:
         if buf is not None:

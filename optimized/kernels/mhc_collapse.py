@@ -64,7 +64,10 @@ from dsv4mtp.errors import ConfigError, InputError
 from ._launch import (
     INTERPRET,
     TritonLaunch,
+    cdiv,
+    launch_each,
     next_pow2,
+    plan,
     rne_bf16_if_interpreted,
     sigmoid,
     triton_launch,
@@ -378,12 +381,12 @@ class CollapseConfig:
 def collapse_grid(T: int, D: int, cfg: CollapseConfig) -> int:
     """Programs the collapse launches (per launch): token blocks x D-slices, plus two blocks of
     programs in the fused form (the last blocks' reduce and apply)."""
-    return (triton.cdiv(T, cfg.block_t) + (2 if cfg.fused else 0)) * triton.cdiv(D, cfg.d_slice)
+    return (cdiv(T, cfg.block_t) + (2 if cfg.fused else 0)) * cdiv(D, cfg.d_slice)
 
 
 def tokens_per_reducer(block_t: int, S: int) -> int:
     """Tokens each of a block's S programs reduces: ceil(BLOCK_T / S), a power of two."""
-    return next_pow2(triton.cdiv(block_t, S))
+    return next_pow2(cdiv(block_t, S))
 
 
 @functools.cache
@@ -418,7 +421,7 @@ def _launches(
 ) -> tuple[int, tuple[TritonLaunch, ...]]:  # fmt: skip
     """(S, the launches: one fused, or the three phases) of one schedule; a function of the
     schedule and shapes only, so it is built once."""
-    S = triton.cdiv(D, cfg.d_slice)
+    S = cdiv(D, cfg.d_slice)
     meta: dict = dict(
         D=D,
         S=S,
@@ -449,6 +452,25 @@ def _launches(
     return S, tuple(triton_launch(mhc_collapse_kernel, **meta, **f) for f in phases)
 
 
+# A call's plan: (grid, launches, part, sq, gate, counter entries: 0 without counters).
+_Plan = tuple[tuple[int], tuple[TritonLaunch, ...], torch.Tensor, torch.Tensor, torch.Tensor, int]
+
+
+def _plan(
+    device: torch.device, T: int, n: int, D: int, M: int, x_is_bf16: bool, with_pc: bool,
+    traced: bool, sinkhorn_iters: int, cfg: CollapseConfig | None,
+) -> _Plan:  # fmt: skip
+    """Everything of a call but its tensors and scalars; kept per (shapes, stream) by
+    :func:`~._launch.plan`."""
+    cfg = cfg or collapse_config(n, D, with_post_comb=with_pc)
+    S, launches = _launches(cfg, n, D, M, x_is_bf16, with_pc, traced, sinkhorn_iters)
+    grid = (collapse_grid(T, D, cfg),)
+    # (S, T, M), (S, T), (T, NP): reused per (T, stream), written before they are read.
+    part, sq, gate = workspaces("mhc_collapse", device, S * T * M, S * T, T * next_pow2(n))
+    counts = COUNTER_HEADER + cdiv(T, cfg.block_t) if cfg.fused else 0
+    return grid, launches, part, sq, gate, counts
+
+
 def mhc_collapse(
     x: torch.Tensor,
     fn: torch.Tensor,
@@ -474,26 +496,23 @@ def mhc_collapse(
     T, n, D = x.shape
     if T == 0:
         return
-    M = fn.shape[0]
-    NP = next_pow2(n)
+    dev = x.device
     with_pc = post is not None
-    cfg = cfg or collapse_config(n, D, with_post_comb=with_pc)
-    S, launches = _launches(cfg, n, D, M, x.dtype == torch.bfloat16, with_pc, trace is not None,
-                            int(sinkhorn_iters))  # fmt: skip
-    grid = (collapse_grid(T, D, cfg),)
-    if trace is not None and (not cfg.fused or tuple(trace.shape) != (grid[0], TRACE_WIDTH)):
+    grid, launches, part, sq, gate, counts = plan(
+        _plan, dev, T, n, D, fn.shape[0], x.dtype == torch.bfloat16, with_pc, trace is not None,
+        int(sinkhorn_iters), cfg,
+    )  # fmt: skip
+    # Asked per call, not kept in the plan: _sync.counters owns the rule (fresh on the CPU and
+    # while capturing, the stream's zeroed buffer otherwise).
+    count = counters(dev, counts) if counts else sq
+    if trace is not None and (len(launches) != 1 or tuple(trace.shape) != (grid[0], TRACE_WIDTH)):
         raise InputError(
             f"trace: expected a fused schedule and shape ({grid[0]}, {TRACE_WIDTH}), got "
-            f"fused={cfg.fused} and shape {tuple(trace.shape)}"
+            f"fused={len(launches) == 1} and shape {tuple(trace.shape)}"
         )
-    dev = x.device
-    # (S, T, M), (S, T), (T, NP): reused per (T, stream), written before they are read.
-    part, sq, gate = workspaces("mhc_collapse", dev, S * T * M, S * T, T * NP)
-    count = counters(dev, COUNTER_HEADER + triton.cdiv(T, cfg.block_t)) if cfg.fused else sq
     args = (
         x, fn, scale, base, part, sq, gate, count, out,
         post if with_pc else out, comb if with_pc else out, trace if trace is not None else count,
         T, float(rms_norm_eps), float(hc_eps), float(post_mult),
     )  # fmt: skip
-    for launch in launches:
-        launch(grid, *args)
+    launch_each(launches, grid, args)

@@ -49,7 +49,10 @@ import triton.language as tl
 from ._launch import (
     INTERPRET,
     TritonLaunch,
+    cdiv,
+    launch_each,
     next_pow2,
+    plan,
     rne_bf16_if_interpreted,
     sigmoid,
     triton_launch,
@@ -168,7 +171,7 @@ def _launches(n: int, D: int, one_launch: bool) -> tuple[int, int, int, tuple[Tr
     if INTERPRET:
         block_d = min(block_d, 64)  # several slices on the CPU tier's small shapes
     block_d = min(block_d, max(16, next_pow2(D)))
-    S = triton.cdiv(D, block_d)
+    S = cdiv(D, block_d)
     MP = max(16, next_pow2(n))
     meta = dict(S=S, N=n, NP=NP, MP=MP, BLOCK_T=block_t, BLOCK_D=block_d, INTERP=INTERPRET,
                 num_warps=4)  # fmt: skip
@@ -178,6 +181,22 @@ def _launches(n: int, D: int, one_launch: bool) -> tuple[int, int, int, tuple[Tr
         for mix, apply in phases
     )
     return block_t, S, MP, launches
+
+
+# A call's plan: (grid, launches, part, sq, counter entries: 0 without counters).
+_Plan = tuple[tuple[int], tuple[TritonLaunch, ...], torch.Tensor, torch.Tensor, int]
+
+
+def _plan(device: torch.device, T: int, n: int, D: int, one_launch: bool) -> _Plan:
+    """Everything of a call but its tensors and scalars; kept per (shapes, stream) by
+    :func:`~._launch.plan`."""
+    block_t, S, MP, launches = _launches(n, D, one_launch)
+    blocks = cdiv(T, block_t)
+    part, sq = workspaces("mhc_head_fma", device, S * T * MP, S * T)  # (S, T, MP), (S, T)
+    # One launch: one extra block of programs, which only apply (see the kernel).
+    grid = ((blocks + 1) * S,) if one_launch else (blocks * S,)
+    counts = COUNTER_HEADER + blocks if one_launch else 0
+    return grid, launches, part, sq, counts
 
 
 def mhc_head_fma(
@@ -197,13 +216,10 @@ def mhc_head_fma(
     T, n, D = x.shape
     if T == 0:
         return
-    block_t, S, MP, launches = _launches(n, D, one_launch)
-    blocks = triton.cdiv(T, block_t)
     dev = x.device
-    part, sq = workspaces("mhc_head_fma", dev, S * T * MP, S * T)  # (S, T, MP), (S, T)
-    count = counters(dev, COUNTER_HEADER + blocks) if one_launch else sq
+    grid, launches, part, sq, counts = plan(_plan, dev, T, n, D, one_launch)
+    # Asked per call, not kept in the plan: _sync.counters owns the rule (fresh on the CPU and
+    # while capturing, the stream's zeroed buffer otherwise).
+    count = counters(dev, counts) if counts else sq
     args = (x, fn, scale, base, part, sq, count, out, T, D, float(rms_norm_eps), float(hc_eps))
-    # One launch: one extra block of programs, which only apply (see the kernel).
-    grid = ((blocks + 1) * S,) if one_launch else (blocks * S,)
-    for launch in launches:
-        launch(grid, *args)
+    launch_each(launches, grid, args)

@@ -24,13 +24,14 @@ from L2 after the first block), S*T*(M+1)*4 written (the second kernel reads the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, TritonLaunch, next_pow2, triton_launch
+from ._launch import INTERPRET, TritonLaunch, cdiv, next_pow2, triton_launch
 
 __all__ = ["MixConfig", "mhc_mix_splitk", "mix_config", "mix_step"]
 
@@ -140,6 +141,7 @@ class MixConfig:
 FLASHINFER_SPLITS = (1, 2, 4, 8, 16)
 
 
+@functools.cache
 def mix_config(M: int, K: int) -> MixConfig:
     """The producer schedule in front of FlashInfer's ``mhc_pre_big_fuse``; never a function
     of T (batch invariance).  S keeps each split >= 1024 columns, within FlashInfer's accepted
@@ -160,7 +162,7 @@ _LAUNCHES: dict[tuple[MixConfig, int, int, bool], tuple[TritonLaunch, int]] = {}
 
 
 def _launch(cfg: MixConfig, M: int, K: int, x_is_bf16: bool) -> tuple[TritonLaunch, int]:
-    k_per_split = triton.cdiv(triton.cdiv(K, cfg.num_splits), cfg.block_k) * cfg.block_k
+    k_per_split = cdiv(cdiv(K, cfg.num_splits), cfg.block_k) * cfg.block_k
     launch = triton_launch(
         mhc_mix_kernel,
         K_PER_SPLIT=k_per_split,
@@ -204,5 +206,5 @@ def mhc_mix_splitk(
     if entry is None:
         entry = _LAUNCHES[key] = _launch(*key)
     launch, _ = entry
-    launch((triton.cdiv(T, cfg.block_t), S), x_flat, fn, mix, sqsum, T, K)
+    launch((cdiv(T, cfg.block_t), S), x_flat, fn, mix, sqsum, T, K)
     return mix, sqsum
