@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from h200_mhc import graph_time_us  # this folder (a script: its folder is on sys.path)
 
 import dsv4mtp.reference as ref
 from dsv4mtp.config import DSV4Config
@@ -99,29 +100,10 @@ class Clock:
             return self.eager_us(
                 lambda: [calls[i % len(calls)]() for i in range(n_calls)], reps
             ) / (n_calls)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for c in calls:
-                c()
-        torch.cuda.current_stream().wait_stream(s)
+        for c in calls:  # every input set once before the capture (h200_mhc warms three)
+            c()
         torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(n_calls):
-                calls[i % len(calls)]()
-        g.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3)
-        del g
-        return statistics.median(times) / n_calls
+        return graph_time_us(calls, n_calls, reps)
 
 
 def copy_bandwidth(clock: Clock, device: torch.device, n: int) -> float:
