@@ -21,6 +21,7 @@ import torch
 pytest.importorskip("triton")
 
 import dsv4mtp.optimized as opt
+from dsv4mtp.conformance.test_ops import _inputs as operator_test_inputs
 from dsv4mtp.errors import InputError
 from dsv4mtp.optimized import _dispatch
 from dsv4mtp.optimized.kernels._launch import TritonLaunch, _arg_key, _key_function, plan, workspace
@@ -30,22 +31,8 @@ N, D, T = 4, 32, 3
 
 
 def _inputs(op: str, device: str) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(5)
-    dt = torch.bfloat16 if device == "cuda" else torch.float32
-
-    def rnd(*shape: int, std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
-        return (torch.randn(shape, generator=g) * std + mean).to(device)
-
-    x = rnd(T, N, D).to(dt)
-    if op == "rms_norm":
-        return rnd(T, D).to(dt), rnd(D, std=0.2, mean=1.0).to(dt)
-    if op == "hc_pre":
-        M = (2 + N) * N
-        return x, rnd(M, N * D, std=0.02), rnd(3, std=0.3, mean=1.0), rnd(M, std=0.5)
-    if op == "hc_head":
-        return x, rnd(N, N * D, std=0.02), rnd(1, std=0.3, mean=1.0), rnd(N, std=0.5)
-    comb = torch.softmax(rnd(T, N, N), dim=-2)
-    return rnd(T, D).to(dt), x, (2 * torch.rand(T, N, generator=g)).to(device), comb
+    """The operator tests' tensor arguments of ``op`` (test_ops.py), at this module's T."""
+    return operator_test_inputs(op, device, T=T, seed=5)
 
 
 def _call(op: str, ts: tuple[Any, ...], out: Any = None, **kw: Any) -> Any:
