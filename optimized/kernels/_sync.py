@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import stream_key
+
 __all__ = [
     "COUNTER_HEADER",
     "block_count",
@@ -98,11 +100,10 @@ def finish(count_ptr, grid_size, blocks, RESET_BLOCK: tl.constexpr):
 
 
 # Zeroed counter buffers kept per (device, stream): every launch leaves its buffer zeroed
-# (``finish``), so the next launch on the same stream reuses it without a memset launch.  Old
-# buffers are never freed while the process lives (a few KB): a launch in flight may still use
-# one when a larger one replaces it.
-_CACHE: dict[tuple[int, int], torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
+# (``finish``), so the next launch on the same stream reuses it without a memset launch.  A
+# buffer replaced by a larger one goes back to the caching allocator, which hands its memory out
+# again only to work ordered after the launches still using it (same stream).
+_CACHE: dict[tuple[torch.device, object], torch.Tensor] = {}
 
 
 def counters(device: torch.device, n: int) -> torch.Tensor:
@@ -111,16 +112,12 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
     During CUDA-graph capture a fresh ``torch.zeros`` is returned instead: the memset becomes
     part of the graph and the buffer lives in the graph's pool, so a replay never shares
     counters with eager launches or other graphs.  On the CPU (interpreter) always fresh."""
-    if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing():  # type: ignore[attr-defined]
+    stream = stream_key(device)  # None on the CPU, False while capturing
+    if stream is None or stream is False:
         return torch.zeros((n,), dtype=torch.int32, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    # The raw handle: torch.cuda.current_stream() would build a Stream object per call.
-    key = (index, torch._C._cuda_getCurrentRawStream(index))  # type: ignore[attr-defined]
+    key = (device, stream)
     buf = _CACHE.get(key)
     if buf is None or buf.numel() < n:
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = torch.zeros((max(n, 64, 2 * (buf.numel() if buf is not None else 0)),),
-                          dtype=torch.int32, device=device)  # fmt: skip
-        _CACHE[key] = buf
+        grown = max(n, 64, 2 * buf.numel() if buf is not None else 0)
+        buf = _CACHE[key] = torch.zeros((grown,), dtype=torch.int32, device=device)
     return buf
