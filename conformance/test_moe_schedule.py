@@ -10,16 +10,24 @@ the default, and a split schedule for batch invariance.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from dsv4mtp.conformance.differential import compare, to_float64
 from dsv4mtp.conformance.inputs import moe_inputs
 from dsv4mtp.conformance.registry import Case, pairs_for
+from dsv4mtp import formats
 from dsv4mtp.errors import ConfigError
 
 pytest.importorskip("triton")
 
+import triton
+import triton.language as tl
+
+from dsv4mtp.optimized.kernels._launch import INTERPRET
+from dsv4mtp.optimized.kernels.moe_gemm import _e2m1_pair_bf16, _e4m3_bf16
 from dsv4mtp.optimized.kernels.moe_schedule import (
     schedule_from_fields,
     schedule_to_fields,
@@ -88,20 +96,61 @@ def test_fused_experts_schedule_matches_the_reference(name: str, fmt: str, devic
     _check("fused_experts", got, args, kw)
 
 
-def test_value_preserving_knobs_are_bitwise(device: str) -> None:
+@pytest.mark.parametrize("decode", ["bits", "asm"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8"])
+def test_value_preserving_knobs_are_bitwise(fmt: str, decode: str, device: str) -> None:
     """decode, group_m and the sort's chunk / warps change no output bit (same dot operands,
     same sums); the rest of the schedule is the default."""
-    args, kw = moe_inputs("moe", 6, 8, shape=_shape(device), fmt="mxfp4", device=device)
+    args, kw = moe_inputs("moe", 6, 8, shape=_shape(device), fmt=fmt, device=device)
     base = moe_config(6, batch_invariant=False)
-    want = moe(*args, **kw)
+    want = moe(*args, **kw, schedule=replace(base, decode="f16"))
     other = MoESchedule(
         base.block_m,
         GemmTile(**{**base.gate_up.__dict__, "group_m": 2}),
         GemmTile(**{**base.down.__dict__, "group_m": 1}),
         base.shared_block_m, base.shared_gate_up, base.shared_down,
-        decode="bits", align_chunk=16, align_warps=2,
+        decode=decode, align_chunk=16, align_warps=2,
     )  # fmt: skip
     assert torch.equal(moe(*args, **kw, schedule=other), want)
+
+
+@triton.jit
+def _decode_all_kernel(c_ptr, s_ptr, e4m3_ptr, lo_ptr, hi_ptr, INTERP: tl.constexpr):
+    r = tl.arange(0, 64)[:, None] * 64 + tl.arange(0, 64)[None, :]
+    c = tl.load(c_ptr + r)
+    tl.store(e4m3_ptr + r, _e4m3_bf16(c, INTERP))
+    lo, hi = _e2m1_pair_bf16(c, tl.load(s_ptr + r), INTERP)
+    tl.store(lo_ptr + r, lo)
+    tl.store(hi_ptr + r, hi)
+
+
+def test_code_decodes_are_exact_for_every_code(device: str) -> None:
+    """The ``decode="asm"`` helpers (PTX on the GPU, integer ops in the interpreter) against the
+    core's code tables, for all 256 bytes: e4m3 (subnormals and the largest code included) and
+    both e2m1 nibbles times bf16 group scales from 2**-125 to 2**8 and e4m3 values (products
+    below bf16's normal range, i.e. e8m0 scale bytes 0 and 1, are not claimed exact)."""
+    codes = torch.arange(256, dtype=torch.int32).repeat(16).to(torch.uint8)  # (4096,)
+    scale_set = torch.cat(
+        [
+            formats.decode_e8m0(torch.tensor([2, 50, 100, 119, 127, 135], dtype=torch.uint8)),
+            formats.decode_e4m3(torch.tensor([1, 7, 8, 0x38, 0x7E, 0xB9], dtype=torch.uint8)),
+            torch.tensor([1.0, 0.5, 2.0**-20, 0.75]),
+        ]
+    )  # (16,)
+    scale = scale_set.repeat_interleave(256).to(torch.bfloat16)  # every code with every scale
+    assert bool((scale.float() == scale_set.repeat_interleave(256)).all())  # exact in bf16
+    dev = torch.device(device)
+    out = [torch.empty(4096, dtype=torch.bfloat16, device=dev) for _ in range(3)]
+    _decode_all_kernel[(1,)](codes.to(dev), scale.to(dev), *out, INTERP=INTERPRET)
+    e4m3, lo, hi = (o.cpu() for o in out)
+    s64 = scale.double()
+    want_e4m3 = formats.decode_e4m3(codes, dtype=torch.float64)
+    want_lo = formats.decode_e2m1(codes & 15, dtype=torch.float64) * s64
+    want_hi = formats.decode_e2m1(codes >> 4, dtype=torch.float64) * s64
+    finite = ~torch.isnan(want_e4m3)  # 0x7f / 0xff are e4m3's NaN: refused at load time
+    assert torch.equal(e4m3.double()[finite], want_e4m3[finite])
+    assert torch.equal(lo.double(), want_lo)
+    assert torch.equal(hi.double(), want_hi)
 
 
 def test_split_schedule_is_batch_invariant(device: str) -> None:

@@ -82,11 +82,42 @@ def candidates(T: int, dry: bool) -> list[tuple[str, MoESchedule]]:
     FP4 dot (contiguous x), 8 warps, grouped launch order."""
     d = moe_config(T, batch_invariant=False)
     b = replace(d, decode="bits")
-    out = [("default", d), ("bits", b)]
+    a = replace(d, decode="asm")
+    out = [("default", d), ("asm", a)]
     if dry:  # tiny shape: D 256, I 128
         j = replace(b, fp4_join=True)
         out.append(("bits_split2_swap_join", _all(j, block_k=64, split_k=2, swap_ab=True)))
+        out.append(("asm_join_split2", _all(replace(a, fp4_join=True), block_k=64, split_k=2)))
         return out
+    if T <= 64:
+        aj = replace(a, fp4_join=True)
+        out += [
+            ("asm_join", aj),
+            ("asm_split2", _all(a, split_k=2)),
+            ("asm_split4", _all(a, split_k=4)),
+            ("asm_swap", _all(a, swap_ab=True)),
+            ("asm_n32", _all(a, block_n=32)),
+            ("asm_w8", _all(a, num_warps=8)),
+            ("asm_s4", _all(a, num_stages=4)),
+            ("asm_bk256_s2", _all(a, block_k=256, num_stages=2)),
+            ("asm_join_split2_n32", _all(aj, split_k=2, block_n=32)),
+            ("bits_join_split2", _all(replace(b, fp4_join=True), split_k=2)),
+        ]
+    else:
+        j = replace(b, fp4_join=True)
+        aj = replace(a, fp4_join=True)
+        m128 = replace(aj, block_m=128, shared_block_m=128)
+        out += [
+            ("bits_join", j),
+            ("asm_join", aj),
+            ("asm_join_n128_s2", _all(aj, block_n=128, num_stages=2)),
+            ("asm_join_m128_n128_w8_s2", _all(m128, block_n=128, num_warps=8, num_stages=2)),
+            ("asm_join_n128_w8_g8_s2", _all(aj, block_n=128, num_warps=8, group_m=8, num_stages=2)),
+            ("asm_join_m128_n64_w8", _all(m128, block_n=64, num_warps=8)),
+            ("asm_join_bk64_n128_s3", _all(aj, block_n=128, block_k=64, num_stages=3)),
+            ("asm", a),
+        ]
+    return out
     if T <= 64:
         out += [
             ("bits_split2", _all(b, split_k=2)),

@@ -19,8 +19,11 @@ What each knob changes (optimized/kernels/moe_gemm.py, module doc, "Schedule"):
 * ``decode``: how FP4 / FP8 codes become bf16 dot operands.  ``"f16"``: an fp16 bit pattern,
   converted to fp32, times the scale, converted to bf16 (two float conversions per element);
   ``"bits"``: the fp32 bit pattern built with integer ops, times the scale in fp32, and the
-  bf16 taken as the high half of the (exact) product: no float conversion.  Both give the same
-  bf16 operands bit for bit (every decoded value is exact in bf16).
+  bf16 taken as the high half of the (exact) product: no float conversion; ``"asm"``: inline
+  PTX building bf16 bit patterns four codes at a time with integer ops and exact ``bf16x2``
+  multiplies (kernels/moe_gemm.py, "decode"; the interpreter runs the same values through
+  integer ops).  All give the same bf16 operands bit for bit (every decoded value is exact in
+  bf16).
 * ``fp4_join``: FP4 only.  False: the low and high nibbles feed two dots of half the K step
   against x's even and odd columns (strided loads of x); True: the decoded halves are
   interleaved back in registers (``tl.join``) and one dot reads x contiguously.
@@ -53,7 +56,7 @@ __all__ = [
     "schedule_to_fields",
 ]
 
-DECODES = ("f16", "bits")
+DECODES = ("f16", "bits", "asm")
 _BLOCK_M = (16, 32, 64, 128)
 
 
