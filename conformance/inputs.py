@@ -12,11 +12,13 @@ with ``seed``, activations first, then parameters in argument order (hc_post: re
 comb, f).  ``zero_rows`` then zeroes each activation row with that probability, from the same
 generator after every other draw, so it leaves the other values unchanged.
 
-The MoE ops (``route``, ``fused_experts``, ``moe``): :func:`moe_inputs`, described there.
+The MoE ops (``route``, ``fused_experts``, ``moe``): :func:`moe_inputs`; the attention core
+(``sink_attention``, ``sink_attention_varlen``): :func:`attention_inputs`; each described there.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections import OrderedDict
@@ -30,6 +32,8 @@ from dsv4mtp.config import DSV4Config
 from dsv4mtp.params import MoEParams, PackedExperts
 
 __all__ = [
+    "ATTENTION_OPS",
+    "ATTENTION_SHAPES",
     "EPS",
     "EXPERT_FORMATS",
     "MHC_OPS",
@@ -37,6 +41,8 @@ __all__ = [
     "MOE_SHAPES",
     "OPS",
     "SKEWS",
+    "attention_inputs",
+    "attention_shape",
     "mhc_inputs",
     "moe_inputs",
     "moe_params",
@@ -49,7 +55,8 @@ __all__ = [
 EPS = 1e-6
 MHC_OPS = ("hc_pre", "hc_post", "hc_head")
 MOE_OPS = ("route", "fused_experts", "moe")
-OPS = ("rms_norm", *MHC_OPS, *MOE_OPS)
+ATTENTION_OPS = ("sink_attention", "sink_attention_varlen")
+OPS = ("rms_norm", *MHC_OPS, *MOE_OPS, *ATTENTION_OPS)
 
 Inputs = tuple[tuple[torch.Tensor, ...], dict[str, Any]]
 
@@ -138,10 +145,15 @@ def op_inputs(
     zero_rows: float = 0.0,
 ) -> Inputs:
     """``(args, kwargs)`` of one call of any op in :data:`OPS` (defaults: V4's n = 4, bf16).
-    MoE ops: D picks the shape (:func:`moe_shape`), the experts are MXFP4, routing uniform."""
+    MoE ops: D picks the shape (:func:`moe_shape`), the experts are MXFP4, routing uniform.
+    Attention ops: D picks the shape (:func:`attention_shape`), T is the number of queries."""
     if op in MOE_OPS:
         return moe_inputs(
             op, T, seed, shape=moe_shape(D), dtype=dtype, device=device, magnitude=magnitude
+        )
+    if op in ATTENTION_OPS:
+        return attention_inputs(
+            op, T, seed, shape=attention_shape(D), dtype=dtype, device=device, magnitude=magnitude
         )
     if op == "rms_norm":
         return norm_inputs(T, D, dtype, device, seed, magnitude=magnitude, zero_rows=zero_rows)
@@ -155,6 +167,10 @@ def token_rows(op: str, args: tuple[torch.Tensor, ...], index: Any) -> tuple[tor
         return tuple(a[index] for a in args)
     if op == "fused_experts":  # x, experts, topk_ids, topk_weights
         return (args[0][index], args[1], args[2][index], args[3][index])
+    if op == "sink_attention":  # q, q_pos, kv, k_pos, attn_sink: the queries only
+        return (args[0][index], args[1][index], *args[2:])
+    if op == "sink_attention_varlen":
+        return _varlen_rows(args, index)
     return (args[0][index], *args[1:])
 
 
@@ -441,3 +457,112 @@ def moe_inputs(
         assert local is not None
         experts, kw["expert_map"] = local, expert_map
     return (x, experts, ids, w), kw
+
+
+# ==================================================================================== attention
+#: (H, Dh, window) of the attention inputs by name: ``tiny`` and ``small`` for the CPU tier (the
+#: kernel runs in the interpreter), ``flash`` and ``pro`` the real V4-Flash / V4-Pro attention.
+ATTENTION_SHAPES: dict[str, tuple[int, int, int]] = {
+    "tiny": (4, 64, 8),
+    "small": (8, 64, 16),
+    "flash": (64, 512, 128),
+    "pro": (128, 512, 128),
+}
+_ATTENTION_BY_D = {64: "tiny", 4096: "flash", 7168: "pro"}
+
+
+def attention_shape(D: int) -> str:
+    """The :data:`ATTENTION_SHAPES` name of a contract's hidden size D (64, 4096, 7168)."""
+    if D not in _ATTENTION_BY_D:
+        raise ValueError(
+            f"no attention shape for hidden size {D}; expected one of {sorted(_ATTENTION_BY_D)}"
+        )
+    return _ATTENTION_BY_D[D]
+
+
+def _split(T: int, B: int) -> list[int]:
+    return [T // B + (b < T % B) for b in range(B)]
+
+
+def attention_inputs(
+    op: str,
+    T: int,
+    seed: int,
+    *,
+    shape: str = "tiny",
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cuda",
+    lens: list[int] | None = None,
+    caches: list[int] | None = None,
+    gap: float = 0.25,
+    magnitude: float = 1.0,
+) -> Inputs:
+    """``(args, kwargs)`` of one attention call with T queries, as the MTP layer makes them.
+
+    Each sequence holds ``caches[b]`` cached keys followed by the keys of its own queries (a
+    query's key is the last one it may see): decode is one query per sequence, prefill many.
+    ``sink_attention``: one sequence, ``(q, q_pos, kv, k_pos, attn_sink)``, cache default
+    ``window - 1`` (a full decode cache).  ``sink_attention_varlen``: ``lens`` queries per
+    sequence (default T split over 3), caches default ``window - 1, 0, 2 * window`` in turn
+    (the last longer than a real cache, so the window binds on cached keys too); args end with
+    ``cu_q, cu_k`` int32.  The shapes depend on (op, T, shape, lens, caches) only, never on the
+    seed, so a captured graph can replay other seeds' inputs.
+
+    From one generator on ``device`` seeded with ``seed``: q ~ N(0, magnitude^2) (Tq, H, Dh)
+    and kv ~ N(0, 1) (Tk, Dh) in ``dtype`` (unit rms like the layer's normed q and kv, so the
+    scores are O(magnitude)), attn_sink ~ N(0, 1) fp32 (H,), then positions: each sequence
+    starts at U[0, 1000) and steps by 1, or with probability ``gap`` by 2 .. window (skipped
+    positions, as after a rejected draft), int64.  kwargs: ``window``, ``scale = Dh**-0.5``.
+    """
+    if op not in ATTENTION_OPS:
+        raise ValueError(f"not an attention op: {op!r}")
+    H, Dh, W = ATTENTION_SHAPES[shape]
+    if op == "sink_attention":
+        lens, caches = [T], [W - 1] if caches is None else caches[:1]
+    else:
+        lens = _split(T, 3) if lens is None else lens
+        caches = [(W - 1, 0, 2 * W)[b % 3] for b in range(len(lens))] if caches is None else caches
+    if sum(lens) != T or len(caches) != len(lens):
+        raise ValueError(f"lens {lens} must sum to T={T} with one cache each, got {caches}")
+    dev = torch.device(device)
+    r = _Gen(dev, seed)
+    Tk = sum(lens) + sum(caches)
+    q = (r.normal(T, H, Dh) * magnitude).to(dtype)
+    kv = r.normal(Tk, Dh).to(dtype)
+    sink = r.normal(H)
+    q_pos, k_pos = [], []
+    for n, c in zip(lens, caches, strict=True):
+        steps = torch.where(r.uniform(0.0, 1.0, n + c) < gap, r.ints(2, W + 1, n + c), 1)
+        pos = r.ints(0, 1000, 1) + torch.cumsum(steps, 0) - 1  # (c + n,) strictly increasing
+        k_pos.append(pos)
+        q_pos.append(pos[c:])
+    kw: dict[str, Any] = {"window": W, "scale": Dh**-0.5}
+    args = (q, torch.cat(q_pos), kv, torch.cat(k_pos), sink)
+    if op == "sink_attention":
+        return args, kw
+    keys = [n + c for n, c in zip(lens, caches, strict=True)]
+    cu_q = torch.tensor([0, *lens], device=dev).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *keys], device=dev).cumsum(0).to(torch.int32)
+    return (*args, cu_q, cu_k), kw
+
+
+def _varlen_rows(args: tuple[Any, ...], index: Any) -> tuple[Any, ...]:
+    """A varlen call restricted to the queries ``index``: each run of selected rows from one
+    sequence becomes a sequence of its own, with a copy of that sequence's keys."""
+    q, q_pos, kv, k_pos, sink, cu_q, cu_k = args
+    rows = torch.arange(q.shape[0])[index.cpu() if isinstance(index, torch.Tensor) else index]
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    seq = [bisect.bisect_right(bq, int(t)) - 1 for t in rows]
+    runs: list[tuple[int, int]] = []  # (sequence, rows in the run)
+    for b in seq:
+        if runs and runs[-1][0] == b:
+            runs[-1] = (b, runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    pick = rows.to(q.device)
+    key_rows = torch.cat([torch.arange(bk[b], bk[b + 1]) for b, _ in runs]).to(q.device)
+    lens = [0] + [n for _, n in runs]
+    sizes = [0] + [bk[b + 1] - bk[b] for b, _ in runs]
+    new_cu_q = torch.tensor(lens, device=q.device).cumsum(0).to(cu_q.dtype)
+    new_cu_k = torch.tensor(sizes, device=q.device).cumsum(0).to(cu_k.dtype)
+    return (q[pick], q_pos[pick], kv[key_rows], k_pos[key_rows], sink, new_cu_q, new_cu_k)

@@ -361,3 +361,72 @@ register(
         **_MOE_COMMON,
     )
 )
+
+
+# --------------------------------------------------------------------------- attention
+# Inputs: conformance/inputs.py, attention_inputs (a cache then each query's own key per
+# sequence, position gaps).  On CPU the tiny / small shapes (H 4 / 8, Dh 64, window 8 / 16); on
+# CUDA V4-Flash and V4-Pro (H 64 / 128, Dh 512, window 128) with up to 1024 queries (the float64
+# reference gathers a (Tq, window, Dh) key tensor).
+def _attention_shape(device: str) -> st.SearchStrategy[str]:
+    return (
+        st.sampled_from(["tiny", "small"]) if device == "cpu" else st.sampled_from(["flash", "pro"])
+    )
+
+
+@st.composite
+def _attention_case(draw: Any, op: str, dtype: torch.dtype, device: str, max_tokens: int) -> Case:
+    from dsv4mtp.conformance.inputs import ATTENTION_SHAPES, attention_inputs
+
+    shape = draw(_attention_shape(device))
+    W = ATTENTION_SHAPES[shape][2]
+    cap = 3 * W if device == "cpu" else min(1024, max_tokens)
+    cache = st.one_of(st.sampled_from([0, W - 1]), st.integers(0, 2 * W + 3))
+    if op == "sink_attention":
+        lens = [draw(st.one_of(st.sampled_from([0, 1]), st.integers(0, cap)))]
+    else:  # decode batches (one query each) or mixed prefill lengths
+        B = draw(st.integers(1, 4))
+        one = st.just(1) if draw(st.booleans()) else st.integers(0, cap // B)
+        lens = [draw(one) for _ in range(B)]
+    caches = [draw(cache) for _ in lens]
+    gap = draw(st.sampled_from([0.0, 0.25, 0.9]))
+    magnitude = draw(st.sampled_from([1.0, 0.1, 4.0]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    args, kw = attention_inputs(
+        op, sum(lens), seed, shape=shape, dtype=dtype, device=device, lens=lens, caches=caches,
+        gap=gap, magnitude=magnitude,
+    )  # fmt: skip
+    label = f"{shape} lens={lens} caches={caches} gap={gap} magnitude={magnitude:g} seed={seed}"
+    return Case(args, kw, label=label)
+
+
+def _attention_facts(case: Case) -> Facts:
+    q, sink = case.args[0], case.args[4]
+    return Facts(q.device, (q.dtype, sink.dtype))
+
+
+# fp32: both compute in fp32; only the order of the sums over keys and Dh and exp2 of scores
+# pre-multiplied by log2(e) differ from the float64 oracle: a few fp32 ulps (measured on the CPU
+# tier's cases, 120 draws: rel <= 1.7e-7, scaled max-abs <= 4.3e-7).
+_ATTN_FP32 = Tolerance(2e-6, 1e-5, "fp32 sums over keys and Dh in another order, exp2 vs exp")
+# bf16: the inputs are exact in fp32, the scores and the softmax fp32, so the error is two bf16
+# roundings: P before the PV dot (2^-9 per weight, as flash attention does) and the output
+# (2^-9); each ~2^-9 / sqrt(3) rms, ~1.6e-3 rel together.  Measured on the CPU tier's cases
+# (120 draws, the interpreter applies the same bf16 roundings): rel <= 2.1e-3, scaled max-abs
+# <= 3.9e-3; the bounds leave ~3x.
+_ATTN_BF16 = Tolerance(
+    6e-3, 1.6e-2, "bf16 rounding of P before the PV dot and of the output (2^-9 each)"
+)
+
+for _op in ("sink_attention", "sink_attention_varlen"):
+    register(
+        OpPair(
+            name=_op,
+            concept="attention",
+            strategy=partial(_attention_case, _op),
+            build=partial(_build, _op),
+            facts=_attention_facts,
+            cpu_examples=12,
+            tolerances={(BF16, "math"): _ATTN_BF16, (FP32, "math"): _ATTN_FP32},
+        )
+    )

@@ -1,4 +1,7 @@
-"""MTP attention (spec 6): sliding window with sinks, RoPE, KV cache, FP8 simulation."""
+"""MTP attention (spec 6): sliding window with sinks, RoPE, KV cache, FP8 simulation; and the
+optimized attention core (``sink_attention``, ``sink_attention_varlen``) against the reference:
+decode against caches of 0 .. window+ keys with position gaps, prefill, varlen batches, non-finite
+inputs, queries that see no key, position checks, batch invariance, the operators."""
 
 from __future__ import annotations
 
@@ -230,3 +233,243 @@ def test_bad_inputs_raise_input_error() -> None:
     with pytest.raises(InputError, match="positions"):  # does not continue past the cache
         attention(x, pos, p, CFG, kv_cache=[cache])
     assert attention(x[:0], pos[:0], p, CFG).shape == (0, CFG.hidden_size)
+
+
+# ================================================================ the optimized attention core
+# Shapes come from the one builder (conformance/inputs.py, attention_inputs); tolerances are the
+# pairs' (conformance/pairs.py).  On CPU the Triton kernel runs in the interpreter.
+def _opt():  # type: ignore[no-untyped-def]
+    pytest.importorskip("triton")
+    import dsv4mtp.optimized as opt
+
+    return opt
+
+
+def _varlen(
+    lens: list[int],
+    caches: list[int],
+    dtype: torch.dtype,
+    device: str,
+    *,
+    shape: str = "small",
+    seed: int = 0,
+    gap: float = 0.4,
+):  # type: ignore[no-untyped-def]
+    from dsv4mtp.conformance.inputs import attention_inputs
+
+    return attention_inputs(
+        "sink_attention_varlen", sum(lens), seed, shape=shape, dtype=dtype, device=device,
+        lens=lens, caches=caches, gap=gap,
+    )  # fmt: skip
+
+
+def _check(op: str, args, kw, dtype: torch.dtype, label: str) -> None:  # type: ignore[no-untyped-def]
+    import dsv4mtp.conformance.pairs  # noqa: F401  (declares the pairs)
+    from dsv4mtp.conformance.differential import check_pair
+    from dsv4mtp.conformance.registry import REGISTRY, Case
+
+    check_pair(REGISTRY[op], Case(args, kw, label=label), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_optimized_decode_against_caches_of_every_length(dtype, device) -> None:
+    """Decode: one query per sequence against 0, 1, W-1, W, W+1 and 2W+3 cached keys (plus its
+    own), positions with gaps, in one varlen launch and one sequence at a time."""
+    _opt()
+    W = 16
+    caches = [0, 1, W - 1, W, W + 1, 2 * W + 3]
+    args, kw = _varlen([1] * len(caches), caches, dtype, device, seed=1)
+    _check("sink_attention_varlen", args, kw, dtype, f"decode caches={caches}")
+    cu_q, cu_k = args[5].tolist(), args[6].tolist()
+    for b in (0, 3, 5):
+        q_rows, k_rows = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        one = (args[0][q_rows], args[1][q_rows], args[2][k_rows], args[3][k_rows], args[4])
+        _check("sink_attention", one, kw, dtype, f"decode cache={caches[b]}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_optimized_prefill_and_mixed_batches(dtype, device) -> None:
+    """Prefill: Tq = Tk = 3W under the causal window (no cache), then a batch mixing a prefill
+    with a cache, decodes and an empty sequence."""
+    _opt()
+    W = 16
+    args, kw = _varlen([3 * W], [0], dtype, device, seed=2)
+    _check("sink_attention", args[:5], kw, dtype, "prefill 3W")
+    args, kw = _varlen([20, 1, 0, 1, 7], [5, W - 1, 3, 0, 2 * W], dtype, device, seed=3)
+    _check("sink_attention_varlen", args, kw, dtype, "mixed batch")
+
+
+def test_optimized_decode_gives_the_bits_of_the_prefill_row(device) -> None:
+    """A prefill row and a decode of the same query against the keys up to its own are bitwise
+    equal (blocks start at each row's first visible key, whatever else is in the call)."""
+    opt = _opt()
+    args, kw = _varlen([40], [0], BF16, device, seed=4)
+    q, q_pos, kv, k_pos, sink = args[:5]
+    full = opt.sink_attention(q, q_pos, kv, k_pos, sink, **kw, batch_invariant=True)
+    for t in (0, 5, 17, 39):
+        one = opt.sink_attention(
+            q[t : t + 1], q_pos[t : t + 1], kv[: t + 1], k_pos[: t + 1], sink, **kw,
+            batch_invariant=True,
+        )  # fmt: skip
+        assert torch.equal(one, full[t : t + 1]), f"row {t}"
+
+
+def test_optimized_sequence_is_bitwise_the_same_alone_and_batched(device) -> None:
+    opt = _opt()
+    lens, caches = [9, 1, 14], [3, 16, 0]
+    args, kw = _varlen(lens, caches, BF16, device, seed=5)
+    q, q_pos, kv, k_pos, sink, cu_q, cu_k = args
+    both = opt.sink_attention_varlen(*args, **kw, batch_invariant=True)
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(lens)):
+        rows, keys = slice(bq[b], bq[b + 1]), slice(bk[b], bk[b + 1])
+        alone = opt.sink_attention(
+            q[rows], q_pos[rows], kv[keys], k_pos[keys], sink, **kw, batch_invariant=True
+        )
+        assert torch.equal(alone, both[rows]), f"sequence {b}"
+
+
+def _nonfinite_pattern(out: torch.Tensor) -> torch.Tensor:
+    return ~torch.isfinite(out.double())
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter
+@pytest.mark.parametrize("where", ["q", "kv_seen", "kv_unseen", "sink_inf", "sink_nan"])
+def test_optimized_non_finite_inputs_propagate_as_the_reference(where: str, device) -> None:
+    """A NaN / inf input reaches exactly the outputs the reference's reaches: q[t, h] only its
+    own (t, h); a key the queries that see it (all heads) and no other, also when it sits next to
+    visible keys; a sink its head.  The finite outputs stay within the fp32 tolerance."""
+    from dsv4mtp.reference.attention import sink_attention_varlen as ref_varlen
+
+    opt = _opt()
+    # sequence 0: 20 cached keys then 12 queries at consecutive positions (window 16), so the
+    # first query sees keys 5 .. 20 and the last one keys 16 .. 31; sequence 1: one decode
+    args, kw = _varlen([12, 1], [20, 9], torch.float32, device, seed=6, gap=0.0)
+    q, q_pos, kv, k_pos, sink, cu_q, cu_k = (a.clone() for a in args)
+    if where == "q":
+        q[3, 2, 5] = float("nan")
+    elif where == "kv_seen":
+        kv[31] = float("inf")  # seen by the last query of sequence 0 only
+    elif where == "kv_unseen":
+        kv[4] = float("nan")  # next to the first query's first visible key, seen by none
+    elif where == "sink_inf":
+        sink[1] = float("inf")
+    else:
+        sink[2] = float("nan")
+    call = (q, q_pos, kv, k_pos, sink, cu_q, cu_k)
+    got = opt.sink_attention_varlen(*call, **kw)
+    want = ref_varlen(*call, **kw)
+    bad = _nonfinite_pattern(want)
+    expected_rows = {"q": 1, "kv_seen": 1, "kv_unseen": 0, "sink_inf": 13, "sink_nan": 13}
+    assert int(bad.any(-1).any(-1).sum()) == expected_rows[where], where
+    assert torch.equal(_nonfinite_pattern(got), bad), where
+    rel = float((got.double() - want.double())[~bad].norm() / want.double()[~bad].norm())
+    assert rel < 2e-6, f"{where}: finite outputs off by {rel:.2e}"
+
+
+def test_a_query_that_sees_no_key_returns_zero(device) -> None:
+    """All the weight on the sink: no cached key in the window, or no key at all."""
+    from dsv4mtp.reference.attention import sink_attention as ref_attention
+
+    opt = _opt()
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(3, 4, 64, generator=g).to(device)
+    kv = torch.randn(5, 64, generator=g).to(device)
+    sink = torch.randn(4, generator=g).to(device)
+    k_pos = torch.tensor([0, 1, 2, 30, 31], device=device)
+    q_pos = torch.tensor([20, 2, 29], device=device)  # row 0 sees nothing, row 2 nothing
+    kw = dict(window=8, scale=0.125)
+    for fn in (ref_attention, opt.sink_attention):
+        out = fn(q, q_pos, kv, k_pos, sink, **kw)
+        assert out[0].abs().max() == 0 and out[2].abs().max() == 0 and out[1].abs().max() > 0
+        empty = fn(q, q_pos, kv[:0], k_pos[:0], sink, **kw)
+        assert empty.shape == q.shape and empty.abs().max() == 0
+
+
+def test_optimized_rejects_bad_positions_and_offsets_as_the_reference(device) -> None:
+    import dsv4mtp.reference as ref
+
+    opt = _opt()
+    args, kw = _varlen([3, 2], [2, 1], torch.float32, device, seed=8)
+    q, q_pos, kv, k_pos, sink, cu_q, cu_k = args
+    bad_k = k_pos.clone()
+    bad_k[1] = bad_k[0]
+    bad_cu = cu_q.clone()
+    bad_cu[1] = 9
+    short = cu_k.clone()
+    short[-1] -= 1
+    for fn in (ref.sink_attention_varlen, opt.sink_attention_varlen):
+        with pytest.raises(InputError, match=r"^k_pos: expected strictly increasing"):
+            fn(q, q_pos, kv, bad_k, sink, cu_q, cu_k, **kw)
+        with pytest.raises(InputError, match=r"^cu_q: expected non-decreasing prefix offsets"):
+            fn(q, q_pos, kv, k_pos, sink, bad_cu, cu_k, **kw)
+        with pytest.raises(InputError, match=r"^cu_k: expected non-decreasing prefix offsets"):
+            fn(q, q_pos, kv, k_pos, sink, cu_q, short, **kw)
+    for fn in (ref.sink_attention, opt.sink_attention):
+        with pytest.raises(InputError, match=r"^k_pos: expected strictly increasing"):
+            fn(q, q_pos, kv, k_pos.flip(0), sink, **kw)
+    with pytest.raises(InputError, match=r"^kv: expected dtype"):
+        opt.sink_attention(q, q_pos, kv.to(BF16), k_pos, sink, **kw)
+
+
+def test_optimized_schedules_agree(device) -> None:
+    """A non-default schedule (16 heads, 16 keys, 16-wide Dh chunks, 32-wide output slices,
+    4-value search steps) computes the same function."""
+    opt = _opt()
+    from dsv4mtp.optimized.kernels.sink_attention import AttentionSchedule
+
+    args, kw = _varlen([17, 1], [20, 3], torch.float32, device, seed=9)
+    sched = AttentionSchedule(16, 16, 16, 32, search=4)
+    got = opt.sink_attention_varlen(*args, **kw, schedule=sched)
+    want = opt.sink_attention_varlen(*args, **kw)
+    assert float((got - want).norm() / want.norm()) < 2e-6
+    with pytest.raises(InputError, match=r"^schedule"):
+        opt.sink_attention_varlen(*args, **kw, schedule=AttentionSchedule(16, 24, 16, 32))
+
+
+@pytest.mark.parametrize("variant", ["", "_out"])
+@pytest.mark.parametrize("op", ["sink_attention", "sink_attention_varlen"])
+def test_attention_opcheck(op: str, variant: str, device) -> None:
+    """Schema, fake kernel and AOT dispatch of the operators (torch.library.opcheck)."""
+    _opt()
+    args, kw = _varlen([3, 1], [2, 5], BF16 if device == "cuda" else torch.float32, device)
+    tensors = args if op.endswith("varlen") else args[:5]
+    call = (*tensors, kw["window"], kw["scale"], "triton", [])
+    outs = {"out": torch.empty_like(args[0])} if variant else {}
+    torch.library.opcheck(getattr(torch.ops.dsv4mtp, op + variant).default, call, outs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["flash", "pro"])
+def test_optimized_full_shapes_decode_and_prefill(shape: str) -> None:
+    """V4-Flash / V4-Pro (H 64 / 128, Dh 512, window 128), bf16: 32 decodes against full caches,
+    then a 1024-row prefill batched with a decode, and the varlen decode captured in a CUDA
+    graph and replayed on another split of the same sizes."""
+    from dsv4mtp.conformance.inputs import attention_inputs
+
+    opt = _opt()
+    op = "sink_attention_varlen"
+    W = 128
+    for lens, caches in (([1] * 32, [W - 1] * 32), ([1024, 1], [0, W - 1])):
+        args, kw = attention_inputs(
+            op, sum(lens), 11, shape=shape, dtype=BF16, device="cuda", lens=lens, caches=caches
+        )
+        _check(op, args, kw, BF16, f"{shape} lens={lens[:2]} caches={caches[:2]}")
+    lens, caches = [1] * 8, [W - 1, 0, 5, W - 1, 2 * W, 1, W - 1, 3]
+    args, kw = attention_inputs(
+        op, 8, 12, shape=shape, dtype=BF16, device="cuda", lens=lens, caches=caches
+    )
+    out = opt.sink_attention_varlen(*args, **kw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.sink_attention_varlen(*args, **kw, out=out)
+    moved = [W - 1] * 8  # the same Tk split another way
+    moved[0] = W - 1 + sum(caches) - sum(moved)
+    fresh, _ = attention_inputs(
+        op, 8, 13, shape=shape, dtype=BF16, device="cuda", lens=lens, caches=moved
+    )
+    for dst, src in zip(args, fresh, strict=True):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, opt.sink_attention_varlen(*fresh, **kw))

@@ -102,7 +102,10 @@ _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def test_every_operator_is_defined_with_its_schema() -> None:
     ns = getattr(torch.ops, NAMESPACE)
-    ops = ("rms_norm", "hc_pre", "hc_post", "hc_head", "moe_route", "fused_experts", "moe")
+    ops = (
+        "rms_norm", "hc_pre", "hc_post", "hc_head", "moe_route", "fused_experts", "moe",
+        "sink_attention", "sink_attention_varlen",
+    )  # fmt: skip
     assert set(OPS) == {f"{b}{s}" for b in ops for s in ("", "_out")}
     for name, schema in SCHEMAS.items():
         parsed = getattr(ns, name).default._schema

@@ -255,3 +255,20 @@ TABLES.update(
         "moe": OpTable("moe", (Backend("triton", _always),), auto=("triton",)),
     }
 )
+
+
+# ------------------------------------------------------------------------------ attention
+# sink_attention / sink_attention_varlen run the Triton kernel of
+# optimized/kernels/sink_attention.py (bf16 / fp32 on CUDA or under the interpreter; the entry
+# points check dtypes and devices before the table is read).  No by_T rule: the default schedule
+# reads H, Dh and the window only.
+TABLES.update(
+    {
+        "sink_attention": OpTable(
+            "sink_attention", (Backend("triton", _always),), auto=("triton",)
+        ),
+        "sink_attention_varlen": OpTable(
+            "sink_attention_varlen", (Backend("triton", _always),), auto=("triton",)
+        ),
+    }
+)

@@ -679,3 +679,155 @@ def _register_moe() -> torch.library.Library | None:
 
 
 _MOE_LIB = _register_moe()
+
+
+# ------------------------------------------------------------------------------ attention
+# The attention core (optimized/attention.py validates and picks the schedule; the kernel is
+# optimized/kernels/sink_attention.py).  The single-sequence op passes no offsets; the varlen op
+# passes cu_q / cu_k.  A schedule travels as its int list (AttentionSchedule.fields; empty: the
+# default of H, Dh and the window).
+if TYPE_CHECKING:
+    from .kernels.sink_attention import (
+        AttentionSchedule,
+        attention_schedule,
+        sink_attention_triton,
+    )
+else:
+    AttentionSchedule = triton_kernel("sink_attention", "AttentionSchedule")
+    attention_schedule = triton_kernel("sink_attention", "attention_schedule")
+    sink_attention_triton = triton_kernel("sink_attention", "sink_attention_triton")
+
+_ATTN_ARGS = "Tensor q, Tensor q_pos, Tensor kv, Tensor k_pos, Tensor attn_sink"
+_ATTN_TAIL = "int window, float scale, str backend, int[] schedule"
+_ATTN_SCHEMAS: dict[str, str] = {
+    "sink_attention": f"sink_attention({_ATTN_ARGS}, {_ATTN_TAIL}) -> Tensor",
+    "sink_attention_out": (
+        f"sink_attention_out({_ATTN_ARGS}, {_ATTN_TAIL}, *, Tensor(a!) out) -> ()"
+    ),
+    "sink_attention_varlen": (
+        f"sink_attention_varlen({_ATTN_ARGS}, Tensor cu_q, Tensor cu_k, {_ATTN_TAIL}) -> Tensor"
+    ),
+    "sink_attention_varlen_out": (
+        f"sink_attention_varlen_out({_ATTN_ARGS}, Tensor cu_q, Tensor cu_k, {_ATTN_TAIL}, *, "
+        "Tensor(a!) out) -> ()"
+    ),
+}
+SCHEMAS.update(_ATTN_SCHEMAS)
+OPS = tuple(SCHEMAS)
+
+
+@functools.cache
+def _attn_schedule(
+    fields: tuple[int, ...], H: int, Dh: int, window: int, fp32: bool
+) -> AttentionSchedule:
+    if fields:
+        return AttentionSchedule(*fields)
+    return attention_schedule(H, Dh, window, fp32)
+
+
+def _attention_into(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    kv: torch.Tensor,
+    k_pos: torch.Tensor,
+    attn_sink: torch.Tensor,
+    cu_q: torch.Tensor | None,
+    cu_k: torch.Tensor | None,
+    window: int,
+    scale: float,
+    backend: str,
+    schedule: Sequence[int],
+    out: torch.Tensor,
+) -> None:
+    if backend != "triton":
+        raise _unknown("sink_attention", backend, ("triton",))
+    Tq, H, Dh = q.shape
+    if Tq == 0:
+        return
+    sched = _attn_schedule(tuple(schedule), H, Dh, window, q.dtype == torch.float32)
+    sink_attention_triton(
+        q.contiguous(), q_pos.contiguous(), kv.contiguous(), k_pos.contiguous(),
+        attn_sink.contiguous(), None if cu_q is None else cu_q.contiguous(),
+        None if cu_k is None else cu_k.contiguous(), out, window, scale, sched,
+    )  # fmt: skip
+
+
+def _sink_attention_out(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    kv: torch.Tensor,
+    k_pos: torch.Tensor,
+    attn_sink: torch.Tensor,
+    window: int,
+    scale: float,
+    backend: str,
+    schedule: Sequence[int],
+    *,
+    out: torch.Tensor,
+) -> None:
+    _attention_into(
+        q, q_pos, kv, k_pos, attn_sink, None, None, window, scale, backend, schedule, out
+    )
+
+
+def _sink_attention(q: torch.Tensor, *args: Any) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _sink_attention_out(q, *args, out=out)
+    return out
+
+
+def _sink_attention_varlen_out(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    kv: torch.Tensor,
+    k_pos: torch.Tensor,
+    attn_sink: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    window: int,
+    scale: float,
+    backend: str,
+    schedule: Sequence[int],
+    *,
+    out: torch.Tensor,
+) -> None:
+    _attention_into(
+        q, q_pos, kv, k_pos, attn_sink, cu_q, cu_k, window, scale, backend, schedule, out
+    )
+
+
+def _sink_attention_varlen(q: torch.Tensor, *args: Any) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _sink_attention_varlen_out(q, *args, out=out)
+    return out
+
+
+def _q_like(q: torch.Tensor, *args: Any) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+_KERNELS.update(
+    {
+        "sink_attention": (_sink_attention, _q_like),
+        "sink_attention_out": (_sink_attention_out, _out_fake),
+        "sink_attention_varlen": (_sink_attention_varlen, _q_like),
+        "sink_attention_varlen_out": (_sink_attention_varlen_out, _out_fake),
+    }
+)
+
+
+def _register_attention() -> torch.library.Library | None:
+    # A FRAGMENT beside the libraries above, registered after them.
+    if all(_defined(name) for name in _ATTN_SCHEMAS):
+        return None
+    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+    for name, schema in _ATTN_SCHEMAS.items():
+        kernel, fake = _KERNELS[name]
+        lib.define(schema)
+        lib.impl(name, kernel, "CPU")
+        lib.impl(name, kernel, "CUDA")
+        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
+    return lib
+
+
+_ATTN_LIB = _register_attention()

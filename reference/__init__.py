@@ -39,7 +39,7 @@ from .norm import rms_norm
 from .mhc import hc_head, hc_post, hc_pre, sinkhorn
 from .rope import apply_rope, rope_frequencies
 from .quant_sim import fp8_block_roundtrip
-from .attention import attention, sink_attention
+from .attention import attention, sink_attention, sink_attention_varlen
 from .moe import fused_experts, moe, route, swiglu_expert
 
 # --- the layer: parameters, KV cache, semantics switches (core) and the reference MTPLayer
@@ -132,6 +132,7 @@ __all__ = [
     "rope_frequencies",
     "route",
     "sink_attention",
+    "sink_attention_varlen",
     "sinkhorn",
     "swiglu_expert",
     "unpack_e2m1",

@@ -17,6 +17,7 @@ incremental decoding then reproduces full recomputation bit for bit.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -43,7 +44,13 @@ from .norm import rms_norm
 from .quant_sim import fp8_block_roundtrip
 from .rope import apply_rope, rope_frequencies
 
-__all__ = ["AttentionParams", "KVCache", "attention", "sink_attention"]
+__all__ = [
+    "AttentionParams",
+    "KVCache",
+    "attention",
+    "sink_attention",
+    "sink_attention_varlen",
+]
 
 
 def _window_slots(
@@ -71,12 +78,18 @@ def sink_attention(
     *,
     window: int,
     scale: float,
+    batch_invariant: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sliding-window attention of one sequence with per-head sinks.
 
-    q (Tq, H, Dh); kv (Tk, Dh) used as key and value; attn_sink (H,) a logit in the scaled score
-    space that joins the softmax denominator only (a virtual key with a zero value).
-    Returns o (Tq, H, Dh) in q.dtype; math in promote(q.dtype, float32).
+    q (Tq, H, Dh); q_pos (Tq,) int; kv (Tk, Dh) used as key and value; k_pos (Tk,) int, strictly
+    increasing; attn_sink (H,) a logit in the scaled score space that joins the softmax as a
+    virtual key with a zero value (docs/semantics.md, "Visibility and the sink softmax").
+    Query t sees key j iff ``0 <= q_pos[t] - k_pos[j] < window``; a query that sees no key
+    returns 0 (all the weight on the sink).  Returns o (Tq, H, Dh) in q.dtype; math in
+    promote(q.dtype, float32).  ``batch_invariant`` changes nothing here (each query is computed
+    on its own); ``out`` (Tq, H, Dh) in q.dtype, when given, receives the result.
     """
     for name, t in (("q", q), ("kv", kv), ("attn_sink", attn_sink)):
         check_dtype(name, t, FLOAT_DTYPES)
@@ -89,23 +102,100 @@ def sink_attention(
     check_positions("k_pos", k_pos, kv.shape[0])
     check_int("window", window, 1)
     check_number("scale", scale)
+    check_instance("batch_invariant", batch_invariant, bool)
+    _check_increasing(k_pos, "k_pos")
     cd = compute_dtype(q.dtype)
     index, present = _window_slots(q_pos, k_pos, window)  # (Tq, W)
-    keys = kv.to(cd)[index]  # (Tq, W, Dh)
+    keys = kv.to(cd)[index] if kv.shape[0] else kv.new_zeros((Tq, window, Dh), dtype=cd)
+    keys = keys.masked_fill(~present[..., None], 0.0)  # (Tq, W, Dh); absent slots hold no key
     scores = torch.bmm(q.to(cd), keys.transpose(1, 2)) * scale  # (Tq, H, W)
     scores = scores.masked_fill(~present[:, None, :], float("-inf"))
-    m = scores.amax(-1, keepdim=True)  # (Tq, H, 1); finite: each query sees itself
+    sink = attn_sink.to(cd)[None, :, None]  # (1, H, 1)
+    m = torch.maximum(scores.amax(-1, keepdim=True), sink)  # (Tq, H, 1); the sink is a logit too
     p = torch.exp(scores - m)  # masked slots -> 0
-    sink = torch.exp(attn_sink.to(cd)[None, :, None] - m)  # (Tq, H, 1)
-    denom = p.sum(-1, keepdim=True) + sink
-    o = torch.bmm(p / denom, keys)  # (Tq, H, Dh)
-    return o.to(q.dtype)
+    denom = p.sum(-1, keepdim=True) + torch.exp(sink - m)
+    o = torch.bmm(p / denom, keys).to(q.dtype)  # (Tq, H, Dh)
+    return _written(out, o)
 
 
-def _check_increasing(pos: torch.Tensor, what: str) -> None:
+def sink_attention_varlen(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    kv: torch.Tensor,
+    k_pos: torch.Tensor,
+    attn_sink: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    *,
+    window: int,
+    scale: float,
+    batch_invariant: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`sink_attention` over B sequences concatenated.
+
+    cu_q, cu_k (B+1,) int prefix offsets: sequence b has the queries ``q[cu_q[b]:cu_q[b+1]]``
+    (positions ``q_pos`` alike) and the keys ``kv[cu_k[b]:cu_k[b+1]]`` (positions ``k_pos``
+    alike, strictly increasing within the sequence).  A query sees only its own sequence's keys.
+    Returns o (Tq, H, Dh) in q.dtype, each sequence computed on its own (so ``batch_invariant``
+    changes nothing); ``out`` as in :func:`sink_attention`.
+    """
+    check_dtype("q", q, FLOAT_DTYPES)
+    if q.dim() != 3:
+        raise InputError(f"q: expected shape (Tq, H, Dh), got {tuple(q.shape)}")
+    check_positions("q_pos", q_pos, q.shape[0])
+    check_dtype("kv", kv, FLOAT_DTYPES)
+    check_positions("k_pos", k_pos, kv.shape[0])
+    check_positions("cu_q", cu_q)
+    check_positions("cu_k", cu_k, cu_q.shape[0])
+    check_instance("batch_invariant", batch_invariant, bool)
+    bq = _check_offsets("cu_q", cu_q, q.shape[0])
+    bk = _check_offsets("cu_k", cu_k, kv.shape[0])
+    outs = []
+    for b in range(len(bq) - 1):
+        rows, keys = slice(bq[b], bq[b + 1]), slice(bk[b], bk[b + 1])
+        o_b = sink_attention(
+            q[rows], q_pos[rows], kv[keys], k_pos[keys], attn_sink, window=window, scale=scale
+        )
+        outs.append(o_b)  # (Tq_b, H, Dh)
+    if not outs:  # B = 0: no queries; the call still checks the other arguments
+        outs.append(
+            sink_attention(q, q_pos, kv[:0], k_pos[:0], attn_sink, window=window, scale=scale)
+        )
+    o = torch.cat(outs)
+    return _written(out, o)
+
+
+def _check_offsets(name: str, cu: torch.Tensor, total: int) -> list[int]:
+    """Prefix offsets (B+1,): start at 0, never decrease, end at ``total``."""
+    bounds = [int(v) for v in cu.tolist()]
+    if (
+        not bounds
+        or bounds[0] != 0
+        or bounds[-1] != total
+        or any(a > b for a, b in itertools.pairwise(bounds))
+    ):
+        raise InputError(
+            f"{name}: expected non-decreasing prefix offsets from 0 to {total}, got {bounds}"
+        )
+    return bounds
+
+
+def _written(out: torch.Tensor | None, o: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return o
+    if not isinstance(out, torch.Tensor) or out.shape != o.shape or out.dtype != o.dtype:
+        raise InputError(
+            f"out: expected a tensor of shape {tuple(o.shape)} and dtype {o.dtype}, got "
+            f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}"
+        )
+    return out.copy_(o)
+
+
+def _check_increasing(pos: torch.Tensor, name: str, what: str = "") -> None:
     if pos.numel() > 1 and not bool((pos[1:] > pos[:-1]).all()):
         raise InputError(
-            f"positions: expected strictly increasing positions {what}, got {pos.tolist()}"
+            f"{name}: expected strictly increasing positions{what}, got {pos.tolist()}"
         )
 
 
@@ -184,7 +274,7 @@ def attention(
         rows = slice(start, start + n)
         start += n
         pos_b = positions[rows]
-        _check_increasing(pos_b, f"within sequence {b}")
+        _check_increasing(pos_b, "positions", f" within sequence {b}")
         cache = kv_cache[b] if kv_cache is not None else None
         if (
             cache is not None

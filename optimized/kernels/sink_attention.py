@@ -1,0 +1,309 @@
+"""Sliding-window MQA with per-head sinks (Triton): what ``sink_attention`` and
+``sink_attention_varlen`` run.  The math: docs/semantics.md, "Visibility and the sink softmax".
+
+Shapes: q (Tq, H, Dh) and out (Tq, H, Dh) contiguous, kv (Tk, Dh) contiguous (one latent per
+token, the key and the value of every head), q_pos (Tq,) / k_pos (Tk,) int32 or int64,
+attn_sink (H,) bf16 / fp32; varlen: cu_q, cu_k (B+1,) int prefix offsets.  q and kv bf16 or
+fp32 (the same), out in q's dtype.
+
+Schedule.  One program per (query row t, block of BLOCK_H heads, BLOCK_DV-wide slice of the
+output), flattened on grid axis 0 with the output slice fastest, so the programs of one row run
+side by side and share its q and keys in L2.  MQA makes the heads the M dimension of both dots:
+``S = Q_t (BLOCK_H, Dh) @ K^T (Dh, BLOCK_N)`` (Dh reduced in BLOCK_D chunks), then
+``O += P (BLOCK_H, BLOCK_N) @ V (BLOCK_N, BLOCK_DV)``.  A program
+
+1. finds its sequence (varlen: the last b with ``cu_q[b] <= t``) and the keys it sees: positions
+   increase strictly within a sequence, so the visible keys are one index range ``[lo, hi)``
+   with ``hi`` the first key past ``pos_t`` and ``lo`` the first past ``pos_t - window``, and
+   ``hi - lo <= window``.  Both come from a vectorized search (:func:`_upper_bound`: each step
+   loads SEARCH evenly spaced positions and narrows the range SEARCH-fold, so a decode search is
+   one or two loads and a 4096-key prefill search two; the ``lo`` search starts from
+   ``hi - window``);
+2. walks ``[lo, hi)`` in BLOCK_N-key blocks with an online softmax (fp32 running max, sum and
+   accumulator; scores pre-multiplied by ``scale * log2(e)`` and exponentiated with exp2);
+   a block past ``hi`` is masked, and keys outside ``[lo, hi)`` are never loaded, so a
+   non-finite key a query does not see cannot reach it;
+3. merges the sink as one more logit (``m = max(m, sink)``; its value is zero, so it enlarges
+   the denominator only) and writes ``O / Z`` in q's dtype.
+
+The blocks start at the row's own ``lo``, so a row's reduction order depends on its own keys and
+positions only: every schedule is batch invariant (a row's bits do not depend on the other rows
+or sequences in the call), and a decode row gives the bits of the same row inside a prefill.
+
+Numerics: QK^T and PV on tensor cores with fp32 accumulation; for bf16 inputs P is rounded to
+bf16 before the PV dot (as flash attention does), for fp32 inputs both dots are IEEE fp32 (no
+TF32).  Under the interpreter every dot runs in fp32 on upcast operands (Triton's interpreted
+bf16 dot is wrong) after the same bf16 rounding of P, so the CPU tier checks the GPU's rounding.
+
+Bytes per call: q read once and out written once (2 * Tq * H * Dh * itemsize), plus each
+sequence's visible keys: decode at V4-Flash (Tq = 1, H 64, Dh 512, window 128) reads
+128 * 512 * 2 B = 128 KiB of keys per sequence from HBM, once for all 64 heads (the Dh / BLOCK_DV
+programs of a row re-read them from L2), and q / out 64 KiB each.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import INTERPRET, TritonLaunch, next_pow2, rne_bf16_if_interpreted, triton_launch
+
+__all__ = ["AttentionSchedule", "attention_schedule", "sink_attention_triton"]
+
+_LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class AttentionSchedule:
+    """Tiles of :func:`sink_attention_kernel` (powers of two: >= 16, search >= 2).
+
+    block_h: heads per program (the dots' M; padded and masked past H); block_n: keys per step;
+    block_d: Dh chunk of the QK^T reduction; block_dv: output columns per program (Dh / block_dv
+    programs per row recompute the scores); search: positions loaded per search step.
+    Every schedule computes the same function; bits may differ between schedules, never between
+    batches under one schedule.
+    """
+
+    block_h: int
+    block_n: int
+    block_d: int
+    block_dv: int
+    search: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def fields(self) -> list[int]:
+        return [
+            self.block_h, self.block_n, self.block_d, self.block_dv, self.search,
+            self.num_warps, self.num_stages,
+        ]  # fmt: skip
+
+
+def attention_schedule(H: int, Dh: int, window: int, fp32: bool = False) -> AttentionSchedule:
+    """The default tiles, read by H, Dh, the window and the dtype only, never by T (so the
+    default is batch invariant).  bf16: up to 64 heads per program (the MQA key block is loaded
+    once for all of them), key blocks of 32, Dh reduced in 64-wide chunks, 128-wide output
+    slices, 4 warps.  fp32 (IEEE dots on FMA units, a test dtype): 32 heads, 16 keys, 32 / 64.
+    Chosen so that ptxas fits them in registers for sm_90 at V4-Flash / V4-Pro shapes
+    (bf16: 201 registers, no spills; the 64-key, 128-chunk tiles spill) and Triton's shared
+    memory stays under the H200's 227 KiB; not yet timed on the H200."""
+    pow2 = Dh & -Dh  # the largest power of two dividing Dh
+    if fp32:
+        return AttentionSchedule(
+            min(32, max(16, next_pow2(H))), 16, min(32, pow2), min(64, pow2), 64, 4, 1
+        )
+    block_h = min(64, max(16, next_pow2(H)))
+    block_n = min(32, max(16, next_pow2(window)))
+    return AttentionSchedule(block_h, block_n, min(64, pow2), min(128, pow2), 64, 4, 2)
+
+
+@triton.jit
+def _upper_bound(ptr, lo, hi, target, S: tl.constexpr):
+    """The first index in [lo, hi) whose value exceeds ``target`` (hi when none does), for
+    ``ptr[lo:hi]`` non-decreasing: each step loads S evenly spaced values and keeps the gap
+    between the last one <= target and the next."""
+    offs = tl.arange(0, S).to(tl.int64)
+    while hi > lo:
+        step = (hi - lo + S - 1) // S
+        idx = lo + offs * step
+        ok = idx < hi
+        v = tl.load(ptr + idx, mask=ok, other=0).to(tl.int64)
+        k = tl.sum((ok & (v <= target)).to(tl.int64), axis=0)
+        new_lo = tl.where(k > 0, lo + (k - 1) * step + 1, lo)
+        hi = tl.minimum(hi, lo + k * step)
+        lo = new_lo
+    return lo
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr, INTERP: tl.constexpr):
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _key_block(
+    q_rows,
+    kv_ptr,
+    start,
+    hi,
+    h_ok,
+    offs_d,
+    offs_dv,
+    offs_n,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    DH: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """One online-softmax step over the keys [start, min(start + BLOCK_N, hi))."""
+    j = start + offs_n
+    j_ok = j < hi
+    k_rows = kv_ptr + j[:, None] * DH  # (BLOCK_N, 1)
+    s = tl.zeros([m_i.shape[0], offs_n.shape[0]], dtype=tl.float32)
+    for d0 in tl.static_range(0, DH, BLOCK_D):
+        qc = tl.load(q_rows + d0 + offs_d[None, :], mask=h_ok[:, None], other=0.0)
+        kc = tl.load(k_rows + d0 + offs_d[None, :], mask=j_ok[:, None], other=0.0)
+        s = _dot(qc, tl.trans(kc), s, IEEE, INTERP)  # (BLOCK_H, BLOCK_N)
+    s = tl.where(j_ok[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(k_rows + offs_dv[None, :], mask=j_ok[:, None], other=0.0)  # (BLOCK_N, BLOCK_DV)
+    pv = rne_bf16_if_interpreted(p, v.dtype, INTERP).to(v.dtype)
+    acc = _dot(pv, v, acc * alpha[:, None], IEEE, INTERP)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def sink_attention_kernel(
+    q_ptr,
+    qpos_ptr,
+    kv_ptr,
+    kpos_ptr,
+    sink_ptr,
+    cuq_ptr,
+    cuk_ptr,
+    out_ptr,
+    Tk,
+    B,
+    window,
+    qk_scale,
+    H: tl.constexpr,
+    DH: tl.constexpr,
+    VARLEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SEARCH: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    N_DV: tl.constexpr = DH // BLOCK_DV
+    N_HB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
+    pid = tl.program_id(0)
+    dv = pid % N_DV
+    hb = (pid // N_DV) % N_HB
+    t = (pid // (N_DV * N_HB)).to(tl.int64)
+
+    # 1. the sequence's keys, then the visible range [lo, hi)
+    zero = tl.zeros([], dtype=tl.int64)
+    if VARLEN:
+        b = _upper_bound(cuq_ptr, zero, zero + B + 1, t, SEARCH) - 1
+        k_start = tl.load(cuk_ptr + b).to(tl.int64)
+        k_end = tl.load(cuk_ptr + b + 1).to(tl.int64)
+    else:
+        k_start = zero
+        k_end = zero + Tk
+    pos_t = tl.load(qpos_ptr + t).to(tl.int64)
+    hi = _upper_bound(kpos_ptr, k_start, k_end, pos_t, SEARCH)
+    lo = _upper_bound(kpos_ptr, tl.maximum(k_start, hi - window), hi, pos_t - window, SEARCH)
+
+    # 2. online softmax over the visible keys, BLOCK_N at a time
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_rows = q_ptr + t * (H * DH) + offs_h[:, None] * DH  # (BLOCK_H, 1)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    if INTERP:
+        # The interpreter's scalars are 1-element arrays, which range() cannot take.
+        start = lo
+        while start < hi:
+            m_i, l_i, acc = _key_block(
+                q_rows, kv_ptr, start, hi, h_ok, offs_d, offs_dv, offs_n, m_i, l_i, acc,
+                qk_scale, DH, BLOCK_D, IEEE, INTERP,
+            )  # fmt: skip
+            start += BLOCK_N
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _key_block(
+                q_rows, kv_ptr, start, hi, h_ok, offs_d, offs_dv, offs_n, m_i, l_i, acc,
+                qk_scale, DH, BLOCK_D, IEEE, INTERP,
+            )  # fmt: skip
+
+    # 3. the sink: one more logit with a zero value
+    sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_f = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_f)
+    z = l_i * alpha + tl.exp2(sink - m_f)
+    o = acc * (alpha / z)[:, None]
+    out_ty = out_ptr.dtype.element_ty
+    o = rne_bf16_if_interpreted(o, out_ty, INTERP)
+    o_ptrs = out_ptr + t * (H * DH) + offs_h[:, None] * DH + offs_dv[None, :]
+    tl.store(o_ptrs, o.to(out_ty), mask=h_ok[:, None])
+
+
+def _launch(
+    H: int, Dh: int, varlen: bool, ieee: bool, sched: AttentionSchedule
+) -> tuple[TritonLaunch, int]:
+    launch = triton_launch(
+        sink_attention_kernel,
+        H=H,
+        DH=Dh,
+        VARLEN=varlen,
+        BLOCK_H=sched.block_h,
+        BLOCK_N=sched.block_n,
+        BLOCK_D=sched.block_d,
+        BLOCK_DV=sched.block_dv,
+        SEARCH=sched.search,
+        IEEE=ieee,
+        INTERP=INTERPRET,
+        num_warps=sched.num_warps,
+        num_stages=sched.num_stages,
+    )
+    per_row = (Dh // sched.block_dv) * triton.cdiv(H, sched.block_h)
+    return launch, per_row
+
+
+_LAUNCHES: dict[tuple[object, ...], tuple[TritonLaunch, int]] = {}
+
+
+def sink_attention_triton(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    kv: torch.Tensor,
+    k_pos: torch.Tensor,
+    attn_sink: torch.Tensor,
+    cu_q: torch.Tensor | None,
+    cu_k: torch.Tensor | None,
+    out: torch.Tensor,
+    window: int,
+    scale: float,
+    sched: AttentionSchedule,
+) -> torch.Tensor:
+    """Launch :func:`sink_attention_kernel` (one sequence when ``cu_q`` is None)."""
+    Tq, H, Dh = q.shape
+    if Tq == 0:
+        return out
+    varlen = cu_q is not None
+    key = (H, Dh, varlen, q.dtype == torch.float32, sched)
+    entry = _LAUNCHES.get(key)
+    if entry is None:
+        entry = _LAUNCHES[key] = _launch(*key)  # type: ignore[arg-type]
+    launch, per_row = entry
+    cq = cu_q if cu_q is not None else q_pos
+    ck = cu_k if cu_k is not None else k_pos
+    B = cu_q.shape[0] - 1 if cu_q is not None else 1
+    launch(
+        (Tq * per_row,), q, q_pos, kv, k_pos, attn_sink, cq, ck, out,
+        kv.shape[0], B, window, scale * _LOG2E,
+    )  # fmt: skip
+    return out
