@@ -13,7 +13,7 @@ routing (fixed seeds), T in {1, 8, 64, 512, 4096}: each candidate schedule of th
   previous call's weights in the 60 MB L2 (bench/h200_moe.py's method and byte model).
 
 For the default and the best schedule of each (format, T) the parts are also timed alone, the
-same way: router, align (the single-program sort), routed gate/up (+ split-K epilogue), routed
+same way: router, align (the sort), routed gate/up (+ split-K epilogue), routed
 down, the reduce, and the shared expert; so the table attributes the time.  A global time cap
 (``--cap-s``, default 480 s) stops the sweep between candidates; what ran is printed.  Output:
 one table (us per call, time / floor, rel. error vs the default) and the best schedule per

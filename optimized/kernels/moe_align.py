@@ -3,37 +3,67 @@
 Input: topk_ids (T, K) int (global ids, -1 = padding), optional expert_map (E_global,) int32
 (global -> local, -1 = not on this rank).  S = T*K slots, slot s = token * K + k.
 
-One program (``moe_align_kernel``), three passes over the slots in chunks of CHUNK:
-
-1. counts per local expert (``tl.histogram`` of the valid slots);
-2. every expert's rows padded to whole BLOCK_M blocks; ``block_expert[b]`` = the local expert of
-   M block b (-1 for the unused tail of the NB_MAX blocks the grids launch);
-3. a stable sort: the slot at chunk position i goes to row offset[e] + (slots of e in earlier
-   chunks) + (slots of e earlier in this chunk), found with a CHUNK x CHUNK compare.
-
 Outputs: ``sorted_slot (NB_MAX*BLOCK_M,)`` int32 (the slot of each row, -1 on padding rows),
-``block_expert (NB_MAX,)`` int32.  NB_MAX = cdiv(S, BLOCK_M) + min(E_local, S) bounds the padded
-block count (every expert wastes less than one block).  Deterministic: rows of an expert keep
-slot order.  Slots whose id is -1 or maps to -1 appear nowhere.
+``block_expert (NB_MAX,)`` int32 (the local expert of each M block, -1 for the unused tail of the
+NB_MAX blocks the grouped GEMM grids launch).  NB_MAX = cdiv(S, BLOCK_M) + min(E_local, S)
+bounds the padded block count (every expert wastes less than one block).  Rows: the experts in
+increasing local id, each expert's slots in slot order (a stable sort), padded to whole BLOCK_M
+blocks.  Slots whose id is -1, out of range, or mapped to -1 appear nowhere.  The output is a
+function of the input alone, so both paths below give it bit for bit.
 
-Cost: one program (one SM) for the whole call, serial over cdiv(S, CHUNK) chunks in each pass;
-the sort pass does a CHUNK x E_local one-hot and a CHUNK x CHUNK compare per chunk (48 K element
-ops at CHUNK 128, E 256), the padding pass NB_MAX*BLOCK_M/CHUNK stores.  At V4-Flash (top-6) S
-is 6 / 48 / 384 / 3072 / 24576 at T 1 / 8 / 64 / 512 / 4096: one chunk up to T 16, 192 chunks
-(~9 M element ops on one SM, a few hundred us) at T 4096; bench/diag/moe_sweep.py times it
-alone.  ``chunk`` and ``num_warps`` are schedule knobs (MoESchedule.align_chunk / align_warps).
+A slot's row is ``start[e] * BLOCK_M + (slots of e before it)`` where ``start[e]`` is the
+block-padded prefix of the expert counts.  Two paths, chosen on the host by S (= T*K, known
+without a sync):
+
+* S <= min(chunk, 128): one program (``_align_small_kernel``), everything in slot space, no
+  E-sized work.  With SB = next_pow2(S) (>= 16): SB x SB compare-reductions give each slot its
+  rank among the earlier slots of its expert, its expert's count, and its expert's first block
+  (the block counts of the smaller experts, summed over their first slots).  Then per 64 blocks
+  an (NB_B x SB) compare against the first slots gives each block's expert and valid row count;
+  the program writes ``block_expert`` and -1 to exactly the padding rows (disjoint from the
+  slot rows, so scatter and fill need no ordering).  Warps: clamp(SB / 16, 1, num_warps).  At
+  V4-Flash top-6 decode (T <= 21) that is a few SB x SB compares (SB 16 at T 1-2, one warp)
+  and at most NB_MAX*BLOCK_M int32 stores (448 B at T 1, BLOCK_M 16): the launch dominates.  Past SB 128 the compares no longer
+  fit in registers (sm_90 compile: SB 128 at 8 warps uses 255 registers, SB 256 spills KBs).
+* larger S: three launches over NC = cdiv(S, chunk) chunks, a counting sort.
+  (a) ``_align_count_kernel``, NC programs: each chunk's histogram over the local experts ->
+  ``counts (NC, BLOCK_E)`` int32 (BLOCK_E = next_pow2(E_local)).
+  (b) ``_align_scan_kernel``, one program: each expert's total, first and end block
+  (``experts (3, BLOCK_E)``), and ``base[c, e]`` = first row of e + the slots of e in chunks
+  before c: a column scan of ``counts`` in tiles of 8 K counts (reads the table twice, writes
+  it once: 3 x NC x BLOCK_E x 4 B, 590 KB at S 24576, chunk 128, E 256).
+  (c) ``_align_place_kernel``, NC + cdiv(NB_MAX, 64) programs: a chunk program ranks its slots
+  among the earlier slots of the same expert in the chunk (a chunk x chunk compare) and stores
+  each slot at ``base[c, e] + rank``; a block program finds the expert of each of its 64
+  blocks (a 64 x BLOCK_E compare against the end blocks) and writes ``block_expert`` and -1 to
+  the padding rows of its blocks.
+  Within a launch no program waits for another; the launch order is the only dependency.
+  Every value is an integer count or sum, the same in any order (no global atomics).  At S 24576, chunk 128: 192
+  chunk programs of 16 K compares each over the SMs.
+
+``chunk`` (a power of two <= 256; the rank compare is chunk x chunk) and ``num_warps`` are
+schedule knobs (MoESchedule.align_chunk / align_warps).  bench/diag/align_h200.py times both
+paths alone, bench/diag/moe_sweep.py the align inside the MoE.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, next_pow2
+from ._launch import INTERPRET, TritonLaunch, cdiv, next_pow2, triton_launch, workspace
 from .moe_common import jit_loop_bounds
 
 __all__ = ["max_blocks", "moe_align_triton"]
+
+# Blocks per block program of the multi-program path (and per step of the single program).
+_NB_B = 64
+# The single program's SB x SB compares stay in registers up to SB 128 (sm_90 compile: 255
+# registers at 8 warps, no spill; SB 256 spills kilobytes), so larger S take the chunked path.
+_SINGLE_MAX = 128
 
 
 @triton.jit
@@ -45,8 +75,27 @@ def _local_ids(ids_ptr, map_ptr, s, S, E_GLOBAL, E_LOCAL, HAS_MAP: tl.constexpr)
     return tl.where(ok, loc, -1), ok
 
 
-@jit_loop_bounds("S", "NB_MAX")
-def moe_align_kernel(
+@triton.jit
+def _rank_in_chunk(loc, ok, N: tl.constexpr):
+    """(N,): for each position i, the valid positions j < i with the same expert."""
+    i = tl.arange(0, N)
+    same = (loc[:, None] == loc[None, :]) & (i[None, :] < i[:, None]) & ok[None, :]
+    return tl.sum(same.to(tl.int32), axis=1)
+
+
+@triton.jit
+def _fill_blocks(sorted_ptr, block_expert_ptr, b, e_b, valid_b, NB_MAX, BLOCK_M: tl.constexpr):
+    """block_expert[b] = e_b; -1 on rows valid_b.. of each block b (< NB_MAX)."""
+    inb = b < NB_MAX
+    tl.store(block_expert_ptr + b, e_b, mask=inb)
+    m = tl.arange(0, BLOCK_M)
+    pad = (m[None, :] >= valid_b[:, None]) & inb[:, None]
+    rows = b[:, None] * BLOCK_M + m[None, :]
+    tl.store(sorted_ptr + rows, tl.zeros_like(rows) - 1, mask=pad)
+
+
+@jit_loop_bounds("NB_MAX")
+def _align_small_kernel(
     ids_ptr,
     map_ptr,
     sorted_ptr,
@@ -57,49 +106,154 @@ def moe_align_kernel(
     NB_MAX,
     HAS_MAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    SB: tl.constexpr,
+    NB_B: tl.constexpr,
+):
+    s = tl.arange(0, SB)
+    loc, ok = _local_ids(ids_ptr, map_ptr, s, S, E_GLOBAL, E_LOCAL, HAS_MAP)
+    rank = _rank_in_chunk(loc, ok, SB)
+    same = (loc[:, None] == loc[None, :]) & ok[None, :]
+    cnt = tl.sum(same.to(tl.int32), axis=1)  # slots of the expert of slot i
+    first = ok & (rank == 0)  # one representative slot per present expert
+    nblk = tl.where(first, (cnt + BLOCK_M - 1) // BLOCK_M, 0)
+    lower = (loc[None, :] < loc[:, None]) & first[None, :]
+    start = tl.sum(tl.where(lower, nblk[None, :], 0), axis=1)  # first block of slot i's expert
+    tl.store(sorted_ptr + start * BLOCK_M + rank, s, mask=ok)
+    # blocks: block b belongs to the first slot j with start_j <= b < start_j + nblk_j
+    end = start + nblk
+    used = tl.sum(nblk, axis=0)
+    bi = tl.arange(0, NB_B)
+    for b0 in range(0, NB_MAX, NB_B):
+        b = b0 + bi
+        cover = (start[None, :] <= b[:, None]) & (b[:, None] < end[None, :]) & first[None, :]
+        e_b = tl.sum(tl.where(cover, loc[None, :], 0), axis=1)
+        left = cnt[None, :] - (b[:, None] - start[None, :]) * BLOCK_M  # rows of e from block b on
+        valid = tl.minimum(tl.sum(tl.where(cover, left, 0), axis=1), BLOCK_M)
+        _fill_blocks(sorted_ptr, block_expert_ptr, b, tl.where(b < used, e_b, -1), valid,
+                     NB_MAX, BLOCK_M)  # fmt: skip
+
+
+@triton.jit
+def _align_count_kernel(
+    ids_ptr,
+    map_ptr,
+    counts_ptr,
+    S,
+    E_GLOBAL,
+    E_LOCAL,
+    HAS_MAP: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
-    CHUNK_B: tl.constexpr,
+):
+    c = tl.program_id(0)
+    s = c * CHUNK + tl.arange(0, CHUNK)
+    loc, ok = _local_ids(ids_ptr, map_ptr, s, S, E_GLOBAL, E_LOCAL, HAS_MAP)
+    h = tl.histogram(tl.where(ok, loc, 0), BLOCK_E, mask=ok)
+    tl.store(counts_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), h)
+
+
+@jit_loop_bounds("NC")
+def _align_scan_kernel(
+    counts_ptr,
+    base_ptr,
+    experts_ptr,
+    NC,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    NC_B: tl.constexpr,
 ):
     ev = tl.arange(0, BLOCK_E)
-    ci = tl.arange(0, CHUNK)
-    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for c0 in range(0, S, CHUNK):
-        loc, ok = _local_ids(ids_ptr, map_ptr, c0 + ci, S, E_GLOBAL, E_LOCAL, HAS_MAP)
-        counts += tl.histogram(tl.where(ok, loc, 0), BLOCK_E, mask=ok)
-    nblk = (counts + BLOCK_M - 1) // BLOCK_M
-    blk_end = tl.cumsum(nblk, axis=0)  # inclusive
-    blk_start = blk_end - nblk
-    used = tl.sum(nblk, axis=0)
-    # block -> expert
-    bi = tl.arange(0, CHUNK_B)
-    for b0 in range(0, NB_MAX, CHUNK_B):
-        b = b0 + bi
-        e_of_b = tl.sum((blk_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
-        e_of_b = tl.where(b < used, e_of_b, -1)
-        tl.store(block_expert_ptr + b, e_of_b, mask=b < NB_MAX)
-    # padding rows first (-1), then the sorted slots
-    for r0 in range(0, NB_MAX * BLOCK_M, CHUNK):
-        r = r0 + ci
-        tl.store(sorted_ptr + r, tl.full((CHUNK,), -1, tl.int32), mask=r < NB_MAX * BLOCK_M)
-    tl.debug_barrier()
-    row_start = blk_start * BLOCK_M
-    seen = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    lower = ci[None, :] < ci[:, None]  # (i, j): j earlier than i
-    for c0 in range(0, S, CHUNK):
-        s = c0 + ci
+    cr = tl.arange(0, NC_B)
+    total = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for c0 in range(0, NC, NC_B):
+        c = c0 + cr
+        offs = c[:, None] * BLOCK_E + ev[None, :]
+        total += tl.sum(tl.load(counts_ptr + offs, mask=(c < NC)[:, None], other=0), axis=0)
+    nblk = (total + BLOCK_M - 1) // BLOCK_M
+    end = tl.cumsum(nblk, axis=0)  # inclusive: experts >= E_local have no slots, so end = used
+    start = end - nblk
+    tl.store(experts_ptr + ev, total)
+    tl.store(experts_ptr + BLOCK_E + ev, start)
+    tl.store(experts_ptr + 2 * BLOCK_E + ev, end)
+    row = start * BLOCK_M  # first row of each expert's slots in the next chunk
+    for c0 in range(0, NC, NC_B):
+        c = c0 + cr
+        offs = c[:, None] * BLOCK_E + ev[None, :]
+        inc = (c < NC)[:, None]
+        tile = tl.load(counts_ptr + offs, mask=inc, other=0)
+        tl.store(base_ptr + offs, row[None, :] + tl.cumsum(tile, axis=0) - tile, mask=inc)
+        row += tl.sum(tile, axis=0)
+
+
+@triton.jit
+def _align_place_kernel(
+    ids_ptr,
+    map_ptr,
+    base_ptr,
+    experts_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    S,
+    E_GLOBAL,
+    E_LOCAL,
+    NB_MAX,
+    NC,
+    HAS_MAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NB_B: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid < NC:
+        s = pid * CHUNK + tl.arange(0, CHUNK)
         loc, ok = _local_ids(ids_ptr, map_ptr, s, S, E_GLOBAL, E_LOCAL, HAS_MAP)
-        onehot = (loc[:, None] == ev[None, :]) & ok[:, None]  # (CHUNK, BLOCK_E)
-        base = tl.sum(tl.where(onehot, (row_start + seen)[None, :], 0), axis=1)
-        same = (loc[:, None] == loc[None, :]) & lower & ok[None, :]
-        rank = tl.sum(same.to(tl.int32), axis=1)
-        tl.store(sorted_ptr + base + rank, s, mask=ok)
-        seen += tl.sum(onehot.to(tl.int32), axis=0)
+        rank = _rank_in_chunk(loc, ok, CHUNK)
+        row = tl.load(base_ptr + pid * BLOCK_E + loc, mask=ok, other=0) + rank
+        tl.store(sorted_ptr + row, s, mask=ok)
+    else:
+        b = (pid - NC) * NB_B + tl.arange(0, NB_B)
+        ev = tl.arange(0, BLOCK_E)
+        end = tl.load(experts_ptr + 2 * BLOCK_E + ev)
+        used = tl.max(end, axis=0)
+        # the expert of block b: the experts ending at or before b, counted
+        e_b = tl.sum((end[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        live = b < used
+        e_b = tl.where(live, e_b, -1)
+        cnt = tl.load(experts_ptr + e_b, mask=live, other=0)
+        start = tl.load(experts_ptr + BLOCK_E + e_b, mask=live, other=0)
+        valid = tl.minimum(cnt - (b - start) * BLOCK_M, BLOCK_M)
+        _fill_blocks(sorted_ptr, block_expert_ptr, b, e_b, valid, NB_MAX, BLOCK_M)
 
 
 def max_blocks(S: int, e_local: int, block_m: int) -> int:
     """NB_MAX: the padded M-block count bound for S slots over e_local experts."""
-    return triton.cdiv(S, block_m) + min(e_local, S)
+    return cdiv(S, block_m) + min(e_local, S)
+
+
+@functools.cache
+def _small_launch(sb: int, nb_b: int, block_m: int, num_warps: int, has_map: bool) -> TritonLaunch:
+    return triton_launch(
+        _align_small_kernel, HAS_MAP=has_map, BLOCK_M=block_m, SB=sb, NB_B=nb_b,
+        num_warps=max(1, min(num_warps, sb // 16)),
+    )  # fmt: skip
+
+
+@functools.cache
+def _chunked_launches(
+    block_e: int, nc_b: int, block_m: int, chunk: int, num_warps: int, has_map: bool
+) -> tuple[TritonLaunch, TritonLaunch, TritonLaunch]:
+    count = triton_launch(
+        _align_count_kernel, HAS_MAP=has_map, BLOCK_E=block_e, CHUNK=chunk, num_warps=num_warps
+    )
+    scan = triton_launch(
+        _align_scan_kernel, BLOCK_M=block_m, BLOCK_E=block_e, NC_B=nc_b, num_warps=num_warps
+    )
+    place = triton_launch(
+        _align_place_kernel, HAS_MAP=has_map, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk,
+        NB_B=_NB_B, num_warps=num_warps,
+    )  # fmt: skip
+    return count, scan, place
 
 
 def moe_align_triton(
@@ -109,10 +263,10 @@ def moe_align_triton(
     block_m: int,
     *,
     chunk: int = 64 if INTERPRET else 128,
-    num_warps: int = 4 if INTERPRET else 16,
+    num_warps: int = 4 if INTERPRET else 8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_slot (NB_MAX*block_m,) int32, block_expert (NB_MAX,) int32); see the module doc.
-    ``chunk``: slots per step of the passes (the sort's compare is chunk x chunk)."""
+    ``chunk``: the slots per program of the chunked path, taken for S > min(chunk, 128)."""
     S = topk_ids.numel()
     nb = max_blocks(S, e_local, block_m)
     dev = topk_ids.device
@@ -121,11 +275,26 @@ def moe_align_triton(
     if nb == 0:
         return sorted_slot, block_expert
     ids = topk_ids.reshape(-1)
+    has_map = expert_map is not None
+    emap = expert_map if expert_map is not None else ids
     e_global = expert_map.numel() if expert_map is not None else e_local
-    moe_align_kernel[(1,)](
-        ids, expert_map if expert_map is not None else ids, sorted_slot, block_expert,
-        S, e_global, e_local, nb,
-        HAS_MAP=expert_map is not None, BLOCK_M=block_m, BLOCK_E=next_pow2(max(e_local, 2)),
-        CHUNK=chunk, CHUNK_B=64, num_warps=num_warps,
+    if min(chunk, _SINGLE_MAX) >= S:
+        sb, nb_b = max(16, next_pow2(S)), max(2, min(_NB_B, next_pow2(nb)))
+        launch = _small_launch(sb, nb_b, block_m, num_warps, has_map)
+        launch((1,), ids, emap, sorted_slot, block_expert, S, e_global, e_local, nb)
+        return sorted_slot, block_expert
+    nc = cdiv(S, chunk)
+    block_e = next_pow2(max(e_local, 2))
+    nc_b = max(1, min(next_pow2(nc), 8192 // block_e))  # scan tiles of <= 8 K counts
+    count, scan, place = _chunked_launches(block_e, nc_b, block_m, chunk, num_warps, has_map)
+    table = nc * block_e  # a multiple of 16 elements whenever block_e >= 16
+    pad = -(-table // 16) * 16
+    ws = workspace("moe_align", (2 * pad + 3 * block_e,), torch.int32, dev)
+    counts, base, experts = ws[:table], ws[pad : pad + table], ws[2 * pad :]
+    count((nc,), ids, emap, counts, S, e_global, e_local)
+    scan((1,), counts, base, experts, nc)
+    place(
+        (nc + cdiv(nb, _NB_B),), ids, emap, base, experts, sorted_slot, block_expert,
+        S, e_global, e_local, nb, nc,
     )  # fmt: skip
     return sorted_slot, block_expert

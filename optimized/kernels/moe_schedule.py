@@ -27,7 +27,10 @@ What each knob changes (optimized/kernels/moe_gemm.py, module doc, "Schedule"):
 * ``fp4_join``: FP4 only.  False: the low and high nibbles feed two dots of half the K step
   against x's even and odd columns (strided loads of x); True: the decoded halves are
   interleaved back in registers (``tl.join``) and one dot reads x contiguously.
-* ``align_chunk`` / ``align_warps``: the single-program sort's slot chunk and warps.
+* ``align_chunk``: the sort's slot chunk (optimized/kernels/moe_align.py): S = T*K slots up to
+  min(``align_chunk``, 128) are sorted by one program, more by ``cdiv(S, align_chunk)``
+  programs of that many slots (a chunk x chunk rank compare each, hence <= 256);
+  ``align_warps``: warps per sort program (the single program takes at most one per 16 slots).
 
 Numerics: for a fixed schedule every row is computed the same way whatever T is (batch
 invariant).  ``split_k`` and ``block_k`` change the fp32 summation order (allowed: within the
@@ -106,7 +109,7 @@ class MoESchedule:
     decode: str = "f16"
     fp4_join: bool = False
     align_chunk: int = 128
-    align_warps: int = 16
+    align_warps: int = 8
 
     def __post_init__(self) -> None:
         for name in ("block_m", "shared_block_m"):
@@ -120,7 +123,7 @@ class MoESchedule:
             raise ConfigError(f"MoESchedule.decode: expected one of {DECODES}, got {self.decode!r}")
         if not isinstance(self.fp4_join, bool):
             raise ConfigError(f"MoESchedule.fp4_join: expected a bool, got {self.fp4_join!r}")
-        _pow2("MoESchedule.align_chunk", self.align_chunk, 16, 1024)
+        _pow2("MoESchedule.align_chunk", self.align_chunk, 16, 256)
         _pow2("MoESchedule.align_warps", self.align_warps, 1, 32)
 
 
@@ -195,8 +198,9 @@ def moe_config(T: int, *, batch_invariant: bool) -> MoESchedule:
     blocks up to 64 tokens (decode: an expert sees a few rows and the weight stream is spread
     over experts x N tiles) and 64 rows above; 64-column N tiles, 128-column K steps (one FP8
     scale block), 4 warps, 3 stages, no K split, the 2-D grid, fp16-pattern decode, for every
-    GEMM.  Under the interpreter: 16 x 32 tiles, one stage (small shapes, fewer programs).
-    These are the first H200 measurement's values, not yet swept (bench/diag/moe_sweep.py
+    GEMM; the sort in one program up to 128 slots (T 21 at top-6), in 128-slot chunks above,
+    8 warps.  Under the interpreter: 16 x 32 tiles, one stage, 64-slot sort chunks (small
+    shapes, fewer programs).  These are the first H200 measurement's values, not yet swept (bench/diag/moe_sweep.py
     picks from candidates around them).
     """
     if INTERPRET:
@@ -204,4 +208,4 @@ def moe_config(T: int, *, batch_invariant: bool) -> MoESchedule:
         return MoESchedule(16, t, t, 16, t, t, align_chunk=64, align_warps=4)
     bm = 64 if (batch_invariant or T > 64) else 16
     t = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3)
-    return MoESchedule(bm, t, t, bm, t, t, align_chunk=128, align_warps=16)
+    return MoESchedule(bm, t, t, bm, t, t, align_chunk=128, align_warps=8)
