@@ -192,20 +192,31 @@ def schedule_from_fields(f: tuple[int, ...]) -> MoESchedule:
 
 @functools.cache
 def moe_config(T: int, *, batch_invariant: bool) -> MoESchedule:
-    """The default schedule of a call with T tokens.
+    """The default schedule of a call with T tokens (measured: bench/results/moe-h200.md,
+    "Schedule").
 
-    ``batch_invariant=True``: one schedule for every T (T is ignored).  Otherwise 16-row M
-    blocks up to 64 tokens (decode: an expert sees a few rows and the weight stream is spread
-    over experts x N tiles) and 64 rows above; 64-column N tiles, 128-column K steps (one FP8
-    scale block), 4 warps, 3 stages, no K split, the 2-D grid, fp16-pattern decode, for every
-    GEMM; the sort in one program up to 128 slots (T 21 at top-6), in 128-slot chunks above,
+    Every GEMM: 64-column N tiles, 128-column K steps (one FP8 scale block), 4 warps, 3 stages,
+    the 2-D grid, the PTX decode (``"asm"``: about half the GEMM time of the float-conversion
+    decodes at every T) and the interleaved FP4 dot.  By T:
+
+    * T <= 2: 16-row M blocks and a 4-way K split: six experts' weights are then streamed by
+      4x the programs (MXFP4 149 us vs 172 us unsplit for the whole moe at T 1; FP8 137 / 153);
+    * T <= 64: 16-row M blocks, no split (an expert sees a few rows; the weight stream is
+      spread over experts x N tiles);
+    * above, and under ``batch_invariant=True`` for every T: 64-row M blocks, no split.
+
+    The sort runs in one program up to 128 slots (T 21 at top-6), in 128-slot chunks above,
     8 warps.  Under the interpreter: 16 x 32 tiles, one stage, 64-slot sort chunks (small
-    shapes, fewer programs).  These are the first H200 measurement's values, not yet swept (bench/diag/moe_sweep.py
-    picks from candidates around them).
+    shapes, fewer programs), the same decode and dot.
     """
     if INTERPRET:
         t = GemmTile(block_n=32, block_k=128, num_warps=4, num_stages=1)
-        return MoESchedule(16, t, t, 16, t, t, align_chunk=64, align_warps=4)
+        return MoESchedule(
+            16, t, t, 16, t, t, decode="asm", fp4_join=True, align_chunk=64, align_warps=4
+        )
     bm = 64 if (batch_invariant or T > 64) else 16
-    t = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3)
-    return MoESchedule(bm, t, t, bm, t, t, align_chunk=128, align_warps=8)
+    split = 4 if (not batch_invariant and T <= 2) else 1
+    t = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=split)
+    return MoESchedule(
+        bm, t, t, bm, t, t, decode="asm", fp4_join=split == 1, align_chunk=128, align_warps=8
+    )
