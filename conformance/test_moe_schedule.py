@@ -5,7 +5,9 @@ Every knob the H200 sweep (bench/diag/moe_sweep.py) may pick runs here through t
 grouped launch order, swapped dots, the integer-only decode and the interleaved FP4 dot, against
 the float64 reference within the pairs' tolerance (conformance/pairs.py).  The knobs documented
 as value-preserving (decode, group_m, the sort's chunk and warps) are checked bitwise against
-the default, and a split schedule for batch invariance.
+the default, and a split schedule for batch invariance.  The router's schedules
+(optimized/kernels/moe_route.py, :class:`RouteSchedule`) likewise: against float64 logits on
+shapes no tile divides, against each other, and bitwise across T where the schedule is fixed.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ import triton.language as tl
 
 from dsv4mtp.optimized.kernels._launch import INTERPRET
 from dsv4mtp.optimized.kernels.moe_gemm import _e2m1_pair_bf16, _e4m3_bf16
+from dsv4mtp.optimized.kernels.moe_route import RouteSchedule, route_config, route_triton
 from dsv4mtp.optimized.kernels.moe_schedule import (
     schedule_from_fields,
     schedule_to_fields,
 )
-from dsv4mtp.optimized.moe import GemmTile, MoESchedule, moe, moe_config
+from dsv4mtp.optimized.moe import GemmTile, MoESchedule, moe, moe_config, route
 
 PAIRS = {p.name: p for p in pairs_for("moe")}
 _T = GemmTile
@@ -192,3 +195,168 @@ def test_schedule_shape_rules_raise(device: str) -> None:
                        base.shared_down)  # fmt: skip
     with pytest.raises(ConfigError, match="FP8"):
         moe(*args, **kw, schedule=wide)
+
+
+# ------------------------------------------------------------------------------ router
+_RS = RouteSchedule
+ROUTE_SCHEDULES = {
+    "one_slice": _RS(16, 16, 16, split=1),
+    "split4_rows4": _RS(16, 16, 16, split=4, topk_rows=4),
+    "split8_t32": _RS(32, 32, 32, split=8, topk_rows=2, num_warps=2),
+    "split2_t64": _RS(64, 64, 64, split=2, num_stages=2),
+    "split16_k16": _RS(16, 32, 16, split=16, topk_rows=8),
+}
+_ROUTE_TOL = 2e-5  # conformance/pairs.py, route: weights rel, and the near-tie score gap
+
+
+def _route_problem(
+    T: int, E: int, D: int, seed: int, device: str, x_dtype: torch.dtype, w_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T, D, generator=g, device=device).to(x_dtype)  # (T, D)
+    w = (torch.randn(E, D, generator=g, device=device) / D**0.5).to(w_dtype)  # (E, D)
+    b = torch.randn(E, generator=g, device=device) * 0.1  # (E,)
+    return x, w, b
+
+
+def _route64(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, k: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 oracle: (weights (T, K), ids (T, K) in descending biased order, near-tie (T,))."""
+    logits = x.double().cpu() @ w.double().cpu().T  # (T, E)
+    scores = torch.sqrt(torch.nn.functional.softplus(logits))
+    biased = scores + b.double().cpu()
+    top = biased.topk(min(k + 1, biased.shape[1]), dim=-1)
+    ids = top.indices[:, :k]
+    near = (top.values[:, k - 1] - top.values[:, k]) <= _ROUTE_TOL  # (T,)
+    sel = scores.gather(1, ids)
+    return sel / sel.sum(-1, keepdim=True) * scaling, ids, near
+
+
+def _run_route(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, k: int, scaling: float, **kw: object
+) -> tuple[torch.Tensor, torch.Tensor]:
+    T = x.shape[0]
+    wo = torch.full((T, k), float("nan"), dtype=torch.float32, device=x.device)
+    io = torch.full((T, k), -7, dtype=torch.int32, device=x.device)
+    route_triton(x, w, b, k, scaling, wo, io, **kw)  # type: ignore[arg-type]
+    return wo, io
+
+
+def _check_route(
+    got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> None:
+    """Away from near-ties: the same ids in the same (descending) order, weights within the
+    route tolerance; every output written."""
+    gw, gi = (t.cpu() for t in got)
+    ww, wi, near = want
+    assert torch.isfinite(gw).all() and bool((gi >= 0).all())
+    keep = ~near
+    assert torch.equal(gi[keep].long(), wi[keep])
+    rel = (gw[keep].double() - ww[keep]).abs() / ww[keep]
+    assert rel.numel() == 0 or float(rel.max()) <= _ROUTE_TOL, float(rel.max())
+
+
+_ROUTE_DTYPES = [
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32),
+]
+
+
+@pytest.mark.parametrize("name", [*ROUTE_SCHEDULES, "default", "batch_invariant"])
+@pytest.mark.parametrize(("x_dtype", "w_dtype"), _ROUTE_DTYPES, ids=["bf16", "fp32", "bf16_fp32"])
+def test_route_schedule_matches_float64_logits(
+    name: str, x_dtype: torch.dtype, w_dtype: torch.dtype, device: str
+) -> None:
+    """E 40 (no block_e divides it), D 208 (13 steps of 16: the last D slice is short, and no
+    split of 3+ divides it), K 6: every output of T 1, 5 and 37 against float64.  Summing the
+    split partials wrongly (one dropped, one twice) moves the logits by O(1): caught."""
+    E, D, K, scaling = 40, 208, 6, 2.5
+    for T in (1, 5, 37):
+        x, w, b = _route_problem(T, E, D, 100 + T, device, x_dtype, w_dtype)
+        kw: dict[str, object] = {"batch_invariant": name == "batch_invariant"}
+        if name in ROUTE_SCHEDULES:
+            kw["schedule"] = ROUTE_SCHEDULES[name]
+        _check_route(_run_route(x, w, b, K, scaling, **kw), _route64(x, w, b, K, scaling))
+
+
+def test_route_empty_batch_launches_nothing(device: str) -> None:
+    x, w, b = _route_problem(0, 40, 208, 0, device, torch.bfloat16, torch.bfloat16)
+    wo, io = _run_route(x, w, b, 6, 1.0, schedule=ROUTE_SCHEDULES["split8_t32"])
+    assert wo.shape == (0, 6) and io.shape == (0, 6)
+
+
+def test_route_schedules_agree(device: str) -> None:
+    """At the pairs' MoE shape: one D slice against many, small against large tiles, every
+    top-k row count: the same selections away from near-ties, weights within tolerance of each
+    other and of float64."""
+    (x, gw, gb, cfg), _ = moe_inputs("route", 37, 5, shape=_shape(device), device=device)
+    k, rho = cfg.num_experts_per_tok, float(cfg.routed_scaling_factor)
+    want = _route64(x, gw, gb, k, rho)
+    base = _run_route(x, gw, gb, k, rho, schedule=ROUTE_SCHEDULES["one_slice"])
+    _check_route(base, want)
+    for s in ROUTE_SCHEDULES.values():
+        got = _run_route(x, gw, gb, k, rho, schedule=s)
+        _check_route(got, want)
+        keep = ~want[2]
+        assert torch.equal(got[1].cpu()[keep], base[1].cpu()[keep])
+        assert torch.allclose(got[0][keep], base[0][keep], rtol=2 * _ROUTE_TOL, atol=0)
+
+
+@pytest.mark.parametrize("name", ["split8_t32", "split2_t64", "batch_invariant"])
+def test_route_fixed_schedule_is_batch_invariant(name: str, device: str) -> None:
+    """A fixed schedule (and batch_invariant=True, through the public route): each row of a
+    T 37 call is bitwise the row alone (T 1) and inside another batch (T 20, other position)."""
+    (x, gw, gb, cfg), _ = moe_inputs("route", 37, 9, shape=_shape(device), device=device)
+
+    def call(xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if name == "batch_invariant":
+            return route(xs, gw, gb, cfg, batch_invariant=True)
+        k, rho = cfg.num_experts_per_tok, float(cfg.routed_scaling_factor)
+        return _run_route(xs, gw, gb, k, rho, schedule=ROUTE_SCHEDULES[name])
+
+    full = call(x)
+    for t in (0, 17, 36):
+        for f, p in zip(full, call(x[t : t + 1].clone()), strict=True):
+            assert torch.equal(f[t : t + 1], p), f"row {t} alone"
+    inner = call(x[17:37].clone())
+    for f, p in zip(full, inner, strict=True):
+        assert torch.equal(f[17:37], p)
+
+
+def test_route_flag_reaches_the_schedule(device: str) -> None:
+    """The public route runs route_config's schedule for its T and flag (bitwise), and the
+    default and batch_invariant schedules are distinct at decode sizes (so this can fail)."""
+    (x, gw, gb, cfg), _ = moe_inputs("route", 5, 3, shape=_shape(device), device=device)
+    k, rho = cfg.num_experts_per_tok, float(cfg.routed_scaling_factor)
+    D, E = cfg.hidden_size, cfg.n_routed_experts
+    assert route_config(5, D, E, batch_invariant=False) != route_config(5, D, E, True)
+    for flag in (False, True):
+        want = _run_route(x, gw, gb, k, rho, schedule=route_config(5, D, E, flag))
+        got = route(x, gw, gb, cfg, batch_invariant=flag)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), flag
+
+
+def test_route_value_preserving_knobs_are_bitwise(device: str) -> None:
+    """topk_rows (the top-k sums the selected weights one at a time, whatever its tile) and
+    num_stages change no output bit."""
+    (x, gw, gb, cfg), _ = moe_inputs("route", 23, 4, shape=_shape(device), device=device)
+    k, rho = cfg.num_experts_per_tok, float(cfg.routed_scaling_factor)
+    base = RouteSchedule(32, 32, 32, split=4)
+    want = _run_route(x, gw, gb, k, rho, schedule=base)
+    for rows, stages in ((2, 3), (8, 2), (32, 4)):
+        s = RouteSchedule(32, 32, 32, split=4, num_stages=stages, topk_rows=rows)
+        got = _run_route(x, gw, gb, k, rho, schedule=s)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), s
+
+
+def test_route_config_and_validation() -> None:
+    b = route_config(4096, 4096, 256, batch_invariant=True)
+    assert all(route_config(t, 4096, 256, batch_invariant=True) == b for t in (1, 8, 64, 512))
+    with pytest.raises(ConfigError, match="block_t"):
+        RouteSchedule(8, 32, 32, split=1)  # tl.dot needs >= 16 rows
+    with pytest.raises(ConfigError, match="split"):
+        RouteSchedule(16, 32, 32, split=3)
+    with pytest.raises(ConfigError, match="num_stages"):
+        RouteSchedule(16, 32, 32, split=1, num_stages=0)

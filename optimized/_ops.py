@@ -415,6 +415,8 @@ else:
 from .kernels.moe_schedule import MoESchedule, moe_config, schedule_from_fields  # noqa: E402
 
 _ROUTE_ARGS = "Tensor x, Tensor gate_weight, Tensor gate_bias, int top_k, float scaling"
+# moe carries batch_invariant once, with the experts' arguments; the router alone takes it here.
+_ROUTE_OP_ARGS = f"{_ROUTE_ARGS}, bool batch_invariant"
 _EXPERTS_ARGS = (
     "Tensor expert_map, Tensor w13, Tensor s13, Tensor w2, Tensor s2, Tensor gscale, str fmt, "
     "float limit, bool act_quant, bool batch_invariant, int[] schedule"
@@ -426,8 +428,10 @@ _SHARED_ARGS = (
 _FE_ARGS = f"Tensor x, Tensor topk_ids, Tensor topk_weights, {_EXPERTS_ARGS}"
 _MOE_ARGS = f"{_ROUTE_ARGS}, {_EXPERTS_ARGS}, {_SHARED_ARGS}"
 _MOE_SCHEMAS: dict[str, str] = {
-    "moe_route": f"moe_route({_ROUTE_ARGS}) -> (Tensor, Tensor)",
-    "moe_route_out": f"moe_route_out({_ROUTE_ARGS}, *, Tensor(a!) weights, Tensor(b!) ids) -> ()",
+    "moe_route": f"moe_route({_ROUTE_OP_ARGS}) -> (Tensor, Tensor)",
+    "moe_route_out": (
+        f"moe_route_out({_ROUTE_OP_ARGS}, *, Tensor(a!) weights, Tensor(b!) ids) -> ()"
+    ),
     "fused_experts": f"fused_experts({_FE_ARGS}) -> Tensor",
     "fused_experts_out": f"fused_experts_out({_FE_ARGS}, *, Tensor(a!) out) -> ()",
     "moe": f"moe({_MOE_ARGS}) -> Tensor",
@@ -551,6 +555,7 @@ def _moe_route_out(
     gate_bias: torch.Tensor,
     top_k: int,
     scaling: float,
+    batch_invariant: bool,
     *,
     weights: torch.Tensor,
     ids: torch.Tensor,
@@ -559,7 +564,7 @@ def _moe_route_out(
         return
     route_triton(
         x.contiguous(), gate_weight.contiguous(), gate_bias.contiguous(), top_k, scaling,
-        weights, ids,
+        weights, ids, batch_invariant,
     )  # fmt: skip
 
 
@@ -572,14 +577,19 @@ def _route_outputs(x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _moe_route(
-    x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor, top_k: int, scaling: float
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: torch.Tensor,
+    top_k: int,
+    scaling: float,
+    batch_invariant: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     w, ids = _route_outputs(x, top_k)
-    _moe_route_out(x, gate_weight, gate_bias, top_k, scaling, weights=w, ids=ids)
+    _moe_route_out(x, gate_weight, gate_bias, top_k, scaling, batch_invariant, weights=w, ids=ids)
     return w, ids
 
 
-def _moe_route_fake(x: torch.Tensor, gw: Any, gb: Any, top_k: int, scaling: float) -> Any:
+def _moe_route_fake(x: torch.Tensor, gw: Any, gb: Any, top_k: int, scaling: float, bi: Any) -> Any:
     return _route_outputs(x, top_k)
 
 
@@ -634,7 +644,7 @@ def _moe_out(
 ) -> None:
     if x.shape[0] == 0:
         return
-    weights, ids = _moe_route(x, gate_weight, gate_bias, top_k, scaling)
+    weights, ids = _moe_route(x, gate_weight, gate_bias, top_k, scaling, batch_invariant)
     sched = _moe_schedule(x.shape[0], batch_invariant, schedule)
     shared = _shared_expert(
         x, shared_w13, shared_s13, shared_w2, shared_s2, shared_fmt, shared_limit,

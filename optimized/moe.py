@@ -8,7 +8,8 @@ helper :func:`pack_moe` that builds a :class:`MoEPack` (the kernels' layout) fro
 Kernels (optimized/kernels/moe_*.py), per call, all on the device with no host sync (so a call at
 fixed T is CUDA-graph capturable):
 
-1. router (``moe_route``): fp32 split-D logits, then a per-token top-k (ties: lowest expert id);
+1. router (``moe_route``): tensor-core logits over D slices (fp32 partials), then a per-token
+   top-k (ties: lowest expert id);
 2. align (``moe_align``): the slots (token, k) sorted by local expert, padded to BLOCK_M blocks;
 3. gate/up (``moe_gemm``): per (M block, N tile), weights decoded in registers (MXFP4, NVFP4,
    FP8 128x128, bf16), bf16 tensor-core dots with fp32 accumulation, global scales on the
@@ -291,9 +292,12 @@ def route(
     gate_weight (E, D), gate_bias (E,) bf16 / fp32.  Logits in fp32, scores sqrt(softplus),
     top-K of scores + bias (ties: the lowest expert id), weights = the unbiased scores of the
     selected renormalised, times ``routed_scaling_factor``.  Fuses the gate GEMV, the scoring and
-    the selection (kernels/moe_route.py); moves the gate once (E*D*itemsize) plus x.
+    the selection (kernels/moe_route.py); moves the gate once (E*D*itemsize) plus x, and fp32
+    split-D partials (2*split*T*E*4 bytes).
     ``out=(weights, ids)``: contiguous buffers of those shapes and dtypes, written in place.
-    Every row is reduced in the same order whatever T is: batch invariant by construction.
+    The default schedule depends on T (``route_config``: wide D splits at decode sizes, larger
+    tiles and fewer splits for many tokens); ``batch_invariant=True`` takes one schedule for
+    every T, so each row's bits do not depend on the batch.
     """
     check_instance("config", config, DSV4Config)
     check_instance("batch_invariant", batch_invariant, bool)
@@ -305,7 +309,7 @@ def route(
     check_shape("gate_bias", gate_bias, (E,))
     dev = check_device([("x", x), ("gate_weight", gate_weight), ("gate_bias", gate_bias)])
     select("route", backend, Facts(dev, (x.dtype, gate_weight.dtype)))
-    args = (x, gate_weight, gate_bias, K, float(config.routed_scaling_factor))
+    args = (x, gate_weight, gate_bias, K, float(config.routed_scaling_factor), batch_invariant)
     if out is None:
         w, ids = _ops_route(*args)
         return w, ids

@@ -2,39 +2,136 @@
 
 Two kernels, no host sync:
 
-* ``route_logits_kernel``: grid (cdiv(T, BLOCK_T), E / BLOCK_E, SPLIT).  Each program computes
-  fp32 partial logits of BLOCK_T tokens x BLOCK_E experts over one D / SPLIT slice of the hidden
-  dim (fp32 FMA, broadcast-and-sum: every row is reduced in the same order whatever T is, so the
-  router is batch invariant).  SPLIT spreads the gate's bytes (E*D*itemsize, 2 MiB in bf16 at
-  V4-Flash shapes) over many SMs when T is 1.  Writes partials (SPLIT, T, E) fp32.
-* ``route_topk_kernel``: one program per token.  Sums the SPLIT partials in split order,
-  scores = sqrt(softplus(logits)), biased = scores + bias, K passes of an arg-max (tie: the
-  lowest expert id wins on an equal biased score), weights = unbiased scores of the selected,
-  renormalised, times ``routed_scaling_factor``.  Writes weights (T, K) fp32, ids (T, K) int32.
+* ``route_logits_kernel``: grid (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E), SPLIT).  Each program
+  computes the logits of BLOCK_T tokens x BLOCK_E experts over one D slice (D_SPLIT columns, a
+  multiple of BLOCK_K) as tensor-core dots: x (BLOCK_T, BLOCK_K) times the gate tile
+  (BLOCK_E, BLOCK_K)^T, bf16 operands, fp32 accumulator.  fp32 inputs (either operand) take an
+  fp32 dot with ``input_precision="ieee"`` (no TF32: its 10-bit mantissa is far outside the
+  router's tolerance).  Under the interpreter the dot is an fp32 broadcast-and-sum instead:
+  its ``tl.dot`` is wrong in bf16, and in fp32 it is numpy's BLAS, whose result for a row
+  depends on the row's position in the tile (OpenBLAS kernels), which would break the bitwise
+  batch-invariance tests on the CPU; on the GPU a tile's rows all run the same instructions.
+  Writes fp32 partials (SPLIT, T, E).
+* ``route_topk_kernel``: ROWS (``topk_rows``) tokens per program.  Sums the SPLIT partials in split order
+  0..SPLIT-1, scores = sqrt(softplus(logits)), biased = scores + bias, K passes of an arg-max
+  (tie: the lowest expert id wins on an equal biased score), weights = unbiased scores of the
+  selected, summed one at a time in selection order (so the sum does not depend on the tile's
+  layout or ROWS), renormalised, times ``routed_scaling_factor``.  Writes weights (T, K)
+  fp32, ids (T, K) int32.
 
 softplus follows torch (threshold 20: the identity above it) and uses log1p's Kahan form
 ``log(u) * e / (u - 1)``, u = 1 + e, which stays accurate where ``exp(l)`` is far below one ulp
 of 1 (plain ``log(1 + exp(l))`` loses all digits there).
-Bytes: gate E*D*itemsize once (SPLIT programs each read their slice), x T*D*itemsize per
-E / BLOCK_E program column (L2), partials 2*SPLIT*T*E*4.
 
-Schedule at V4-Flash (E 256, D 4096; BLOCK_T 4, BLOCK_E 32, SPLIT 8): the logits grid is
-cdiv(T, 4) x 8 x 8 programs, 64 at T 1 and 65536 at T 4096; each reads a 32 KB slice of the
-gate, so the gate is re-read from L2 once per 4 tokens (2 GB of L2 reads at T 4096) and the
-T*E*D = 4.3 G fp32 FMAs run on CUDA cores (no tensor cores: the fixed order keeps it batch
-invariant).  Not a schedule knob yet; bench/diag/moe_sweep.py times it alone.
+Bytes: the gate E*D*itemsize from HBM once, then from L2 once per BLOCK_T tokens (2 MiB at
+V4-Flash in bf16); x T*D*itemsize once per E / BLOCK_E tile column (L2 after the first);
+partials 2*SPLIT*T*E*4 (written, then read by the top-k); outputs T*K*8.
+
+Numerics: for a fixed :class:`RouteSchedule` a row's logits do not depend on the other rows (a
+dot's row depends only on that row of x), so any fixed schedule is batch invariant.  ``split``
+and ``block_k`` change the fp32 summation order; ``block_t``, ``block_e`` and ``num_warps`` pick
+the tile and so may change the tensor-core instruction (mma.sync below 64 rows, wgmma at 64)
+and its internal order; ``num_stages`` and ``topk_rows`` change no bit.  All stay within the
+route tolerance (conformance/pairs.py); near-ties may then select other experts.
+
+Schedule (:func:`route_config`, V4-Flash: E 256, D 4096, bf16; the default picks by T):
+
+* T <= 64: one 64-token tile, BLOCK_E 32, split 16 (256-column slices): 8 x 16 = 128 programs,
+  each reading a 16 KB slice of the gate, so the gate streams from HBM once over most SMs;
+  partials 16*T*E*4 (1 MiB at T 64) stay in L2.  At T 1 the 64-row tile is padding, but the
+  dot is not what costs there (the gate's bytes are).
+* T <= 1024: BLOCK_T 64, BLOCK_E 64, split 4: 128 programs at T 512, the gate re-read from L2
+  once per 64 tokens, partials 4 MiB at T 1024.
+* larger T: BLOCK_T 64, BLOCK_E 128, split 2: 256 programs at T 4096 (64 x 2 tiles x 2
+  slices), gate L2 reads 128 MiB, x read twice, partials 8 MiB written and read.
+* ``batch_invariant=True``: one schedule for every T, BLOCK_T 64, BLOCK_E 64, split 8: 32
+  programs of 64 KB at T 1, 2048 programs and 32 MiB of partials at T 4096.
+
+Every D split and tile is clipped to the shapes (a split never narrower than BLOCK_K, a tile
+no wider than the padded E), so small test shapes launch few programs.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, next_pow2
+from dsv4mtp.errors import ConfigError
+
+from ._launch import INTERPRET, TritonLaunch, cdiv, next_pow2, plan, triton_launch, workspaces
 from .moe_common import jit_loop_bounds
 
-__all__ = ["route_triton"]
+__all__ = ["RouteSchedule", "route_config", "route_triton"]
+
+
+def _pow2(name: str, v: object, lo: int, hi: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or v > hi or v & (v - 1):
+        raise ConfigError(f"{name}: expected a power of two in [{lo}, {hi}], got {v!r}")
+
+
+@dataclass(frozen=True)
+class RouteSchedule:
+    """The router's launch (see the module doc, "Numerics", for what each knob may change).
+
+    ``block_t`` tokens x ``block_e`` experts per logits program, ``block_k`` D columns per dot
+    step, ``split`` D slices (an upper bound: a slice is at least ``block_k`` columns),
+    ``num_warps`` / ``num_stages`` of the logits kernel, ``topk_rows`` tokens per top-k program.
+    """
+
+    block_t: int
+    block_e: int
+    block_k: int
+    split: int
+    num_warps: int = 4
+    num_stages: int = 3
+    topk_rows: int = 1
+
+    def __post_init__(self) -> None:
+        _pow2("RouteSchedule.block_t", self.block_t, 16, 256)  # tl.dot: every side >= 16
+        _pow2("RouteSchedule.block_e", self.block_e, 16, 256)
+        _pow2("RouteSchedule.block_k", self.block_k, 16, 512)
+        _pow2("RouteSchedule.split", self.split, 1, 256)
+        _pow2("RouteSchedule.num_warps", self.num_warps, 1, 16)
+        _pow2("RouteSchedule.topk_rows", self.topk_rows, 1, 64)
+        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int):
+            raise ConfigError(f"RouteSchedule.num_stages: expected an int, got {self.num_stages!r}")
+        if not 1 <= self.num_stages <= 8:
+            raise ConfigError(
+                f"RouteSchedule.num_stages: expected an int in [1, 8], got {self.num_stages}"
+            )
+
+
+_DECODE = RouteSchedule(block_t=64, block_e=32, block_k=128, split=16)
+_MID = RouteSchedule(block_t=64, block_e=64, block_k=64, split=4, topk_rows=4)
+_LARGE = RouteSchedule(block_t=64, block_e=128, block_k=64, split=2, topk_rows=4)
+_INVARIANT = RouteSchedule(block_t=64, block_e=64, block_k=64, split=8)
+
+
+def route_config(T: int, D: int, E: int, batch_invariant: bool = False) -> RouteSchedule:
+    """The default schedule for T tokens of hidden size D over E experts (module doc,
+    "Schedule"); ``batch_invariant=True``: the same schedule for every T.  D and E only clip
+    it (:func:`_launch_shape`), so the choice itself depends on T alone."""
+    del D, E  # the launcher clips the schedule to the shapes
+    if batch_invariant:
+        return _INVARIANT
+    if T <= 64:
+        return _DECODE
+    if T <= 1024:
+        return _MID
+    return _LARGE
+
+
+def _launch_shape(s: RouteSchedule, D: int, E: int) -> tuple[int, int, int, int]:
+    """(block_e, block_k, d_split, split) clipped to the shapes: a tile no wider than E padded
+    to a power of two, a step no wider than D padded, slices of whole steps.  Depends on D and
+    E only, never on T."""
+    block_e = min(s.block_e, max(16, next_pow2(E)))
+    block_k = min(s.block_k, max(16, next_pow2(D)))
+    d_split = cdiv(cdiv(D, s.split), block_k) * block_k
+    return block_e, block_k, d_split, cdiv(D, d_split)
 
 
 @jit_loop_bounds("D_SPLIT")
@@ -49,6 +146,9 @@ def route_logits_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_e = tl.program_id(1)
@@ -56,24 +156,29 @@ def route_logits_kernel(
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     kk = tl.arange(0, BLOCK_K)
+    tm = t < T
+    em = e < E
+    x_rows = x_ptr + t[:, None].to(tl.int64) * D
+    w_rows = w_ptr + e[:, None].to(tl.int64) * D
     acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
     k_lo = pid_s * D_SPLIT
     for kd in range(0, D_SPLIT, BLOCK_K):
         k = k_lo + kd + kk
-        km = k < D
-        x = tl.load(
-            x_ptr + t[:, None].to(tl.int64) * D + k[None, :],
-            mask=(t[:, None] < T) & km[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        w = tl.load(
-            w_ptr + e[:, None].to(tl.int64) * D + k[None, :],
-            mask=(e[:, None] < E) & km[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        if EVEN_K:  # every slice lies inside D
+            x = tl.load(x_rows + k[None, :], mask=tm[:, None], other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=em[:, None], other=0.0)
+        else:
+            km = k < D
+            x = tl.load(x_rows + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=em[:, None] & km[None, :], other=0.0)
+        if INTERP:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        elif DOT_F32:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
     out = part_ptr + (pid_s * T + t[:, None]).to(tl.int64) * E + e[None, :]
-    tl.store(out, acc, mask=(t[:, None] < T) & (e[None, :] < E))
+    tl.store(out, acc, mask=tm[:, None] & em[None, :])
 
 
 @triton.jit
@@ -87,36 +192,72 @@ def route_topk_kernel(
     scaling,
     SPLIT: tl.constexpr,
     K: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rm = rows < T
     e = tl.arange(0, BLOCK_E)
     em = e < E
-    logits = tl.zeros((BLOCK_E,), dtype=tl.float32)
-    for s in range(SPLIT):
-        logits += tl.load(part_ptr + (s * T + row) * E + e, mask=em, other=0.0)
+    m2 = rm[:, None] & em[None, :]
+    logits = tl.zeros((ROWS, BLOCK_E), dtype=tl.float32)
+    for s in range(SPLIT):  # split order: the same sum for every schedule with this split
+        logits += tl.load(part_ptr + (s * T + rows[:, None]) * E + e[None, :], mask=m2, other=0.0)
     ex = tl.exp(logits)
     u = 1.0 + ex
     log1p = tl.where(u == 1.0, ex, tl.log(u) * ex / (u - 1.0))
     softplus = tl.where(logits > 20.0, logits, log1p)
     scores = tl.sqrt(softplus)
-    biased = scores + tl.load(bias_ptr + e, mask=em, other=0.0).to(tl.float32)
-    biased = tl.where(em, biased, float("-inf"))
+    bias = tl.load(bias_ptr + e, mask=em, other=0.0).to(tl.float32)
+    biased = tl.where(em[None, :], scores + bias[None, :], float("-inf"))
     slots = tl.arange(0, BLOCK_K)
-    sel_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    sel_id = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    sel_w = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    sel_id = tl.zeros((ROWS, BLOCK_K), dtype=tl.int32)
+    total = tl.zeros((ROWS,), dtype=tl.float32)
     for k in range(K):
-        best = tl.max(biased, axis=0)
-        idx = tl.min(tl.where(biased == best, e, BLOCK_E), axis=0)  # lowest id on a tie
-        w = tl.sum(tl.where(e == idx, scores, 0.0), axis=0)
-        sel_w = tl.where(slots == k, w, sel_w)
-        sel_id = tl.where(slots == k, idx, sel_id)
-        biased = tl.where(e == idx, float("-inf"), biased)
-    total = tl.sum(tl.where(slots < K, sel_w, 0.0), axis=0)
-    sel_w = sel_w / total * scaling
-    tl.store(w_out_ptr + row * K + slots, sel_w, mask=slots < K)
-    tl.store(id_out_ptr + row * K + slots, sel_id, mask=slots < K)
+        best = tl.max(biased, axis=1)
+        hit = biased == best[:, None]
+        idx = tl.min(tl.where(hit, e[None, :], BLOCK_E), axis=1)  # lowest id on a tie
+        pick = e[None, :] == idx[:, None]
+        w = tl.sum(tl.where(pick, scores, 0.0), axis=1)  # one nonzero term: exact
+        total += w  # selection order, whatever the layout
+        sel_w = tl.where(slots[None, :] == k, w[:, None], sel_w)
+        sel_id = tl.where(slots[None, :] == k, idx[:, None], sel_id)
+        biased = tl.where(pick, float("-inf"), biased)
+    sel_w = sel_w / total[:, None] * scaling
+    out = rows[:, None] * K + slots[None, :]
+    om = rm[:, None] & (slots[None, :] < K)
+    tl.store(w_out_ptr + out, sel_w, mask=om)
+    tl.store(id_out_ptr + out, sel_id, mask=om)
+
+
+# A call's plan: (logits grid, logits launch, top-k grid, top-k launch, partials (split*T*E,)).
+_Plan = tuple[tuple[int, int, int], TritonLaunch, tuple[int], TritonLaunch, torch.Tensor, int]
+
+
+def _plan(
+    device: torch.device, T: int, D: int, E: int, K: int, dot_f32: bool, s: RouteSchedule
+) -> _Plan:
+    """Everything of a call but its tensors and scalars; kept per (shapes, stream) by
+    :func:`~._launch.plan`."""
+    block_e, block_k, d_split, split = _launch_shape(s, D, E)
+    # fp32 operand tiles take twice the shared memory per stage: two stages keep the widest
+    # tiles (256 x 64 gate, 64 x 64 x) within the SM's 228 KB
+    stages = min(s.num_stages, 2) if dot_f32 else s.num_stages
+    logits = triton_launch(
+        route_logits_kernel, BLOCK_T=s.block_t, BLOCK_E=block_e, BLOCK_K=block_k,
+        EVEN_K=D % d_split == 0, DOT_F32=dot_f32, INTERP=INTERPRET, num_warps=s.num_warps,
+        num_stages=stages,
+    )  # fmt: skip
+    rows = s.topk_rows
+    topk = triton_launch(
+        route_topk_kernel, SPLIT=split, K=K, ROWS=rows, BLOCK_E=next_pow2(E),
+        BLOCK_K=next_pow2(K), num_warps=4,
+    )  # fmt: skip
+    (part,) = workspaces("moe_route", device, split * T * E)  # (split, T, E), written first
+    grid = (cdiv(T, s.block_t), cdiv(E, block_e), split)
+    return grid, logits, (cdiv(T, rows),), topk, part, d_split
 
 
 def route_triton(
@@ -127,28 +268,21 @@ def route_triton(
     scaling: float,
     weights_out: torch.Tensor,
     ids_out: torch.Tensor,
+    batch_invariant: bool = False,
+    schedule: RouteSchedule | None = None,
 ) -> None:
     """x (T, D) contiguous, gate_weight (E, D) contiguous, gate_bias (E,) -> weights_out (T, K)
-    fp32, ids_out (T, K) int32 (both contiguous, written in place)."""
+    fp32, ids_out (T, K) int32 (both contiguous, written in place).  ``schedule`` None: the
+    default of :func:`route_config` for this T (``batch_invariant``: the T-independent one)."""
     T, D = x.shape
     E = gate_weight.shape[0]
     if T == 0:
         return
-    block_e = 16 if INTERPRET else 32
-    block_k = 64
-    block_t = 4
-    # Split D so that one token still spreads the gate over ~64 programs (fixed for a given D,
-    # never by T: batch invariant).
-    split = 1 if INTERPRET else max(1, min(16, D // 512))
-    d_split = triton.cdiv(triton.cdiv(D, split), block_k) * block_k
-    split = triton.cdiv(D, d_split)
-    part = torch.empty((split, T, E), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(T, block_t), triton.cdiv(E, block_e), split)
-    route_logits_kernel[grid](
-        x, gate_weight, part, T, E, D, d_split,
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
-    )  # fmt: skip
-    route_topk_kernel[(T,)](
-        part, gate_bias, weights_out, ids_out, T, E, float(scaling),
-        SPLIT=split, K=top_k, BLOCK_E=next_pow2(E), BLOCK_K=next_pow2(top_k), num_warps=4,
-    )  # fmt: skip
+    s = schedule if schedule is not None else route_config(T, D, E, batch_invariant)
+    # bf16 x bf16 runs on the tensor cores; anything fp32 in fp32
+    dot_f32 = x.dtype != torch.bfloat16 or gate_weight.dtype != torch.bfloat16
+    grid, logits, tgrid, topk, part, d_split = plan(
+        _plan, x.device, T, D, E, int(top_k), dot_f32, s
+    )
+    logits(grid, x, gate_weight, part, T, E, D, d_split)
+    topk(tgrid, part, gate_bias, weights_out, ids_out, T, E, float(scaling))
