@@ -17,10 +17,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from dsv4mtp import formats
 from dsv4mtp.conformance.differential import compare, to_float64
 from dsv4mtp.conformance.inputs import moe_inputs
 from dsv4mtp.conformance.registry import Case, pairs_for
-from dsv4mtp import formats
 from dsv4mtp.errors import ConfigError
 
 pytest.importorskip("triton")
