@@ -113,7 +113,7 @@ def test_value_preserving_knobs_are_bitwise(fmt: str, decode: str, device: str) 
         GemmTile(**{**base.gate_up.__dict__, "group_m": 2}),
         GemmTile(**{**base.down.__dict__, "group_m": 1}),
         base.shared_block_m, base.shared_gate_up, base.shared_down,
-        decode=decode, align_chunk=16, align_warps=2,
+        decode=decode, fp4_join=base.fp4_join, align_chunk=16, align_warps=2,
     )  # fmt: skip
     assert torch.equal(moe(*args, **kw, schedule=other), want)
 
