@@ -463,8 +463,7 @@ def test_optimized_full_shapes_decode_and_prefill(shape: str) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         opt.sink_attention_varlen(*args, **kw, out=out)
-    moved = [W - 1] * 8  # the same Tk split another way
-    moved[0] = W - 1 + sum(caches) - sum(moved)
+    moved = caches[::-1]  # the same Tk split another way
     fresh, _ = attention_inputs(
         op, 8, 13, shape=shape, dtype=BF16, device="cuda", lens=lens, caches=moved
     )
