@@ -75,11 +75,11 @@ def _all(s: MoESchedule, **tile: Any) -> MoESchedule:
 
 def candidates(T: int, dry: bool) -> list[tuple[str, MoESchedule]]:
     """Schedules to try at T, the default first, then by expected value (the time cap cuts
-    the tail).  Decode sizes: the integer decode (no float conversions; the first H200 run
-    moved MXFP4 at ~1 TB/s, FP8 at ~2 TB/s, about the conversion pipe's rate at two
-    conversions per element), K splits and narrower N tiles for more programs in flight, the
-    swapped dot.  Large T: bigger M and N tiles (x re-read once per N tile), the interleaved
-    FP4 dot (contiguous x), 8 warps, grouped launch order."""
+    the tail).  Decode sizes: the PTX decode with K splits, narrower N tiles, more warps or
+    stages, the swapped and the interleaved dot, and the integer decode for comparison.  Large
+    T: the interleaved FP4 dot (contiguous x) with bigger M and N tiles (x re-read once per N
+    tile; two stages where three would not fit in shared memory), 8 warps, grouped launch
+    order, a 64-wide K step."""
     d = moe_config(T, batch_invariant=False)
     b = replace(d, decode="bits")
     a = replace(d, decode="asm")

@@ -65,13 +65,17 @@ rows over I: MXFP4 68 KB, FP8 128 KB.  Each K step (BLOCK_K = 128) re-loads the 
 half-K dots (``fp4_join`` interleaves the decoded halves instead and reads x contiguously).  At
 T 1 the shared expert runs on 32 + 64 programs (one M block), a quarter of the SMs.
 
-Decode cost per element (``decode="f16"``, the default): FP4: and/shift/or into an fp16 pattern,
-fp16 -> fp32 conversion, fp32 multiply by the group scale, fp32 -> bf16 conversion; FP8 the same
-without the multiply.  Two float conversions per weight element; at the conversion pipe's
-16 per clock per SM that is ~1.05 TB/s of MXFP4 codes and ~2.1 TB/s of FP8 codes on 132 SMs,
-the rates the first H200 measurement showed at T 8 (0.9 and 2.1 TB/s).  ``decode="bits"``
-builds the fp32 pattern with integer ops and takes the bf16 as the product's high half: the same
-operands bit for bit, no conversion.
+Decode cost (instructions of the MXFP4 gate/up kernel's sm_90 SASS at 16 x 64 x 128 tiles, and
+the H200's whole-moe time; bench/results/moe-h200.md).  ``decode="asm"`` (the default): PTX on
+four codes at a time (``prmt`` into bf16x2 pairs, shift/mask into bf16 bit patterns, exact
+``mul.rn.bf16x2`` by a power of two and by the group scale), about three instructions per
+weight, 1280 instructions for the kernel; ``"f16"``: and/shift/or into an fp16 pattern, fp16 ->
+fp32, fp32 multiply by the group scale, fp32 -> bf16 (two conversions per weight), 1952
+instructions, the whole moe 1.3-1.8x slower than with ``"asm"`` at the same tiles (MXFP4, T 1
+to 512); ``"bits"``: the fp32 pattern from integer
+ops and selects, the bf16 taken as the product's high half, 2408 instructions, slower still.
+All three give the same dot operands bit for bit.  The decode-size GEMMs are limited by
+instruction issue, not HBM: a decode with fewer instructions was faster at every T.
 
 Split-K (``split_k`` > 1): program (m, n, s) covers K slice s; gate/up stores fp32 partials
 (split, NB*BLOCK_M, 2I) and ``moe_swiglu_kernel`` sums them in the order 0..split-1 before the
@@ -160,68 +164,59 @@ def _e4m3_f32(b):
 # keeps subnormals), and FP4 codes take a second exact multiply by the group scale.  prmt
 # spreads bytes 0,1 (2,3) of the packed word into the low bytes of two 16-bit halves so each
 # shift/mask works on a bf16x2 pair.
-_ASM_E4M3 = tl.constexpr(
-    """
-{
-.reg .b32 z, k, a, b, t, u;
-mov.b32 z, 0;
-mov.b32 k, 0x7B807B80;
-prmt.b32 a, $2, z, 0x4140;
-prmt.b32 b, $2, z, 0x4342;
-shl.b32 t, a, 4;
-and.b32 t, t, 0x07F007F0;
-shl.b32 u, a, 8;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $0, t, k;
-shl.b32 t, b, 4;
-and.b32 t, t, 0x07F007F0;
-shl.b32 u, b, 8;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $1, t, k;
-}
-"""
-)
+def _ptx_pair(
+    src: str, mag_mask: int, mag_shift: int, sign_shift: int, out: str, *muls: str
+) -> str:
+    """PTX of one bf16x2 pair: the codes of ``src`` (a byte in each 16-bit half) shifted into a
+    bf16 bit pattern (magnitude, then sign to bit 15), then the exact multiplies ``muls``."""
+    lines = [
+        f"shl.b32 t, {src}, {mag_shift};",
+        f"and.b32 t, t, {mag_mask:#010x};",
+        f"shl.b32 u, {src}, {sign_shift};",
+        "and.b32 u, u, 0x80008000;",
+        "or.b32 t, t, u;",
+    ]
+    for i, m in enumerate(muls):
+        lines.append(f"mul.rn.bf16x2 {out if i == len(muls) - 1 else 't'}, t, {m};")
+    return "\n".join(lines)
 
+
+def _ptx(consts: str, body: list[str], codes: str) -> str:
+    # prmt: bytes 0,1 (a) and 2,3 (b) of the packed code word into the low bytes of two halves
+    head = [
+        "{",
+        ".reg .b32 z, k, a, b, t, u;",
+        "mov.b32 z, 0;",
+        f"mov.b32 k, {consts};",
+        f"prmt.b32 a, {codes}, z, 0x4140;",
+        f"prmt.b32 b, {codes}, z, 0x4342;",
+    ]
+    return "\n".join([*head, *body, "}"])
+
+
+# E4M3 (out $0, $1; codes $2): magnitude 7 bits << 4 under bf16's exponent, sign bit 7 << 8,
+# times 2**120 (bf16 0x7B80).
+_ASM_E4M3 = tl.constexpr(
+    _ptx(
+        "0x7B807B80",
+        [_ptx_pair(src, 0x07F007F0, 4, 8, out, "k") for src, out in (("a", "$0"), ("b", "$1"))],
+        "$2",
+    )
+)
+# E2M1 (low nibbles out $0, $1, high nibbles $2, $3; codes $4; scales $5, $6): magnitude 3 bits
+# to bits 6..8, sign to bit 15, times 2**126 (bf16 0x7E80), times the code's group scale.
+_E2M1_PAIRS = (  # (magnitude shift, sign shift, source, output, scale operand)
+    (6, 12, "a", "$0", "$5"),
+    (6, 12, "b", "$1", "$6"),
+    (2, 8, "a", "$2", "$5"),
+    (2, 8, "b", "$3", "$6"),
+)
 _ASM_E2M1 = tl.constexpr(
-    """
-{
-.reg .b32 z, k, a, b, t, u;
-mov.b32 z, 0;
-mov.b32 k, 0x7E807E80;
-prmt.b32 a, $4, z, 0x4140;
-prmt.b32 b, $4, z, 0x4342;
-shl.b32 t, a, 6;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, a, 12;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 t, t, k;
-mul.rn.bf16x2 $0, t, $5;
-shl.b32 t, b, 6;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, b, 12;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 t, t, k;
-mul.rn.bf16x2 $1, t, $6;
-shl.b32 t, a, 2;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, a, 8;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 t, t, k;
-mul.rn.bf16x2 $2, t, $5;
-shl.b32 t, b, 2;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, b, 8;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 t, t, k;
-mul.rn.bf16x2 $3, t, $6;
-}
-"""
+    _ptx(
+        "0x7E807E80",
+        [_ptx_pair(src, 0x01C001C0, m, sg, out, "k", sc) for m, sg, src, out, sc in _E2M1_PAIRS],
+        "$4",
+    )
 )
 
 
