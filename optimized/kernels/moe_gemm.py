@@ -45,12 +45,13 @@ the align kernel pads each expert's rows to BLOCK_M, so NB = cdiv(S, BLOCK_M) + 
 blocks are launched, those past the used ones exiting at once.  Grids at V4-Flash (E 256, top-6,
 I 2048, D 4096) with the default 64-column N tiles: gate/up (NB, I/64 = 32), down (NB,
 D/64 = 64); active blocks = experts with a row at T <= 512 (about 6 / 44 / 200 / 256 at
-T 1 / 8 / 64 / 512), ~2.5 per expert at T 4096 (96 rows each, BLOCK_M 64):
+T 1 / 8 / 64 / 512), 2-3 per expert at T 4096 (~96 rows each, BLOCK_M 64); at T <= 2 the
+default splits K four ways (a third grid axis, x4 programs):
 
 ======  ========  ====  ===================  ===================  ================
 T       BLOCK_M   NB    gate/up programs     down programs        shared (g/u, dn)
 ======  ========  ====  ===================  ===================  ================
-1       16        7     224 (192 active)     448 (384 active)     32, 64
+1       16        7     896 (768 active)     1792 (1536 active)   128, 256
 8       16        51    1632 (~1410 active)  3264 (~2820 active)  32, 64
 64      16        280   8960 (~6400 active)  17920 (~12800)       128, 256
 512     64        304   9728 (~8190 active)  19456 (~16380)       256, 512
@@ -61,9 +62,9 @@ A gate/up program streams BLOCK_N gate and BLOCK_N up rows over all of D: MXFP4 
 codes + 128 B scales) = 272 KB, FP8 2*64*4096 B = 512 KB (+ 4 KB scales); a down program BLOCK_N
 rows over I: MXFP4 68 KB, FP8 128 KB.  Each K step (BLOCK_K = 128) re-loads the block's x rows
 (gathered, from L2): the x traffic is NB * (I/BLOCK_N) * 2 * BLOCK_M * D * 2 B for gate/up,
-~21 GB at T 4096, and the FP4 path reads x as even and odd columns (stride-2 loads) for its two
-half-K dots (``fp4_join`` interleaves the decoded halves instead and reads x contiguously).  At
-T 1 the shared expert runs on 32 + 64 programs (one M block), a quarter of the SMs.
+~21 GB at T 4096.  x is read contiguously; without ``fp4_join`` its even and odd columns are
+split in registers for the two half-K dots, with it the decoded halves are interleaved and one
+dot runs.  At T 1 the shared expert runs on 128 + 256 programs (one M block, split 4).
 
 Decode cost (instructions of the MXFP4 gate/up kernel's sm_90 SASS at 16 x 64 x 128 tiles, and
 the H200's whole-moe time; bench/results/moe-h200.md).  ``decode="asm"`` (the default): PTX on
