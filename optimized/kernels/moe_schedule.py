@@ -206,13 +206,16 @@ def moe_config(T: int, *, batch_invariant: bool) -> MoESchedule:
     * above, and under ``batch_invariant=True`` for every T: 64-row M blocks, no split.
 
     The sort runs in one program up to 128 slots (T 21 at top-6), in 128-slot chunks above,
-    8 warps.  Under the interpreter: 16 x 32 tiles, one stage, 64-slot sort chunks (small
-    shapes, fewer programs), the same decode and dot.
+    8 warps.  Under the interpreter: 64-column gate/up and 128-column down tiles, one stage,
+    64-slot sort chunks (small shapes, fewer programs), the same decode and dot.
     """
     if INTERPRET:
-        t = GemmTile(block_n=32, block_k=128, num_warps=4, num_stages=1)
+        # the interpreter's cost is per program: two N tiles per GEMM at the tiny shape (I 128,
+        # D 256) keep the tile indexing exercised at half the programs of 32-column tiles
+        gu = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=1)
+        dn = GemmTile(block_n=128, block_k=128, num_warps=4, num_stages=1)
         return MoESchedule(
-            16, t, t, 16, t, t, decode="asm", fp4_join=True, align_chunk=64, align_warps=4
+            16, gu, dn, 16, gu, dn, decode="asm", fp4_join=True, align_chunk=64, align_warps=4
         )
     bm = 64 if (batch_invariant or T > 64) else 16
     split = 4 if (not batch_invariant and T <= 2) else 1
