@@ -24,8 +24,8 @@ What is drawn (bytes uniform over the allowed set unless said otherwise):
 * FP8 weights: the 254 e4m3 codes that are not NaN (0x7F and 0xFF never appear);
 * packed FP4 weights: all 256 bytes (every e2m1 code is finite);
 * e8m0 scales: three consecutive bytes around the exponent that gives the decoded weight the
-  standard deviation 1/sqrt(fan_in) of the schema's init rule (never 0xFF; about 2^-13 for FP8
-  weights, 2^-7 for FP4); float32 scales (Flash-Base): 2^u times the same centre, u uniform in
+  standard deviation 1/sqrt(fan_in) of the schema's init rule (never 0xFF; at V4-Flash 2^-12 to
+  2^-14 for FP8 weights, 2^-7 or 2^-8 for FP4); float32 scales (Flash-Base): 2^u times the same centre, u uniform in
   [-1, 1];
 * NVFP4 block scales: e4m3 bytes 0x68..0x7E (64 to 448, positive, as ModelOpt's amax-based
   scales are); ``weight_scale_2`` set so the decoded std is 1/sqrt(fan_in), equal for the w1/w3
