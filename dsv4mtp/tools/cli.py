@@ -325,5 +325,91 @@ def compare(
         _print_compare(report)
 
 
+# ----------------------------------------------------------------------------- make-checkpoint
+@main.command("make-checkpoint")
+@click.option(
+    "--config",
+    "config_name",
+    required=True,
+    help="flash, pro, tiny, or a DeepSeek-V4 config.json (or a directory holding one).",
+)
+@click.option(
+    "--expert-format",
+    type=click.Choice(["mxfp4", "nvfp4", "fp8"]),
+    default="mxfp4",
+    show_default=True,
+    help="Routed experts: MXFP4 (V4-Flash), NVFP4 (ModelOpt), FP8 (V4-Flash-Base).",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="New or empty directory to write into.",
+)
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option(
+    "--shard-mb",
+    type=float,
+    default=4000,
+    show_default=True,
+    help="Tensor data per shard, in megabytes (10^6 bytes).",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--dry-run", is_flag=True, help="Plan the shards and print their sizes; write nothing."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def make_checkpoint(
+    config_name: str,
+    expert_format: str,
+    out: str,
+    device: str | None,
+    shard_mb: float,
+    seed: int,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Write a real-size checkpoint (MTP layers + embed + head) with random codes and scales.
+
+    Codes and scales are drawn in their stored form with torch's RNG on DEVICE, one tensor at a
+    time, and written shard by shard (config.json, model.safetensors.index.json,
+    model-XXXXX-of-NNNNN.safetensors), so host memory holds one shard.  Deterministic for a seed
+    and a device type.  For load-time and memory measurements at real size
+    (bench/load_fullsize.py); a V4-Flash MXFP4 checkpoint is 5.7 GB.
+    """
+    import torch
+
+    from dsv4mtp.checkpoint.fullsize import make_fullsize_checkpoint
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    progress = None if as_json else (lambda line: click.echo(line, err=True))
+    report = make_fullsize_checkpoint(
+        out,
+        config_name,
+        expert_format=expert_format,
+        device=device,
+        shard_mb=shard_mb,
+        seed=seed,
+        dry_run=dry_run,
+        progress=progress,
+    )
+    if as_json:
+        click.echo(_dumps(report.to_dict()))
+        return
+    size = "data bytes (planned)" if dry_run else "file bytes"
+    click.echo(f"| shard | tensors | {size} |")
+    click.echo("|---|---|---|")
+    for s in report.shards:
+        click.echo(f"| {s.file} | {s.tensors} | {s.data_bytes if dry_run else s.file_bytes} |")
+    click.echo(
+        f"\n{'planned' if dry_run else 'wrote'} {report.num_tensors} tensors, "
+        f"{report.total_bytes} bytes ({report.total_bytes / 1e9:.3f} GB) in "
+        f"{len(report.shards)} shard(s) under {report.path}: config {report.config}, experts "
+        f"{report.expert_format}, device {report.device}, seed {report.seed}; "
+        f"draw {report.draw_s:.2f} s, write {report.write_s:.2f} s, wall {report.wall_s:.2f} s"
+    )
+
+
 if __name__ == "__main__":
     main()
