@@ -25,6 +25,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from dsv4mtp.optimized.kernels.linear import (
+    BLOCK_K,
+    FMT_DENSE,
+    FMT_FP8,
+    linear_kernel,
+    linear_reduce_kernel,
+    linear_schedule,
+)
 from dsv4mtp.optimized.kernels.mhc_collapse import (
     CollapseConfig,
     collapse_config,
@@ -53,15 +61,23 @@ def programs_by_registers(regs: int, num_warps: int) -> int:
     return warps // num_warps
 
 
-def resources(fn: Any, signature: dict[str, str], consts: dict[str, Any], **options: Any) -> str:
-    """One line: shared memory, registers, stack (spills) and the register-bound occupancy."""
+def resources(
+    fn: Any,
+    signature: dict[str, str],
+    consts: dict[str, Any],
+    divisible: tuple[str, ...] = (),
+    **options: Any,
+) -> str:
+    """One line: shared memory, registers, stack (spills) and the register-bound occupancy.
+    ``divisible``: int arguments the launcher sees divisible by 16 (V4's N and K), marked as
+    the GPU JIT would specialize them."""
     sig = {**signature, **{c: "constexpr" for c in consts}}
     # The launcher marks 16-byte-aligned pointers (every torch allocation) divisible by 16;
     # without that mark the compiler cannot vectorize loads and the counts below are wrong.
     aligned = {
         (fn.arg_names.index(name),): [["tt.divisibility", 16]]
         for name, ty in signature.items()
-        if ty.startswith("*")
+        if ty.startswith("*") or name in divisible
     }
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned)
     k = triton.compile(src, target=TARGET, options=options)
@@ -113,6 +129,50 @@ def collapse_lines(op: str, D: int, cfg: CollapseConfig, phases: tuple[str, ...]
     return lines
 
 
+# V4-Flash's dense linears (G, N, K) and the rows of the calls that pick each default schedule.
+_LINEARS = {
+    "e_proj": (1, 4096, 4096),
+    "wqa_wkv": (1, 1536, 4096),
+    "wq_b": (1, 32768, 1024),
+    "wo_b": (1, 4096, 8192),
+    "wo_a": (8, 1024, 4096),
+}
+
+
+def linear_lines() -> list[str]:
+    """The dense-linear kernel at its default schedules (T 1, 64, 513 and batch-invariant), FP8
+    codes with bf16 x (and the bf16-weight variant once), plus the split-K reduce."""
+    sig = dict(
+        x_ptr="*bf16", w_ptr="*u8", s_ptr="*fp32", y_ptr="*bf16", part_ptr="*fp32", R="i32",
+        G="i32", N="i32", K="i32", KB_PER_SPLIT="i32",
+    )  # fmt: skip
+    lines = []
+    seen: set[tuple[object, ...]] = set()
+    for name, (G, N, K) in _LINEARS.items():
+        for rows, bi in ((1, False), (64, False), (513, False), (1, True)):
+            sc = linear_schedule(rows, N, K, G, bi)
+            for fmt in (FMT_FP8, FMT_DENSE):
+                key = (sc, fmt)
+                if key in seen:
+                    continue
+                seen.add(key)
+                s = dict(sig, w_ptr="*u8" if fmt == FMT_FP8 else "*bf16")
+                consts = dict(
+                    FMT=fmt, BLOCK_M=sc.block_m, BLOCK_N=sc.block_n, BLOCK_K=BLOCK_K,
+                    SPLIT_K=sc.split_k, USE_F32=False, INTERP=False,
+                )  # fmt: skip
+                line = resources(linear_kernel, s, consts, divisible=("N", "K"),
+                                 num_warps=sc.num_warps, num_stages=sc.num_stages)  # fmt: skip
+                what = "fp8 " if fmt == FMT_FP8 else "bf16"
+                tile = (sc.block_m, sc.block_n, sc.split_k, sc.num_warps, sc.num_stages)
+                lines.append(f"linear {what} {name:7s} T={rows:<3d} bi={bi!s:5s} {tile}: {line}")
+    rsig = dict(part_ptr="*fp32", y_ptr="*bf16", NUMEL="i32")
+    line = resources(linear_reduce_kernel, rsig, dict(SPLIT_K=16, BLOCK=1024, INTERP=False),
+                     num_warps=4)  # fmt: skip
+    lines.append(f"linear reduce split 16: {line}")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -121,7 +181,12 @@ def main() -> None:
         help="JSON list of collapse 7-tuples (block_t, d_slice, block_k, apply_d, num_warps, "
         "num_stages, fused); default: collapse_config's schedules",
     )
+    p.add_argument("--linear", action="store_true", help="the dense linears only")
     args = p.parse_args()
+    if args.linear:
+        for line in linear_lines():
+            print(line, flush=True)
+        return
     for op in ("hc_head", "hc_pre"):
         for D in (4096, 7168):
             if args.collapse:

@@ -13,13 +13,15 @@ comb, f).  ``zero_rows`` then zeroes each activation row with that probability, 
 generator after every other draw, so it leaves the other values unchanged.
 
 The MoE ops (``route``, ``fused_experts``, ``moe``): :func:`moe_inputs`; the attention core
-(``sink_attention``, ``sink_attention_varlen``): :func:`attention_inputs`; each described there.
+(``sink_attention``, ``sink_attention_varlen``): :func:`attention_inputs`; the dense linears
+(``linear``, ``grouped_linear``): :func:`linear_inputs`; each described there.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 from collections import OrderedDict
 from typing import Any
@@ -36,6 +38,9 @@ __all__ = [
     "ATTENTION_SHAPES",
     "EPS",
     "EXPERT_FORMATS",
+    "LINEAR_FORMATS",
+    "LINEAR_OPS",
+    "LINEAR_SHAPES",
     "MHC_OPS",
     "MOE_OPS",
     "MOE_SHAPES",
@@ -43,6 +48,9 @@ __all__ = [
     "SKEWS",
     "attention_inputs",
     "attention_shape",
+    "linear_inputs",
+    "linear_shape",
+    "linear_weight",
     "mhc_inputs",
     "moe_inputs",
     "moe_params",
@@ -56,7 +64,8 @@ EPS = 1e-6
 MHC_OPS = ("hc_pre", "hc_post", "hc_head")
 MOE_OPS = ("route", "fused_experts", "moe")
 ATTENTION_OPS = ("sink_attention", "sink_attention_varlen")
-OPS = ("rms_norm", *MHC_OPS, *MOE_OPS, *ATTENTION_OPS)
+LINEAR_OPS = ("linear", "grouped_linear")
+OPS = ("rms_norm", *MHC_OPS, *MOE_OPS, *ATTENTION_OPS, *LINEAR_OPS)
 
 Inputs = tuple[tuple[torch.Tensor, ...], dict[str, Any]]
 
@@ -151,6 +160,11 @@ def op_inputs(
         return moe_inputs(
             op, T, seed, shape=moe_shape(D), dtype=dtype, device=device, magnitude=magnitude
         )
+    if op in LINEAR_OPS:
+        return linear_inputs(
+            op, T, seed, shape=linear_shape(op, D), dtype=dtype, device=device,
+            magnitude=magnitude, zero_rows=zero_rows,
+        )  # fmt: skip
     if op in ATTENTION_OPS:
         return attention_inputs(
             op, T, seed, shape=attention_shape(D), dtype=dtype, device=device, magnitude=magnitude
@@ -566,3 +580,84 @@ def _varlen_rows(args: tuple[Any, ...], index: Any) -> tuple[Any, ...]:
     new_cu_q = torch.tensor(lens, device=q.device).cumsum(0).to(cu_q.dtype)
     new_cu_k = torch.tensor(sizes, device=q.device).cumsum(0).to(cu_k.dtype)
     return (q[pick], q_pos[pick], kv[key_rows], k_pos[key_rows], sink, new_cu_q, new_cu_k)
+
+
+# ==================================================================================== linear
+#: The dense linears by name: (G, N, K) with G = 0 for a plain linear.  ``small`` / ``grouped``
+#: are the CPU tier's (the Triton kernel runs in the interpreter; N 192 leaves a partial 128-row
+#: FP8 block and a third 64-wide N tile); the rest are V4-Flash's (hidden 4096): e_proj / h_proj
+#: 4096 -> 4096, the fused wq_a + wkv 4096 -> 1536, wq_b 1024 -> 32768, wo_b 8192 -> 4096 and the
+#: grouped wo_a, 8 groups of 4096 -> 1024.
+LINEAR_SHAPES: dict[str, tuple[int, int, int]] = {
+    "small": (0, 192, 384),
+    "grouped": (3, 128, 256),
+    "e_proj": (0, 4096, 4096),
+    "wqa_wkv": (0, 1536, 4096),
+    "wq_b": (0, 32768, 1024),
+    "wo_b": (0, 4096, 8192),
+    "wo_a": (8, 1024, 4096),
+}
+#: Weight formats of the dense linears: the core's QuantizedWeight tags.
+LINEAR_FORMATS = ("fp8_e8m0", "fp8_f32", "bf16")
+
+
+def linear_shape(op: str, D: int) -> str:
+    """The :data:`LINEAR_SHAPES` name the contract's hidden size D picks: the CPU shapes below
+    1024, V4-Flash's e_proj (wo_a grouped) at 4096, wq_b (wo_a) at 7168."""
+    grouped = op == "grouped_linear"
+    if D < 1024:
+        return "grouped" if grouped else "small"
+    return "wo_a" if grouped else ("e_proj" if D == 4096 else "wq_b")
+
+
+@functools.lru_cache(maxsize=16)
+def linear_weight(
+    G: int, N: int, K: int, fmt: str, seed: int, device: str | torch.device = "cpu"
+) -> Any:
+    """One (G*N, K) (G >= 1) dense-linear weight as the checkpoint stores it, a core
+    ``QuantizedWeight``, decoded values with rms about 1/sqrt(K) (the magnitudes above): FP8
+    codes of N(0, 48^2) with e8m0 block scales 2^(round(log2(1 / (48 sqrt(K)))) + {-1, 0, 1})
+    (V4-Flash) or fp32 scales 1 / (48 sqrt(K)) * U(1/2, 3/2) (V4-Flash-Base); bf16: N(0, 1/K).
+    Cached (the same object for the same arguments, as the MoE sources are), so a repeated
+    build hands the optimized side the pack it already made; callers must not modify it."""
+    from dsv4mtp.checkpoint.weights import QuantizedWeight
+
+    r = _Gen(torch.device(device), seed)
+    rows = G * N
+    if fmt == "bf16":
+        w = (r.normal(rows, K) / math.sqrt(K)).to(torch.bfloat16)
+        return QuantizedWeight("bf16", w, None, (rows, K), name="linear")
+    nb, kb = -(-rows // 128), -(-K // 128)
+    codes = _fp8_codes(r, rows, K)
+    if fmt == "fp8_f32":
+        scale = r.uniform(0.5, 1.5, nb, kb) / (_FP8_CODE_STD * math.sqrt(K))
+    elif fmt == "fp8_e8m0":
+        base = _pow2_exponent(1 / (_FP8_CODE_STD * math.sqrt(K)))
+        scale = (127 + base + r.ints(-1, 2, nb, kb)).to(torch.uint8)
+    else:
+        raise ValueError(f"fmt: expected one of {LINEAR_FORMATS}, got {fmt!r}")
+    return QuantizedWeight(fmt, codes, scale, (rows, K), name="linear")
+
+
+def linear_inputs(
+    op: str,
+    T: int,
+    seed: int,
+    *,
+    shape: str | tuple[int, int, int],
+    fmt: str = "fp8_e8m0",
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cuda",
+    magnitude: float = 1.0,
+    zero_rows: float = 0.0,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(x, weight), {}`` of one :data:`LINEAR_OPS` call: x ~ N(0, magnitude^2) (T, K) or
+    (T, G, K) in ``dtype``, then the weight (:func:`linear_weight`, seeded ``seed + 1``) as a
+    core ``QuantizedWeight`` ((G*N, K) for the grouped op): the reference dequantizes it, the
+    optimized op takes its ``pack_linear`` (conformance/pairs.py).  ``shape``: a
+    :data:`LINEAR_SHAPES` name or its (G, N, K)."""
+    G, N, K = LINEAR_SHAPES[shape] if isinstance(shape, str) else shape
+    r = _Draw(device, seed)
+    x = r.normal(T, G, K) if G else r.normal(T, K)
+    x = r.zero_rows(x * magnitude, zero_rows).to(dtype)
+    return (x, linear_weight(max(G, 1), N, K, fmt, seed + 1, device)), {}

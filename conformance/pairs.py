@@ -8,6 +8,7 @@ the real V4 widths (D 4096 / 7168) and T up to ``max_tokens``.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Any
 
@@ -428,5 +429,102 @@ for _op in ("sink_attention", "sink_attention_varlen"):
             facts=_attention_facts,
             cpu_examples=12,
             tolerances={(BF16, "math"): _ATTN_BF16, (FP32, "math"): _ATTN_FP32},
+        )
+    )
+
+
+# --------------------------------------------------------------------------- linear
+# Inputs: conformance/inputs.py, linear_inputs: x and a checkpoint-format weight (the core's
+# QuantizedWeight: FP8 with e8m0 or fp32 128x128 block scales, or bf16).  The reference
+# dequantizes it into x's dtype (float64 for the oracle: the exact math on the stored codes and
+# scales); the optimized op takes its pack_linear (below).  On CPU small shapes (K 256..512, N
+# 128..384, 2-3 groups of 128, rows 0..70: one M block up to 64 rows, two past it); on CUDA
+# V4-Flash's linears (e_proj, wq_a + wkv, wq_b, wo_b, the grouped wo_a) with up to 4096 rows.
+_LINEAR_PACKS: dict[tuple[int, bool], tuple[Any, Any]] = {}
+
+
+def _packed_linear(grouped: bool, args: tuple[Any, ...], kwargs: dict[str, Any]):
+    """(x, QuantizedWeight) -> (x, its LinearPack), packed once per weight object (kept alive
+    with its pack, so the id stays unique while cached)."""
+    from dsv4mtp.optimized import pack_linear  # type: ignore[attr-defined]
+
+    x, weight = args[0], args[1]
+    key = (id(weight), grouped)
+    if key not in _LINEAR_PACKS:
+        groups = x.shape[1] if grouped and x.dim() == 3 else None
+        if len(_LINEAR_PACKS) >= 16:
+            _LINEAR_PACKS.pop(next(iter(_LINEAR_PACKS)))
+        _LINEAR_PACKS[key] = (weight, pack_linear(weight, x.device, groups=groups))
+    return (x, _LINEAR_PACKS[key][1], *args[2:]), kwargs
+
+
+@st.composite
+def _linear_case(draw: Any, op: str, dtype: torch.dtype, device: str, max_tokens: int) -> Case:
+    from dsv4mtp.conformance.inputs import LINEAR_FORMATS, linear_inputs
+
+    grouped = op == "grouped_linear"
+    if device == "cpu":
+        T = draw(st.one_of(st.sampled_from([0, 1, 2, 7, 65]), st.integers(0, 70)))
+        K = draw(st.sampled_from([256, 384, 512]))
+        dims = (draw(st.sampled_from([2, 3])), 128, K) if grouped else (
+            0, draw(st.sampled_from([128, 192, 384])), K
+        )  # fmt: skip
+        shape: Any = dims
+    else:
+        T = draw(st.one_of(st.sampled_from([0, 1, 4, 64, 65, 513]), st.integers(0, 4096)))
+        T = min(T, max_tokens)
+        shape = "wo_a" if grouped else draw(st.sampled_from(["e_proj", "wqa_wkv", "wq_b", "wo_b"]))
+    fmt = draw(st.sampled_from(LINEAR_FORMATS))
+    magnitude = draw(st.sampled_from([1.0, 1e-3, 30.0]))
+    zero_rows = 0.25 if draw(st.booleans()) else 0.0
+    seed = draw(st.integers(0, 2**31 - 1))
+    args, kw = linear_inputs(
+        op, T, seed, shape=shape, fmt=fmt, dtype=dtype, device=device, magnitude=magnitude,
+        zero_rows=zero_rows,
+    )  # fmt: skip
+    label = f"T={T} shape={shape} {fmt} magnitude={magnitude:g} zero_rows={zero_rows} seed={seed}"
+    return Case(args, kw, label=label)
+
+
+def _linear_facts(case: Case) -> Facts:
+    x = case.args[0]
+    return Facts(x.device, (x.dtype,))
+
+
+# bf16 x: the output's one rounding (2^-9 relative per element) over fp32 sums; the FP8 kernel
+# applies the fp32 block scale to each 128-wide fp32 partial, i.e. multiplies by the exact
+# weight, where the reference layer multiplies by the weight rounded once to bf16 (identical
+# for e8m0 scales, 2^-9 per weight for fp32 scales; the oracle is the exact weight).  Measured
+# on the CPU tier's shapes (every format): rel <= 1.7e-3, scaled max-abs <= 3.5e-3.
+_LINEAR_BF16 = Tolerance(
+    4e-3, 8e-3, "bf16 output: one rounding (2^-9) of fp32 sums; exact weight (fp32 block scale)"
+)
+# fp32 x: fp32 products summed over K in another order than float64's, the block scale applied
+# per 128-wide partial.  Measured: rel <= 2.1e-7, scaled max-abs <= 3.6e-7.
+_LINEAR_FP32 = Tolerance(2e-6, 4e-6, "fp32 sums over K in another order, scale per K block")
+# official (act_quant): x is rounded through e4m3 per 1x128 block before the product, by the
+# same rule on the same input in both (power-of-two scale, correctly rounded e4m3, exact in
+# bf16), so the rounded x is identical and no element flips: the math bounds hold.
+_LINEAR_OFFICIAL = dataclasses.replace(
+    _LINEAR_BF16, why="x's e4m3 rounding is identical in both; then as math: " + _LINEAR_BF16.why
+)
+
+for _op in ("linear", "grouped_linear"):
+    register(
+        OpPair(
+            name=_op,
+            concept="linear",
+            strategy=partial(_linear_case, _op),
+            build=partial(_build, _op),
+            facts=_linear_facts,
+            switches=lambda s: {"act_quant": s.act_quant},
+            optimized_args=partial(_packed_linear, _op == "grouped_linear"),
+            cpu_D=256,
+            cpu_examples=4,
+            tolerances={
+                (BF16, "math"): _LINEAR_BF16,
+                (FP32, "math"): _LINEAR_FP32,
+                (BF16, "official"): _LINEAR_OFFICIAL,
+            },
         )
     )

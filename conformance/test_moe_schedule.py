@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from dsv4mtp.optimized.kernels._launch import INTERPRET
-from dsv4mtp.optimized.kernels.moe_gemm import _e2m1_pair_bf16, _e4m3_bf16
+from dsv4mtp.optimized.kernels.decode import _e2m1_pair_bf16, _e4m3_bf16
 from dsv4mtp.optimized.kernels.moe_route import RouteSchedule, route_config, route_triton
 from dsv4mtp.optimized.kernels.moe_schedule import (
     schedule_from_fields,

@@ -29,10 +29,11 @@ HERE = Path(__file__).resolve().parent
 
 # Public names of dsv4mtp.optimized that are not ops with a numeric output to compare (classes
 # re-exported from the reference, model objects tested by their own module tests, and helpers
-# with no reference counterpart: pack_moe builds the kernels' weight layout, and its decode is
-# checked bit for bit against the core's in test_moe_pairs.py).
+# with no reference counterpart: pack_moe and pack_linear build the kernels' weight layouts, and
+# their decodes are checked bit for bit against the core's in test_moe_pairs.py / test_linear.py).
 NOT_OPS = {
     "pack_moe",
+    "pack_linear",
     "DSV4Config",
     "DSV4Error",
     "ConfigError",

@@ -9,6 +9,7 @@ an :class:`~dsv4mtp.errors.InputError` that says what to install.
 __all__: list[str] = []
 
 from .attention import sink_attention, sink_attention_varlen
+from .linear import LinearPack, grouped_linear, linear, pack_linear
 from .mhc import CollapseSchedule, hc_head, hc_post, hc_pre
 from .moe import MoEPack, fused_experts, moe, pack_moe, route
 from .norm import rms_norm
@@ -18,3 +19,5 @@ __all__ += ["CollapseSchedule", "hc_head", "hc_post", "hc_pre", "rms_norm"]
 __all__ += ["MoEPack", "fused_experts", "moe", "pack_moe", "route"]
 
 __all__ += ["sink_attention", "sink_attention_varlen"]
+
+__all__ += ["LinearPack", "grouped_linear", "linear", "pack_linear"]

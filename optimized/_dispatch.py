@@ -272,3 +272,18 @@ TABLES.update(
         ),
     }
 )
+
+
+# ------------------------------------------------------------------------------ linear
+# linear / grouped_linear run the Triton kernel of optimized/kernels/linear.py (FP8 block or
+# bf16 / fp32 weights, bf16 / fp32 activations, on CUDA or under the interpreter; the entry
+# points check dtypes and devices before the table is read).  No by_T rule: the kernel's own
+# schedule reads the row count (kernels/linear.py, linear_schedule), and batch_invariant pins it.
+TABLES.update(
+    {
+        "linear": OpTable("linear", (Backend("triton", _always),), auto=("triton",)),
+        "grouped_linear": OpTable(
+            "grouped_linear", (Backend("triton", _always),), auto=("triton",)
+        ),
+    }
+)

@@ -841,3 +841,131 @@ def _register_attention() -> torch.library.Library | None:
 
 
 _ATTN_LIB = _register_attention()
+
+
+# ------------------------------------------------------------------------------ linear
+# The dense linears (optimized/linear.py validates and packs; the kernel is
+# optimized/kernels/linear.py).  A LinearPack travels flat: the (G, N, K) weight (uint8 e4m3
+# codes, or bf16 / fp32), its fp32 block scales (empty for a dense weight) and the format as a
+# string ("fp8", "bf16").  linear takes x (..., K) and a pack with G = 1; grouped_linear x
+# (T, G, K).  The schedule is the default of the row count, or with batch_invariant the
+# T-independent one (kernels/linear.py, linear_schedule).
+if TYPE_CHECKING:
+    from .kernels.linear import linear_schedule, linear_triton
+else:
+    linear_schedule = triton_kernel("linear", "linear_schedule")
+    linear_triton = triton_kernel("linear", "linear_triton")
+
+_LINEAR_ARGS = (
+    "Tensor x, Tensor weight, Tensor scale, str fmt, bool act_quant, bool batch_invariant"
+)
+_LINEAR_SCHEMAS: dict[str, str] = {
+    "linear": f"linear({_LINEAR_ARGS}) -> Tensor",
+    "linear_out": f"linear_out({_LINEAR_ARGS}, *, Tensor(a!) out) -> ()",
+    "grouped_linear": f"grouped_linear({_LINEAR_ARGS}) -> Tensor",
+    "grouped_linear_out": f"grouped_linear_out({_LINEAR_ARGS}, *, Tensor(a!) out) -> ()",
+}
+SCHEMAS.update(_LINEAR_SCHEMAS)
+OPS = tuple(SCHEMAS)
+
+_LINEAR_FMT = {"bf16": 0, "fp8": 1}
+
+
+def _linear_into(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: str,
+    act_quant: bool,
+    batch_invariant: bool,
+    out: torch.Tensor,
+) -> None:
+    """x (R, G, K) rows into out (R, G, N) (both views of the caller's tensors)."""
+    if fmt not in _LINEAR_FMT:
+        raise InputError(f"fmt: expected one of {tuple(_LINEAR_FMT)}, got {fmt!r}")
+    R, G, K = x.shape
+    if R == 0:
+        return
+    xin = x.contiguous()
+    if act_quant:
+        xin = _act_quant(xin.view(R * G, K)).view(R, G, K)
+    sched = linear_schedule(R, weight.shape[1], K, G, batch_invariant)
+    linear_triton(
+        xin, weight.contiguous(), scale.contiguous(), out, fmt=_LINEAR_FMT[fmt], sched=sched
+    )
+
+
+def _linear_out(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: str,
+    act_quant: bool,
+    batch_invariant: bool,
+    *,
+    out: torch.Tensor,
+) -> None:
+    K, N = x.shape[-1], weight.shape[1]
+    _linear_into(
+        x.reshape(-1, 1, K), weight, scale, fmt, act_quant, batch_invariant, out.view(-1, 1, N)
+    )
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
+    out = x.new_empty((*x.shape[:-1], weight.shape[1]))
+    _linear_out(x, weight, *args, out=out)
+    return out
+
+
+def _linear_fake(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[1]))
+
+
+def _grouped_linear_out(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: str,
+    act_quant: bool,
+    batch_invariant: bool,
+    *,
+    out: torch.Tensor,
+) -> None:
+    _linear_into(x, weight, scale, fmt, act_quant, batch_invariant, out)
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
+    out = x.new_empty((x.shape[0], x.shape[1], weight.shape[1]))
+    _grouped_linear_out(x, weight, *args, out=out)
+    return out
+
+
+def _grouped_linear_fake(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
+    return x.new_empty((x.shape[0], x.shape[1], weight.shape[1]))
+
+
+_KERNELS.update(
+    {
+        "linear": (_linear, _linear_fake),
+        "linear_out": (_linear_out, _out_fake),
+        "grouped_linear": (_grouped_linear, _grouped_linear_fake),
+        "grouped_linear_out": (_grouped_linear_out, _out_fake),
+    }
+)
+
+
+def _register_linear() -> torch.library.Library | None:
+    # A FRAGMENT beside the libraries above, registered after them.
+    if all(_defined(name) for name in _LINEAR_SCHEMAS):
+        return None
+    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+    for name, schema in _LINEAR_SCHEMAS.items():
+        kernel, fake = _KERNELS[name]
+        lib.define(schema)
+        lib.impl(name, kernel, "CPU")
+        lib.impl(name, kernel, "CUDA")
+        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
+    return lib
+
+
+_LINEAR_LIB = _register_linear()

@@ -38,6 +38,7 @@ from dsv4mtp.formats import (
 from .norm import rms_norm
 from .mhc import hc_head, hc_post, hc_pre, sinkhorn
 from .rope import apply_rope, rope_frequencies
+from .linear import grouped_linear, linear
 from .quant_sim import fp8_block_roundtrip
 from .attention import attention, sink_attention, sink_attention_varlen
 from .moe import fused_experts, moe, route, swiglu_expert
@@ -115,10 +116,12 @@ __all__ = [
     "formats",
     "fp8_block_roundtrip",
     "fused_experts",
+    "grouped_linear",
     "hc_head",
     "hc_post",
     "hc_pre",
     "inspect_checkpoint",
+    "linear",
     "load_mtp_checkpoint",
     "make_synthetic_checkpoint",
     "moe",

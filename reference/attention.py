@@ -39,7 +39,7 @@ from dsv4mtp.params import AttentionParams
 from dsv4mtp.quant import KV_QUANT_BLOCK
 from dsv4mtp.semantics import NormOrder, RopeMode
 
-from .linear import linear
+from .linear import grouped_linear, linear
 from .norm import rms_norm
 from .quant_sim import fp8_block_roundtrip
 from .rope import apply_rope, rope_frequencies
@@ -300,5 +300,5 @@ def attention(
     o = torch.cat([o[..., :Dn], apply_rope(o[..., Dn:], positions, freqs, inverse=True)], dim=-1)
     groups = o.reshape(T, G, (H // G) * Dh)  # group g = heads [g*H/G, (g+1)*H/G)
     wo_a = params.wo_a.view(G, config.o_lora_rank, (H // G) * Dh)
-    z = torch.stack([linear(groups[:, g], wo_a[g]) for g in range(G)], dim=1)  # (T, G, Ro)
+    z = grouped_linear(groups, wo_a)  # (T, G, Ro)
     return linear(z.reshape(T, G * config.o_lora_rank), params.wo_b, act_quant=act_quant)

@@ -1,0 +1,240 @@
+"""The dense linears (``linear``, ``grouped_linear``): packing, the FP8 block decode, schedules,
+batch invariance, errors, non-finite inputs and the operators.
+
+The generated contract (test_contract.py) draws cases against the float64 oracle; these tests
+pin what it cannot: pack/dequantize bit for bit against the core, a block scale that must land on
+its own K block, ragged K splits, the reference's grouped form, and typed errors.  CPU shapes
+are small (the kernel runs in the interpreter); the gpu tests take V4-Flash's shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import dsv4mtp.optimized as opt
+import dsv4mtp.reference as ref
+from dsv4mtp.checkpoint.weights import QuantizedWeight, stack_rows
+from dsv4mtp.conformance.differential import compare
+from dsv4mtp.conformance.inputs import LINEAR_SHAPES, linear_weight
+from dsv4mtp.conformance.registry import pairs_for
+from dsv4mtp.errors import InputError
+
+BF16, FP32 = torch.bfloat16, torch.float32
+_PAIRS = {p.name: p for p in pairs_for("linear")}
+
+
+def _x(*shape: int, dtype: torch.dtype = BF16, device: str = "cpu", seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype).to(device)
+
+
+def _check(op: str, got: torch.Tensor, x: torch.Tensor, w: object, **kw: object) -> None:
+    """got against the float64 reference under the pair's declared tolerance."""
+    fn = ref.grouped_linear if op == "grouped_linear" else ref.linear
+    oracle = fn(x.double(), w, **kw)
+    preset = "official" if kw.get("act_quant") else "math"
+    tol = _PAIRS[op].tolerance(x.dtype, preset if x.dtype == BF16 else "math")
+    rep = compare(got, oracle)
+    assert rep.within(tol), f"{op} {tuple(x.shape)}: {rep} exceeds {tol}"
+
+
+# ------------------------------------------------------------------------------ packing
+@pytest.mark.parametrize("fmt", ["fp8_e8m0", "fp8_f32", "bf16"])
+def test_pack_dequantizes_bit_for_bit_as_the_core(fmt: str, device: str) -> None:
+    qw = linear_weight(1, 192, 384, fmt, seed=3)
+    pack = opt.pack_linear(qw, device)
+    assert pack.fmt == ("bf16" if fmt == "bf16" else "fp8") and pack.groups == 1
+    for dt in (BF16, FP32):
+        assert torch.equal(pack.dequantize(dt).cpu(), qw.dequantize(dt))
+    grouped = opt.pack_linear(linear_weight(2, 128, 256, fmt, seed=4), device, groups=2)
+    assert grouped.grouped and tuple(grouped.weight.shape) == (2, 128, 256)
+    want = linear_weight(2, 128, 256, fmt, seed=4).dequantize(BF16).view(2, 128, 256)
+    assert torch.equal(grouped.dequantize(BF16).cpu(), want)
+
+
+# ------------------------------------------------------------------------------ values
+@pytest.mark.parametrize("fmt", ["fp8_e8m0", "fp8_f32", "bf16"])
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
+def test_linear_matches_the_reference(fmt: str, dtype: torch.dtype, device: str) -> None:
+    """Rows 0, 1, odd and 65 (past the one-M-block decode schedule), act_quant off and on."""
+    qw = linear_weight(1, 192, 384, fmt, seed=1)
+    pack = opt.pack_linear(qw, device)
+    for rows, act_quant in ((0, False), (1, True), (7, False), (65, dtype == BF16)):
+        x = _x(rows, 384, dtype=dtype, device=device, seed=rows)
+        got = opt.linear(x, pack, act_quant=act_quant)
+        assert got.dtype == dtype and tuple(got.shape) == (rows, 192)
+        _check("linear", got.cpu(), x.cpu(), qw, act_quant=act_quant)
+    # leading dims are kept, as the reference's (..., K)
+    x3 = _x(2, 3, 384, dtype=dtype, device=device)
+    assert tuple(opt.linear(x3, pack).shape) == (2, 3, 192)
+
+
+def test_grouped_linear_matches_the_reference(device: str) -> None:
+    qw = linear_weight(3, 128, 256, "fp8_f32", seed=2)
+    pack = opt.pack_linear(qw, device, groups=3)
+    for rows in (1, 9):
+        x = _x(rows, 3, 256, device=device, seed=rows)
+        _check("grouped_linear", opt.grouped_linear(x, pack).cpu(), x.cpu(), qw)
+    dense = qw.dequantize(FP32).view(3, 128, 256).to(device)
+    x = _x(4, 3, 256, dtype=FP32, device=device)
+    _check("grouped_linear", opt.grouped_linear(x, dense).cpu(), x.cpu(), dense.cpu())
+
+
+def test_reference_grouped_linear_is_the_loop_over_groups() -> None:
+    x, w = _x(5, 3, 64, dtype=FP32), _x(3, 16, 64, dtype=FP32, seed=1)
+    want = torch.stack([ref.linear(x[:, g], w[g]) for g in range(3)], dim=1)
+    assert torch.equal(ref.grouped_linear(x, w), want)
+
+
+def test_each_block_scale_lands_on_its_own_block(device: str) -> None:
+    """Scales 2^(3 kb - 2 nb) differ by 8x between neighbouring K blocks and 4x between row
+    blocks, so a scale read from another block moves whole 128-wide partials by 2x or more
+    (far outside the tolerance); K 640 (5 blocks) also exercises a ragged K split below."""
+    N, K = 256, 640
+    codes = linear_weight(1, N, K, "fp8_f32", seed=5).data
+    kb = torch.arange(5, dtype=FP32)
+    nb = torch.arange(2, dtype=FP32)
+    scale = torch.exp2(3 * kb[None, :] - 2 * nb[:, None]) / (48 * K**0.5)
+    qw = QuantizedWeight("fp8_f32", codes, scale, (N, K))
+    pack = opt.pack_linear(qw, device)
+    x = _x(3, K, device=device, seed=6)
+    _check("linear", opt.linear(x, pack).cpu(), x.cpu(), qw)
+
+
+def test_ragged_k_split_and_the_reduce(device: str) -> None:
+    """A 2-way split of 5 K blocks (3 + 2) with the fp32 partials summed by the reduce kernel:
+    within tolerance, and equal to the unsplit sum up to fp32 reassociation."""
+    from dsv4mtp.optimized.kernels.linear import FMT_FP8, LinearSchedule, linear_triton
+
+    qw = linear_weight(1, 192, 640, "fp8_e8m0", seed=7)
+    pack = opt.pack_linear(qw, device)
+    x = _x(5, 1, 640, dtype=FP32, device=device, seed=8)
+    outs = []
+    for split in (1, 2, 4):
+        y = torch.full((5, 1, 192), float("nan"), device=device)
+        linear_triton(
+            x, pack.weight, pack.scale, y, fmt=FMT_FP8, sched=LinearSchedule(16, 64, split)
+        )
+        _check("linear", y[:, 0].cpu(), x[:, 0].cpu(), qw)
+        outs.append(y)
+    assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(outs[0], outs[2], rtol=1e-5, atol=1e-6)
+
+
+def test_fused_wqa_wkv_rows_split_into_the_two_linears(device: str) -> None:
+    """The fused wq_a + wkv weight (row_splits) gives both outputs from one product."""
+    a, b = (
+        linear_weight(1, 256, 256, "fp8_e8m0", seed=9),
+        linear_weight(1, 128, 256, "fp8_e8m0", 10),
+    )
+    fused = opt.pack_linear(stack_rows([a, b], "fused_wqa_wkv"), device)
+    assert fused.row_splits == (256, 128)
+    x = _x(3, 256, device=device)
+    qr, kv = opt.linear(x, fused).split(list(fused.row_splits), dim=-1)
+    _check("linear", qr.cpu(), x.cpu(), a)
+    _check("linear", kv.cpu(), x.cpu(), b)
+
+
+# ------------------------------------------------------------------------------ invariance
+@pytest.mark.parametrize("op", ["linear", "grouped_linear"])
+def test_batch_invariant_rows_are_bitwise_the_same_alone(op: str, device: str) -> None:
+    grouped = op == "grouped_linear"
+    qw = linear_weight(2 if grouped else 1, 128, 384, "fp8_f32", seed=11)
+    pack = opt.pack_linear(qw, device, groups=2 if grouped else None)
+    fn = opt.grouped_linear if grouped else opt.linear
+    x = _x(*((67, 2, 384) if grouped else (67, 384)), device=device, seed=12)
+    full = fn(x, pack, batch_invariant=True)
+    for t in (0, 33, 66):
+        alone = fn(x[t : t + 1], pack, batch_invariant=True)
+        assert torch.equal(full[t : t + 1], alone), f"{op}: row {t} differs alone"
+
+
+# ------------------------------------------------------------------------------ non-finite
+def test_non_finite_x_propagates_like_the_reference(device: str) -> None:
+    qw = linear_weight(1, 128, 256, "fp8_e8m0", seed=13)
+    pack = opt.pack_linear(qw, device)
+    x = _x(4, 256, dtype=FP32, device=device)
+    x[1, 7] = float("nan")
+    x[2, 200] = float("inf")
+    got = opt.linear(x, pack).cpu()
+    want = ref.linear(x.cpu(), qw)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    assert bool(torch.isnan(got[1]).all()) and bool(torch.isfinite(got[[0, 3]]).all())
+
+
+# ------------------------------------------------------------------------------ errors
+def _bad_calls(device: str):
+    qw = linear_weight(2, 128, 256, "fp8_e8m0", seed=14)
+    pack = opt.pack_linear(qw, device)
+    gpack = opt.pack_linear(qw, device, groups=2)
+    x = _x(3, 256, device=device)
+    mx = QuantizedWeight("mxfp4", torch.zeros(4, 128, dtype=torch.uint8), None, (4, 256))
+    bad_scale = QuantizedWeight("fp8_e8m0", qw.data, qw.scale[:1], qw.shape)  # type: ignore[index]
+    return [
+        (lambda: opt.linear(x.double(), pack), r"^x: expected dtype"),
+        (lambda: opt.linear(x[:, :-1], pack), r"^x: expected shape \(\.\.\., 256\)"),
+        (lambda: opt.linear(x, qw), r"^weight: a QuantizedWeight is packed once"),
+        (lambda: opt.linear(x, gpack), r"^weight: expected a plain pack"),
+        (lambda: opt.grouped_linear(x, gpack), r"^x: expected shape \(\*, 2, 256\)"),
+        (lambda: opt.grouped_linear(x[:, None].expand(3, 2, 256), pack), r"^weight: expected a grouped"),
+        (lambda: opt.linear(x, pack, out=torch.empty(3, 255, device=device)), r"^out: expected shape"),
+        (lambda: opt.linear(x, pack, out=torch.empty(3, 256, device=device)), r"^out: expected dtype"),
+        (lambda: opt.linear(x, pack, act_quant=1), r"^act_quant: expected a bool"),
+        (lambda: opt.pack_linear(mx), r"^weight: format 'mxfp4' is not a dense linear's"),
+        (lambda: opt.pack_linear(bad_scale), r"^weight.scale: expected shape \(2, 2\)"),
+        (lambda: opt.pack_linear(qw, groups=3), r"^groups: 3 groups do not divide"),
+        (lambda: opt.pack_linear(qw, groups=4), r"^groups: FP8 groups must be whole 128-row"),
+        (lambda: opt.pack_linear(torch.zeros(2, 3, 4, 5)), r"^weight: expected shape \(N, K\)"),
+        (lambda: opt.pack_linear(torch.zeros(4, 8, dtype=torch.int32)), r"^weight: expected a floating"),
+        (lambda: ref.linear(x.float(), torch.zeros(4, 255)), r"^x: expected last dim 255"),
+        (lambda: ref.grouped_linear(x.float()[:, None], torch.zeros(2, 4, 256)), r"^x: expected shape"),
+    ]  # fmt: skip
+
+
+def test_bad_inputs_raise_input_errors_naming_the_tensor(device: str) -> None:
+    for call, match in _bad_calls(device):
+        with pytest.raises(InputError, match=match):
+            call()
+
+
+# ------------------------------------------------------------------------------ operators
+@pytest.mark.parametrize("op", ["linear", "grouped_linear"])
+@pytest.mark.parametrize("variant", ["", "_out"])
+def test_linear_opcheck(op: str, variant: str, device: str) -> None:
+    """Schema, fake kernel and AOT dispatch of the operators (torch.library.opcheck)."""
+    grouped = op == "grouped_linear"
+    qw = linear_weight(2 if grouped else 1, 128, 256, "fp8_e8m0", seed=15)
+    pack = opt.pack_linear(qw, device, groups=2 if grouped else None)
+    x = _x(*((3, 2, 256) if grouped else (3, 256)), device=device)
+    args = (x, pack.weight, pack.scale, pack.fmt, False, False)
+    outs = {"out": x.new_empty((3, 2, 128) if grouped else (3, 128))} if variant else {}
+    torch.library.opcheck(getattr(torch.ops.dsv4mtp, op + variant).default, args, outs)
+
+
+# ------------------------------------------------------------------------------ gpu tier
+# V4-Flash's linears: (name, rows per token) with h_proj on the 4 mHC streams.
+_FLASH = [("e_proj", 1), ("e_proj", 4), ("wqa_wkv", 1), ("wq_b", 1), ("wo_b", 1), ("wo_a", 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("shape", "per_token"), _FLASH, ids=[f"{s}x{p}" for s, p in _FLASH])
+@pytest.mark.parametrize("fmt", ["fp8_e8m0", "fp8_f32"])
+def test_flash_linears_on_the_gpu(shape: str, per_token: int, fmt: str) -> None:
+    """Every V4-Flash dense linear at T 1, 4, 64, 65 and 513 (the decode schedules, the tiled
+    one), bf16 against the float64 oracle, act_quant off and on; batch-invariant rows alone."""
+    G, N, K = LINEAR_SHAPES[shape]
+    qw = linear_weight(max(G, 1), N, K, fmt, seed=16, device="cuda")
+    op = "grouped_linear" if G else "linear"
+    pack = opt.pack_linear(qw, "cuda", groups=G or None)
+    fn = opt.grouped_linear if G else opt.linear
+    for T in (1, 4, 64, 65, 513):
+        rows = T * per_token
+        x = _x(*((rows, G, K) if G else (rows, K)), device="cuda", seed=T)
+        for act_quant in (False, True):
+            _check(op, fn(x, pack, act_quant=act_quant), x, qw, act_quant=act_quant)
+        full = fn(x, pack, batch_invariant=True)
+        assert torch.equal(full[-1:], fn(x[-1:], pack, batch_invariant=True))

@@ -1,0 +1,225 @@
+"""The dense linears of the MTP layer: ``y = x @ W^T`` over FP8 128x128-block or bf16 / fp32
+weights, one kernel for the plain and the grouped product (docs/semantics.md, "Linear layers",
+"Block formats").
+
+Layout (what ``optimized/linear.py``'s ``pack_linear`` builds): ``w`` (G, N, K) e4m3 codes as
+uint8 (FMT 1) with fp32 block scales ``s`` (G, ceil(N/128), ceil(K/128)), or a dense bf16 / fp32
+weight (FMT 0, ``s`` unused); G = 1 for a plain linear.  ``x`` is (R, G, K) contiguous (R rows,
+G groups), ``y`` (R, G, N).
+
+``linear_kernel``: grid (M blocks, N tiles, G * SPLIT_K); program (m, n, g*SPLIT_K + s) computes
+rows [m*BLOCK_M, +BLOCK_M) x columns [n*BLOCK_N, +BLOCK_N) of group g over the K blocks of split
+s (each split a contiguous run of ceil(KB / SPLIT_K) of the KB = ceil(K/128) blocks).  Per
+128-wide K block: the x tile (BLOCK_M, 128) and the codes (BLOCK_N, 128) are loaded, the codes
+decoded to bf16 in registers (kernels/decode.py, ``_e4m3_bf16``: PTX, about three instructions
+per weight), one tensor-core dot with a fresh fp32 accumulator, and that fp32 partial multiplied
+by the block's fp32 scale before it is added to the running sum (an fp32 scale is not exact in
+bf16, so it never touches the dot's operands; BLOCK_N divides 128, so one scale per tile and K
+block).  SPLIT_K == 1 rounds the sum once to y's dtype; SPLIT_K > 1 stores the fp32 partial at
+``part[s]`` and ``linear_reduce_kernel`` adds the SPLIT_K partials in the order 0..SPLIT_K-1,
+then rounds once.  No atomics: the result is deterministic, and a row's bits depend only on the
+schedule (BLOCK_M, BLOCK_N, SPLIT_K, warps), never on the other rows.
+
+Bytes per call: the codes once per M block (N*K per group: wq_b 32 MiB, e_proj 16 MiB) plus
+scales (N*K/16384 * 4), x once per N tile (from L2 after the first), y once, and with a split
+2 * SPLIT_K * R * G * N * 4 bytes of fp32 partials.  Decode sizes (R <= 64, one M block) read
+the weight exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import INTERPRET, cdiv, next_pow2, rne_bf16_if_interpreted, workspace
+from .decode import _e4m3_bf16
+from .moe_common import jit_loop_bounds
+
+__all__ = [
+    "DECODE_MAX_ROWS",
+    "FMT_DENSE",
+    "FMT_FP8",
+    "LinearSchedule",
+    "linear_schedule",
+    "linear_triton",
+]
+
+FMT_DENSE, FMT_FP8 = 0, 1
+BLOCK_K = 128  # one FP8 scale block along K
+SMS = 132  # H200 streaming multiprocessors
+DECODE_MAX_ROWS = 64  # up to here one M block holds every row: the split-K decode schedule
+
+
+@dataclass(frozen=True)
+class LinearSchedule:
+    """Tiles of one call: BLOCK_M rows x BLOCK_N columns per program, K in SPLIT_K splits."""
+
+    block_m: int
+    block_n: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _split(n_tiles: int, kb: int, target: int) -> int:
+    """The K split that brings the programs of one M block to ``target`` (a power of two, each
+    split keeping at least two K blocks): N tiles alone cannot fill 132 SMs for the narrow
+    linears (wkv: 512 columns = 8 tiles of 64)."""
+    split = 1
+    while n_tiles * split < target and kb >= 4 * split:
+        split *= 2
+    return split
+
+
+def linear_schedule(
+    rows: int, N: int, K: int, groups: int, batch_invariant: bool
+) -> LinearSchedule:
+    """The default schedule.  Decode sizes (rows <= 64): one M block (16, 32 or 64 rows), 64-wide
+    N tiles and the K split doubled until there are at least 2 x 132 programs (each split keeping
+    two K blocks or more), so that one token streams the weight over every SM (e_proj: 64 tiles x
+    8 splits; fused wq_a + wkv: 24 x 16; wkv alone: 8 x 16; wq_b: 512 x 1; wo_b: 64 x 8; grouped
+    wo_a: 8 groups x 16 tiles x 4).
+    More rows: 64 x 128 tiles, no split.  ``batch_invariant``: 64 x 64 tiles with the decode
+    split of (N, K, G), whatever the row count, so each row is computed the same way."""
+    kb = cdiv(K, BLOCK_K)
+    if batch_invariant:
+        nt = cdiv(N, 64) * groups
+        return LinearSchedule(64, 64, _split(nt, kb, 2 * SMS), num_warps=4, num_stages=3)
+    if rows <= DECODE_MAX_ROWS:
+        bm = max(16, next_pow2(rows))
+        nt = cdiv(N, 64) * groups
+        return LinearSchedule(bm, 64, _split(nt, kb, 2 * SMS), num_warps=4, num_stages=4)
+    return LinearSchedule(64, 128, 1, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _dot(a, b, USE_F32: tl.constexpr, INTERP: tl.constexpr):
+    """a (M, K) @ b (K, N) in fp32: bf16 tensor cores, or an fp32 dot for fp32 operands.
+
+    Under the interpreter: a broadcast product summed over K in fp32.  Its ``tl.dot`` is numpy's
+    matmul (BLAS), whose rounding of a row depends on where the row sits in the tile, which
+    would make the CPU tier's batch-invariance check fail for reasons the GPU does not have (and
+    its bf16 dot is wrong)."""
+    if INTERP:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    elif USE_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@jit_loop_bounds("KB_PER_SPLIT")
+def linear_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    part_ptr,
+    R,
+    G,
+    N,
+    K,
+    KB_PER_SPLIT,
+    FMT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    USE_F32: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_gs = tl.program_id(2)
+    g = pid_gs // SPLIT_K
+    s = pid_gs % SPLIT_K
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = rows < R
+    cm = cols < N
+    kk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + (rows[:, None].to(tl.int64) * G + g) * K  # (BLOCK_M, 1)
+    w_rows = w_ptr + (g.to(tl.int64) * N + cols[:, None]) * K  # (BLOCK_N, 1)
+    KB = tl.cdiv(K, BLOCK_K)
+    s_row = s_ptr + (g.to(tl.int64) * tl.cdiv(N, 128) + (pid_n * BLOCK_N) // 128) * KB
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    kb0 = s * KB_PER_SPLIT
+    for i in range(0, KB_PER_SPLIT):
+        kb = kb0 + i
+        k = kb * BLOCK_K + kk
+        km = (k < K) & (kb < KB)
+        x = tl.load(x_rows + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        if FMT == 1:
+            codes = tl.load(w_rows + k[None, :], mask=cm[:, None] & km[None, :], other=0)
+            w = _e4m3_bf16(codes, INTERP)  # (BLOCK_N, BLOCK_K) bf16, exact
+            part = _dot(x, tl.trans(w), USE_F32, INTERP)
+            scale = tl.load(s_row + kb, mask=kb < KB, other=0.0)
+            acc += part * scale
+        else:
+            w = tl.load(w_rows + k[None, :], mask=cm[:, None] & km[None, :], other=0.0)
+            acc += _dot(x, tl.trans(w), USE_F32, INTERP)
+    out_off = (rows[:, None].to(tl.int64) * G + g) * N + cols[None, :]
+    mask = rm[:, None] & cm[None, :]
+    if SPLIT_K == 1:
+        y_ty = y_ptr.dtype.element_ty
+        acc = rne_bf16_if_interpreted(acc, y_ty, INTERP)
+        tl.store(y_ptr + out_off, acc.to(y_ty), mask=mask)
+    else:
+        tl.store(part_ptr + s.to(tl.int64) * R * G * N + out_off, acc, mask=mask)
+
+
+@triton.jit
+def linear_reduce_kernel(
+    part_ptr, y_ptr, NUMEL, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr
+):
+    """y = sum of the SPLIT_K fp32 partials in split order, rounded once to y's dtype."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < NUMEL
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * NUMEL + i, mask=m, other=0.0)
+    y_ty = y_ptr.dtype.element_ty
+    acc = rne_bf16_if_interpreted(acc, y_ty, INTERP)
+    tl.store(y_ptr + i, acc.to(y_ty), mask=m)
+
+
+_REDUCE_BLOCK = 1024
+
+
+def linear_triton(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    s: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    fmt: int,
+    sched: LinearSchedule,
+) -> None:
+    """y (R, G, N) = x (R, G, K) @ w (G, N, K)^T per group (module doc); all contiguous."""
+    R, G, K = x.shape
+    N = w.shape[1]
+    if R == 0:
+        return
+    kb = cdiv(K, BLOCK_K)
+    split = sched.split_k
+    per_split = cdiv(kb, split)
+    use_f32 = INTERPRET or x.dtype == torch.float32 or w.dtype == torch.float32
+    if split > 1:
+        part = workspace("linear_part", (split * R * G * N,), torch.float32, x.device)
+    else:
+        part = y
+    grid = (cdiv(R, sched.block_m), cdiv(N, sched.block_n), G * split)
+    linear_kernel[grid](
+        x, w, s if s.numel() else w, y, part, R, G, N, K, per_split,
+        FMT=fmt, BLOCK_M=sched.block_m, BLOCK_N=sched.block_n, BLOCK_K=BLOCK_K, SPLIT_K=split,
+        USE_F32=use_f32, INTERP=INTERPRET, num_warps=sched.num_warps,
+        num_stages=sched.num_stages,
+    )  # fmt: skip
+    if split > 1:
+        numel = R * G * N
+        linear_reduce_kernel[(cdiv(numel, _REDUCE_BLOCK),)](
+            part, y, numel, SPLIT_K=split, BLOCK=_REDUCE_BLOCK, INTERP=INTERPRET, num_warps=4
+        )

@@ -1,0 +1,295 @@
+"""The dense linears of the MTP layer on the H200: e_proj, h_proj, wq_a, wkv (or the fused
+wq_a + wkv), wq_b, wo_b and the grouped wo_a, over FP8 128x128-block or bf16 weights.
+
+Same math as :mod:`dsv4mtp.reference.linear` (docs/semantics.md, "Linear layers", "Block
+formats", "Activation and KV quantization"): ``y = x @ W^T`` with fp32 accumulation, rounded
+once to x's dtype.  One difference in rounding, declared in conformance/pairs.py: the reference
+layer multiplies by the weight dequantized once into the activation dtype, while the kernel
+multiplies by the e4m3 codes (exact in bf16) and applies the fp32 128x128 block scale to the
+fp32 partial of each 128-wide K block.  With power-of-two (e8m0) scales, V4-Flash's, both are the
+same weight; with fp32 scales the kernel skips the weight's bf16 rounding (2^-9 per element).
+
+Public functions: :func:`pack_linear` (a helper, once per weight) builds a :class:`LinearPack`;
+:func:`linear` and :func:`grouped_linear` are the ops, each a ``torch.ops.dsv4mtp`` operator
+(optimized/_ops.py) over the pack's flat tensors.  Kernels and schedules:
+optimized/kernels/linear.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from dsv4mtp import formats
+from dsv4mtp.checkpoint.weights import FP8_BLOCK, QuantizedWeight
+from dsv4mtp.checks import check_device_arg, check_instance, check_int, check_ndim, check_shape
+from dsv4mtp.errors import InputError
+
+from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
+from ._dispatch import Facts, select
+from .kernels._launch import check_device, check_kernel_dtype, check_out
+
+__all__ = ["LinearPack", "grouped_linear", "linear", "pack_linear"]
+
+LinearBackend = Literal["auto", "triton"]
+
+_ops_linear = torch.ops.dsv4mtp.linear.default
+_ops_linear_out = torch.ops.dsv4mtp.linear_out.default
+_ops_grouped = torch.ops.dsv4mtp.grouped_linear.default
+_ops_grouped_out = torch.ops.dsv4mtp.grouped_linear_out.default
+
+_FP8_FORMATS = ("fp8_e8m0", "fp8_f32")
+
+
+@dataclass(frozen=True)
+class LinearPack:
+    """One linear weight in the kernels' layout (optimized/kernels/linear.py, module doc).
+
+    ``fmt`` "fp8": ``weight`` (G, N, K) uint8 e4m3 codes and ``scale`` (G, ceil(N/128),
+    ceil(K/128)) fp32 block scales (e8m0 widened exactly); "bf16": ``weight`` (G, N, K) bf16 (or
+    fp32, kept for fp32 weights) and an empty ``scale``.  G = 1 for a plain linear;
+    ``grouped``: built for :func:`grouped_linear` (G groups of N rows each).  ``row_splits``:
+    the shards of a fused weight (``fused_wqa_wkv``: (Rq, Dh)), for slicing the output.
+    """
+
+    fmt: str
+    weight: torch.Tensor
+    scale: torch.Tensor
+    grouped: bool = False
+    row_splits: tuple[int, ...] | None = None
+    name: str = ""
+
+    @property
+    def groups(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def out_features(self) -> int:
+        """N: output columns per group."""
+        return int(self.weight.shape[1])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.weight.shape[2])
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The dense weight in ``dtype``: (N, K), or (G, N, K) for a grouped pack; the core's
+        decode (codes times scales in fp32, one rounding), bit for bit
+        ``QuantizedWeight.dequantize(dtype)`` for bf16 and fp32."""
+        if self.fmt == "fp8":
+            w = formats.dequantize_fp8_block(
+                self.weight, self.scale, dtype=torch.promote_types(dtype, torch.float32)
+            ).to(dtype)
+        else:
+            w = self.weight.to(dtype)
+        return w if self.grouped else w[0]
+
+
+def _fp8_scale(scale: torch.Tensor) -> torch.Tensor:
+    """FP8 block scales as fp32: e8m0 bytes widened exactly, fp32 as they are."""
+    if scale.dtype == torch.float32:
+        return scale
+    return formats.decode_e8m0(scale, dtype=torch.float32)
+
+
+def _dense_weight(name: str, t: torch.Tensor) -> torch.Tensor:
+    if not t.is_floating_point():
+        raise InputError(f"{name}: expected a floating-point weight, got {t.dtype}")
+    return t if t.dtype in (torch.bfloat16, torch.float32) else t.to(torch.float32)
+
+
+def pack_linear(
+    weight: QuantizedWeight | torch.Tensor,
+    device: torch.device | str | None = None,
+    *,
+    groups: int | None = None,
+) -> LinearPack:
+    """Pack a linear weight for :func:`linear` / :func:`grouped_linear` (a helper, not an op;
+    once per weight, refused during CUDA-graph capture: it allocates).
+
+    ``weight``: a core :class:`QuantizedWeight` of format ``fp8_e8m0`` / ``fp8_f32`` (codes
+    (N, K), block scales (ceil(N/128), ceil(K/128))) or ``bf16``, or a dense (N, K) tensor, or a
+    dense (G, N, K) tensor (a grouped pack).  bf16 and fp32 dense weights are kept in their dtype,
+    other floats widened to fp32.  ``groups``: split a 2-D weight's rows into that many groups
+    (``wo_a``: G = o_groups; FP8 groups must be whole 128-row blocks).  ``device``: default the
+    weight's own.
+    """
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise InputError("weight: pack_linear cannot run during CUDA-graph capture; pack before")
+    if groups is not None:
+        check_int("groups", groups, 1)
+    name, row_splits = "", None
+    if isinstance(weight, QuantizedWeight):
+        name, row_splits = weight.name, weight.row_splits
+        N, K = weight.shape
+        if weight.format in _FP8_FORMATS:
+            if weight.scale is None:
+                raise InputError(f"weight: {weight.name or 'FP8 weight'} has no block scales")
+            codes = weight.data
+            if codes.dtype not in (torch.float8_e4m3fn, torch.uint8):
+                raise InputError(
+                    f"weight.data: expected dtype float8_e4m3fn or uint8 codes, got {codes.dtype}"
+                )
+            check_shape("weight.data", codes, (N, K))
+            scale = weight.scale
+            if scale.dtype not in (torch.float32, torch.uint8, torch.float8_e8m0fnu):
+                raise InputError(
+                    f"weight.scale: expected dtype float32 or e8m0 bytes (uint8), got {scale.dtype}"
+                )
+            check_shape("weight.scale", scale, (-(-N // FP8_BLOCK), -(-K // FP8_BLOCK)))
+            fmt, w, s = "fp8", codes.view(torch.uint8), _fp8_scale(scale)
+        elif weight.format == "bf16":
+            check_shape("weight.data", weight.data, (N, K))
+            fmt, w, s = "bf16", _dense_weight("weight.data", weight.data), None
+        else:
+            raise InputError(
+                f"weight: format {weight.format!r} is not a dense linear's; expected one of "
+                f"{(*_FP8_FORMATS, 'bf16')}"
+            )
+    elif isinstance(weight, torch.Tensor):
+        if weight.dim() == 3:
+            if groups is not None and groups != weight.shape[0]:
+                raise InputError(
+                    f"groups: expected {weight.shape[0]} (the weight's dim 0), got {groups}"
+                )
+            groups = int(weight.shape[0])
+            weight = weight.reshape(-1, weight.shape[2])
+        elif weight.dim() != 2:
+            raise InputError(
+                f"weight: expected shape (N, K) or (G, N, K), got {tuple(weight.shape)}"
+            )
+        fmt, w, s = "bf16", _dense_weight("weight", weight), None
+        N, K = weight.shape
+    else:
+        raise InputError(
+            f"weight: expected a QuantizedWeight or a torch.Tensor, got {type(weight).__name__}"
+        )
+    if N < 1 or K < 1:
+        raise InputError(f"weight: expected a non-empty (N, K) weight, got ({N}, {K})")
+    dev = check_device_arg("device", device if device is not None else w.device)
+    G = 1 if groups is None else groups
+    if N % G:
+        raise InputError(f"groups: {G} groups do not divide the weight's {N} rows")
+    n = N // G
+    if fmt == "fp8" and G > 1 and n % FP8_BLOCK:
+        raise InputError(
+            f"groups: FP8 groups must be whole {FP8_BLOCK}-row blocks, got {n} rows per group"
+        )
+    w3 = w.to(dev).reshape(G, n, K).contiguous()
+    if s is None:
+        s3 = torch.empty((0,), dtype=torch.float32, device=dev)
+    else:
+        s3 = s.to(dev).reshape(G, -(-n // FP8_BLOCK), s.shape[1]).contiguous()
+    return LinearPack(fmt, w3, s3, grouped=groups is not None, row_splits=row_splits, name=name)
+
+
+def _as_pack(weight: object, grouped: bool) -> LinearPack:
+    """A LinearPack as given (of the right kind), or a dense tensor viewed as one (no copy when
+    it is contiguous bf16 / fp32)."""
+    if isinstance(weight, LinearPack):
+        if weight.grouped != grouped:
+            want = "a grouped pack (pack_linear(w, groups=G))" if grouped else "a plain pack"
+            raise InputError(f"weight: expected {want}, got grouped={weight.grouped}")
+        return weight
+    if isinstance(weight, torch.Tensor):
+        check_kernel_dtype("weight", weight)
+        check_ndim("weight", weight, 3 if grouped else 2)
+        w = weight.contiguous()
+        w3 = w if grouped else w[None]
+        return LinearPack(
+            "bf16", w3, torch.empty((0,), dtype=torch.float32, device=w.device), grouped
+        )
+    if isinstance(weight, QuantizedWeight):
+        raise InputError(
+            "weight: a QuantizedWeight is packed once with dsv4mtp.optimized.pack_linear(weight)"
+            " before the call"
+        )
+    raise InputError(
+        f"weight: expected a LinearPack or a torch.Tensor, got {type(weight).__name__}"
+    )
+
+
+def _check_call(
+    x: torch.Tensor, weight: object, grouped: bool, act_quant: object, batch_invariant: object
+) -> tuple[LinearPack, torch.device]:
+    check_instance("act_quant", act_quant, bool)
+    check_instance("batch_invariant", batch_invariant, bool)
+    check_kernel_dtype("x", x)
+    pack = _as_pack(weight, grouped)
+    G, K = pack.groups, pack.in_features
+    if grouped:
+        check_shape("x", x, (None, G, K))
+    elif x.dim() < 1 or x.shape[-1] != K:
+        raise InputError(f"x: expected shape (..., {K}) (the weight's K), got {tuple(x.shape)}")
+    dev = check_device([("x", x)])
+    if pack.device != dev:
+        raise InputError(f"weight: packed on {pack.device}, x is on {dev}")
+    return pack, dev
+
+
+def linear(
+    x: torch.Tensor,
+    weight: LinearPack | torch.Tensor,
+    *,
+    act_quant: bool = False,
+    batch_invariant: bool = False,
+    out: torch.Tensor | None = None,
+    backend: LinearBackend = "auto",
+) -> torch.Tensor:
+    """``x (..., K) @ W^T -> (..., N)`` in x.dtype (bf16 or fp32), fp32 accumulation.
+
+    ``weight``: a plain :class:`LinearPack` (FP8 codes + fp32 128x128 scales, or bf16 / fp32),
+    or a dense (N, K) bf16 / fp32 tensor.  ``act_quant``: x is first rounded through e4m3 per
+    1x128 block with power-of-two scales (dsv4mtp/quant.py) by a first launch
+    (``act_quant_triton``, into a scratch copy), then the same kernel runs on the rounded x
+    (exact in bf16): the reference's quantize-dequantize-then-matmul.  Fuses the code decode and
+    the block scales into the GEMM; moves the codes once per 64-row block (N*K bytes: e_proj
+    16 MiB, wq_b 32 MiB, wo_b 32 MiB; one read at decode sizes) plus N*K/4096 bytes of scales,
+    x (R*K*itemsize, from L2 per N tile), y, and 2*S*R*N*4 bytes of fp32 partials when the
+    schedule splits K S ways (decode sizes).  Schedule: ``linear_schedule`` in
+    optimized/kernels/linear.py, by row count; ``batch_invariant=True`` takes one schedule for
+    every row count, so each row's bits do not depend on its batch.  ``out``: a contiguous
+    (..., N) tensor of x.dtype, written in place.
+    """
+    pack, dev = _check_call(x, weight, False, act_quant, batch_invariant)
+    select("linear", backend, Facts(dev, (x.dtype, pack.weight.dtype)))
+    args = (x, pack.weight, pack.scale, pack.fmt, act_quant, batch_invariant)
+    if out is None:
+        return _ops_linear(*args)
+    check_out("out", out, (*x.shape[:-1], pack.out_features), x.dtype, dev)
+    _ops_linear_out(*args, out=out)
+    return out
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    weight: LinearPack | torch.Tensor,
+    *,
+    act_quant: bool = False,
+    batch_invariant: bool = False,
+    out: torch.Tensor | None = None,
+    backend: LinearBackend = "auto",
+) -> torch.Tensor:
+    """``x (T, G, K)`` -> ``(T, G, N)``, group g ``x[:, g] @ W_g^T``, in x.dtype: the grouped
+    ``wo_a`` (G 8, K 4096, N 1024 on V4-Flash).
+
+    ``weight``: a grouped :class:`LinearPack` (``pack_linear(w, groups=G)``) or a dense
+    (G, N, K) bf16 / fp32 tensor.  One launch for every group (the group is a grid axis), the
+    schedule of :func:`linear` with G x the N tiles; ``act_quant`` as :func:`linear` (the
+    official ``wo_a`` takes none: docs/semantics.md).  Moves the G*N*K codes once at decode
+    sizes (wo_a: 32 MiB), x and y.  ``out``: a contiguous (T, G, N) tensor of x.dtype.
+    """
+    pack, dev = _check_call(x, weight, True, act_quant, batch_invariant)
+    select("grouped_linear", backend, Facts(dev, (x.dtype, pack.weight.dtype)))
+    args = (x, pack.weight, pack.scale, pack.fmt, act_quant, batch_invariant)
+    if out is None:
+        return _ops_grouped(*args)
+    check_out("out", out, (x.shape[0], pack.groups, pack.out_features), x.dtype, dev)
+    _ops_grouped_out(*args, out=out)
+    return out
