@@ -8,6 +8,7 @@ explains a kernel that streams well alone but slowly inside a fused kernel.
 
     python bench/sm90_resources.py            # default schedules, one line per kernel phase
     python bench/sm90_resources.py --collapse '[[64, 256, 32, 16, 4, 3, true]]'  # candidates
+    python bench/sm90_resources.py --rope     # the RoPE / q / kv path kernel only
 """
 
 from __future__ import annotations
@@ -53,15 +54,22 @@ def programs_by_registers(regs: int, num_warps: int) -> int:
     return warps // num_warps
 
 
-def resources(fn: Any, signature: dict[str, str], consts: dict[str, Any], **options: Any) -> str:
-    """One line: shared memory, registers, stack (spills) and the register-bound occupancy."""
+def resources(
+    fn: Any,
+    signature: dict[str, str],
+    consts: dict[str, Any],
+    ints: tuple[str, ...] | list[str] = (),
+    **options: Any,
+) -> str:
+    """One line: shared memory, registers, stack (spills) and the register-bound occupancy.
+    ``ints``: argument names (pointers or ints) the launcher specializes as divisible by 16."""
     sig = {**signature, **{c: "constexpr" for c in consts}}
     # The launcher marks 16-byte-aligned pointers (every torch allocation) divisible by 16;
     # without that mark the compiler cannot vectorize loads and the counts below are wrong.
     aligned = {
         (fn.arg_names.index(name),): [["tt.divisibility", 16]]
         for name, ty in signature.items()
-        if ty.startswith("*")
+        if ty.startswith("*") or name in ints
     }
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned)
     k = triton.compile(src, target=TARGET, options=options)
@@ -121,7 +129,12 @@ def main() -> None:
         help="JSON list of collapse 7-tuples (block_t, d_slice, block_k, apply_d, num_warps, "
         "num_stages, fused); default: collapse_config's schedules",
     )
+    p.add_argument("--rope", action="store_true", help="only the RoPE / q / kv path kernel")
     args = p.parse_args()
+    if args.rope:
+        for line in rope_lines():
+            print(line, flush=True)
+        return
     for op in ("hc_head", "hc_pre"):
         for D in (4096, 7168):
             if args.collapse:
@@ -147,6 +160,46 @@ def main() -> None:
                   INTERP=False)  # fmt: skip
     line = resources(mhc_head_fma_kernel, head_sig, consts, num_warps=4)
     print(f"hc_head fma (4 x 256, 4 warps): {line}", flush=True)
+    for line in rope_lines():
+        print(line, flush=True)
+
+
+def rope_lines() -> list[str]:
+    """kernels/rope.py at V4-Flash (H 64, Dh 512, rope 64), bf16, default schedules.  Also
+    marks H and the row strides divisible by 16, as the launcher's specialization does; the
+    32-byte stack of every variant is libdevice's sinf / cosf range-reduction buffer for large
+    angles, not a spill."""
+    from dsv4mtp.optimized.kernels.rope import (
+        NORM_HEAD,
+        NORM_NONE,
+        NORM_RMS,
+        rope_launch,
+        rope_schedule,
+    )
+    from dsv4mtp.optimized.kernels.rope import norm_rope_kernel as kernel
+
+    sig = dict(
+        x_ptr="*bf16", w_ptr="*bf16", pos_ptr="*i64", freq_ptr="*fp32", out_ptr="*bf16", T="i32",
+        H="i32", stride_t="i32", stride_h="i32", eps="fp32",
+    )  # fmt: skip
+    cases = [  # name, D, DN, H, norm, fp8, vllm_order, inverse
+        ("q_head_norm_rope", 512, 448, 64, NORM_HEAD, False, False, False),
+        ("kv_norm_rope fp8_kv", 512, 448, 1, NORM_RMS, True, False, False),
+        ("kv_norm_rope vllm order, fp8_kv", 512, 448, 1, NORM_RMS, True, True, False),
+        ("kv_norm_rope", 512, 448, 1, NORM_RMS, False, False, False),
+        ("apply_rope inverse, o[..., 448:]", 64, 0, 64, NORM_NONE, False, False, True),
+    ]
+    lines = []
+    for name, D, DN, H, norm, fp8, vllm, inverse in cases:
+        sched = rope_schedule(H, D)
+        meta = dict(rope_launch(D, DN, fp8, norm, vllm, inverse, sched).meta)
+        num_warps = meta.pop("num_warps")
+        meta["INTERP"] = False
+        aligned = ["x_ptr", "w_ptr", "pos_ptr", "freq_ptr", "out_ptr", "stride_t", "stride_h"]
+        aligned += ["H"] if H % 16 == 0 else []
+        line = resources(kernel, sig, meta, num_warps=num_warps, ints=aligned)
+        lines.append(f"{name} (tile {sched.block_t} x {sched.block_h}): {line}")
+    return lines
 
 
 if __name__ == "__main__":
