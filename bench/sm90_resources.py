@@ -8,6 +8,7 @@ explains a kernel that streams well alone but slowly inside a fused kernel.
 
     python bench/sm90_resources.py            # default schedules, one line per kernel phase
     python bench/sm90_resources.py --collapse '[[64, 256, 32, 16, 4, 3, true]]'  # candidates
+    python bench/sm90_resources.py --rope     # the RoPE / q / kv path kernel only
 """
 
 from __future__ import annotations
@@ -65,19 +66,19 @@ def resources(
     fn: Any,
     signature: dict[str, str],
     consts: dict[str, Any],
-    divisible: tuple[str, ...] = (),
+    ints: tuple[str, ...] | list[str] = (),
     **options: Any,
 ) -> str:
     """One line: shared memory, registers, stack (spills) and the register-bound occupancy.
-    ``divisible``: int arguments the launcher sees divisible by 16 (V4's N and K), marked as
-    the GPU JIT would specialize them."""
+    ``ints``: argument names (pointers or ints) the launcher specializes as divisible by 16
+    (V4's N and K), marked as the GPU JIT would specialize them."""
     sig = {**signature, **{c: "constexpr" for c in consts}}
     # The launcher marks 16-byte-aligned pointers (every torch allocation) divisible by 16;
     # without that mark the compiler cannot vectorize loads and the counts below are wrong.
     aligned = {
         (fn.arg_names.index(name),): [["tt.divisibility", 16]]
         for name, ty in signature.items()
-        if ty.startswith("*") or name in divisible
+        if ty.startswith("*") or name in ints
     }
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned)
     k = triton.compile(src, target=TARGET, options=options)
@@ -161,7 +162,7 @@ def linear_lines() -> list[str]:
                     FMT=fmt, BLOCK_M=sc.block_m, BLOCK_N=sc.block_n, BLOCK_K=BLOCK_K,
                     SPLIT_K=sc.split_k, USE_F32=False, INTERP=False,
                 )  # fmt: skip
-                line = resources(linear_kernel, s, consts, divisible=("N", "K"),
+                line = resources(linear_kernel, s, consts, ints=("N", "K"),
                                  num_warps=sc.num_warps, num_stages=sc.num_stages)  # fmt: skip
                 what = "fp8 " if fmt == FMT_FP8 else "bf16"
                 tile = (sc.block_m, sc.block_n, sc.split_k, sc.num_warps, sc.num_stages)
@@ -182,9 +183,10 @@ def main() -> None:
         "num_stages, fused); default: collapse_config's schedules",
     )
     p.add_argument("--linear", action="store_true", help="the dense linears only")
+    p.add_argument("--rope", action="store_true", help="only the RoPE / q / kv path kernel")
     args = p.parse_args()
-    if args.linear:
-        for line in linear_lines():
+    if args.linear or args.rope:
+        for line in linear_lines() if args.linear else rope_lines():
             print(line, flush=True)
         return
     for op in ("hc_head", "hc_pre"):
@@ -212,6 +214,46 @@ def main() -> None:
                   INTERP=False)  # fmt: skip
     line = resources(mhc_head_fma_kernel, head_sig, consts, num_warps=4)
     print(f"hc_head fma (4 x 256, 4 warps): {line}", flush=True)
+    for line in rope_lines():
+        print(line, flush=True)
+
+
+def rope_lines() -> list[str]:
+    """kernels/rope.py at V4-Flash (H 64, Dh 512, rope 64), bf16, default schedules.  Also
+    marks H and the row strides divisible by 16, as the launcher's specialization does; the
+    32-byte stack of every variant is libdevice's sinf / cosf range-reduction buffer for large
+    angles, not a spill."""
+    from dsv4mtp.optimized.kernels.rope import (
+        NORM_HEAD,
+        NORM_NONE,
+        NORM_RMS,
+        rope_launch,
+        rope_schedule,
+    )
+    from dsv4mtp.optimized.kernels.rope import norm_rope_kernel as kernel
+
+    sig = dict(
+        x_ptr="*bf16", w_ptr="*bf16", pos_ptr="*i64", freq_ptr="*fp32", out_ptr="*bf16", T="i32",
+        H="i32", stride_t="i32", stride_h="i32", eps="fp32",
+    )  # fmt: skip
+    cases = [  # name, D, DN, H, norm, fp8, vllm_order, inverse
+        ("q_head_norm_rope", 512, 448, 64, NORM_HEAD, False, False, False),
+        ("kv_norm_rope fp8_kv", 512, 448, 1, NORM_RMS, True, False, False),
+        ("kv_norm_rope vllm order, fp8_kv", 512, 448, 1, NORM_RMS, True, True, False),
+        ("kv_norm_rope", 512, 448, 1, NORM_RMS, False, False, False),
+        ("apply_rope inverse, o[..., 448:]", 64, 0, 64, NORM_NONE, False, False, True),
+    ]
+    lines = []
+    for name, D, DN, H, norm, fp8, vllm, inverse in cases:
+        sched = rope_schedule(H, D)
+        meta = dict(rope_launch(D, DN, fp8, norm, vllm, inverse, sched).meta)
+        num_warps = meta.pop("num_warps")
+        meta["INTERP"] = False
+        aligned = ["x_ptr", "w_ptr", "pos_ptr", "freq_ptr", "out_ptr", "stride_t", "stride_h"]
+        aligned += ["H"] if H % 16 == 0 else []
+        line = resources(kernel, sig, meta, num_warps=num_warps, ints=aligned)
+        lines.append(f"{name} (tile {sched.block_t} x {sched.block_h}): {line}")
+    return lines
 
 
 if __name__ == "__main__":

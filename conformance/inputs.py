@@ -14,7 +14,9 @@ generator after every other draw, so it leaves the other values unchanged.
 
 The MoE ops (``route``, ``fused_experts``, ``moe``): :func:`moe_inputs`; the attention core
 (``sink_attention``, ``sink_attention_varlen``): :func:`attention_inputs`; the dense linears
-(``linear``, ``grouped_linear``): :func:`linear_inputs`; each described there.
+(``linear``, ``grouped_linear``): :func:`linear_inputs`; RoPE and the q / kv paths
+(``apply_rope``, ``q_head_norm_rope``, ``kv_norm_rope``): :func:`rope_inputs`; each described
+there.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ __all__ = [
     "MOE_OPS",
     "MOE_SHAPES",
     "OPS",
+    "ROPE_OPS",
+    "ROPE_SHAPES",
     "SKEWS",
     "attention_inputs",
     "attention_shape",
@@ -57,6 +61,8 @@ __all__ = [
     "moe_shape",
     "norm_inputs",
     "op_inputs",
+    "rope_inputs",
+    "rope_shape",
     "token_rows",
 ]
 
@@ -65,7 +71,8 @@ MHC_OPS = ("hc_pre", "hc_post", "hc_head")
 MOE_OPS = ("route", "fused_experts", "moe")
 ATTENTION_OPS = ("sink_attention", "sink_attention_varlen")
 LINEAR_OPS = ("linear", "grouped_linear")
-OPS = ("rms_norm", *MHC_OPS, *MOE_OPS, *ATTENTION_OPS, *LINEAR_OPS)
+ROPE_OPS = ("apply_rope", "q_head_norm_rope", "kv_norm_rope")
+OPS = ("rms_norm", *MHC_OPS, *MOE_OPS, *ATTENTION_OPS, *LINEAR_OPS, *ROPE_OPS)
 
 Inputs = tuple[tuple[torch.Tensor, ...], dict[str, Any]]
 
@@ -155,7 +162,8 @@ def op_inputs(
 ) -> Inputs:
     """``(args, kwargs)`` of one call of any op in :data:`OPS` (defaults: V4's n = 4, bf16).
     MoE ops: D picks the shape (:func:`moe_shape`), the experts are MXFP4, routing uniform.
-    Attention ops: D picks the shape (:func:`attention_shape`), T is the number of queries."""
+    Attention ops: D picks the shape (:func:`attention_shape`), T is the number of queries;
+    RoPE ops: D picks the shape (:func:`rope_shape`)."""
     if op in MOE_OPS:
         return moe_inputs(
             op, T, seed, shape=moe_shape(D), dtype=dtype, device=device, magnitude=magnitude
@@ -169,6 +177,11 @@ def op_inputs(
         return attention_inputs(
             op, T, seed, shape=attention_shape(D), dtype=dtype, device=device, magnitude=magnitude
         )
+    if op in ROPE_OPS:
+        return rope_inputs(
+            op, T, seed, shape=rope_shape(D), dtype=dtype, device=device, magnitude=magnitude,
+            zero_rows=zero_rows,
+        )  # fmt: skip
     if op == "rms_norm":
         return norm_inputs(T, D, dtype, device, seed, magnitude=magnitude, zero_rows=zero_rows)
     return mhc_inputs(op, T, n, D, dtype, device, seed, magnitude=magnitude, zero_rows=zero_rows)
@@ -185,6 +198,10 @@ def token_rows(op: str, args: tuple[torch.Tensor, ...], index: Any) -> tuple[tor
         return (args[0][index], args[1][index], *args[2:])
     if op == "sink_attention_varlen":
         return _varlen_rows(args, index)
+    if op in ("apply_rope", "q_head_norm_rope"):  # x, positions, freqs
+        return (args[0][index], args[1][index], args[2])
+    if op == "kv_norm_rope":  # kv, kv_norm_weight, positions, freqs
+        return (args[0][index], args[1], args[2][index], args[3])
     return (args[0][index], *args[1:])
 
 
@@ -661,3 +678,78 @@ def linear_inputs(
     x = r.normal(T, G, K) if G else r.normal(T, K)
     x = r.zero_rows(x * magnitude, zero_rows).to(dtype)
     return (x, linear_weight(max(G, 1), N, K, fmt, seed + 1, device)), {}
+
+
+# ==================================================================================== RoPE
+#: (H, Dh, rope_dim) of the RoPE / q / kv path inputs by name: ``tiny`` for the CPU tier (the
+#: kernel runs in the interpreter), ``flash`` and ``pro`` the real V4-Flash / V4-Pro attention.
+ROPE_SHAPES: dict[str, tuple[int, int, int]] = {
+    "tiny": (4, 64, 16),
+    "flash": (64, 512, 64),
+    "pro": (128, 512, 64),
+}
+_ROPE_BY_D = {64: "tiny", 4096: "flash", 7168: "pro"}
+
+
+def rope_shape(D: int) -> str:
+    """The :data:`ROPE_SHAPES` name of a contract's hidden size D (64, 4096, 7168)."""
+    if D not in _ROPE_BY_D:
+        raise ValueError(f"no RoPE shape for hidden size {D}; expected one of {sorted(_ROPE_BY_D)}")
+    return _ROPE_BY_D[D]
+
+
+def rope_inputs(
+    op: str,
+    T: int,
+    seed: int,
+    *,
+    shape: str = "tiny",
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cuda",
+    mode: str = "plain",
+    max_position: int = 4096,
+    magnitude: float = 1.0,
+    zero_rows: float = 0.0,
+) -> Inputs:
+    """``(args, kwargs)`` of one call of a RoPE op, as the attention sublayer makes it.
+
+    * ``apply_rope``: ``(x, positions, freqs)``: x the rope dims ``o[..., Dn:]`` of an output
+      o (T, H, Dh), a strided (T, H, Dr) view, as the output path rotates them back;
+    * ``q_head_norm_rope``: ``(q, positions, freqs)``, q (T, H, Dh), kwargs ``eps``,
+      ``rope_dim``;
+    * ``kv_norm_rope``: ``(kv, kv_norm_weight, positions, freqs)``, kv (T, Dh), the weight
+      (Dh,) ~ N(1, 0.5^2) in ``dtype``; kwargs ``eps``, ``rope_dim`` (``fp8_kv`` and
+      ``norm_order`` come from the preset).
+
+    From one generator on ``device`` seeded with ``seed``: the activation ~ N(0, magnitude^2)
+    in ``dtype`` first (``zero_rows`` of its token rows zeroed afterwards), then the weight,
+    then positions U[0, max_position) int64 (any order: every row is rotated on its own).
+    freqs: ``rope_frequencies(rope_dim, 10000, mode=mode)`` in fp32 (``yarn`` with V4's
+    rope_scaling), as the layer builds them for bf16 and fp32.
+    """
+    from dsv4mtp.reference import rope_frequencies
+
+    if op not in ROPE_OPS:
+        raise ValueError(f"not a RoPE op: {op!r}")
+    H, Dh, Dr = ROPE_SHAPES[shape]
+    dev = torch.device(device)
+    r = _Draw(dev, seed)
+    x = r.normal(*((T, Dh) if op == "kv_norm_rope" else (T, H, Dh))) * magnitude
+    x = x.to(dtype)
+    w = r.normal(Dh, std=0.5, mean=1.0).to(dtype) if op == "kv_norm_rope" else None
+    positions = torch.randint(0, max_position, (T,), generator=r.g, device=dev)
+    x = r.zero_rows(x, zero_rows)
+    cfg = DSV4Config.flash()
+    freqs = rope_frequencies(
+        Dr,
+        cfg.rope_theta,
+        mode=mode,
+        rope_scaling=cfg.rope_scaling,
+        device=dev,  # type: ignore[arg-type]
+    )
+    kw: dict[str, Any] = {"eps": EPS, "rope_dim": Dr}
+    if op == "apply_rope":
+        return (x[..., Dh - Dr :], positions, freqs), {}
+    if op == "q_head_norm_rope":
+        return (x, positions, freqs), kw
+    return (x, w, positions, freqs), kw

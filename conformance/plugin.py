@@ -209,13 +209,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # ty
 
     tr = terminalreporter
     tr.section("conformance: worst error seen per op, dtype, preset and output (vs float64)")
+    w = max(14, 1 + max(len(key[0]) for key in differential.SUMMARY))  # the longest op name
     tr.write_line(
-        f"{'op':<14}{'dtype':<10}{'preset':<9}{'output':<13}{'cases':>6}{'rel':>11}{'tol':>9}"
+        f"{'op':<{w}}{'dtype':<10}{'preset':<9}{'output':<13}{'cases':>6}{'rel':>11}{'tol':>9}"
         f"{'max_abs':>11}{'tol':>9}"
     )
     for (op, dt, preset, out), (n, rel, mab) in sorted(differential.SUMMARY.items()):
         tol = REGISTRY[op].tolerance(getattr(torch, dt), preset)
         tr.write_line(
-            f"{op:<14}{dt:<10}{preset:<9}{out:<13}{int(n):>6}{rel:>11.2e}{tol.rel:>9.0e}"
+            f"{op:<{w}}{dt:<10}{preset:<9}{out:<13}{int(n):>6}{rel:>11.2e}{tol.rel:>9.0e}"
             f"{mab:>11.2e}{tol.max_abs:>9.0e}"
         )

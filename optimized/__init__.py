@@ -13,6 +13,7 @@ from .linear import LinearPack, grouped_linear, linear, pack_linear
 from .mhc import CollapseSchedule, hc_head, hc_post, hc_pre
 from .moe import MoEPack, fused_experts, moe, pack_moe, route
 from .norm import rms_norm
+from .rope import apply_rope, kv_norm_rope, q_head_norm_rope
 
 __all__ += ["CollapseSchedule", "hc_head", "hc_post", "hc_pre", "rms_norm"]
 
@@ -21,3 +22,4 @@ __all__ += ["MoEPack", "fused_experts", "moe", "pack_moe", "route"]
 __all__ += ["sink_attention", "sink_attention_varlen"]
 
 __all__ += ["LinearPack", "grouped_linear", "linear", "pack_linear"]
+__all__ += ["apply_rope", "kv_norm_rope", "q_head_norm_rope"]

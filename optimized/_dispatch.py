@@ -287,3 +287,15 @@ TABLES.update(
         ),
     }
 )
+
+
+# ------------------------------------------------------------------------------ RoPE, q / kv paths
+# apply_rope, q_head_norm_rope and kv_norm_rope run the Triton kernel of optimized/kernels/rope.py
+# (bf16 / fp32 on CUDA or under the interpreter; the entry points check dtypes and devices before
+# the table is read).  No by_T rule: the tile reads H and D only.
+TABLES.update(
+    {
+        op: OpTable(op, (Backend("triton", _always),), auto=("triton",))
+        for op in ("apply_rope", "q_head_norm_rope", "kv_norm_rope")
+    }
+)

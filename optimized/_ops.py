@@ -969,3 +969,154 @@ def _register_linear() -> torch.library.Library | None:
 
 
 _LINEAR_LIB = _register_linear()
+
+
+# ------------------------------------------------------------------------------ RoPE, q / kv paths
+# apply_rope, q_head_norm_rope and kv_norm_rope (optimized/rope.py validates; the kernel is
+# optimized/kernels/rope.py).  The rope width is freqs' length times two; the norm order travels
+# as its name.
+if TYPE_CHECKING:
+    from .kernels.rope import NORM_HEAD, NORM_RMS, norm_rope_triton
+else:
+    norm_rope_triton = triton_kernel("rope", "norm_rope_triton")
+    NORM_HEAD, NORM_RMS = 1, 2  # kernels/rope.py's NORM modes (triton loads on the first call)
+
+_ROPE_ARGS = "Tensor x, Tensor positions, Tensor freqs, bool inverse, str backend"
+_Q_ARGS = "Tensor q, Tensor positions, Tensor freqs, float eps, str backend"
+_KV_ARGS = (
+    "Tensor kv, Tensor kv_norm_weight, Tensor positions, Tensor freqs, float eps, bool fp8_kv, "
+    "str norm_order, str backend"
+)
+_ROPE_SCHEMAS: dict[str, str] = {
+    "apply_rope": f"apply_rope({_ROPE_ARGS}) -> Tensor",
+    "apply_rope_out": f"apply_rope_out({_ROPE_ARGS}, *, Tensor(a!) out) -> ()",
+    "q_head_norm_rope": f"q_head_norm_rope({_Q_ARGS}) -> Tensor",
+    "q_head_norm_rope_out": f"q_head_norm_rope_out({_Q_ARGS}, *, Tensor(a!) out) -> ()",
+    "kv_norm_rope": f"kv_norm_rope({_KV_ARGS}) -> Tensor",
+    "kv_norm_rope_out": f"kv_norm_rope_out({_KV_ARGS}, *, Tensor(a!) out) -> ()",
+}
+SCHEMAS.update(_ROPE_SCHEMAS)
+OPS = tuple(SCHEMAS)
+
+
+def _rows3(x: torch.Tensor) -> torch.Tensor:
+    """x (T, ..., D) as (T, H, D) with unit stride along D: a view where the middle dims
+    flatten into one stride (the output's rope dims ``o[..., Dn:]`` do), else a copy."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.reshape(x.shape[0], -1, x.shape[-1]) if x.dim() != 3 else x
+
+
+def _apply_rope_out(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    freqs: torch.Tensor,
+    inverse: bool,
+    backend: str,
+    *,
+    out: torch.Tensor,
+) -> None:
+    if backend != "triton":
+        raise _unknown("apply_rope", backend, ("triton",))
+    if x.numel() == 0:
+        return
+    x3 = _rows3(x)
+    norm_rope_triton(
+        x3, None, positions.contiguous(), freqs.contiguous(), out.view(x3.shape),
+        rope_dim=x.shape[-1], inverse=inverse,
+    )  # fmt: skip
+
+
+def _apply_rope(
+    x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool, backend: str
+) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _apply_rope_out(x, positions, freqs, inverse, backend, out=out)
+    return out
+
+
+def _q_head_norm_rope_out(
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    freqs: torch.Tensor,
+    eps: float,
+    backend: str,
+    *,
+    out: torch.Tensor,
+) -> None:
+    if backend != "triton":
+        raise _unknown("q_head_norm_rope", backend, ("triton",))
+    if q.numel() == 0:
+        return
+    norm_rope_triton(
+        _rows3(q), None, positions.contiguous(), freqs.contiguous(), out,
+        rope_dim=2 * freqs.shape[0], norm=NORM_HEAD, eps=eps,
+    )  # fmt: skip
+
+
+def _q_head_norm_rope(
+    q: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, eps: float, backend: str
+) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _q_head_norm_rope_out(q, positions, freqs, eps, backend, out=out)
+    return out
+
+
+def _kv_norm_rope_out(
+    kv: torch.Tensor,
+    kv_norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    freqs: torch.Tensor,
+    eps: float,
+    fp8_kv: bool,
+    norm_order: str,
+    backend: str,
+    *,
+    out: torch.Tensor,
+) -> None:
+    if backend != "triton":
+        raise _unknown("kv_norm_rope", backend, ("triton",))
+    if kv.numel() == 0:
+        return
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    norm_rope_triton(
+        kv.unsqueeze(1), kv_norm_weight.contiguous(), positions.contiguous(), freqs.contiguous(),
+        out.unsqueeze(1),
+        rope_dim=2 * freqs.shape[0], norm=NORM_RMS, eps=eps, vllm_order=norm_order == "vllm",
+        fp8=fp8_kv,
+    )  # fmt: skip
+
+
+def _kv_norm_rope(kv: torch.Tensor, *args: Any) -> torch.Tensor:
+    out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+    _kv_norm_rope_out(kv, *args, out=out)
+    return out
+
+
+_KERNELS.update(
+    {
+        "apply_rope": (_apply_rope, _x_like),
+        "apply_rope_out": (_apply_rope_out, _out_fake),
+        "q_head_norm_rope": (_q_head_norm_rope, _x_like),
+        "q_head_norm_rope_out": (_q_head_norm_rope_out, _out_fake),
+        "kv_norm_rope": (_kv_norm_rope, _x_like),
+        "kv_norm_rope_out": (_kv_norm_rope_out, _out_fake),
+    }
+)
+
+
+def _register_rope() -> torch.library.Library | None:
+    # A FRAGMENT beside the libraries above, registered after them.
+    if all(_defined(name) for name in _ROPE_SCHEMAS):
+        return None
+    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+    for name, schema in _ROPE_SCHEMAS.items():
+        kernel, fake = _KERNELS[name]
+        lib.define(schema)
+        lib.impl(name, kernel, "CPU")
+        lib.impl(name, kernel, "CUDA")
+        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
+    return lib
+
+
+_ROPE_LIB = _register_rope()

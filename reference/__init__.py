@@ -40,7 +40,13 @@ from .mhc import hc_head, hc_post, hc_pre, sinkhorn
 from .rope import apply_rope, rope_frequencies
 from .linear import grouped_linear, linear
 from .quant_sim import fp8_block_roundtrip
-from .attention import attention, sink_attention, sink_attention_varlen
+from .attention import (
+    attention,
+    kv_norm_rope,
+    q_head_norm_rope,
+    sink_attention,
+    sink_attention_varlen,
+)
 from .moe import fused_experts, moe, route, swiglu_expert
 
 # --- the layer: parameters, KV cache, semantics switches (core) and the reference MTPLayer
@@ -121,11 +127,13 @@ __all__ = [
     "hc_post",
     "hc_pre",
     "inspect_checkpoint",
+    "kv_norm_rope",
     "linear",
     "load_mtp_checkpoint",
     "make_synthetic_checkpoint",
     "moe",
     "pack_e2m1",
+    "q_head_norm_rope",
     "quantize_fp8_block",
     "quantize_mxfp4",
     "quantize_nvfp4",

@@ -25,6 +25,7 @@ import torch
 from dsv4mtp.checks import (
     FLOAT_DTYPES,
     check_dtype,
+    check_eps,
     check_instance,
     check_int,
     check_number,
@@ -42,12 +43,14 @@ from dsv4mtp.semantics import NormOrder, RopeMode
 from .linear import grouped_linear, linear
 from .norm import rms_norm
 from .quant_sim import fp8_block_roundtrip
-from .rope import apply_rope, rope_frequencies
+from .rope import _written, apply_rope, rope_frequencies
 
 __all__ = [
     "AttentionParams",
     "KVCache",
     "attention",
+    "kv_norm_rope",
+    "q_head_norm_rope",
     "sink_attention",
     "sink_attention_varlen",
 ]
@@ -181,22 +184,95 @@ def _check_offsets(name: str, cu: torch.Tensor, total: int) -> list[int]:
     return bounds
 
 
-def _written(out: torch.Tensor | None, o: torch.Tensor) -> torch.Tensor:
-    if out is None:
-        return o
-    if not isinstance(out, torch.Tensor) or out.shape != o.shape or out.dtype != o.dtype:
-        raise InputError(
-            f"out: expected a tensor of shape {tuple(o.shape)} and dtype {o.dtype}, got "
-            f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}"
-        )
-    return out.copy_(o)
-
-
 def _check_increasing(pos: torch.Tensor, name: str, what: str = "") -> None:
     if pos.numel() > 1 and not bool((pos[1:] > pos[:-1]).all()):
         raise InputError(
             f"{name}: expected strictly increasing positions{what}, got {pos.tolist()}"
         )
+
+
+def q_head_norm_rope(
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    freqs: torch.Tensor,
+    *,
+    eps: float,
+    rope_dim: int,
+    batch_invariant: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The query after ``wq_b``: unweighted per-head RMS norm, then RoPE on the last dims.
+
+    q (T, H, Dh) float; positions (T,) int; freqs (rope_dim/2,) float (``rope_frequencies``).
+    Returns (T, H, Dh) in q.dtype (docs/semantics.md, "Query" and "RoPE").  ``batch_invariant``
+    changes nothing (every head of every token is computed on its own); ``out`` (T, H, Dh) in
+    q.dtype, when given, receives the result.
+    """
+    check_dtype("q", q, FLOAT_DTYPES)
+    if q.dim() != 3:
+        raise InputError(f"q: expected shape (T, H, Dh), got {tuple(q.shape)}")
+    check_positions("positions", positions, q.shape[0])
+    Dn = _nope_dims(q.shape[-1], rope_dim, freqs)
+    check_eps("eps", eps)
+    check_instance("batch_invariant", batch_invariant, bool)
+    # Rounded to the activation dtype after each op, as the official code does it in bf16.
+    # rsqrt is evaluated in the compute dtype and rounded once: torch's CPU bf16 rsqrt rounds
+    # differently in its vectorized body and its scalar tail, which would make a row's result
+    # depend on how many rows share the call.
+    mean_sq = q.square().mean(-1, keepdim=True)  # (T, H, 1)
+    q = q * torch.rsqrt(mean_sq.to(compute_dtype(q.dtype)) + eps).to(q.dtype)
+    q = torch.cat([q[..., :Dn], apply_rope(q[..., Dn:], positions, freqs)], dim=-1)
+    return _written(out, q)  # (T, H, Dh)
+
+
+def kv_norm_rope(
+    kv: torch.Tensor,
+    kv_norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    freqs: torch.Tensor,
+    *,
+    eps: float,
+    rope_dim: int,
+    fp8_kv: bool = False,
+    norm_order: NormOrder = "official",
+    batch_invariant: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The key/value latent after ``wkv``: kv_norm, RoPE on the last dims, optional FP8 rounding.
+
+    kv (T, Dh) float; kv_norm_weight (Dh,) float; positions (T,) int; freqs (rope_dim/2,) float.
+    ``norm_order`` as :func:`rms_norm`'s ``order``; ``fp8_kv`` rounds the non-rope dims through
+    e4m3 in blocks of ``KV_QUANT_BLOCK`` (docs/semantics.md, "Key/value latent", "Activation and
+    KV quantization").  Returns (T, Dh) in kv.dtype: the rows attention reads and the cache
+    keeps.  ``batch_invariant`` changes nothing (rows are independent); ``out`` (T, Dh) in
+    kv.dtype, when given, receives the result.
+    """
+    check_dtype("kv", kv, FLOAT_DTYPES)
+    if kv.dim() != 2:
+        raise InputError(f"kv: expected shape (T, Dh), got {tuple(kv.shape)}")
+    check_dtype("kv_norm_weight", kv_norm_weight, FLOAT_DTYPES)
+    check_shape("kv_norm_weight", kv_norm_weight, (kv.shape[1],))
+    check_positions("positions", positions, kv.shape[0])
+    Dn = _nope_dims(kv.shape[1], rope_dim, freqs)
+    check_instance("fp8_kv", fp8_kv, bool)
+    if norm_order not in ("official", "vllm"):
+        raise InputError(f"norm_order: expected 'official' or 'vllm', got {norm_order!r}")
+    check_instance("batch_invariant", batch_invariant, bool)
+    kv = rms_norm(kv, kv_norm_weight, eps, order=norm_order)
+    kv_nope, kv_rope = kv[:, :Dn], apply_rope(kv[:, Dn:], positions, freqs)  # (T, Dn), (T, Dr)
+    if fp8_kv:
+        kv_nope = fp8_block_roundtrip(kv_nope, KV_QUANT_BLOCK)
+    return _written(out, torch.cat([kv_nope, kv_rope], dim=-1))  # (T, Dh)
+
+
+def _nope_dims(Dh: int, rope_dim: int, freqs: torch.Tensor) -> int:
+    """Dn = Dh - rope_dim, after checking rope_dim (even, <= Dh) and freqs (rope_dim/2,)."""
+    check_int("rope_dim", rope_dim, 2)
+    if rope_dim % 2 or rope_dim > Dh:
+        raise InputError(f"rope_dim: expected an even number <= {Dh}, got {rope_dim}")
+    check_dtype("freqs", freqs, FLOAT_DTYPES)
+    check_shape("freqs", freqs, (rope_dim // 2,))
+    return Dh - rope_dim
 
 
 def attention(
@@ -253,20 +329,14 @@ def attention(
     # query path: low rank, q_norm, unweighted per-head norm, RoPE on the last Dr dims
     qr = rms_norm(linear(x, params.wq_a, act_quant=act_quant), params.q_norm, eps, order=norm_order)
     q = linear(qr, params.wq_b, act_quant=act_quant).view(T, H, Dh)  # (T, H, Dh)
-    # Unweighted per-head RMS norm, rounded to the activation dtype after each op as the
-    # official code does it in bf16.  rsqrt is evaluated in the compute dtype and rounded once:
-    # torch's CPU bf16 rsqrt rounds differently in its vectorized body and its scalar tail, which
-    # would make a row's result depend on how many rows share the call.
-    mean_sq = q.square().mean(-1, keepdim=True)  # (T, H, 1)
-    q = q * torch.rsqrt(mean_sq.to(compute_dtype(q.dtype)) + eps).to(q.dtype)
-    q = torch.cat([q[..., :Dn], apply_rope(q[..., Dn:], positions, freqs)], dim=-1)
+    q = q_head_norm_rope(q, positions, freqs, eps=eps, rope_dim=Dr)
 
     # key/value latent: one (Dh,) row per token, the key and the value of every head
-    kv = rms_norm(linear(x, params.wkv, act_quant=act_quant), params.kv_norm, eps, order=norm_order)
-    kv_nope, kv_rope = kv[:, :Dn], apply_rope(kv[:, Dn:], positions, freqs)  # (T, Dn), (T, Dr)
-    if fp8_kv:
-        kv_nope = fp8_block_roundtrip(kv_nope, KV_QUANT_BLOCK)
-    kv = torch.cat([kv_nope, kv_rope], dim=-1)  # (T, Dh)
+    kv = linear(x, params.wkv, act_quant=act_quant)  # (T, Dh)
+    kv = kv_norm_rope(
+        kv, params.kv_norm, positions, freqs, eps=eps, rope_dim=Dr, fp8_kv=fp8_kv,
+        norm_order=norm_order,
+    )  # fmt: skip
 
     # per-sequence sliding window with sinks
     outs, start = [], 0

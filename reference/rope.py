@@ -19,9 +19,11 @@ from dsv4mtp.checks import (
     check_device_arg,
     check_dtype,
     check_dtype_arg,
+    check_instance,
     check_int,
     check_number,
     check_positions,
+    check_shape,
     compute_dtype,
 )
 from dsv4mtp.errors import ConfigError, InputError
@@ -90,26 +92,31 @@ def rope_frequencies(
 
 
 def apply_rope(
-    x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, *, inverse: bool = False
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    freqs: torch.Tensor,
+    *,
+    inverse: bool = False,
+    batch_invariant: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate interleaved pairs of ``x (T, ..., Dr)`` by ``positions (T,) * freqs (Dr/2,)``.
 
     ``inverse=True`` rotates by the negative angle (undoes the rotation).  Math in
-    promote(x.dtype, float32); returns ``x.dtype``.
+    promote(x.dtype, float32); returns ``x.dtype``.  ``batch_invariant`` changes nothing here
+    (every row is rotated on its own); ``out`` (same shape and dtype as x), when given, receives
+    the result.
     """
+    check_instance("inverse", inverse, bool)
+    check_instance("batch_invariant", batch_invariant, bool)
     check_dtype("x", x, FLOAT_DTYPES)
-    check_dtype("freqs", freqs, FLOAT_DTYPES)
-    if freqs.dim() != 1:
-        raise InputError(f"freqs: expected shape (rope_dim/2,), got {tuple(freqs.shape)}")
-    if x.dim() < 2:
-        raise InputError(f"x: expected shape (T, ..., rope_dim), got {tuple(x.shape)}")
-    check_positions("positions", positions)
-    if x.shape[-1] != 2 * freqs.shape[0]:
+    if x.dim() < 2 or x.shape[-1] % 2:
         raise InputError(
-            f"x: expected last dim {2 * freqs.shape[0]} (rope dims), got {x.shape[-1]}"
+            f"x: expected shape (T, ..., rope_dim) with an even rope_dim, got {tuple(x.shape)}"
         )
-    if positions.shape != x.shape[:1]:
-        raise InputError(f"positions: expected shape ({x.shape[0]},), got {tuple(positions.shape)}")
+    check_dtype("freqs", freqs, FLOAT_DTYPES)
+    check_shape("freqs", freqs, (x.shape[-1] // 2,))
+    check_positions("positions", positions, x.shape[0])
     cd = compute_dtype(x.dtype)
     angle = positions.to(cd)[:, None] * freqs.to(device=x.device, dtype=cd)[None, :]  # (T, Dr/2)
     if inverse:
@@ -118,5 +125,17 @@ def apply_rope(
     cos, sin = torch.cos(angle), torch.sin(angle)
     pairs = x.to(cd).unflatten(-1, (-1, 2))  # (T, ..., Dr/2, 2)
     a, b = pairs[..., 0], pairs[..., 1]
-    out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
-    return out.flatten(-2).to(x.dtype)
+    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    return _written(out, rotated.flatten(-2).to(x.dtype))
+
+
+def _written(out: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    """``y``, or ``out`` (same shape and dtype) holding a copy of it."""
+    if out is None:
+        return y
+    if not isinstance(out, torch.Tensor) or out.shape != y.shape or out.dtype != y.dtype:
+        raise InputError(
+            f"out: expected a tensor of shape {tuple(y.shape)} and dtype {y.dtype}, got "
+            f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}"
+        )
+    return out.copy_(y)
