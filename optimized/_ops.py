@@ -373,11 +373,14 @@ def _defined(name: str) -> bool:
     return hasattr(getattr(torch.ops, NAMESPACE), name)
 
 
-def _register() -> torch.library.Library | None:
-    if all(_defined(name) for name in SCHEMAS):
-        return None  # registered by an earlier import of this module under another name
-    lib = torch.library.Library(NAMESPACE, "DEF")
-    for name, schema in SCHEMAS.items():
+def _register(schemas: dict[str, str], kind: str = "FRAGMENT") -> torch.library.Library | None:
+    """Define ``schemas``' operators with their CPU / CUDA kernels and fakes in one Library:
+    "DEF" for the first section, "FRAGMENT"s beside it for the later ones.  None when an
+    earlier import of this module under another name registered them already."""
+    if all(_defined(name) for name in schemas):
+        return None
+    lib = torch.library.Library(NAMESPACE, kind)
+    for name, schema in schemas.items():
         kernel, fake = _KERNELS[name]
         lib.define(schema)
         lib.impl(name, kernel, "CPU")
@@ -386,7 +389,9 @@ def _register() -> torch.library.Library | None:
     return lib
 
 
-_LIB = _register()  # kept alive: dropping the Library object would deregister the ops
+_LIB = _register(
+    dict(SCHEMAS), "DEF"
+)  # kept alive: dropping the Library object would deregister the ops
 
 
 # ------------------------------------------------------------------------------ MoE
@@ -674,21 +679,7 @@ _KERNELS.update(
 )
 
 
-def _register_moe() -> torch.library.Library | None:
-    # A FRAGMENT beside the "DEF" library above: this section is registered after it.
-    if all(_defined(name) for name in _MOE_SCHEMAS):
-        return None
-    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-    for name, schema in _MOE_SCHEMAS.items():
-        kernel, fake = _KERNELS[name]
-        lib.define(schema)
-        lib.impl(name, kernel, "CPU")
-        lib.impl(name, kernel, "CUDA")
-        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
-    return lib
-
-
-_MOE_LIB = _register_moe()
+_MOE_LIB = _register(_MOE_SCHEMAS)
 
 
 # ------------------------------------------------------------------------------ attention
@@ -826,21 +817,7 @@ _KERNELS.update(
 )
 
 
-def _register_attention() -> torch.library.Library | None:
-    # A FRAGMENT beside the libraries above, registered after them.
-    if all(_defined(name) for name in _ATTN_SCHEMAS):
-        return None
-    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-    for name, schema in _ATTN_SCHEMAS.items():
-        kernel, fake = _KERNELS[name]
-        lib.define(schema)
-        lib.impl(name, kernel, "CPU")
-        lib.impl(name, kernel, "CUDA")
-        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
-    return lib
-
-
-_ATTN_LIB = _register_attention()
+_ATTN_LIB = _register(_ATTN_SCHEMAS)
 
 
 # ------------------------------------------------------------------------------ linear
@@ -954,21 +931,7 @@ _KERNELS.update(
 )
 
 
-def _register_linear() -> torch.library.Library | None:
-    # A FRAGMENT beside the libraries above, registered after them.
-    if all(_defined(name) for name in _LINEAR_SCHEMAS):
-        return None
-    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-    for name, schema in _LINEAR_SCHEMAS.items():
-        kernel, fake = _KERNELS[name]
-        lib.define(schema)
-        lib.impl(name, kernel, "CPU")
-        lib.impl(name, kernel, "CUDA")
-        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
-    return lib
-
-
-_LINEAR_LIB = _register_linear()
+_LINEAR_LIB = _register(_LINEAR_SCHEMAS)
 
 
 # ------------------------------------------------------------------------------ RoPE, q / kv paths
@@ -1105,18 +1068,4 @@ _KERNELS.update(
 )
 
 
-def _register_rope() -> torch.library.Library | None:
-    # A FRAGMENT beside the libraries above, registered after them.
-    if all(_defined(name) for name in _ROPE_SCHEMAS):
-        return None
-    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-    for name, schema in _ROPE_SCHEMAS.items():
-        kernel, fake = _KERNELS[name]
-        lib.define(schema)
-        lib.impl(name, kernel, "CPU")
-        lib.impl(name, kernel, "CUDA")
-        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
-    return lib
-
-
-_ROPE_LIB = _register_rope()
+_ROPE_LIB = _register(_ROPE_SCHEMAS)
