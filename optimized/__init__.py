@@ -8,7 +8,14 @@ an :class:`~dsv4mtp.errors.InputError` that says what to install.
 
 __all__: list[str] = []
 
-from .attention import sink_attention, sink_attention_varlen
+from .attention import (
+    AttentionPack,
+    attention,
+    pack_attention,
+    pack_attention_weights,
+    sink_attention,
+    sink_attention_varlen,
+)
 from .linear import LinearPack, grouped_linear, linear, pack_linear
 from .mhc import CollapseSchedule, hc_head, hc_post, hc_pre
 from .moe import MoEPack, fused_experts, moe, pack_moe, route
@@ -19,6 +26,7 @@ __all__ += ["CollapseSchedule", "hc_head", "hc_post", "hc_pre", "rms_norm"]
 
 __all__ += ["MoEPack", "fused_experts", "moe", "pack_moe", "route"]
 
+__all__ += ["AttentionPack", "attention", "pack_attention", "pack_attention_weights"]
 __all__ += ["sink_attention", "sink_attention_varlen"]
 
 __all__ += ["LinearPack", "grouped_linear", "linear", "pack_linear"]

@@ -19,24 +19,44 @@ traces, that read is impossible and the op trusts its positions: check them befo
 from __future__ import annotations
 
 import itertools
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from dsv4mtp.checkpoint.weights import MTPLayerWeights, QuantizedWeight
 from dsv4mtp.checks import (
+    check_device_arg,
     check_instance,
     check_int,
     check_number,
     check_positions,
     check_shape,
 )
+from dsv4mtp.config import DSV4Config
 from dsv4mtp.errors import InputError
+from dsv4mtp.kv_cache import KVCache
+from dsv4mtp.params import AttentionParams
+from dsv4mtp.rope import rope_frequencies
+from dsv4mtp.semantics import NormOrder, RopeMode
 
 from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
 from ._dispatch import PLANS, Facts, remember, select
 from .kernels._launch import check_device, check_kernel_dtype, check_out
+from .linear import LinearPack, grouped_linear, linear, pack_linear
+from .norm import rms_norm
+from .rope import apply_rope, kv_norm_rope, q_head_norm_rope
 
-__all__ = ["sink_attention", "sink_attention_varlen"]
+__all__ = [
+    "AttentionPack",
+    "attention",
+    "pack_attention",
+    "pack_attention_weights",
+    "sink_attention",
+    "sink_attention_varlen",
+]
 
 AttentionBackend = Literal["auto", "triton"]
 
@@ -288,3 +308,339 @@ def sink_attention_varlen(
         "sink_attention_varlen", q, q_pos, kv, k_pos, attn_sink, (cu_q, cu_k), window, scale,
         batch_invariant, out, backend, schedule,
     )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the sublayer
+# A composition in Python of the registered operators (linear, grouped_linear, rms_norm,
+# q_head_norm_rope, kv_norm_rope, sink_attention_varlen, apply_rope): no operator of its own.
+
+
+@dataclass(frozen=True)
+class AttentionPack:
+    """One attention sublayer in the kernels' layout (:func:`pack_attention`).
+
+    ``wq_a`` (Rq, D), ``wkv`` (Dh, D) plain :class:`LinearPack` s, or both None and ``wqa_wkv``
+    the fused rows [wq_a; wkv] (row_splits (Rq, Dh), one GEMM over x for both); ``wq_b``
+    (H*Dh, Rq); ``wo_a`` grouped (G, Ro, (H/G)*Dh); ``wo_b`` (D, G*Ro).  ``q_norm`` (Rq,),
+    ``kv_norm`` (Dh,), ``attn_sink`` (H,) bf16 / fp32 on the pack's device.
+    """
+
+    wq_a: LinearPack | None
+    wkv: LinearPack | None
+    wqa_wkv: LinearPack | None
+    wq_b: LinearPack
+    wo_a: LinearPack
+    wo_b: LinearPack
+    q_norm: torch.Tensor
+    kv_norm: torch.Tensor
+    attn_sink: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.wq_b.device
+
+
+def _vector(name: str, t: object, device: torch.device) -> torch.Tensor:
+    """A norm weight or the sinks on ``device``: bf16 / fp32 kept, other floats widened to fp32
+    (the compute dtype the reference uses them in)."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 1:
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise InputError(f"{name}: expected a 1-D floating-point tensor, got {got}")
+    if t.dtype not in (torch.bfloat16, torch.float32):
+        t = t.to(torch.float32)
+    return t.to(device).contiguous()
+
+
+def _refuse_capture(what: str) -> None:
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise InputError(f"params: {what} cannot run during CUDA-graph capture; pack before")
+
+
+def _o_groups(wq_b: LinearPack, wkv_rows: int, wo_a: object) -> int:
+    """G from the shapes: wo_a (G*Ro, (H/G)*Dh), wq_b (H*Dh, Rq), wkv (Dh, D)."""
+    shape = tuple(wo_a.shape) if isinstance(wo_a, (torch.Tensor, QuantizedWeight)) else ()
+    if len(shape) != 2 or shape[1] < 1 or (wq_b.out_features % shape[1]):
+        raise InputError(
+            f"wo_a: expected shape (G*Ro, (H/G)*Dh) with (H/G)*Dh dividing wq_b's "
+            f"{wq_b.out_features} rows, got {shape}"
+        )
+    if wq_b.out_features % wkv_rows:
+        raise InputError(
+            f"wq_b: expected H*Dh rows with Dh={wkv_rows} (wkv's rows), got {wq_b.out_features}"
+        )
+    return wq_b.out_features // shape[1]
+
+
+def pack_attention(
+    params: AttentionParams, device: torch.device | str | None = None
+) -> AttentionPack:
+    """Pack a core :class:`~dsv4mtp.params.AttentionParams` for :func:`attention` (a helper,
+    not an op; once per layer, refused during CUDA-graph capture: it allocates).
+
+    Each linear goes through :func:`~dsv4mtp.optimized.linear.pack_linear`: dense bf16 / fp32
+    weights are kept in their dtype (other floats widened to fp32), a :class:`QuantizedWeight`
+    in any field is packed as stored (FP8 codes and block scales).  ``wo_a`` becomes a grouped
+    pack of G = H*Dh / wo_a's columns groups.  Norms and sinks: bf16 / fp32 kept, else fp32.
+    ``device``: default wq_b's.
+    """
+    check_instance("params", params, AttentionParams)
+    _refuse_capture("pack_attention")
+    dev = None if device is None else check_device_arg("device", device)
+    if dev is None:
+        src = params.wq_b
+        dev = src.data.device if isinstance(src, QuantizedWeight) else getattr(src, "device", None)
+    wq_b = pack_linear(params.wq_b, dev)
+    wkv = pack_linear(params.wkv, dev)
+    G = _o_groups(wq_b, wkv.out_features, params.wo_a)
+    return AttentionPack(
+        wq_a=pack_linear(params.wq_a, dev), wkv=wkv, wqa_wkv=None, wq_b=wq_b,
+        wo_a=pack_linear(params.wo_a, dev, groups=G), wo_b=pack_linear(params.wo_b, dev),
+        q_norm=_vector("q_norm", params.q_norm, wq_b.device),
+        kv_norm=_vector("kv_norm", params.kv_norm, wq_b.device),
+        attn_sink=_vector("attn_sink", params.attn_sink, wq_b.device),
+    )  # fmt: skip
+
+
+def pack_attention_weights(
+    weights: MTPLayerWeights, device: torch.device | str | None = None
+) -> AttentionPack:
+    """Pack a loaded checkpoint layer's attention (:class:`MTPLayerWeights`) as stored: wq_a and
+    wkv as the one fused FP8 weight ``fused_wqa_wkv`` (row_splits (Rq, Dh): one GEMM reads x
+    once for both), wq_b, the grouped wo_a and wo_b as FP8 (or bf16) packs; norms and sinks in
+    fp32 (the compute dtype, as :func:`~dsv4mtp.params.build_layer_params` gives them)."""
+    check_instance("weights", weights, MTPLayerWeights)
+    _refuse_capture("pack_attention_weights")
+    dev = check_device_arg("device", device if device is not None else weights.wq_b.data.device)
+    wq_b = pack_linear(weights.wq_b, dev)
+    fused = pack_linear(weights.fused_wqa_wkv, dev)
+    G = _o_groups(wq_b, weights.wkv.shape[0], weights.wo_a)
+    f32 = torch.float32
+    return AttentionPack(
+        wq_a=None, wkv=None, wqa_wkv=fused, wq_b=wq_b,
+        wo_a=pack_linear(weights.wo_a, dev, groups=G), wo_b=pack_linear(weights.wo_b, dev),
+        q_norm=_vector("q_norm", weights.q_norm.to(f32), dev),
+        kv_norm=_vector("kv_norm", weights.kv_norm.to(f32), dev),
+        attn_sink=_vector("attn_sink", weights.attn_sink.to(f32), dev),
+    )  # fmt: skip
+
+
+# Packs of the AttentionParams objects passed to ``attention``, per object and device.  Weak: an
+# entry is dropped (and its device weights freed) when its params object is collected; a params
+# object changed in place after its first call is not re-packed.
+_PACKS: dict[tuple[int, torch.device], tuple[weakref.ref[AttentionParams], AttentionPack]] = {}
+
+
+def _attention_pack(params: object, device: torch.device) -> AttentionPack:
+    if isinstance(params, AttentionPack):
+        if params.device != device:
+            raise InputError(f"params: packed on {params.device}, x is on {device}")
+        return params
+    if not isinstance(params, AttentionParams):
+        raise InputError(
+            f"params: expected an AttentionParams or an AttentionPack, got {type(params).__name__}"
+        )
+    key = (id(params), device)
+    hit = _PACKS.get(key)
+    if hit is not None and hit[0]() is params:
+        return hit[1]
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise InputError(
+            "params: an AttentionParams is packed on first use, which cannot happen during "
+            "CUDA-graph capture; call attention once before capturing, or pass "
+            "pack_attention(params, device)"
+        )
+    pack = pack_attention(params, device)
+    _PACKS[key] = (weakref.ref(params), pack)
+    weakref.finalize(params, _PACKS.pop, key, None)
+    return pack
+
+
+def _check_sequences(
+    positions: torch.Tensor, lens: list[int], kv_cache: Sequence[KVCache] | None
+) -> None:
+    """The reference's checks, with one host read of the positions: strictly increasing within
+    each sequence and past its cache's last position."""
+    pos = [int(p) for p in positions.tolist()]
+    start = 0
+    for b, n in enumerate(lens):
+        pos_b = pos[start : start + n]
+        start += n
+        if any(a >= c for a, c in itertools.pairwise(pos_b)):
+            raise InputError(
+                f"positions: expected strictly increasing positions within sequence {b}, "
+                f"got {pos_b}"
+            )
+        cache = kv_cache[b] if kv_cache is not None else None
+        last = cache.last_position if cache is not None else None
+        if n and last is not None and pos_b[0] <= last:
+            raise InputError(
+                f"positions: sequence {b} starts at {pos_b[0]} but its kv_cache already "
+                f"holds position {last}"
+            )
+
+
+def attention(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    params: AttentionParams | AttentionPack,
+    config: DSV4Config,
+    *,
+    seq_lens: Sequence[int] | None = None,
+    kv_cache: Sequence[KVCache] | None = None,
+    rope_mode: RopeMode = "plain",
+    fp8_kv: bool = False,
+    act_quant: bool = False,
+    norm_order: NormOrder = "official",
+    batch_invariant: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The MTP attention sublayer: x (T, D) bf16 / fp32 (already ``attn_norm``-ed) -> (T, D).
+
+    Same signature and math as :func:`dsv4mtp.reference.attention` (docs/semantics.md,
+    "Attention with sinks") plus ``batch_invariant`` and ``out``.  positions (T,) int;
+    ``seq_lens``: lengths of consecutive sequences (default one); ``kv_cache``: one
+    :class:`KVCache` per sequence, read and then extended with this call's rows (after kv_norm,
+    RoPE and the optional FP8 round trip, as the reference stores them).  ``params``: an
+    :class:`AttentionPack`, or a core :class:`AttentionParams` packed on first use and cached
+    for that object (refused during CUDA-graph capture).  ``act_quant`` rounds the inputs of
+    wq_a, wq_b, wkv and wo_b through e4m3; wo_a (bf16 in the official code) takes none.
+
+    Not an operator of its own: a Python composition of the registered ops, in the reference's
+    order: ``linear`` wq_a (T, Rq) -> ``rms_norm`` q_norm -> ``linear`` wq_b (T, H, Dh) ->
+    ``q_head_norm_rope``; ``linear`` wkv (T, Dh) -> ``kv_norm_rope`` (one fused wq_a+wkv GEMM
+    for a :func:`pack_attention_weights` pack); one ``sink_attention_varlen`` launch over every
+    sequence (its cached rows concatenated on the host before its new ones) -> ``apply_rope``
+    inverse on the output's rope dims -> ``grouped_linear`` wo_a (T, G, Ro) -> ``linear`` wo_b
+    (T, D).  Bytes per call at V4-Flash (FP8 codes): wq_a 4 MiB, wq_b 32 MiB, wkv 2 MiB, wo_a
+    32 MiB, wo_b 32 MiB, plus each sequence's KV window (at most 128 rows of 512, 128 KiB in
+    bf16) and the activations.  Every op's schedule is batch invariant under
+    ``batch_invariant=True``; rows and sequences are independent, so the flag is passed on.
+
+    Validation as the reference's, with one host read of the positions, before any cache is
+    touched.  Eager: the cache concatenation and extension are host-side, and cu_q / cu_k are
+    built from host ints on every call (a call with ``kv_cache`` is refused during CUDA-graph
+    capture; capture of the cache-free call is not tested).  ``out`` (T, D) in x.dtype,
+    contiguous, receives the result (the wo_b GEMM writes it).
+    """
+    check_instance("config", config, DSV4Config)
+    check_instance("batch_invariant", batch_invariant, bool)
+    check_instance("fp8_kv", fp8_kv, bool)
+    check_instance("act_quant", act_quant, bool)
+    if norm_order not in ("official", "vllm"):
+        raise InputError(f"norm_order: expected 'official' or 'vllm', got {norm_order!r}")
+    check_kernel_dtype("x", x)
+    check_shape("x", x, (None, config.hidden_size))
+    T = x.shape[0]
+    check_positions("positions", positions, T)
+    dev = check_device([("x", x), ("positions", positions)])
+    if kv_cache is not None and not all(isinstance(c, KVCache) for c in kv_cache):
+        raise InputError("kv_cache: expected a sequence of KVCache (one per sequence)")
+    if seq_lens is not None and not all(
+        isinstance(n, (int, torch.Tensor)) and not isinstance(n, bool) for n in seq_lens
+    ):
+        raise InputError(f"seq_lens: expected a sequence of ints, got {seq_lens!r}")
+    H, Dh, Dr = config.num_attention_heads, config.head_dim, config.qk_rope_head_dim
+    Dn, G, W, eps = Dh - Dr, config.o_groups, config.sliding_window, config.rms_norm_eps
+    lens = [T] if seq_lens is None else [int(n) for n in seq_lens]
+    if any(n < 0 for n in lens) or sum(lens) != T:
+        raise InputError(f"seq_lens: expected lengths summing to T={T}, got {lens}")
+    if kv_cache is not None and len(kv_cache) != len(lens):
+        raise InputError(
+            f"kv_cache: expected one cache per sequence ({len(lens)}), got {len(kv_cache)}"
+        )
+    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if kv_cache is not None and capturing:
+        raise InputError("kv_cache: attention with KV caches is eager only (not during capture)")
+    pack = _attention_pack(params, dev)
+    if pack.wq_b.out_features != H * Dh or pack.wo_b.out_features != config.hidden_size:
+        raise InputError(
+            f"params: expected wq_b with H*Dh={H * Dh} rows and wo_b with D="
+            f"{config.hidden_size} rows, got {pack.wq_b.out_features} and "
+            f"{pack.wo_b.out_features}"
+        )
+    if pack.wo_a.groups != G or pack.wo_a.out_features != config.o_lora_rank:
+        raise InputError(
+            f"params: expected wo_a of {G} groups of {config.o_lora_rank} rows, got "
+            f"{pack.wo_a.groups} of {pack.wo_a.out_features}"
+        )
+    if not capturing and not torch.compiler.is_compiling():
+        _check_sequences(positions, lens, kv_cache)
+    if out is not None:
+        check_out("out", out, (T, config.hidden_size), x.dtype, dev)
+    freqs = rope_frequencies(
+        Dr, config.rope_theta, mode=rope_mode, rope_scaling=config.rope_scaling,
+        dtype=torch.float32, device=dev,
+    )  # fmt: skip
+    bi = batch_invariant
+    if T == 0:  # no rows: nothing to launch; the caches are extended by nothing, as the reference
+        if kv_cache is not None:
+            for cache in kv_cache:
+                cache.append(x.new_zeros(0, Dh), positions[:0])
+        return out.zero_() if out is not None else x.new_zeros(0, config.hidden_size)
+
+    # query and key/value paths (docs/semantics.md, "Query", "Key/value latent")
+    if pack.wqa_wkv is not None:
+        qkv = linear(x, pack.wqa_wkv, act_quant=act_quant, batch_invariant=bi)  # (T, Rq + Dh)
+        Rq = qkv.shape[1] - Dh
+        qr, kv = qkv[:, :Rq].contiguous(), qkv[:, Rq:].contiguous()
+    else:
+        assert pack.wq_a is not None and pack.wkv is not None
+        qr = linear(x, pack.wq_a, act_quant=act_quant, batch_invariant=bi)  # (T, Rq)
+        kv = linear(x, pack.wkv, act_quant=act_quant, batch_invariant=bi)  # (T, Dh)
+    qr = rms_norm(qr, pack.q_norm, eps, order=norm_order, batch_invariant=bi)
+    q = linear(qr, pack.wq_b, act_quant=act_quant, batch_invariant=bi).view(T, H, Dh)
+    q = q_head_norm_rope(q, positions, freqs, eps=eps, rope_dim=Dr, batch_invariant=bi)
+    kv = kv_norm_rope(
+        kv,
+        pack.kv_norm,
+        positions,
+        freqs,
+        eps=eps,
+        rope_dim=Dr,
+        fp8_kv=fp8_kv,
+        norm_order=norm_order,
+        batch_invariant=bi,
+    )  # fmt: skip  (T, Dh): the rows attended and cached
+
+    # every sequence's window in one launch: its cached rows, then its new ones
+    bounds = [0, *itertools.accumulate(lens)]
+    if kv_cache is None:
+        keys, key_pos, k_lens = kv, positions, lens
+    else:
+        parts = [
+            kv_cache[b].keys(kv[bounds[b] : bounds[b + 1]], positions[bounds[b] : bounds[b + 1]])
+            if n
+            else (kv[:0], positions[:0])
+            for b, n in enumerate(lens)
+        ]
+        keys = torch.cat([k for k, _ in parts]) if parts else kv
+        key_pos = torch.cat([p.to(positions.dtype) for _, p in parts]) if parts else positions
+        k_lens = [int(k.shape[0]) for k, _ in parts]
+    if T:
+        cu_q = torch.tensor(bounds, dtype=torch.int32, device=dev)
+        cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32, device=dev)
+        o = sink_attention_varlen(
+            q,
+            positions,
+            keys.contiguous(),
+            key_pos,
+            pack.attn_sink,
+            cu_q,
+            cu_k,
+            window=W,
+            scale=Dh**-0.5,
+            batch_invariant=bi,
+        )  # fmt: skip  (T, H, Dh)
+    else:
+        o = q.new_zeros(0, H, Dh)
+    if kv_cache is not None:
+        for b in range(len(lens)):
+            rows = slice(bounds[b], bounds[b + 1])
+            kv_cache[b].append(kv[rows], positions[rows])
+
+    # output path: undo the values' rotation (query position), grouped wo_a, wo_b
+    if T:
+        o[..., Dn:] = apply_rope(o[..., Dn:], positions, freqs, inverse=True, batch_invariant=bi)
+    z = grouped_linear(o.view(T, G, (H // G) * Dh), pack.wo_a, batch_invariant=bi)  # (T, G, Ro)
+    z = z.view(T, G * config.o_lora_rank)
+    return linear(z, pack.wo_b, act_quant=act_quant, batch_invariant=bi, out=out)

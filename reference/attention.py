@@ -287,6 +287,8 @@ def attention(
     fp8_kv: bool = False,
     act_quant: bool = False,
     norm_order: NormOrder = "official",
+    batch_invariant: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MTP attention sublayer: x (T, D) (already ``attn_norm``-ed) -> (T, D) in x.dtype.
 
@@ -295,8 +297,11 @@ def attention(
     Positions must increase strictly within a sequence and continue past its cache.
     ``act_quant`` rounds the inputs of the FP8 linears (wq_a, wq_b, wkv, wo_b) through e4m3;
     ``wo_a`` is bf16 in the official code (its converter dequantizes it), so it is not.
+    ``batch_invariant``: no effect (every row and sequence is computed on its own); the optimized
+    op's keyword.  ``out`` (T, D) in x.dtype, when given, receives the result.
     """
     check_instance("config", config, DSV4Config)
+    check_instance("batch_invariant", batch_invariant, bool)
     check_instance("params", params, AttentionParams)
     check_dtype("x", x, FLOAT_DTYPES)
     check_shape("x", x, (None, config.hidden_size))
@@ -371,4 +376,5 @@ def attention(
     groups = o.reshape(T, G, (H // G) * Dh)  # group g = heads [g*H/G, (g+1)*H/G)
     wo_a = params.wo_a.view(G, config.o_lora_rank, (H // G) * Dh)
     z = grouped_linear(groups, wo_a)  # (T, G, Ro)
-    return linear(z.reshape(T, G * config.o_lora_rank), params.wo_b, act_quant=act_quant)
+    y = linear(z.reshape(T, G * config.o_lora_rank), params.wo_b, act_quant=act_quant)  # (T, D)
+    return _written(out, y)
