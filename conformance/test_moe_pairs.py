@@ -92,6 +92,7 @@ def test_moe_packs_a_params_object_once_and_forgets_it_with_the_object(device: s
     from dsv4mtp.conformance.inputs import moe_params
 
     moe_mod = sys.modules["dsv4mtp.optimized.moe"]
+    packs = sys.modules["dsv4mtp.optimized._packs"].PACKS
 
     params = moe_params("tiny", "mxfp4", device)[0]
     fresh = type(params)(**{f: getattr(params, f) for f in params.__dataclass_fields__})
@@ -99,7 +100,7 @@ def test_moe_packs_a_params_object_once_and_forgets_it_with_the_object(device: s
     pack = moe_mod._pack_for(fresh, dev)
     assert moe_mod._pack_for(fresh, dev) is pack
     key = (id(fresh), dev)
-    assert key in moe_mod._PACKS
+    assert key in packs
     del fresh
     gc.collect()
-    assert key not in moe_mod._PACKS
+    assert key not in packs

@@ -19,7 +19,6 @@ traces, that read is impossible and the op trusts its positions: check them befo
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -44,6 +43,7 @@ from dsv4mtp.semantics import NormOrder, RopeMode
 
 from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
 from ._dispatch import PLANS, Facts, remember, select
+from ._packs import packed_once
 from .kernels._launch import check_device, check_kernel_dtype, check_out
 from .linear import LinearPack, grouped_linear, linear, pack_linear
 from .norm import rms_norm
@@ -427,7 +427,6 @@ def pack_attention_weights(
 # Packs of the AttentionParams objects passed to ``attention``, per object and device.  Weak: an
 # entry is dropped (and its device weights freed) when its params object is collected; a params
 # object changed in place after its first call is not re-packed.
-_PACKS: dict[tuple[int, torch.device], tuple[weakref.ref[AttentionParams], AttentionPack]] = {}
 
 
 def _attention_pack(params: object, device: torch.device) -> AttentionPack:
@@ -439,20 +438,10 @@ def _attention_pack(params: object, device: torch.device) -> AttentionPack:
         raise InputError(
             f"params: expected an AttentionParams or an AttentionPack, got {type(params).__name__}"
         )
-    key = (id(params), device)
-    hit = _PACKS.get(key)
-    if hit is not None and hit[0]() is params:
-        return hit[1]
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise InputError(
-            "params: an AttentionParams is packed on first use, which cannot happen during "
-            "CUDA-graph capture; call attention once before capturing, or pass "
-            "pack_attention(params, device)"
-        )
-    pack = pack_attention(params, device)
-    _PACKS[key] = (weakref.ref(params), pack)
-    weakref.finalize(params, _PACKS.pop, key, None)
-    return pack
+    return packed_once(
+        params, device, pack_attention,
+        "call attention once before capturing, or pass pack_attention(params, device)",
+    )  # fmt: skip
 
 
 def _check_sequences(

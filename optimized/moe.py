@@ -35,7 +35,6 @@ does not depend on the other rows.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Literal
 
@@ -50,6 +49,7 @@ from dsv4mtp.params import DenseExperts, MoEParams, PackedExperts
 
 from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
 from ._dispatch import Facts, select
+from ._packs import packed_once
 from .kernels._launch import check_device, check_kernel_dtype, check_out
 from .kernels.moe_schedule import (
     GemmTile,
@@ -431,30 +431,17 @@ def fused_experts(
 
 
 # ----------------------------------------------------------------------------------- moe
-# Packs of the MoEParams objects passed to ``moe``, per object and device.  Weak: an entry is
-# dropped (and its GPU weights freed) when its params object is collected, so the cache never
-# keeps a layer alive; a params object changed in place after its first call is not re-packed.
-_PACKS: dict[tuple[int, torch.device], tuple[weakref.ref[MoEParams], MoEPack]] = {}
-
-
+# A MoEParams passed to ``moe`` is packed once per object and device (optimized/_packs.py: weak,
+# so the cache never keeps a layer alive; not re-packed after an in-place change).
 def _pack_for(params: object, device: torch.device) -> MoEPack:
     if isinstance(params, MoEPack):
         return params
     check_instance("params", params, MoEParams)
     assert isinstance(params, MoEParams)
-    key = (id(params), device)
-    hit = _PACKS.get(key)
-    if hit is not None and hit[0]() is params:
-        return hit[1]
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise InputError(
-            "params: a MoEParams is packed on first use, which cannot happen during CUDA-graph "
-            "capture; call moe once before capturing, or pass pack_moe(params, device)"
-        )
-    pack = pack_moe(params, device)
-    _PACKS[key] = (weakref.ref(params), pack)
-    weakref.finalize(params, _PACKS.pop, key, None)
-    return pack
+    return packed_once(
+        params, device, pack_moe,
+        "call moe once before capturing, or pass pack_moe(params, device)",
+    )  # fmt: skip
 
 
 def moe(
