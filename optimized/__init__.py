@@ -19,6 +19,7 @@ from .attention import (
 from .linear import LinearPack, grouped_linear, linear, pack_linear
 from .mhc import CollapseSchedule, hc_head, hc_post, hc_pre
 from .moe import MoEPack, fused_experts, moe, pack_moe, route
+from .mtp import MTPLayer, MTPLayerPack
 from .norm import rms_norm
 from .rope import apply_rope, kv_norm_rope, q_head_norm_rope
 
@@ -31,3 +32,4 @@ __all__ += ["sink_attention", "sink_attention_varlen"]
 
 __all__ += ["LinearPack", "grouped_linear", "linear", "pack_linear"]
 __all__ += ["apply_rope", "kv_norm_rope", "q_head_norm_rope"]
+__all__ += ["MTPLayer", "MTPLayerPack"]

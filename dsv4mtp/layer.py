@@ -1,0 +1,432 @@
+"""What every MTP layer implementation shares: its public API, argument checks and draft loop.
+
+``docs/semantics.md``, "The MTP layer end to end".  :class:`MTPLayerAPI` holds the checked
+entry points (:meth:`~MTPLayerAPI.forward`, :meth:`~MTPLayerAPI.compute_logits`,
+:meth:`~MTPLayerAPI.draft`, :meth:`~MTPLayerAPI.new_kv_cache`); an implementation
+(``dsv4mtp.reference.MTPLayer``, ``dsv4mtp.optimized.MTPLayer``) supplies the math on checked
+arguments, ``_run`` and ``_logits``, and builds itself with the construction checks below, so
+both raise the same errors for the same bad input and draft with the same bookkeeping.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dsv4mtp.checkpoint.weights import MTPCheckpoint
+from dsv4mtp.checks import (
+    FLOAT_DTYPES,
+    check_device_arg,
+    check_dtype_arg,
+    check_finite_at,
+    check_int,
+    check_step,
+)
+from dsv4mtp.config import DSV4Config
+from dsv4mtp.errors import ConfigError, InputError
+from dsv4mtp.kv_cache import KVCache
+from dsv4mtp.semantics import PRESETS, Semantics, resolve_semantics
+
+__all__ = ["MTPLayerAPI", "check_layer_args", "check_loaded", "load_checked", "loaded_info"]
+
+
+# ---------------------------------------------------------------------- construction checks
+def check_layer_args(
+    config: object,
+    layers: Sequence[object],
+    layer_type: type | tuple[type, ...],
+    embed: object,
+    semantics: object,
+    dtype: object,
+    dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
+) -> Semantics:
+    """The constructor's arguments -> the semantics to run (``math`` when None).
+
+    ``layers``: one ``layer_type`` (or one of a tuple of types) per MTP layer; ``embed`` (vocab_size, hidden_size)."""
+    check_dtype_arg("dtype", dtype, dtypes, ConfigError)
+    if not isinstance(config, DSV4Config):
+        raise ConfigError(f"config: expected a DSV4Config, got {type(config).__name__}")
+    if not isinstance(embed, torch.Tensor):
+        raise ConfigError(f"embed: expected a torch.Tensor, got {type(embed).__name__}")
+    if semantics is not None and not isinstance(semantics, Semantics):
+        raise ConfigError(
+            f"semantics: expected a Semantics (see resolve_semantics), got "
+            f"{type(semantics).__name__}"
+        )
+    if not all(isinstance(p, layer_type) for p in layers):
+        types = layer_type if isinstance(layer_type, tuple) else (layer_type,)
+        names = " or ".join(t.__name__ for t in types)
+        raise ConfigError(f"layers: expected a sequence of {names}")
+    if len(layers) != config.num_nextn_predict_layers:
+        raise ConfigError(
+            f"layers: expected num_nextn_predict_layers={config.num_nextn_predict_layers}, got {len(layers)}"
+        )
+    if embed.shape != (config.vocab_size, config.hidden_size):
+        raise ConfigError(
+            f"embed: expected shape {(config.vocab_size, config.hidden_size)}, got {tuple(embed.shape)}"
+        )
+    return semantics or PRESETS["math"]
+
+
+def check_loaded(
+    checkpoint: object,
+    preset: str,
+    dtype: object,
+    device: object,
+    switches: dict[str, Any],
+    dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
+) -> tuple[torch.device, Semantics]:
+    """``from_loaded``'s arguments -> (device, semantics)."""
+    if not isinstance(checkpoint, MTPCheckpoint):
+        raise ConfigError(
+            f"checkpoint: expected an MTPCheckpoint (load_mtp_checkpoint's result), got "
+            f"{type(checkpoint).__name__}"
+        )
+    check_dtype_arg("dtype", dtype, dtypes, ConfigError)
+    dev = check_device_arg("device", device, ConfigError)
+    if checkpoint.tp_size != 1:
+        raise ConfigError(
+            f"tp_size: the MTP layer runs every head on one device, got {checkpoint.tp_size}"
+        )
+    return dev, resolve_semantics(preset, **switches)
+
+
+def loaded_info(checkpoint: MTPCheckpoint, preset: str) -> dict[str, Any]:
+    """What a layer built from ``checkpoint`` reports in its ``info``."""
+    return {
+        "path": checkpoint.path,
+        "expert_formats": checkpoint.expert_formats,
+        "dense_formats": sorted({w.e_proj.format for w in checkpoint.layers}),
+        "tensors_loaded": len(checkpoint.loaded),
+        "embed_source": checkpoint.embed_source,
+        "head_source": checkpoint.layers[0].head_source if checkpoint.layers else None,
+        "warnings": checkpoint.warnings,
+        "preset": preset,
+    }
+
+
+def load_checked(
+    path: object,
+    preset: str,
+    dtype: object,
+    device: object,
+    switches: dict[str, Any],
+    dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
+) -> MTPCheckpoint:
+    """``from_checkpoint``: every argument checked before reading gigabytes, then the load."""
+    from dsv4mtp.checkpoint.load import load_mtp_checkpoint
+
+    resolve_semantics(preset, **switches)
+    check_dtype_arg("dtype", dtype, dtypes, ConfigError)
+    check_device_arg("device", device, ConfigError)
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(
+            f"path: expected a checkpoint directory (str or os.PathLike), got {type(path).__name__}"
+        )
+    return load_mtp_checkpoint(os.fspath(path))
+
+
+def _describe(t: object) -> str:
+    return f"{t.dtype} shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+# ---------------------------------------------------------------------- the checked API
+class MTPLayerAPI:
+    """The checked public API of an MTP layer; subclasses supply ``_run`` and ``_logits``.
+
+    A subclass sets ``config``, ``semantics``, ``dtype`` (the activation dtype), ``device`` and
+    ``info``.  Speculative step k uses MTP layer ``k % num_nextn_predict_layers``.
+    """
+
+    config: DSV4Config
+    semantics: Semantics
+    dtype: torch.dtype
+    device: torch.device
+    info: dict[str, Any]
+
+    # ------------------------------------------------------------------ to implement
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        lens: list[int],
+        caches: Sequence[KVCache] | None,
+        spec_step: int,
+    ) -> torch.Tensor:
+        """:meth:`forward` on checked arguments."""
+        raise NotImplementedError
+
+    def _logits(self, hidden: torch.Tensor, spec_step: int) -> torch.Tensor:
+        """:meth:`compute_logits` on a checked ``hidden``."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ caches
+    def new_kv_cache(self) -> KVCache:
+        """An empty KV cache for one sequence (one per sequence and per MTP layer)."""
+        return KVCache(self.config.sliding_window)
+
+    # ------------------------------------------------------------------ validation
+    def _check_inputs(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        seq_lens: Any,
+    ) -> list[int]:
+        cfg = self.config
+        for name, t in (("input_ids", input_ids), ("positions", positions)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1:
+                raise InputError(f"{name}: expected a 1-D int64 tensor, got {_describe(t)}")
+        T = input_ids.shape[0]
+        if positions.shape[0] != T:
+            raise InputError(
+                f"positions: expected shape ({T},) like input_ids, got {tuple(positions.shape)}"
+            )
+        if not isinstance(prev_hidden, torch.Tensor) or prev_hidden.dtype != self.dtype:
+            got = (
+                str(prev_hidden.dtype)
+                if isinstance(prev_hidden, torch.Tensor)
+                else type(prev_hidden).__name__
+            )
+            raise InputError(
+                f"prev_hidden: expected dtype {self.dtype} (the layer dtype), got {got}"
+            )
+        if tuple(prev_hidden.shape) != (T, cfg.hc_dim):
+            raise InputError(
+                f"prev_hidden: expected shape ({T}, {cfg.hc_dim}) = (T, hc_mult*hidden_size), "
+                f"got {tuple(prev_hidden.shape)}"
+            )
+        for name, t in (
+            ("input_ids", input_ids),
+            ("positions", positions),
+            ("prev_hidden", prev_hidden),
+        ):
+            if t.device != self.device:
+                raise InputError(f"{name}: expected device {self.device}, got {t.device}")
+        # A NaN / inf row would flow silently into argmax (token 0) or the KL of compare.
+        check_finite_at("prev_hidden", prev_hidden)
+        if T and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
+            bad = input_ids[(input_ids < 0) | (input_ids >= cfg.vocab_size)][0]
+            raise InputError(
+                f"input_ids: expected ids in [0, vocab_size={cfg.vocab_size}), got {int(bad)}"
+            )
+        if T and int(positions.min()) < 0:
+            raise InputError(
+                f"positions: expected non-negative positions, got {int(positions.min())}"
+            )
+        if T and int(positions.max()) >= cfg.max_position_embeddings:
+            raise InputError(
+                f"positions: expected positions < max_position_embeddings="
+                f"{cfg.max_position_embeddings}, got {int(positions.max())}"
+            )
+        if seq_lens is None:
+            return [T]
+        if (
+            not isinstance(seq_lens, torch.Tensor)
+            or seq_lens.dtype != torch.int64
+            or seq_lens.dim() != 1
+        ):
+            raise InputError(f"seq_lens: expected a 1-D int64 tensor, got {_describe(seq_lens)}")
+        lens = [int(n) for n in seq_lens.tolist()]
+        if any(n < 0 for n in lens) or sum(lens) != T:
+            raise InputError(
+                f"seq_lens: expected non-negative lengths summing to T={T}, got {lens}"
+            )
+        return lens
+
+    def _check_caches(self, kv_cache: object, B: int) -> list[KVCache] | None:
+        if kv_cache is None:
+            return None
+        if isinstance(kv_cache, KVCache):
+            caches = [kv_cache]
+        elif isinstance(kv_cache, (list, tuple)):
+            caches = list(kv_cache)
+        else:
+            raise InputError(
+                f"kv_cache: expected a KVCache or a list of KVCache (one per sequence), got "
+                f"{type(kv_cache).__name__}"
+            )
+        if len(caches) != B:
+            raise InputError(f"kv_cache: expected {B} caches (one per sequence), got {len(caches)}")
+        W = self.config.sliding_window
+        for b, c in enumerate(caches):
+            if not isinstance(c, KVCache):
+                raise InputError(
+                    f"kv_cache[{b}]: expected a KVCache (layer.new_kv_cache()), got "
+                    f"{type(c).__name__}"
+                )
+            if c.window != W:
+                raise InputError(
+                    f"kv_cache[{b}]: expected window sliding_window={W}, got {c.window}"
+                )
+        return caches
+
+    # ------------------------------------------------------------------ the layer
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        *,
+        seq_lens: torch.Tensor | None = None,
+        kv_cache: KVCache | Sequence[KVCache] | None = None,
+        spec_step: int = 0,
+    ) -> torch.Tensor:
+        """One MTP pass -> the flat pre-hc_head residual ``(T, hc_mult*D)``.
+
+        input_ids (T,) int64, already shifted: row p carries t_{p+1} (``docs/semantics.md``,
+        "The MTP layer end to end"); positions (T,) int64, the target positions; prev_hidden
+        (T, hc_mult*D) in the layer dtype; seq_lens (B,) int64 summing to T (default: one
+        sequence); kv_cache: one :class:`KVCache` per sequence (a single cache for B = 1),
+        extended in place.  spec_step: the speculative step, an int >= 0; it runs layer
+        ``spec_step % num_nextn_predict_layers``, so steps past the last MTP layer reuse the
+        layers in turn (vLLM's rule; :meth:`draft` relies on it).  A negative, bool or non-int
+        step is an :class:`InputError` rather than a wrapped index.
+        """
+        check_step("spec_step", spec_step)
+        lens = self._check_inputs(input_ids, positions, prev_hidden, seq_lens)
+        caches = self._check_caches(kv_cache, len(lens))
+        return self._run(input_ids, positions, prev_hidden, lens, caches, spec_step)
+
+    __call__ = forward
+
+    def compute_logits(self, hidden: torch.Tensor, *, spec_step: int = 0) -> torch.Tensor:
+        """hidden (T, hc_mult*D) -> logits (T, vocab).
+
+        hc_head with the MTP's own ``hc_head_*``, the MTP's ``norm``, then the shared LM head
+        (the implementation's docstring of ``_logits`` says in which precision).  spec_step
+        picks the layer as in :meth:`forward`.
+        """
+        check_step("spec_step", spec_step)
+        cfg = self.config
+        if not isinstance(hidden, torch.Tensor) or hidden.dtype != self.dtype:
+            got = hidden.dtype if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            raise InputError(f"hidden: expected dtype {self.dtype} (the layer dtype), got {got}")
+        if hidden.dim() != 2 or hidden.shape[1] != cfg.hc_dim:
+            raise InputError(f"hidden: expected shape (T, {cfg.hc_dim}), got {tuple(hidden.shape)}")
+        if hidden.device != self.device:
+            raise InputError(f"hidden: expected device {self.device}, got {hidden.device}")
+        check_finite_at("hidden", hidden)
+        return self._logits(hidden, spec_step)
+
+    def _check_draft(
+        self,
+        lens: list[int],
+        positions: torch.Tensor,
+        num_tokens: int,
+        forced_tokens: torch.Tensor | None,
+    ) -> None:
+        """The draft-only checks, after :meth:`_check_inputs`."""
+        cfg = self.config
+        if any(n < 1 for n in lens):
+            raise InputError(
+                f"seq_lens: every sequence needs at least one row to draft from, got {lens}"
+            )
+        B = len(lens)
+        # Step k feeds position + k of each sequence's last row.
+        last_pos = int(positions[torch.tensor(lens).cumsum(0) - 1].max())
+        if last_pos + num_tokens - 1 >= cfg.max_position_embeddings:
+            raise InputError(
+                f"positions: drafting {num_tokens} token(s) from position {last_pos} feeds "
+                f"position {last_pos + num_tokens - 1}, expected < max_position_embeddings="
+                f"{cfg.max_position_embeddings}"
+            )
+        if forced_tokens is None:
+            return
+        if not isinstance(forced_tokens, torch.Tensor) or forced_tokens.dtype != torch.int64:
+            got = (
+                str(forced_tokens.dtype)
+                if isinstance(forced_tokens, torch.Tensor)
+                else type(forced_tokens).__name__
+            )
+            raise InputError(f"forced_tokens: expected an int64 tensor, got {got}")
+        if tuple(forced_tokens.shape) != (B, num_tokens):
+            raise InputError(
+                f"forced_tokens: expected shape ({B}, {num_tokens}), got {tuple(forced_tokens.shape)}"
+            )
+        out_of_vocab = (forced_tokens < 0) | (forced_tokens >= cfg.vocab_size)
+        if bool(out_of_vocab.any()):
+            b, k = out_of_vocab.nonzero()[0].tolist()
+            raise InputError(
+                f"forced_tokens: expected ids in [0, vocab_size={cfg.vocab_size}), got "
+                f"{int(forced_tokens[b, k])} at row {b}, step {k}"
+            )
+
+    @torch.no_grad()
+    def draft(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        *,
+        seq_lens: torch.Tensor | None = None,
+        num_tokens: int,
+        greedy: bool = True,
+        temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+        return_logits: bool = False,
+        forced_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """k-step speculation -> drafted ids (B, num_tokens) for the last row of each sequence
+        (+ logits (B, num_tokens, vocab) with ``return_logits``).
+
+        Step 0 runs all rows; step k >= 1 feeds, per sequence, the token drafted at step k-1,
+        position + 1 and the MTP's own residual of that row, through layer
+        ``k % num_nextn_predict_layers``.  Each layer has its own KV caches, fresh per call, holding
+        the rows that layer processed: the whole prefix for layer 0, only its own earlier draft
+        rows for a later layer.
+        ``forced_tokens`` (B, num_tokens): teacher forcing, feed these instead of the layer's own
+        picks (the returned ids are then these tokens; used to compare two layers step by step).
+        """
+        check_int("num_tokens", num_tokens, 1)
+        for name, flag in (("greedy", greedy), ("return_logits", return_logits)):
+            if not isinstance(flag, bool):
+                raise InputError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise InputError(
+                f"generator: expected a torch.Generator or None, got {type(generator).__name__}"
+            )
+        if not greedy and not (
+            isinstance(temperature, (int, float))
+            and not isinstance(temperature, bool)
+            and math.isfinite(temperature)
+            and temperature > 0
+        ):
+            raise InputError(
+                f"temperature: expected a finite number > 0 for sampling, got {temperature!r}"
+            )
+        lens = self._check_inputs(input_ids, positions, prev_hidden, seq_lens)
+        self._check_draft(lens, positions, num_tokens, forced_tokens)
+        B, num_layers = len(lens), self.config.num_nextn_predict_layers
+        caches = [[self.new_kv_cache() for _ in range(B)] for _ in range(num_layers)]
+        last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # (B,) last row per sequence
+        ids, pos, prev = input_ids, positions, prev_hidden
+        step_lens = lens
+        drafted, step_logits = [], []
+        for k in range(num_tokens):
+            layer = k % num_layers
+            # Every argument, forced token and fed position was checked above.
+            hidden = self._run(ids, pos, prev, step_lens, caches[layer], k)
+            if k == 0:
+                hidden, pos = hidden[last], pos[last]
+            logits = self._logits(hidden, k)  # (B, V)
+            if forced_tokens is not None:
+                token = forced_tokens[:, k].to(self.device)
+            elif greedy:
+                token = logits.argmax(-1)
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                token = torch.multinomial(probs, 1, generator=generator)[:, 0]
+            drafted.append(token)
+            step_logits.append(logits)
+            ids, pos, prev = token, pos + 1, hidden
+            step_lens = [1] * B
+        tokens = torch.stack(drafted, dim=1)  # (B, num_tokens)
+        if return_logits:
+            return tokens, torch.stack(step_logits, dim=1)
+        return tokens
