@@ -3,17 +3,18 @@
 ``docs/semantics.md``, "The MTP layer end to end".  :class:`MTPLayerAPI` holds the checked
 entry points (:meth:`~MTPLayerAPI.forward`, :meth:`~MTPLayerAPI.compute_logits`,
 :meth:`~MTPLayerAPI.draft`, :meth:`~MTPLayerAPI.new_kv_cache`); an implementation
-(``dsv4mtp.reference.MTPLayer``, ``dsv4mtp.optimized.MTPLayer``) supplies the math on checked
-arguments, ``_run`` and ``_logits``, and builds itself with the construction checks below, so
-both raise the same errors for the same bad input and draft with the same bookkeeping.
+(``dsv4mtp.reference.MTPLayer``, ``dsv4mtp.optimized.MTPLayer``) supplies the ops the layer
+composes (:class:`LayerOps`) and the head (``_logits``), and builds itself with the construction
+checks below; the layer's order (``_run``) is written once here.  So both compute the same
+composition, raise the same errors for the same bad input and draft with the same bookkeeping.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -31,7 +32,14 @@ from dsv4mtp.errors import ConfigError, InputError
 from dsv4mtp.kv_cache import KVCache
 from dsv4mtp.semantics import PRESETS, Semantics, resolve_semantics
 
-__all__ = ["MTPLayerAPI", "check_layer_args", "check_loaded", "load_checked", "loaded_info"]
+__all__ = [
+    "LayerOps",
+    "MTPLayerAPI",
+    "check_layer_args",
+    "check_loaded",
+    "load_checked",
+    "loaded_info",
+]
 
 
 # ---------------------------------------------------------------------- construction checks
@@ -134,12 +142,26 @@ def _describe(t: object) -> str:
     return f"{t.dtype} shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
+# ---------------------------------------------------------------------- the ops a layer composes
+class LayerOps(NamedTuple):
+    """The ops an implementation's layer runs, each with the op pairs' one signature: the
+    reference's (float64-exact PyTorch) or the optimized ones (Triton kernels)."""
+
+    rms_norm: Callable[..., torch.Tensor]
+    linear: Callable[..., torch.Tensor]
+    hc_pre: Callable[..., Any]
+    hc_post: Callable[..., torch.Tensor]
+    attention: Callable[..., torch.Tensor]
+    moe: Callable[..., torch.Tensor]
+
+
 # ---------------------------------------------------------------------- the checked API
 class MTPLayerAPI:
     """The checked public API of an MTP layer; subclasses supply ``_run`` and ``_logits``.
 
-    A subclass sets ``config``, ``semantics``, ``dtype`` (the activation dtype), ``device`` and
-    ``info``.  Speculative step k uses MTP layer ``k % num_nextn_predict_layers``.
+    A subclass sets ``config``, ``semantics``, ``dtype`` (the activation dtype), ``device``,
+    ``info``, ``layers``, ``embed`` and the class attribute ``ops``.  Speculative step k uses
+    MTP layer ``k % num_nextn_predict_layers``.
     """
 
     config: DSV4Config
@@ -147,8 +169,15 @@ class MTPLayerAPI:
     dtype: torch.dtype
     device: torch.device
     info: dict[str, Any]
+    #: one parameter object per MTP layer, with the fields ``_run`` reads (``MTPLayerParams``
+    #: in the reference, the optimized packs there); the embedding (vocab, hidden) in ``dtype``
+    layers: list[Any]
+    embed: torch.Tensor
 
-    # ------------------------------------------------------------------ to implement
+    # ------------------------------------------------------------------ the layer
+    #: the ops this implementation composes (set by each subclass)
+    ops: ClassVar[LayerOps]
+
     def _run(
         self,
         input_ids: torch.Tensor,
@@ -158,9 +187,57 @@ class MTPLayerAPI:
         caches: Sequence[KVCache] | None,
         spec_step: int,
     ) -> torch.Tensor:
-        """:meth:`forward` on checked arguments."""
-        raise NotImplementedError
+        """:meth:`forward` on checked arguments: the layer's order (docs/semantics.md, "The MTP
+        layer end to end") over the implementation's :attr:`ops`."""
+        cfg, sem, o = self.config, self.semantics, self.ops
+        p = self.layers[spec_step % len(self.layers)]
+        T, n, D, eps = input_ids.shape[0], cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps
+        if T == 0:
+            return prev_hidden.new_zeros(0, n * D)
+        hc: dict[str, Any] = dict(
+            rms_norm_eps=eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters
+        )
+        q_dense = sem.act_quant and p.dense_quantized
 
+        e = self.embed[input_ids]  # (T, D)
+        if sem.mask_pos0:
+            e = torch.where(positions[:, None] == 0, torch.zeros_like(e), e)
+        e = o.rms_norm(e, p.enorm, eps, order=sem.norm_order)
+        h = o.rms_norm(prev_hidden.view(T, n, D), p.hnorm, eps, order=sem.norm_order)  # per stream
+        x = (
+            o.linear(h, p.h_proj, act_quant=q_dense)
+            + o.linear(e, p.e_proj, act_quant=q_dense)[:, None, :]
+        )
+
+        # attention sublayer: hc_pre -> attn_norm -> attention -> hc_post (the MoE one alike)
+        a_in, post, comb = o.hc_pre(x, p.hc_attn_fn, p.hc_attn_scale, p.hc_attn_base, **hc)
+        a = o.attention(
+            o.rms_norm(a_in, p.attn_norm, eps, order=sem.norm_order),
+            positions,
+            p.attn,
+            cfg,
+            seq_lens=lens,
+            kv_cache=caches,
+            rope_mode=sem.rope_mode,
+            fp8_kv=sem.fp8_kv,
+            act_quant=q_dense,
+            norm_order=sem.norm_order,
+        )
+        x = o.hc_post(a, x, post, comb)  # (T, n, D)
+
+        # MoE sublayer
+        f_in, post, comb = o.hc_pre(x, p.hc_ffn_fn, p.hc_ffn_scale, p.hc_ffn_base, **hc)
+        f = o.moe(
+            o.rms_norm(f_in, p.ffn_norm, eps, order=sem.norm_order),
+            p.ffn,
+            cfg,
+            shared_clamp=sem.shared_clamp,
+            act_quant=sem.act_quant,
+        )
+        x = o.hc_post(f, x, post, comb)
+        return x.reshape(T, n * D)
+
+    # ------------------------------------------------------------------ to implement
     def _logits(self, hidden: torch.Tensor, spec_step: int) -> torch.Tensor:
         """:meth:`compute_logits` on a checked ``hidden``."""
         raise NotImplementedError

@@ -32,8 +32,14 @@ from dsv4mtp.checkpoint.weights import MTPCheckpoint, MTPLayerWeights
 from dsv4mtp.checks import check_device_arg, check_int
 from dsv4mtp.config import DSV4Config
 from dsv4mtp.errors import ConfigError, InputError
-from dsv4mtp.kv_cache import KVCache
-from dsv4mtp.layer import MTPLayerAPI, check_layer_args, check_loaded, load_checked, loaded_info
+from dsv4mtp.layer import (
+    LayerOps,
+    MTPLayerAPI,
+    check_layer_args,
+    check_loaded,
+    load_checked,
+    loaded_info,
+)
 from dsv4mtp.params import MTPLayerParams, build_layer_params
 from dsv4mtp.semantics import Semantics
 
@@ -122,7 +128,14 @@ class MTPLayer(MTPLayerAPI):
     pack of ``mtp.{i}``.  ``device``: where the packs live (default: ``embed``'s device); a CUDA
     device, or the CPU under ``TRITON_INTERPRET=1``.  ``max_num_tokens``: the most rows one call
     (or draft step 0) may pass, the MoE workspace bound; ``max_batch``: the most sequences.
+    The layer's order is :class:`~dsv4mtp.layer.MTPLayerAPI`'s ``_run`` (the reference runs the
+    same one) over :attr:`ops`, this package's kernels.
     """
+
+    ops = LayerOps(
+        rms_norm=rms_norm, linear=linear, hc_pre=hc_pre, hc_post=hc_post, attention=attention,
+        moe=moe,
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -244,64 +257,6 @@ class MTPLayer(MTPLayerAPI):
                 f"(MTPLayer(..., max_batch=...))"
             )
         return lens
-
-    # ------------------------------------------------------------------ the layer
-    def _run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        prev_hidden: torch.Tensor,
-        lens: list[int],
-        caches: Sequence[KVCache] | None,
-        spec_step: int,
-    ) -> torch.Tensor:
-        """:meth:`forward` on checked arguments, in the reference's order."""
-        cfg, sem = self.config, self.semantics
-        p = self.layers[spec_step % len(self.layers)]
-        T, n, D, eps = input_ids.shape[0], cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps
-        if T == 0:
-            return prev_hidden.new_zeros(0, n * D)
-        hc: dict[str, Any] = dict(
-            rms_norm_eps=eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters
-        )
-        order = sem.norm_order
-        q_dense = sem.act_quant and p.dense_quantized
-
-        e = self.embed[input_ids]  # (T, D)
-        if sem.mask_pos0:
-            e = torch.where(positions[:, None] == 0, torch.zeros_like(e), e)
-        e = rms_norm(e, p.enorm, eps, order=order)
-        h = rms_norm(prev_hidden.view(T, n, D), p.hnorm, eps, order=order)  # per stream
-        x = (
-            linear(h, p.h_proj, act_quant=q_dense)
-            + linear(e, p.e_proj, act_quant=q_dense)[:, None, :]
-        )  # (T, n, D), one rounding of the sum as the reference
-
-        a_in, post, comb = hc_pre(x, p.hc_attn_fn, p.hc_attn_scale, p.hc_attn_base, **hc)
-        a = attention(
-            rms_norm(a_in, p.attn_norm, eps, order=order),
-            positions,
-            p.attn,
-            cfg,
-            seq_lens=lens,
-            kv_cache=caches,
-            rope_mode=sem.rope_mode,
-            fp8_kv=sem.fp8_kv,
-            act_quant=q_dense,
-            norm_order=order,
-        )
-        x = hc_post(a, x, post, comb)  # (T, n, D)
-
-        f_in, post, comb = hc_pre(x, p.hc_ffn_fn, p.hc_ffn_scale, p.hc_ffn_base, **hc)
-        f = moe(
-            rms_norm(f_in, p.ffn_norm, eps, order=order),
-            p.ffn,
-            cfg,
-            shared_clamp=sem.shared_clamp,
-            act_quant=sem.act_quant,
-        )
-        x = hc_post(f, x, post, comb)
-        return x.reshape(T, n * D)
 
     def _logits(self, hidden: torch.Tensor, spec_step: int) -> torch.Tensor:
         """:meth:`compute_logits` on a checked ``hidden`` -> (T, V) fp32.

@@ -22,8 +22,14 @@ import torch
 from dsv4mtp.checkpoint.weights import MTPCheckpoint
 from dsv4mtp.checks import compute_dtype
 from dsv4mtp.config import DSV4Config
-from dsv4mtp.kv_cache import KVCache
-from dsv4mtp.layer import MTPLayerAPI, check_layer_args, check_loaded, load_checked, loaded_info
+from dsv4mtp.layer import (
+    LayerOps,
+    MTPLayerAPI,
+    check_layer_args,
+    check_loaded,
+    load_checked,
+    loaded_info,
+)
 from dsv4mtp.params import MTPLayerParams, build_layer_params
 from dsv4mtp.semantics import PRESETS, Semantics, resolve_semantics
 
@@ -43,8 +49,15 @@ class MTPLayer(MTPLayerAPI):
     :class:`MTPCheckpoint`) or the constructor (dense :class:`MTPLayerParams`, e.g. in tests).
     ``layers[i]`` is ``mtp.{i}``; speculative step k uses ``layers[k % num_nextn_predict_layers]``.
     The checked API (``forward``, ``compute_logits``, ``draft``, ``new_kv_cache``) is
-    :class:`~dsv4mtp.layer.MTPLayerAPI`'s; this class is the math (:meth:`_run`, :meth:`_logits`).
+    :class:`~dsv4mtp.layer.MTPLayerAPI`'s, and so is the layer's order (``_run``, one
+    definition for both implementations); this class supplies the ops it composes
+    (:attr:`ops`: this package's float64-exact ones) and the head (:meth:`_logits`).
     """
+
+    ops = LayerOps(
+        rms_norm=rms_norm, linear=linear, hc_pre=hc_pre, hc_post=hc_post, attention=attention,
+        moe=moe,
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -97,65 +110,6 @@ class MTPLayer(MTPLayerAPI):
         """Load ``mtp.*`` (+ the shared embedding and head) from a checkpoint directory."""
         checkpoint = load_checked(path, preset, dtype, device, switches)
         return cls.from_loaded(checkpoint, preset=preset, dtype=dtype, device=device, **switches)
-
-    # ------------------------------------------------------------------ the layer
-    def _run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        prev_hidden: torch.Tensor,
-        lens: list[int],
-        caches: Sequence[KVCache] | None,
-        spec_step: int,
-    ) -> torch.Tensor:
-        """:meth:`forward` on checked arguments."""
-        cfg, sem = self.config, self.semantics
-        p = self.layers[spec_step % len(self.layers)]
-        T, n, D, eps = input_ids.shape[0], cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps
-        if T == 0:
-            return prev_hidden.new_zeros(0, n * D)
-        hc: dict[str, Any] = dict(
-            rms_norm_eps=eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters
-        )
-        q_dense = sem.act_quant and p.dense_quantized
-
-        e = self.embed[input_ids]  # (T, D)
-        if sem.mask_pos0:
-            e = torch.where(positions[:, None] == 0, torch.zeros_like(e), e)
-        e = rms_norm(e, p.enorm, eps, order=sem.norm_order)
-        h = rms_norm(prev_hidden.view(T, n, D), p.hnorm, eps, order=sem.norm_order)  # per stream
-        x = (
-            linear(h, p.h_proj, act_quant=q_dense)
-            + linear(e, p.e_proj, act_quant=q_dense)[:, None, :]
-        )
-
-        # attention sublayer: hc_pre -> attn_norm -> attention -> hc_post (the MoE one alike)
-        a_in, post, comb = hc_pre(x, p.hc_attn_fn, p.hc_attn_scale, p.hc_attn_base, **hc)
-        a = attention(
-            rms_norm(a_in, p.attn_norm, eps, order=sem.norm_order),
-            positions,
-            p.attn,
-            cfg,
-            seq_lens=lens,
-            kv_cache=caches,
-            rope_mode=sem.rope_mode,
-            fp8_kv=sem.fp8_kv,
-            act_quant=q_dense,
-            norm_order=sem.norm_order,
-        )
-        x = hc_post(a, x, post, comb)  # (T, n, D)
-
-        # MoE sublayer
-        f_in, post, comb = hc_pre(x, p.hc_ffn_fn, p.hc_ffn_scale, p.hc_ffn_base, **hc)
-        f = moe(
-            rms_norm(f_in, p.ffn_norm, eps, order=sem.norm_order),
-            p.ffn,
-            cfg,
-            shared_clamp=sem.shared_clamp,
-            act_quant=sem.act_quant,
-        )
-        x = hc_post(f, x, post, comb)
-        return x.reshape(T, n * D)
 
     def _logits(self, hidden: torch.Tensor, spec_step: int) -> torch.Tensor:
         """:meth:`compute_logits` on a checked ``hidden``: the shared head in fp32 as the
