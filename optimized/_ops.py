@@ -150,14 +150,6 @@ def _rms_norm_out(
         raise _unknown("rms_norm", backend, ("triton", "flashinfer"))
 
 
-def _rms_norm(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, order: str, backend: str
-) -> torch.Tensor:
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _rms_norm_out(x, weight, eps, order, backend, out=out)
-    return out
-
-
 def _rms_norm_fake(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, order: str, backend: str
 ) -> torch.Tensor:
@@ -292,14 +284,6 @@ def _hc_post_out(
         raise _unknown("hc_post", backend, ("flashinfer", "triton"))
 
 
-def _hc_post(
-    f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, backend: str
-) -> torch.Tensor:
-    out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
-    _hc_post_out(f, residual, post, comb, backend, out=out)
-    return out
-
-
 def _hc_post_fake(
     f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, backend: str
 ) -> torch.Tensor:
@@ -357,6 +341,23 @@ def _out_fake(*args: Any, **kwargs: Any) -> None:
 
 
 # ------------------------------------------------------------------------------ registration
+def _functional(
+    out_kernel: Callable[..., None], like: Callable[..., torch.Tensor]
+) -> Callable[..., torch.Tensor]:
+    """The functional kernel of a one-output op: ``like``'s (the fake's) empty output on the
+    inputs' device, written by the op's ``_out`` kernel."""
+
+    def kernel(*args: Any) -> torch.Tensor:
+        out = like(*args)
+        out_kernel(*args, out=out)
+        return out
+
+    return kernel
+
+
+_rms_norm = _functional(_rms_norm_out, _rms_norm_fake)
+_hc_post = _functional(_hc_post_out, _hc_post_fake)
+
 _KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "rms_norm": (_rms_norm, _rms_norm_fake),
     "rms_norm_out": (_rms_norm_out, _out_fake),
@@ -608,14 +609,6 @@ def _fused_experts_out(
     _routed_into(x, topk_ids, topk_weights, *args, None, out)  # type: ignore[call-arg]
 
 
-def _fused_experts(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *args: Any
-) -> torch.Tensor:
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _fused_experts_out(x, topk_ids, topk_weights, *args, out=out)
-    return out
-
-
 def _x_like(x: torch.Tensor, *args: Any) -> torch.Tensor:
     return x.new_empty(x.shape)
 
@@ -661,12 +654,8 @@ def _moe_out(
     )  # fmt: skip
 
 
-def _moe(x: torch.Tensor, *args: Any) -> torch.Tensor:
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _moe_out(x, *args, out=out)
-    return out
-
-
+_fused_experts = _functional(_fused_experts_out, _x_like)
+_moe = _functional(_moe_out, _x_like)
 _KERNELS.update(
     {
         "moe_route": (_moe_route, _moe_route_fake),
@@ -771,12 +760,6 @@ def _sink_attention_out(
     )
 
 
-def _sink_attention(q: torch.Tensor, *args: Any) -> torch.Tensor:
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _sink_attention_out(q, *args, out=out)
-    return out
-
-
 def _sink_attention_varlen_out(
     q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -797,21 +780,13 @@ def _sink_attention_varlen_out(
     )
 
 
-def _sink_attention_varlen(q: torch.Tensor, *args: Any) -> torch.Tensor:
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _sink_attention_varlen_out(q, *args, out=out)
-    return out
-
-
-def _q_like(q: torch.Tensor, *args: Any) -> torch.Tensor:
-    return q.new_empty(q.shape)
-
-
+_sink_attention = _functional(_sink_attention_out, _x_like)
+_sink_attention_varlen = _functional(_sink_attention_varlen_out, _x_like)
 _KERNELS.update(
     {
-        "sink_attention": (_sink_attention, _q_like),
+        "sink_attention": (_sink_attention, _x_like),
         "sink_attention_out": (_sink_attention_out, _out_fake),
-        "sink_attention_varlen": (_sink_attention_varlen, _q_like),
+        "sink_attention_varlen": (_sink_attention_varlen, _x_like),
         "sink_attention_varlen_out": (_sink_attention_varlen_out, _out_fake),
     }
 )
@@ -888,12 +863,6 @@ def _linear_out(
     )
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
-    out = x.new_empty((*x.shape[:-1], weight.shape[1]))
-    _linear_out(x, weight, *args, out=out)
-    return out
-
-
 def _linear_fake(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[1]))
 
@@ -911,15 +880,12 @@ def _grouped_linear_out(
     _linear_into(x, weight, scale, fmt, act_quant, batch_invariant, out)
 
 
-def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
-    out = x.new_empty((x.shape[0], x.shape[1], weight.shape[1]))
-    _grouped_linear_out(x, weight, *args, out=out)
-    return out
-
-
 def _grouped_linear_fake(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
     return x.new_empty((x.shape[0], x.shape[1], weight.shape[1]))
 
+
+_linear = _functional(_linear_out, _linear_fake)
+_grouped_linear = _functional(_grouped_linear_out, _grouped_linear_fake)
 
 _KERNELS.update(
     {
@@ -990,14 +956,6 @@ def _apply_rope_out(
     )  # fmt: skip
 
 
-def _apply_rope(
-    x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool, backend: str
-) -> torch.Tensor:
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _apply_rope_out(x, positions, freqs, inverse, backend, out=out)
-    return out
-
-
 def _q_head_norm_rope_out(
     q: torch.Tensor,
     positions: torch.Tensor,
@@ -1015,14 +973,6 @@ def _q_head_norm_rope_out(
         _rows3(q), None, positions.contiguous(), freqs.contiguous(), out,
         rope_dim=2 * freqs.shape[0], norm=NORM_HEAD, eps=eps,
     )  # fmt: skip
-
-
-def _q_head_norm_rope(
-    q: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, eps: float, backend: str
-) -> torch.Tensor:
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _q_head_norm_rope_out(q, positions, freqs, eps, backend, out=out)
-    return out
 
 
 def _kv_norm_rope_out(
@@ -1050,12 +1000,9 @@ def _kv_norm_rope_out(
     )  # fmt: skip
 
 
-def _kv_norm_rope(kv: torch.Tensor, *args: Any) -> torch.Tensor:
-    out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
-    _kv_norm_rope_out(kv, *args, out=out)
-    return out
-
-
+_apply_rope = _functional(_apply_rope_out, _x_like)
+_q_head_norm_rope = _functional(_q_head_norm_rope_out, _x_like)
+_kv_norm_rope = _functional(_kv_norm_rope_out, _x_like)
 _KERNELS.update(
     {
         "apply_rope": (_apply_rope, _x_like),
