@@ -361,8 +361,8 @@ def _local_experts(experts: RoutedExperts, owned: torch.Tensor) -> RoutedExperts
 
 _Params = tuple[MoEParams, PackedExperts | None, torch.Tensor | None]
 # Built parameters by (shape, format, device, weight_seed, skew): the contract calls the builder
-# for every drawn case, and a V4-Pro MXFP4 expert stack alone is 12 GB.  Full shapes keep the
-# last two, the small ones a few dozen.
+# for every drawn case, and a V4-Pro MXFP4 expert stack alone is 12 GB.  A full shape is built
+# only after every cached entry is dropped; the small ones keep a few dozen.
 _CACHE: OrderedDict[tuple[Any, ...], _Params] = OrderedDict()
 
 
@@ -393,6 +393,7 @@ def moe_params(
         raise ValueError(f"fmt: expected one of {EXPERT_FORMATS}, got {fmt!r}")
     if skew not in SKEWS[:3]:
         raise ValueError(f"skew: the router reaches {SKEWS[:3]}, got {skew!r}")
+    _make_room(shape in ("flash", "pro"))
     cfg = MOE_SHAPES[shape]
     E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     r = _Gen(dev, weight_seed)
@@ -409,11 +410,23 @@ def moe_params(
         gate_bias[torch.randperm(E, generator=r.g, device=dev)[: E - E // 4]] -= 100.0
     params = MoEParams(gate_weight, gate_bias, *shared, experts=PackedExperts(experts))
     local = PackedExperts(_local_experts(experts, owned))
-    big = shape in ("flash", "pro")
-    while _CACHE and (len(_CACHE) >= 48 or (big and len(_CACHE) >= 2)):
-        _CACHE.popitem(last=False)
     _CACHE[key] = (params, local, expert_map)
     return params, local, expert_map
+
+
+def _make_room(big: bool) -> None:
+    """Evict before building: a full shape keeps no other entry (a V4-Pro FP8 stack with its
+    expert-parallel half is 38 GB, and the optimized pack of the previous one may still be
+    alive in a test's frame), and the freed blocks go back to the device."""
+    evicted = False
+    while _CACHE and (len(_CACHE) >= 48 or big):
+        _CACHE.popitem(last=False)
+        evicted = True
+    if evicted and big and torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def _topk_ids(r: _Gen, T: int, E: int, K: int, skew: str) -> torch.Tensor:

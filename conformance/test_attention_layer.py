@@ -6,8 +6,9 @@ and of several sequences (an empty one among them), position gaps, decode steps 
 :class:`KVCache` s (each implementation with its own caches, fed the same tokens, compared at
 every step, caches too), the two presets' switches (math; official: fp8_kv, act_quant and the
 official norm order), FP8 packs (core ``QuantizedWeight`` params and a loaded checkpoint's fused
-wq_a + wkv), NaN propagation, ``out=``, the pack cache and bad inputs.  On CPU the Triton kernels
-run in the interpreter.
+wq_a + wkv), NaN propagation, ``out=``, the pack cache and bad inputs.  Inputs are drawn on the
+CPU; the optimized side runs on the suite's ``device`` (CUDA in the GPU tier, else the CPU, where
+the Triton kernels run in the interpreter) through :func:`opt_attention` below.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dsv4mtp.config import DSV4Config
 from dsv4mtp.conformance._mtp_random import random_attention_params
 from dsv4mtp.errors import DSV4Error, InputError
 from dsv4mtp.kv_cache import KVCache
-from dsv4mtp.optimized import attention as opt_attention
+from dsv4mtp.optimized import attention as _opt_attention
 from dsv4mtp.optimized import pack_attention, pack_attention_weights
 from dsv4mtp.params import AttentionParams
 from dsv4mtp.reference import attention as ref_attention
@@ -47,6 +48,23 @@ PRESETS = {
     "math": dict(fp8_kv=False, act_quant=False, norm_order="vllm"),
     "official": dict(fp8_kv=True, act_quant=True, norm_order="official"),
 }
+
+
+DEV = "cpu"  # the optimized side's device: set per test from the plugin's ``device`` fixture
+
+
+@pytest.fixture(autouse=True)
+def _optimized_device(device: str) -> None:
+    global DEV
+    DEV = device
+
+
+def opt_attention(x: torch.Tensor, pos: torch.Tensor, params, cfg, **kw) -> torch.Tensor:
+    """The optimized sublayer on :data:`DEV`: x, positions and ``out`` moved there, the result
+    back on the CPU (its caches then hold device tensors: compare them with ``.cpu()``)."""
+    if isinstance(kw.get("out"), torch.Tensor):
+        kw["out"] = kw["out"].to(DEV)
+    return _opt_attention(x.to(DEV), pos.to(DEV), params, cfg, **kw).cpu()
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -122,9 +140,9 @@ def test_prefill_then_decode_with_caches(dtype: torch.dtype, preset: str) -> Non
         assert rel_err(got, want) < TOL[dtype], f"step {i}"
         for b, (rc, oc) in enumerate(zip(ref_caches, opt_caches, strict=True)):
             assert rc.positions is not None and oc.positions is not None and oc.kv is not None
-            assert torch.equal(oc.positions, rc.positions), f"step {i} cache {b}"
+            assert torch.equal(oc.positions.cpu(), rc.positions), f"step {i} cache {b}"
             assert oc.kv.dtype == dtype
-            assert rel_err(oc.kv, rc.kv) < TOL[dtype], f"step {i} cache {b}"
+            assert rel_err(oc.kv.cpu(), rc.kv) < TOL[dtype], f"step {i} cache {b}"
 
 
 def test_incremental_decode_reproduces_prefill() -> None:
@@ -160,7 +178,7 @@ def test_fp8_params_pack_as_fp8() -> None:
     exact = dataclasses.replace(
         dense, **{n: getattr(quant, n).dequantize(FP32) for n in lin}
     )  # fmt: skip
-    pack = pack_attention(quant)  # type: ignore[arg-type]
+    pack = pack_attention(quant, DEV)  # type: ignore[arg-type]
     assert {getattr(pack, n).fmt for n in lin} == {"fp8"} and pack.wo_a.groups == CFG.o_groups
     x = torch.randn(20, D, generator=g).to(BF16)
     pos = torch.arange(20)
@@ -178,7 +196,7 @@ def test_checkpoint_pack_fused_wqa_wkv(tmp_path) -> None:
 
     ck = load_mtp_checkpoint(make_synthetic_checkpoint(tmp_path / "ck", CFG), scan=False)
     w = ck.layers[0]
-    pack = pack_attention_weights(w, "cpu")
+    pack = pack_attention_weights(w, DEV)
     assert pack.wqa_wkv is not None and pack.wqa_wkv.fmt == "fp8" and pack.wq_a is None
     dense = build_layer_params(w, BF16, torch.device("cpu")).attn
     g = torch.Generator().manual_seed(5)
@@ -204,11 +222,13 @@ def test_out_and_pack_cache() -> None:
     params = layer_params(BF16)
     x = torch.randn(5, D, generator=g).to(BF16)
     pos = torch.arange(5)
-    y = opt_attention(x, pos, params, CFG)
-    out = torch.full((5, D), float("nan"), dtype=BF16)  # poisoned
-    assert opt_attention(x, pos, params, CFG, out=out) is out
+    x, pos = x.to(DEV), pos.to(DEV)
+    y = _opt_attention(x, pos, params, CFG)
+    out = torch.full((5, D), float("nan"), dtype=BF16, device=DEV)  # poisoned
+    assert _opt_attention(x, pos, params, CFG, out=out) is out
     assert torch.equal(out, y)
-    assert torch.equal(opt_attention(x, pos, pack_attention(params), CFG), y)
+    assert torch.equal(_opt_attention(x, pos, pack_attention(params, DEV), CFG), y)
+    x, pos = x.cpu(), pos.cpu()
     ref_out = torch.full((5, D), float("nan"), dtype=BF16)
     assert ref_attention(x, pos, params, CFG, out=ref_out) is ref_out
     assert torch.equal(ref_out, ref_attention(x, pos, params, CFG))
@@ -271,7 +291,7 @@ def test_signature_extends_the_reference() -> None:
     import inspect
 
     ref = inspect.signature(ref_attention).parameters
-    opt = inspect.signature(opt_attention).parameters
+    opt = inspect.signature(_opt_attention).parameters
     assert [(p.name, p.kind, p.default) for p in opt.values()] == [
         (p.name, p.kind, p.default) for p in ref.values()
     ]

@@ -13,6 +13,7 @@ import torch
 from dsv4mtp.conformance.differential import check_pair, compare, to_float64
 from dsv4mtp.conformance.inputs import EXPERT_FORMATS, moe_inputs
 from dsv4mtp.conformance.registry import REGISTRY, Case, pairs_for
+from dsv4mtp.errors import InputError
 
 PAIRS = {p.name: p for p in pairs_for("moe")}
 
@@ -104,3 +105,26 @@ def test_moe_packs_a_params_object_once_and_forgets_it_with_the_object(device: s
     del fresh
     gc.collect()
     assert key not in packs
+
+
+def test_row_mask_pads_rows_without_touching_the_real_ones(device: str) -> None:
+    """``moe(..., row_mask=...)``: the real rows get the bits of a call without the filler rows
+    (batch-invariant schedules), a filler row gets the shared expert alone (its routed picks are
+    dropped), which differs from its unmasked result."""
+    from dsv4mtp.optimized import moe
+
+    shape = "tiny" if device == "cpu" else "flash"
+    (x, params, cfg), _ = moe_inputs("moe", 6, 21, shape=shape, device=device, magnitude=4.0)
+    mask = torch.tensor([True, True, False, True, False, False], device=device)
+    kw = dict(batch_invariant=True)
+    got = moe(x, params, cfg, row_mask=mask, **kw)
+    assert torch.equal(got[mask], moe(x[mask], params, cfg, **kw))
+    shared_only = moe(
+        x[~mask], params, cfg, row_mask=torch.zeros(3, dtype=torch.bool, device=device), **kw
+    )
+    assert torch.equal(got[~mask], shared_only)
+    assert not torch.equal(shared_only, moe(x[~mask], params, cfg, **kw))
+    with pytest.raises(InputError, match="row_mask"):
+        moe(x, params, cfg, row_mask=mask[:5])
+    with pytest.raises(InputError, match="row_mask"):
+        moe(x, params, cfg, row_mask=mask.int())

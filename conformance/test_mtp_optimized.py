@@ -7,7 +7,9 @@ with KV caches then decode steps (residual and logits compared at every step, ea
 own caches); ``draft`` teacher-forced with the reference's greedy tokens (logits per step, top-1
 mismatches only at the reference's near-ties, counted) and free-running greedy; the dense
 constructor path; bad inputs (the reference's InputError) and the max_num_tokens / max_batch
-bounds.  On CPU the Triton kernels run in the interpreter.
+bounds.  Inputs are drawn on the CPU; the optimized layer lives on the suite's ``device`` (CUDA
+in the GPU tier, else the CPU, where the Triton kernels run in the interpreter) behind
+:class:`OnDevice`, which moves arguments there and results back.
 """
 
 from __future__ import annotations
@@ -57,17 +59,55 @@ def loaded(tmp_path_factory):
     }
 
 
-_PAIRS: dict[tuple[str, str], tuple[RefLayer, OptLayer]] = {}
+class OnDevice:
+    """An optimized layer used from CPU tensors: tensor arguments (and a generator's seed) go to
+    the layer's device, tensor results come back; every other attribute is the layer's.  Its
+    KV caches hold device tensors (compare them with ``.cpu()``)."""
+
+    def __init__(self, layer: OptLayer) -> None:
+        self.layer = layer
+
+    def __getattr__(self, name: str):
+        return getattr(self.layer, name)
+
+    def _call(self, name: str, *args, **kwargs):
+        dev = self.layer.device
+
+        def move(v):
+            if isinstance(v, torch.Tensor):
+                return v.to(dev)
+            if isinstance(v, torch.Generator) and v.device != dev:
+                return torch.Generator(device=dev).manual_seed(v.initial_seed())
+            return v
+
+        out = getattr(self.layer, name)(
+            *map(move, args), **{k: move(v) for k, v in kwargs.items()}
+        )
+        if isinstance(out, tuple):
+            return tuple(t.cpu() for t in out)
+        return out.cpu()
+
+    def forward(self, *args, **kwargs):
+        return self._call("forward", *args, **kwargs)
+
+    def compute_logits(self, *args, **kwargs):
+        return self._call("compute_logits", *args, **kwargs)
+
+    def draft(self, *args, **kwargs):
+        return self._call("draft", *args, **kwargs)
 
 
-def pair(loaded, fmt: str, preset: str) -> tuple[RefLayer, OptLayer]:
-    if (fmt, preset) not in _PAIRS:
+_PAIRS: dict[tuple[str, str, str], tuple[RefLayer, OnDevice]] = {}
+
+
+def pair(loaded, fmt: str, preset: str, device: str) -> tuple[RefLayer, OnDevice]:
+    if (fmt, preset, device) not in _PAIRS:
         ref = RefLayer.from_loaded(loaded[fmt], preset=preset, dtype=BF16)
         opt = OptLayer.from_loaded(
-            loaded[fmt], preset=preset, dtype=BF16, device="cpu", max_num_tokens=32, max_batch=4
+            loaded[fmt], preset=preset, dtype=BF16, device=device, max_num_tokens=32, max_batch=4
         )
-        _PAIRS[fmt, preset] = ref, opt
-    return _PAIRS[fmt, preset]
+        _PAIRS[fmt, preset, device] = ref, OnDevice(opt)
+    return _PAIRS[fmt, preset, device]
 
 
 def inputs(T: int, seed: int = 1, start: int = 0):
@@ -79,10 +119,10 @@ def inputs(T: int, seed: int = 1, start: int = 0):
 
 # ------------------------------------------------------------------ forward and logits
 @pytest.mark.parametrize(("fmt", "preset"), CASES)
-def test_prefill_then_decode_matches_reference(loaded, fmt, preset) -> None:
+def test_prefill_then_decode_matches_reference(loaded, fmt, preset, device) -> None:
     """Two sequences (one starting at position 0, for mask_pos0), then two decode steps of one
     row each, every layer with its own caches: residual and logits at every step."""
-    ref, opt = pair(loaded, fmt, preset)
+    ref, opt = pair(loaded, fmt, preset, device)
     assert opt.info == ref.info and opt.semantics == ref.semantics
     ids, _, prev = inputs(14)
     pos = torch.cat([torch.arange(0, 6), torch.arange(20, 28)])
@@ -98,8 +138,8 @@ def test_prefill_then_decode_matches_reference(loaded, fmt, preset) -> None:
         assert lo.dtype == lr.dtype == torch.float32
         assert rel_err(lo, lr) < TOL[preset]
         for cr, co in zip(caches["r"], caches["o"], strict=True):
-            assert torch.equal(cr.positions, co.positions)
-            assert rel_err(co.kv, cr.kv) < TOL[preset]
+            assert torch.equal(cr.positions, co.positions.cpu())
+            assert rel_err(co.kv.cpu(), cr.kv) < TOL[preset]
         # the next step: both layers fed the reference's residual of each sequence's last row
         tok, pos, h = lr[last].argmax(-1), pos[last] + 1, hr[last]
         hr = ref.forward(tok, pos, h, seq_lens=torch.tensor([1, 1]), kv_cache=caches["r"])
@@ -107,15 +147,16 @@ def test_prefill_then_decode_matches_reference(loaded, fmt, preset) -> None:
         last = torch.tensor([0, 1])
 
 
-def test_dense_constructor_matches_from_loaded(loaded) -> None:
+def test_dense_constructor_matches_from_loaded(loaded, device) -> None:
     """Packing the dense MTPLayerParams (the constructor path) gives the layer from_loaded
     packs from the stored FP8 weights: the synthetic dense weights have power-of-two scales, so
     the dequantized bf16 weights are the same values and the outputs agree closely."""
-    _, opt = pair(loaded, "mxfp4", "math")
+    _, opt = pair(loaded, "mxfp4", "math", device)
     ck = loaded["mxfp4"]
     params = [build_layer_params(w, BF16, torch.device("cpu")) for w in ck.layers]
-    dense = OptLayer(ck.config, params, ck.embed_tokens, dtype=BF16, max_num_tokens=32)
-    assert dense.device == torch.device("cpu") and dense.max_batch == 256
+    embed = ck.embed_tokens.to(device)
+    dense = OnDevice(OptLayer(ck.config, params, embed, dtype=BF16, max_num_tokens=32))
+    assert dense.device == embed.device and dense.max_batch == 256
     ids, pos, prev = inputs(6, seed=4, start=3)
     h1, h2 = opt.forward(ids, pos, prev), dense.forward(ids, pos, prev)
     assert rel_err(h2, h1) < TOL["math"]
@@ -123,12 +164,12 @@ def test_dense_constructor_matches_from_loaded(loaded) -> None:
 
 
 # ------------------------------------------------------------------ drafting
-def test_draft_teacher_forced_and_greedy(loaded) -> None:
+def test_draft_teacher_forced_and_greedy(loaded, device) -> None:
     """Teacher forcing with the reference's own greedy picks: both layers see the same tokens at
     every step, so the logits compare step by step.  A top-1 mismatch is excused only where the
     reference's logits of the two picks are within the tolerance (a near-tie), and counted.
     Free-running greedy drafts then agree wherever no near-tie came earlier."""
-    ref, opt = pair(loaded, "mxfp4", "math")
+    ref, opt = pair(loaded, "mxfp4", "math", device)
     ids, _, prev = inputs(10, seed=2)
     pos = torch.cat([torch.arange(2, 6), torch.arange(0, 6)])
     lens = torch.tensor([4, 6])
@@ -178,8 +219,8 @@ BAD = [
 ]
 
 
-def test_bad_inputs_raise_the_reference_errors(loaded) -> None:
-    ref, opt = pair(loaded, "mxfp4", "math")
+def test_bad_inputs_raise_the_reference_errors(loaded, device) -> None:
+    ref, opt = pair(loaded, "mxfp4", "math", device)
     good = inputs(3)
     for change, argument in BAD:
         args = change(*good)
@@ -212,8 +253,8 @@ def test_bad_inputs_raise_the_reference_errors(loaded) -> None:
         assert str(got.value) == str(want.value)
 
 
-def test_bounds_and_construction_errors(loaded) -> None:
-    _, opt = pair(loaded, "mxfp4", "math")  # max_num_tokens 32, max_batch 4
+def test_bounds_and_construction_errors(loaded, device) -> None:
+    _, opt = pair(loaded, "mxfp4", "math", device)  # max_num_tokens 32, max_batch 4
     ids, pos, prev = inputs(33)
     with pytest.raises(InputError, match=r"input_ids: 33 rows exceed .*max_num_tokens=32"):
         opt.forward(ids, pos, prev)
@@ -224,10 +265,10 @@ def test_bounds_and_construction_errors(loaded) -> None:
         opt.forward(ids, pos, prev, seq_lens=torch.ones(5, dtype=torch.int64))
     ck = loaded["mxfp4"]
     with pytest.raises(ConfigError, match="max_batch"):
-        OptLayer.from_loaded(ck, device="cpu", max_batch=0)
+        OptLayer.from_loaded(ck, device=device, max_batch=0)
     with pytest.raises(ConfigError, match="dtype"):
-        OptLayer.from_loaded(ck, device="cpu", dtype=torch.float64)
+        OptLayer.from_loaded(ck, device=device, dtype=torch.float64)
     with pytest.raises(ConfigError, match="fp8kv"):
-        OptLayer.from_loaded(ck, device="cpu", fp8kv=True)
+        OptLayer.from_loaded(ck, device=device, fp8kv=True)
     with pytest.raises(ConfigError, match="layers"):
         OptLayer(ck.config, [], ck.embed_tokens)

@@ -184,11 +184,16 @@ class MTPLayerAPI:
         positions: torch.Tensor,
         prev_hidden: torch.Tensor,
         lens: list[int],
-        caches: Sequence[KVCache] | None,
+        caches: Sequence[KVCache] | Any,
         spec_step: int,
+        *,
+        attn_extra: dict[str, Any] | None = None,
+        moe_extra: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` on checked arguments: the layer's order (docs/semantics.md, "The MTP
-        layer end to end") over the implementation's :attr:`ops`."""
+        layer end to end") over the implementation's :attr:`ops`.  ``attn_extra`` /
+        ``moe_extra``: keyword arguments an implementation adds to its own attention / MoE op
+        (the optimized layer's device KV cache slots and padding-row mask)."""
         cfg, sem, o = self.config, self.semantics, self.ops
         p = self.layers[spec_step % len(self.layers)]
         T, n, D, eps = input_ids.shape[0], cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps
@@ -222,6 +227,7 @@ class MTPLayerAPI:
             fp8_kv=sem.fp8_kv,
             act_quant=q_dense,
             norm_order=sem.norm_order,
+            **(attn_extra or {}),
         )
         x = o.hc_post(a, x, post, comb)  # (T, n, D)
 
@@ -233,6 +239,7 @@ class MTPLayerAPI:
             cfg,
             shared_clamp=sem.shared_clamp,
             act_quant=sem.act_quant,
+            **(moe_extra or {}),
         )
         x = o.hc_post(f, x, post, comb)
         return x.reshape(T, n * D)

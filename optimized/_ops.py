@@ -432,7 +432,9 @@ _SHARED_ARGS = (
     "float shared_limit, bool shared_act_quant"
 )
 _FE_ARGS = f"Tensor x, Tensor topk_ids, Tensor topk_weights, {_EXPERTS_ARGS}"
-_MOE_ARGS = f"{_ROUTE_ARGS}, {_EXPERTS_ARGS}, {_SHARED_ARGS}"
+# row_mask (T,) bool, optional: rows where it is False are padding (a CUDA-graph bucket's
+# filler): their routing ids become -1, so they touch no routed expert.
+_MOE_ARGS = f"{_ROUTE_ARGS}, {_EXPERTS_ARGS}, {_SHARED_ARGS}, Tensor? row_mask=None"
 _MOE_SCHEMAS: dict[str, str] = {
     "moe_route": f"moe_route({_ROUTE_OP_ARGS}) -> (Tensor, Tensor)",
     "moe_route_out": (
@@ -637,12 +639,15 @@ def _moe_out(
     shared_fmt: str,
     shared_limit: float,
     shared_act_quant: bool,
+    row_mask: torch.Tensor | None = None,
     *,
     out: torch.Tensor,
 ) -> None:
     if x.shape[0] == 0:
         return
     weights, ids = _moe_route(x, gate_weight, gate_bias, top_k, scaling, batch_invariant)
+    if row_mask is not None:
+        ids.masked_fill_(~row_mask[:, None], -1)
     sched = _moe_schedule(x.shape[0], batch_invariant, schedule)
     shared = _shared_expert(
         x, shared_w13, shared_s13, shared_w2, shared_s2, shared_fmt, shared_limit,

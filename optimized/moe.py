@@ -455,6 +455,7 @@ def moe(
     out: torch.Tensor | None = None,
     backend: MoEBackend = "auto",
     schedule: MoESchedule | None = None,
+    row_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MoE sublayer: x (T, D) (already ffn_norm-ed) -> (T, D) in x.dtype.
 
@@ -463,7 +464,10 @@ def moe(
     (added unscaled; ``swiglu_limit`` on it only with ``shared_clamp``), one rounding at the end.
     Moves the router, the routed experts with a routed row, the shared expert (FP8 when the params
     carry its codes) and x once at decode sizes.  ``schedule``: a :class:`MoESchedule`, default
-    :func:`moe_config`.
+    :func:`moe_config`.  ``row_mask`` (T,) bool on x's device (optimized only): rows where it is
+    False are padding, e.g. a CUDA-graph bucket's filler rows; the router's picks for them are
+    dropped (ids -1), so they read no routed expert's weights, and their output is the shared
+    expert's alone.  Real rows are unaffected (bitwise under ``batch_invariant=True``).
     """
     check_instance("config", config, DSV4Config)
     check_instance("shared_clamp", shared_clamp, bool)
@@ -478,13 +482,18 @@ def moe(
         raise InputError(
             f"params: expected {config.n_routed_experts} routed experts, got {pack.num_experts}"
         )
+    if row_mask is not None:
+        if not isinstance(row_mask, torch.Tensor) or row_mask.dtype != torch.bool:
+            raise InputError(f"row_mask: expected a bool tensor, got {row_mask!r}")
+        check_shape("row_mask", row_mask, (x.shape[0],))
+        check_device([("x", x), ("row_mask", row_mask)])
     select("moe", backend, Facts(dev, (x.dtype,)))
     limit = float(config.swiglu_limit)
     args = (
         x, pack.gate_weight, pack.gate_bias, config.num_experts_per_tok,
         float(config.routed_scaling_factor), pack.expert_map, *_routed_args(pack), limit,
         bool(act_quant and pack.quantized), batch_invariant, _schedule_fields(schedule, pack),
-        *_shared_args(pack, limit if shared_clamp else 0.0, act_quant),
+        *_shared_args(pack, limit if shared_clamp else 0.0, act_quant), row_mask,
     )  # fmt: skip
     if out is None:
         return _ops_moe(*args)
