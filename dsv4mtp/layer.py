@@ -486,6 +486,45 @@ class MTPLayerAPI:
             )
         lens = self._check_inputs(input_ids, positions, prev_hidden, seq_lens)
         self._check_draft(lens, positions, num_tokens, forced_tokens)
+        tokens, logits = self._draft(
+            input_ids, positions, prev_hidden, lens, num_tokens, greedy, temperature, generator,
+            forced_tokens, return_logits,
+        )  # fmt: skip
+        return (tokens, logits) if logits is not None else tokens
+
+    def _pick(
+        self,
+        logits: torch.Tensor,
+        k: int,
+        greedy: bool,
+        temperature: float,
+        generator: torch.Generator | None,
+        forced_tokens: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Step k's fed tokens (B,) from its logits (B, V): forced, greedy or sampled."""
+        if forced_tokens is not None:
+            return forced_tokens[:, k].to(self.device)
+        if greedy:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits / temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+    def _draft(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        lens: list[int],
+        num_tokens: int,
+        greedy: bool,
+        temperature: float,
+        generator: torch.Generator | None,
+        forced_tokens: torch.Tensor | None,
+        return_logits: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`draft` on checked arguments -> (tokens (B, k), logits (B, k, V) if
+        ``return_logits`` else None): a host loop over the steps, each through :meth:`_run`
+        with fresh host :class:`KVCache` s."""
         B, num_layers = len(lens), self.config.num_nextn_predict_layers
         caches = [[self.new_kv_cache() for _ in range(B)] for _ in range(num_layers)]
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # (B,) last row per sequence
@@ -499,18 +538,10 @@ class MTPLayerAPI:
             if k == 0:
                 hidden, pos = hidden[last], pos[last]
             logits = self._logits(hidden, k)  # (B, V)
-            if forced_tokens is not None:
-                token = forced_tokens[:, k].to(self.device)
-            elif greedy:
-                token = logits.argmax(-1)
-            else:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                token = torch.multinomial(probs, 1, generator=generator)[:, 0]
+            token = self._pick(logits, k, greedy, temperature, generator, forced_tokens)
             drafted.append(token)
             step_logits.append(logits)
             ids, pos, prev = token, pos + 1, hidden
             step_lens = [1] * B
-        tokens = torch.stack(drafted, dim=1)  # (B, num_tokens)
-        if return_logits:
-            return tokens, torch.stack(step_logits, dim=1)
-        return tokens
+        logits_out = torch.stack(step_logits, dim=1) if return_logits else None
+        return torch.stack(drafted, dim=1), logits_out

@@ -12,11 +12,21 @@ Construction packs every layer once (:class:`MTPLayerPack`): e_proj / h_proj as
 wq_a + wkv FP8 weight from a checkpoint), the MoE as a :class:`MoEPack` (routed experts in their
 stored format, the shared expert's FP8 codes), norms and ``hc_*`` in fp32 on the device.
 
-Eager: each call runs the ops one by one with Python in between; the KV caches are the host-side
-:class:`KVCache` s the attention op extends; ``draft`` is a host loop over the steps.  Not yet
-here (later work): CUDA-graph capture of a decode step, a preallocated device KV cache, an FP8
-LM head, device-side non-finite flags instead of the host-syncing input checks, and a greedy
-argmax that does not materialise the (T, vocab) logits.
+Two ways to run it:
+
+* eager: ``forward`` / ``compute_logits`` / ``draft`` run the ops one by one with Python in
+  between, validating their inputs on the host; KV caches are the host-side :class:`KVCache` s
+  of the reference, or a preallocated :class:`DeviceKVCache` (``new_device_cache``; ``forward``
+  then takes ``cache_slots``, the cache slot of each sequence).
+* CUDA graphs: :meth:`MTPLayer.capture_decode` captures one decode step (one row per sequence
+  against its device-cache slot: forward, logits, greedy ids) per batch bucket
+  (:data:`BUCKETS`) as a :class:`DecodeGraphs`; a call pads its B rows to the next bucket
+  (filler rows touch no routed expert and write no KV).  Once captured, ``draft`` runs step 0
+  eagerly into the device cache and replays a graph for each later step, with no host sync
+  between steps.  Inputs inside a graph cannot be checked on the host: non-finite
+  ``prev_hidden`` rows and out-of-range ids or positions are recorded on the device (flag and
+  first bad row), their drafted ids are -1 and they write no KV, and the error is raised at the
+  next host read (:meth:`DecodeGraphs.check`, which ``draft`` calls once at its end).
 """
 
 from __future__ import annotations
@@ -29,9 +39,10 @@ from typing import Any
 import torch
 
 from dsv4mtp.checkpoint.weights import MTPCheckpoint, MTPLayerWeights
-from dsv4mtp.checks import check_device_arg, check_int
+from dsv4mtp.checks import check_device_arg, check_int, check_step
 from dsv4mtp.config import DSV4Config
 from dsv4mtp.errors import ConfigError, InputError
+from dsv4mtp.kv_cache import KVCache
 from dsv4mtp.layer import (
     LayerOps,
     MTPLayerAPI,
@@ -45,12 +56,16 @@ from dsv4mtp.semantics import Semantics
 
 from .attention import AttentionPack, attention, pack_attention, pack_attention_weights
 from .kernels._launch import check_device
+from .kv_cache import DeviceKVCache
 from .linear import LinearPack, linear, pack_linear
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoEPack, moe, pack_moe
 from .norm import rms_norm
 
-__all__ = ["MTPLayer", "MTPLayerPack"]
+__all__ = ["BUCKETS", "DecodeGraphs", "MTPLayer", "MTPLayerPack"]
+
+#: The batch sizes a decode step is captured for (a call pads to the next one).
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 # The kernels' activation dtypes (float64 and float16 stay the reference's).
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -174,6 +189,8 @@ class MTPLayer(MTPLayerAPI):
                     f"{p.ffn.max_tokens}"
                 )
         self.info: dict[str, Any] = dict(info or {})
+        #: the captured decode steps, one per MTP layer (:meth:`capture_decode`)
+        self.graphs: list[DecodeGraphs] = []
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -258,6 +275,128 @@ class MTPLayer(MTPLayerAPI):
             )
         return lens
 
+    # ------------------------------------------------------------------ device caches
+    def new_device_cache(self, num_seqs: int | None = None, *, max_draft: int = 8) -> DeviceKVCache:
+        """A preallocated device KV cache of ``num_seqs`` sequence slots (default ``max_batch``)
+        for ONE MTP layer; ``max_draft``: the most draft rows a verification may reject."""
+        return DeviceKVCache(
+            self.config,
+            num_seqs=self.max_batch if num_seqs is None else num_seqs,
+            max_draft=max_draft,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def _check_caches(self, kv_cache: object, B: int) -> Any:
+        if isinstance(kv_cache, DeviceKVCache):
+            return kv_cache
+        return super()._check_caches(kv_cache, B)
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        *,
+        seq_lens: torch.Tensor | None = None,
+        kv_cache: KVCache | Sequence[KVCache] | DeviceKVCache | None = None,
+        spec_step: int = 0,
+        cache_slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The reference's ``forward``; ``kv_cache`` may also be a :class:`DeviceKVCache`, with
+        ``cache_slots`` (B,) int64 on the device: the cache slot of each sequence (its rows are
+        read from and written to that slot)."""
+        check_step("spec_step", spec_step)
+        lens = self._check_inputs(input_ids, positions, prev_hidden, seq_lens)
+        caches = self._check_caches(kv_cache, len(lens))
+        extra: dict[str, Any] = {}
+        if isinstance(caches, DeviceKVCache):
+            if not isinstance(cache_slots, torch.Tensor) or cache_slots.shape != (len(lens),):
+                raise InputError(
+                    f"cache_slots: expected a ({len(lens)},) int tensor (one slot per sequence) "
+                    f"with a DeviceKVCache, got {cache_slots!r}"
+                )
+            extra["cache_slots"] = cache_slots
+        elif cache_slots is not None:
+            raise InputError("cache_slots: only with a DeviceKVCache as kv_cache")
+        return self._run(
+            input_ids, positions, prev_hidden, lens, caches, spec_step, attn_extra=extra
+        )
+
+    __call__ = forward  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def capture_decode(
+        self, buckets: Sequence[int] = BUCKETS, *, num_seqs: int | None = None
+    ) -> list[DecodeGraphs]:
+        """Capture the decode step of every MTP layer for ``buckets`` (one :class:`DecodeGraphs`
+        per layer, each with its own :class:`DeviceKVCache` of ``num_seqs`` slots, default
+        ``max_batch``); ``draft`` uses them from then on.  CUDA only; allocates the graphs'
+        memory pool once (a few hundred MB at V4-Flash for bucket 64: the logits and the MoE
+        workspace)."""
+        if self.device.type != "cuda":
+            raise InputError(
+                f"capture_decode: CUDA graphs need a CUDA layer, this one is on {self.device}"
+            )
+        self.graphs = [
+            DecodeGraphs(self, self.new_device_cache(num_seqs), spec_step=i, buckets=buckets)
+            for i in range(len(self.layers))
+        ]
+        return self.graphs
+
+    def _draft(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        lens: list[int],
+        num_tokens: int,
+        greedy: bool,
+        temperature: float,
+        generator: torch.Generator | None,
+        forced_tokens: torch.Tensor | None,
+        return_logits: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """With captured graphs (and B within the largest bucket and every cache's slots):
+        step 0 eagerly through layer 0 into its device cache, then one graph replay per step.
+        Otherwise the shared host loop."""
+        B = len(lens)
+        graphs = self.graphs
+        if not graphs or min(graphs[0].max_batch, graphs[0].cache.num_seqs) < B:
+            return super()._draft(
+                input_ids, positions, prev_hidden, lens, num_tokens, greedy, temperature,
+                generator, forced_tokens, return_logits,
+            )  # fmt: skip
+        slots = torch.arange(B, device=self.device)
+        for g in graphs:
+            g.cache.reset(slots)
+        hidden = self._run(
+            input_ids, positions, prev_hidden, lens, graphs[0].cache, 0,
+            attn_extra={"cache_slots": slots},
+        )  # fmt: skip
+        last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # (B,) last row per sequence
+        hidden, pos = hidden[last], positions[last]
+        logits = self._logits(hidden, 0)  # (B, V)
+        token = self._pick(logits, 0, greedy, temperature, generator, forced_tokens)
+        drafted, step_logits = [token], [logits]
+        for k in range(1, num_tokens):
+            # the step's outputs are views of its graph's buffers, overwritten by its next
+            # replay: the step's inputs are copied in before that, and what is kept is cloned
+            g = graphs[k % len(graphs)]
+            ids, hidden, logits = g.step(token, pos + k, hidden, slots)
+            token = (
+                ids
+                if greedy and forced_tokens is None
+                else self._pick(logits, k, greedy, temperature, generator, forced_tokens)
+            )
+            drafted.append(token.clone())
+            if return_logits:
+                step_logits.append(logits.clone())
+        for g in graphs:
+            g.check()
+        tokens = torch.stack(drafted, dim=1)  # (B, num_tokens)
+        return tokens, torch.stack(step_logits, dim=1) if return_logits else None
+
     def _logits(self, hidden: torch.Tensor, spec_step: int) -> torch.Tensor:
         """:meth:`compute_logits` on a checked ``hidden`` -> (T, V) fp32.
 
@@ -292,3 +431,159 @@ def _check_bound(name: str, v: object) -> int:
         return check_int(name, v, 1)
     except InputError as e:
         raise ConfigError(str(e)) from None
+
+
+class DecodeGraphs:
+    """One MTP layer's decode step captured as CUDA graphs, one per batch bucket.
+
+    A step takes, for B <= ``max(buckets)`` sequences, one row each: ``input_ids`` (B,) int64,
+    ``positions`` (B,), ``prev_hidden`` (B, hc_mult*D) in the layer dtype and ``slots`` (B,)
+    int64 (each sequence's slot of :attr:`cache`), and computes the layer's ``forward`` (its
+    new KV row written to the slot), ``compute_logits`` and the greedy ids.  The B rows are
+    padded to the next bucket: filler rows have slot -1 (no KV read or written) and a false
+    MoE ``row_mask`` (no routed expert read), so a step moves the bytes of its B real rows.
+
+    Capture (in the constructor) runs every bucket once eagerly with filler rows only (Triton
+    compiles, plan caches fill; nothing is written to the cache), then captures each bucket into
+    one shared memory pool.  :meth:`step` copies the inputs into the static buffers and replays;
+    its results are views of the graph's outputs, overwritten by the next replay of the same
+    bucket (clone what you keep).  Replay equals the same step run eagerly at the padded size
+    bit for bit (``capture=False`` runs :meth:`step` eagerly, for that comparison).
+
+    Bad input inside a graph (a non-finite ``prev_hidden`` row, an id outside [0, vocab), a
+    position outside [0, max_position_embeddings)): the row is treated as filler (no KV write,
+    no routed expert), its id is -1, and the first such row (of the first step that had one)
+    and its reason are recorded on the device; :meth:`check` reads them (one host sync) and
+    raises the :class:`InputError`.
+    """
+
+    _REASONS = ("", "prev_hidden: non-finite value", "input_ids: id outside [0, vocab_size)",
+                "positions: position outside [0, max_position_embeddings)")  # fmt: skip
+
+    def __init__(
+        self,
+        layer: MTPLayer,
+        cache: DeviceKVCache,
+        *,
+        spec_step: int = 0,
+        buckets: Sequence[int] = BUCKETS,
+        capture: bool = True,
+    ) -> None:
+        if not buckets or any(
+            isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets
+        ):
+            raise InputError(f"buckets: expected ints >= 1, got {buckets!r}")
+        self.layer, self.cache, self.spec_step = layer, cache, check_step("spec_step", spec_step)
+        self.buckets = tuple(sorted(set(buckets)))
+        self.max_batch = self.buckets[-1]
+        cfg, dev, n = layer.config, layer.device, self.buckets[-1]
+        self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.prev = torch.zeros(n, cfg.hc_dim, dtype=layer.dtype, device=dev)
+        self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.real = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.bad = torch.full((2,), -1, dtype=torch.int64, device=dev)  # (first bad row, reason)
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.captured = capture
+        if not capture:
+            return
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for b in self.buckets:  # warm-up: filler rows only
+                self._body(b)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.synchronize(dev)
+        pool = torch.cuda.graph_pool_handle()
+        for b in self.buckets:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[b] = self._body(b)
+            self.graphs[b] = graph
+        self.bad.fill_(-1)
+
+    def _body(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The captured step at bucket b -> (ids (b,), hidden (b, nD), logits (b, V) fp32)."""
+        L, cfg = self.layer, self.layer.config
+        ids, pos, prev, slots, real = (
+            self.ids[:b], self.pos[:b], self.prev[:b], self.slots[:b], self.real[:b]
+        )  # fmt: skip
+        finite = torch.isfinite(prev).all(-1)
+        ids_ok = (ids >= 0) & (ids < cfg.vocab_size)
+        pos_ok = (pos >= 0) & (pos < cfg.max_position_embeddings)
+        ok = real & finite & ids_ok & pos_ok
+        reason = torch.where(~finite, 1, torch.where(~ids_ok, 2, 3))
+        bad = real & ~ok
+        row = torch.where(bad.any(), bad.to(torch.int32).argmax(), -1)
+        new = torch.stack([row, torch.where(row >= 0, reason[row.clamp_min(0)], -1)])
+        self.bad.copy_(torch.where(self.bad[0] >= 0, self.bad, new))
+        hidden = L._run(
+            torch.where(ok, ids, 0),
+            torch.where(ok, pos, 0),
+            prev,
+            [1] * b,
+            self.cache,
+            self.spec_step,
+            attn_extra={"cache_slots": torch.where(ok, slots, -1)},
+            moe_extra={"row_mask": ok},
+        )  # fmt: skip  (b, nD)
+        logits = L._logits(hidden, self.spec_step)  # (b, V) fp32
+        tokens = torch.where(ok, logits.argmax(-1), -1)
+        return tokens, hidden, logits
+
+    def bucket(self, B: int) -> int:
+        """The smallest captured bucket >= B."""
+        for b in self.buckets:
+            if b >= B:
+                return b
+        raise InputError(f"input_ids: {B} rows exceed the largest bucket {self.max_batch}")
+
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decode step of B sequences -> (ids (B,) int64, -1 for a bad row; hidden (B, nD);
+        logits (B, V) fp32), views of the graph's outputs.  Shapes, dtypes and devices are
+        checked on the host; values are not read (see the class docstring)."""
+        B = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) else -1
+        cfg, dev = self.layer.config, self.layer.device
+        for name, t, shape in (
+            ("input_ids", input_ids, (B,)),
+            ("positions", positions, (B,)),
+            ("slots", slots, (B,)),
+            ("prev_hidden", prev_hidden, (B, cfg.hc_dim)),
+        ):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.device != dev:
+                raise InputError(f"{name}: expected shape {shape} on {dev}, got {t!r:.80}")
+        if prev_hidden.dtype != self.layer.dtype:
+            raise InputError(f"prev_hidden: expected {self.layer.dtype}, got {prev_hidden.dtype}")
+        b = self.bucket(B)
+        self.ids[:B].copy_(input_ids)
+        self.pos[:B].copy_(positions)
+        self.prev[:B].copy_(prev_hidden)
+        self.slots[:B].copy_(slots)
+        self.real[:B].fill_(True)
+        if b > B:
+            self.ids[B:b].zero_()
+            self.pos[B:b].zero_()
+            self.prev[B:b].zero_()
+            self.slots[B:b].fill_(-1)
+            self.real[B:b].fill_(False)
+        if self.captured:
+            self.graphs[b].replay()
+            out = self.outputs[b]
+        else:
+            out = self._body(b)
+        return out[0][:B], out[1][:B], out[2][:B]
+
+    def check(self) -> None:
+        """One host read of the bad-input record: raise its :class:`InputError` (and clear it)."""
+        row, reason = (int(v) for v in self.bad.tolist())
+        if row < 0:
+            return
+        self.bad.fill_(-1)
+        raise InputError(f"{self._REASONS[reason]} in row {row} (inside a CUDA-graph decode step)")

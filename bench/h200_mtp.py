@@ -1,0 +1,387 @@
+"""The headline: one MTP draft step of the optimized layer at V4-Flash shapes on one H200.
+
+Builds a V4-Flash-shaped random checkpoint on the GPU (``dsv4-mtp make-checkpoint``, MXFP4
+experts, FP8 dense linears, bf16 embedding and head), loads it with
+``dsv4mtp.optimized.MTPLayer.from_checkpoint`` (load time, host and GPU memory) and measures:
+
+* decode at batch T in {1, 8, 64}: one step = forward of one row per sequence against its
+  device-cache slot (each slot holding a full window of ``sliding_window`` rows) + the logits
+  and greedy ids, as captured by ``capture_decode`` (CUDA-graph replay; median over replays);
+* the same step run eagerly (wall time per step, CUDA synchronized), whose excess over the
+  replay is the host overhead the graphs remove;
+* prefill of one sequence of 512 and of 4096 tokens into an empty cache, logits of its last
+  row only (eager: the prefill path reads its lengths on the host; wall time, synchronized);
+* the floor of each: max(bytes / copy bandwidth, FLOPs / bf16 GEMM peak), both measured in
+  the same run.  Bytes from the real tensors: every dense weight the step reads (FP8 codes +
+  scales, norms, mHC parameters), the routed experts the step's router actually selected
+  (counted by re-running the router on the step's MoE input), the shared expert, the bf16 head,
+  the embedding rows, each sequence's KV window and the activations in and out;
+* a per-op breakdown of the T 1 and T 64 replays (torch.profiler, CUDA time per kernel name);
+* peers in the same run: the reference layer on the GPU, eager (``--reference``), at T 1 and 8.
+
+    python3 h200_mtp.py --out $OUT --commit <sha>      # on the GPU machine, from bench/
+
+Writes ``mtp-h200.json`` and ``mtp-h200.md`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dsv4mtp.checkpoint.fullsize import make_fullsize_checkpoint
+from dsv4mtp.config import DSV4Config
+from dsv4mtp.optimized import MTPLayer, route
+from dsv4mtp.optimized.mtp import DecodeGraphs
+
+BF16 = torch.bfloat16
+DECODE_T = (1, 8, 64)
+PREFILL_T = (512, 4096)
+TARGETS = {"decode": 1.3, "prefill": 1.6}  # time / floor, from the issue
+
+
+# ------------------------------------------------------------------------------------- timing
+def median_ms(fn: Callable[[], Any], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def wall_ms(fn: Callable[[], Any], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy."""
+    bufs = [torch.empty(1 << 30, device="cuda", dtype=BF16).normal_() for _ in range(2)]
+
+    def copy() -> None:
+        bufs[1].copy_(bufs[0])
+
+    for _ in range(3):
+        copy()
+    bw = 2 * bufs[0].nbytes / (median_ms(copy, 20) * 1e-3)
+    bufs.clear()
+    torch.cuda.empty_cache()
+    return bw
+
+
+def gemm_peak() -> float:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=BF16)
+    b = torch.randn(n, n, device="cuda", dtype=BF16)
+    for _ in range(3):
+        torch.mm(a, b)
+    return 2 * n**3 / (median_ms(lambda: torch.mm(a, b), 10) * 1e-3)
+
+
+# ------------------------------------------------------------------------------------- bytes
+def tensors_of(obj: Any, seen: set[int] | None = None) -> list[torch.Tensor]:
+    """Every tensor reachable through dataclass fields, dicts, lists and tuples (once each)."""
+    seen = set() if seen is None else seen
+    out: list[torch.Tensor] = []
+    if isinstance(obj, torch.Tensor):
+        if obj.data_ptr() not in seen and obj.numel():
+            seen.add(obj.data_ptr())
+            out.append(obj)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            out += tensors_of(getattr(obj, f.name), seen)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            out += tensors_of(v, seen)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            out += tensors_of(v, seen)
+    return out
+
+
+def nbytes(ts: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def layer_bytes(layer: MTPLayer) -> dict[str, int]:
+    """Bytes of the step's fixed reads: dense weights (all but the routed experts and head)."""
+    p = layer.layers[0]
+    routed = {id(t) for t in (p.ffn.w13, p.ffn.s13, p.ffn.w2, p.ffn.s2, p.ffn.gscale)}
+    dense = [
+        t for t in tensors_of([p.e_proj, p.h_proj, p.attn, p.ffn, p.vectors])
+        if id(t) not in routed
+    ]  # fmt: skip
+    ffn = p.ffn
+    per_expert = nbytes([ffn.w13, ffn.s13, ffn.w2, ffn.s2, ffn.gscale]) // ffn.num_local_experts
+    return {"dense": nbytes(dense), "head": nbytes([p.head]), "per_expert": per_expert}
+
+
+def step_bytes(layer: MTPLayer, fixed: dict[str, int], T: int, rows: int, kv_rows: int,
+               distinct: int, logit_rows: int) -> int:  # fmt: skip
+    cfg = layer.config
+    item = torch.finfo(layer.dtype).bits // 8
+    acts = rows * cfg.hc_dim * item * 2 + rows * cfg.hidden_size * item  # prev in, out; embed
+    kv = kv_rows * cfg.head_dim * item + rows * cfg.head_dim * item  # read window, write rows
+    logits = logit_rows * cfg.vocab_size * 4
+    return fixed["dense"] + fixed["head"] + distinct * fixed["per_expert"] + acts + kv + logits
+
+
+def step_flops(cfg: DSV4Config, rows: int, slots: int, kv_pairs: int, logit_rows: int) -> int:
+    """2 x multiply-adds: dense linears per row, experts per routed slot, attention, head."""
+    D, Rq, Dh, H = cfg.hidden_size, cfg.q_lora_rank, cfg.head_dim, cfg.num_attention_heads
+    G, Ro, I = cfg.o_groups, cfg.o_lora_rank, cfg.moe_intermediate_size
+    dense = 2 * D * D + D * (Rq + Dh) + Rq * H * Dh + H * Dh * Ro + G * Ro * D
+    mix = 2 * 24 * cfg.hc_dim + 4 * cfg.hc_dim
+    shared = 3 * I * D
+    per_row = dense + mix + shared + cfg.n_routed_experts * D
+    return 2 * (rows * per_row + slots * 3 * I * D + kv_pairs * H * Dh * 2
+                + logit_rows * cfg.vocab_size * D)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------- setup
+def fill_cache(layer: MTPLayer, cache: Any, B: int, window: int, g: torch.Generator) -> None:
+    """Prefill slots 0..B-1 with ``window`` rows each (positions 0..window-1), a few sequences
+    per call (the layer's max_num_tokens)."""
+    cfg = layer.config
+    per = max(1, layer.max_num_tokens // window)
+    for s0 in range(0, B, per):
+        n = min(per, B - s0)
+        ids = torch.randint(0, cfg.vocab_size, (n * window,), device="cuda", generator=g)
+        pos = torch.arange(window, device="cuda").repeat(n)
+        prev = torch.randn(n * window, cfg.hc_dim, device="cuda", generator=g).to(layer.dtype)
+        lens = torch.full((n,), window, dtype=torch.int64, device="cuda")
+        slots = torch.arange(s0, s0 + n, device="cuda")
+        layer.forward(ids, pos, prev, seq_lens=lens, kv_cache=cache, cache_slots=slots)
+
+
+def count_experts(layer: MTPLayer, call: Callable[[], Any]) -> tuple[int, int]:
+    """(distinct routed experts, routed slots) of one eager run of ``call``: the layer's moe op
+    wrapped to re-run the router on the MoE input (same kernel, same picks)."""
+    seen: list[torch.Tensor] = []
+    orig = layer.ops
+
+    def spy(x: torch.Tensor, params: Any, config: DSV4Config, **kw: Any) -> torch.Tensor:
+        _, ids = route(x, params.gate_weight, params.gate_bias, config)
+        mask = kw.get("row_mask")
+        seen.append(ids[mask] if mask is not None else ids)
+        return orig.moe(x, params, config, **kw)
+
+    layer.ops = orig._replace(moe=spy)  # type: ignore[misc]
+    try:
+        call()
+    finally:
+        del layer.ops  # back to the class's ops
+    ids = torch.cat([i.reshape(-1) for i in seen])
+    return int(torch.unique(ids).numel()), int(ids.numel())
+
+
+def profile_replay(replay: Callable[[], Any], top: int = 14) -> list[dict[str, Any]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            replay()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / 5
+        if us > 0:
+            rows.append({"kernel": e.key[:90], "us_per_step": round(us, 2), "calls": e.count // 5})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:top]
+
+
+# ------------------------------------------------------------------------------------- cells
+def bench_decode(layer: MTPLayer, graph: DecodeGraphs, fixed: dict[str, int], T: int,
+                 g: torch.Generator, bw: float, peak: float, reps: int) -> dict[str, Any]:  # fmt: skip
+    """One decode step of T sequences, each against a full window in its slot."""
+    cfg, W = layer.config, layer.config.sliding_window
+    ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda", generator=g)
+    pos = torch.full((T,), W - 1, dtype=torch.int64, device="cuda")
+    prev = torch.randn(T, cfg.hc_dim, device="cuda", generator=g).to(layer.dtype)
+    slots = torch.arange(T, device="cuda")
+    tok, hidden, logits = (t.clone() for t in graph.step(ids, pos, prev, slots))
+    eager = DecodeGraphs(layer, graph.cache, buckets=(T,), capture=False)
+
+    def eager_step() -> Any:
+        return eager.step(ids, pos, prev, slots)
+
+    e_tok, e_hidden, _ = eager_step()
+    same = bool(torch.equal(tok, e_tok) and torch.equal(hidden, e_hidden))
+    finite = bool(torch.isfinite(logits).all())
+    distinct, slots_n = count_experts(layer, eager_step)
+    replay = graph.graphs[T].replay
+    for _ in range(3):
+        replay()
+    us = median_ms(replay, reps) * 1e3
+    eager_us = wall_ms(eager_step, 5) * 1e3
+    by = step_bytes(layer, fixed, T, T, T * (W - 1), distinct, T)
+    fl = step_flops(cfg, T, slots_n, T * W, T)
+    floor = max(by / bw, fl / peak) * 1e6
+    print(f"decode T {T}: {us:.1f} us (eager {eager_us:.0f} us), floor {floor:.1f} us "
+          f"({us / floor:.2f}x), {distinct} experts, replay==eager {same}")  # fmt: skip
+    return {
+        "kind": "decode", "T": T, "us": us, "eager_us": eager_us, "floor_us": floor,
+        "ratio": us / floor, "bytes": by, "flops": fl, "distinct_experts": distinct,
+        "replay_equals_eager": same, "logits_finite": finite,
+        "head_floor_us": fixed["head"] / bw * 1e6,
+    }  # fmt: skip
+
+
+def bench_prefill(layer: MTPLayer, cache: Any, fixed: dict[str, int], T: int,
+                  g: torch.Generator, bw: float, peak: float) -> dict[str, Any]:  # fmt: skip
+    """One sequence of T tokens into an empty slot, logits of its last row (eager)."""
+    cfg, W = layer.config, layer.config.sliding_window
+    ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda", generator=g)
+    pos = torch.arange(T, device="cuda")
+    prev = torch.randn(T, cfg.hc_dim, device="cuda", generator=g).to(layer.dtype)
+    slots = torch.zeros(1, dtype=torch.int64, device="cuda")
+    lens = torch.tensor([T], device="cuda")
+
+    def prefill() -> torch.Tensor:
+        cache.reset(slots)
+        h = layer.forward(ids, pos, prev, seq_lens=lens, kv_cache=cache, cache_slots=slots)
+        return layer.compute_logits(h[-1:])
+
+    finite = bool(torch.isfinite(prefill()).all())
+    distinct, slots_n = count_experts(layer, prefill)
+    us = wall_ms(prefill, 5) * 1e3
+    by = step_bytes(layer, fixed, T, T, 0, distinct, 1)
+    fl = step_flops(cfg, T, slots_n, sum(min(i + 1, W) for i in range(T)), 1)
+    floor = max(by / bw, fl / peak) * 1e6
+    print(f"prefill T {T}: {us:.0f} us, floor {floor:.0f} us ({us / floor:.2f}x)")
+    return {
+        "kind": "prefill", "T": T, "us": us, "eager_us": us, "floor_us": floor,
+        "ratio": us / floor, "bytes": by, "flops": fl, "distinct_experts": distinct,
+        "logits_finite": finite,
+    }  # fmt: skip
+
+
+def bench_reference(ref: Any, T: int, g: torch.Generator) -> dict[str, Any]:
+    """The reference layer's eager step (T sequences of one row, no cache) + logits."""
+    cfg = ref.config
+    ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda", generator=g)
+    pos = torch.zeros(T, dtype=torch.int64, device="cuda")
+    prev = torch.randn(T, cfg.hc_dim, device="cuda", generator=g).to(BF16)
+    lens = torch.ones(T, dtype=torch.int64, device="cuda")
+
+    def step() -> torch.Tensor:
+        return ref.compute_logits(ref.forward(ids, pos, prev, seq_lens=lens))
+
+    step()
+    row = {"peer": "reference eager (empty cache)", "T": T, "us": wall_ms(step, 3) * 1e3}
+    print(row)
+    return row
+
+
+# ------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir)")
+    ap.add_argument("--expert-format", default="mxfp4")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reference", action="store_true", help="time the reference layer too")
+    ap.add_argument("--no-prefill", action="store_true")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    meta: dict[str, Any] = {
+        "command": "python3 h200_mtp.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "commit": args.commit,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "expert_format": args.expert_format,
+    }
+    import triton
+
+    meta["triton"] = triton.__version__
+    meta["copy_bw_TBps"] = copy_bandwidth() / 1e12
+    meta["gemm_TFLOPs"] = gemm_peak() / 1e12
+    print(f"copy {meta['copy_bw_TBps']:.3f} TB/s, bf16 GEMM {meta['gemm_TFLOPs']:.1f} TFLOP/s")
+
+    ckdir = args.dir or tempfile.mkdtemp(prefix="v4flash-")
+    t0 = time.perf_counter()
+    if not os.path.exists(os.path.join(ckdir, "model.safetensors.index.json")):
+        make_fullsize_checkpoint(ckdir, "flash", expert_format=args.expert_format, device="cuda")
+    meta["write_s"] = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    layer = MTPLayer.from_checkpoint(ckdir, device="cuda", max_num_tokens=4096, max_batch=64)
+    torch.cuda.synchronize()
+    meta["load_s"] = time.perf_counter() - t0
+    meta["load_peak_rss_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    meta["rss_before_GB"] = rss0 * 1024 / 1e9
+    meta["gpu_peak_load_GB"] = torch.cuda.max_memory_allocated() / 1e9
+    meta["gpu_kept_GB"] = torch.cuda.memory_allocated() / 1e9
+    print(f"write {meta['write_s']:.1f} s, load {meta['load_s']:.1f} s, GPU kept "
+          f"{meta['gpu_kept_GB']:.2f} GB, peak RSS {meta['load_peak_rss_GB']:.1f} GB")  # fmt: skip
+    cfg = layer.config
+    W = cfg.sliding_window
+    fixed = layer_bytes(layer)
+    meta["fixed_bytes"] = fixed
+    bw, peak = meta["copy_bw_TBps"] * 1e12, meta["gemm_TFLOPs"] * 1e12
+    rows: list[dict[str, Any]] = []
+
+    # decode: graphs over full-window caches
+    t0 = time.perf_counter()
+    graphs = layer.capture_decode(buckets=DECODE_T, num_seqs=max(DECODE_T))
+    meta["capture_s"] = time.perf_counter() - t0
+    graph = graphs[0]
+    fill_cache(layer, graph.cache, max(DECODE_T), W - 1, g)
+    breakdown = {}
+    for T in DECODE_T:
+        rows.append(bench_decode(layer, graph, fixed, T, g, bw, peak, args.reps))
+        if T in (1, 64):
+            breakdown[T] = profile_replay(graph.graphs[T].replay)
+    graph.check()
+
+    # prefill: one sequence into an empty slot, logits of its last row
+    if not args.no_prefill:
+        for T in PREFILL_T:
+            rows.append(bench_prefill(layer, graph.cache, fixed, T, g, bw, peak))
+
+    # peer: the reference layer on the GPU, eager
+    peers = []
+    if args.reference:
+        from dsv4mtp.reference import MTPLayer as RefLayer
+
+        ref = RefLayer.from_checkpoint(ckdir, device="cuda", dtype=BF16)
+        peers = [bench_reference(ref, T, g) for T in (1, 8)]
+        del ref
+
+    result = {"meta": meta, "rows": rows, "breakdown": breakdown, "peers": peers}
+    with open(os.path.join(args.out, "mtp-h200.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    print(json.dumps(breakdown, indent=1)[:4000])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

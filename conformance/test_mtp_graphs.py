@@ -1,0 +1,191 @@
+"""The optimized layer's decode step with a device KV cache and CUDA graphs
+(``MTPLayer.capture_decode``, :class:`~dsv4mtp.optimized.mtp.DecodeGraphs`).
+
+On the tiny config from a synthetic checkpoint (MXFP4 experts, ``math``): the graph-backed
+``draft`` against the reference's (teacher forcing, logits per step within the optimized
+layer's tolerance); a step padded to its bucket against the same rows without filler (filler
+rows write no KV and change no real row); bad rows inside a step (non-finite ``prev_hidden``,
+out-of-range ids) poisoned and reported at :meth:`DecodeGraphs.check`.  Without CUDA the steps
+run eagerly (``capture=False``, the same code the graphs capture); the GPU tier adds capture and
+replay, which must equal the eager step at the padded size bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4mtp.checkpoint.load import load_mtp_checkpoint
+from dsv4mtp.checkpoint.synthetic import make_synthetic_checkpoint
+from dsv4mtp.config import DSV4Config
+from dsv4mtp.errors import InputError
+from dsv4mtp.optimized import MTPLayer as OptLayer
+from dsv4mtp.optimized.mtp import DecodeGraphs
+from dsv4mtp.reference import MTPLayer as RefLayer
+
+BF16 = torch.bfloat16
+CFG = DSV4Config.tiny()
+# as conformance/test_mtp_optimized.py (the same layer; the device cache changes no arithmetic)
+TOL = 2e-2
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double().cpu(), want.double().cpu()
+    assert torch.isfinite(got).all(), "NaN/inf in the optimized output"
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return load_mtp_checkpoint(make_synthetic_checkpoint(root / "mx", CFG, expert_format="mxfp4"))
+
+
+def layers(loaded, device: str) -> tuple[RefLayer, OptLayer]:
+    ref = RefLayer.from_loaded(loaded, dtype=BF16)
+    opt = OptLayer.from_loaded(loaded, dtype=BF16, device=device, max_num_tokens=32, max_batch=8)
+    return ref, opt
+
+
+def eager_graphs(opt: OptLayer, buckets=(1, 2, 4, 8)) -> list[DecodeGraphs]:
+    return [
+        DecodeGraphs(opt, opt.new_device_cache(), spec_step=i, buckets=buckets, capture=False)
+        for i in range(len(opt.layers))
+    ]
+
+
+def prefix(seed: int, lens: list[int], device: str):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    ids = torch.randint(0, CFG.vocab_size, (T,), generator=g)
+    prev = torch.randn(T, CFG.hc_dim, generator=g).to(BF16)
+    pos = torch.cat([torch.arange(3 * b, 3 * b + n) for b, n in enumerate(lens)])
+    return ids.to(device), pos.to(device), prev.to(device), torch.tensor(lens).to(device)
+
+
+@pytest.mark.parametrize("capture", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_graph_draft_matches_the_reference(loaded, device, capture) -> None:
+    """Teacher-forced draft through the device cache and the (captured or eager) decode steps
+    against the reference's host loop: logits per step within the layer's tolerance; with the
+    reference's greedy picks forced, the returned ids are those picks; free-running greedy ids
+    equal the forced ones wherever the reference has no near-tie."""
+    ref, opt = layers(loaded, device)
+    if capture:
+        opt.capture_decode(buckets=(1, 2, 4, 8))
+    else:
+        opt.graphs = eager_graphs(opt)
+    ids, pos, prev, lens = prefix(1, [5, 7, 2], device)
+    k = 4
+    tr, lr = ref.draft(
+        ids.cpu(), pos.cpu(), prev.cpu(), seq_lens=lens.cpu(), num_tokens=k, return_logits=True
+    )
+    to, lo = opt.draft(
+        ids, pos, prev, seq_lens=lens, num_tokens=k, return_logits=True, forced_tokens=tr.to(device)
+    )
+    assert torch.equal(to.cpu(), tr)
+    for s in range(k):
+        assert rel_err(lo[:, s], lr[:, s]) < TOL, s
+    greedy = opt.draft(ids, pos, prev, seq_lens=lens, num_tokens=k).cpu()
+    top2 = lr.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > TOL * lr.norm(dim=-1) / CFG.vocab_size**0.5
+    for b in range(3):
+        n = int(clear[b].long().cumprod(0).sum())  # steps before the first near-tie
+        assert torch.equal(greedy[b, :n], tr[b, :n]), b
+
+
+def _two_caches(opt: OptLayer, device: str):
+    """A device cache with three sequences prefilled (slots 0, 2, 5), and its clone."""
+    cache = opt.new_device_cache()
+    ids, pos, prev, lens = prefix(2, [4, 6, 3], device)
+    slots = torch.tensor([0, 2, 5], device=device)
+    opt.forward(ids, pos, prev, seq_lens=lens, kv_cache=cache, cache_slots=slots)
+    twin = opt.new_device_cache()
+    twin.kv.copy_(cache.kv)
+    twin.pos.copy_(cache.pos)
+    return cache, twin, slots, pos[lens.cumsum(0) - 1] + 1
+
+
+def _step_inputs(next_pos: torch.Tensor, device: str, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    B = next_pos.shape[0]
+    ids = torch.randint(0, CFG.vocab_size, (B,), generator=g).to(device)
+    prev = torch.randn(B, CFG.hc_dim, generator=g).to(BF16).to(device)
+    return ids, next_pos, prev
+
+
+def test_padded_step_writes_only_its_rows(loaded, device) -> None:
+    """Three sequences in bucket 4: the real rows match a forward of the same rows through the
+    layer (within tolerance: another T, another schedule), their new KV rows land in their
+    slots, and no other slot changes."""
+    _, opt = layers(loaded, device)
+    cache, twin, slots, next_pos = _two_caches(opt, device)
+    graph = DecodeGraphs(opt, cache, buckets=(1, 4), capture=False)
+    ids, pos, prev = _step_inputs(next_pos, device)
+    tok, hidden, logits = graph.step(ids, pos, prev, slots)
+    want = opt.forward(ids, pos, prev, seq_lens=torch.ones(3, dtype=torch.int64, device=device),
+                       kv_cache=twin, cache_slots=slots)  # fmt: skip
+    assert rel_err(hidden, want) < TOL
+    assert torch.equal(tok, logits.argmax(-1))
+    others = [s for s in range(cache.num_seqs) if s not in (0, 2, 5)]
+    assert torch.equal(cache.pos[others], twin.pos[others])
+    assert torch.equal(cache.pos, twin.pos)  # the same rows written, at the same places
+    assert rel_err(cache.kv[[0, 2, 5]].float(), twin.kv[[0, 2, 5]].float()) < TOL
+    graph.check()  # nothing recorded
+
+
+def test_bad_rows_are_poisoned_and_reported(loaded, device) -> None:
+    """A non-finite prev_hidden row and an out-of-range id inside a step: their ids are -1, they
+    write no KV, the other row is unchanged, and check() raises the first one (then clears)."""
+    _, opt = layers(loaded, device)
+    cache, twin, slots, next_pos = _two_caches(opt, device)
+    graph = DecodeGraphs(opt, cache, buckets=(4,), capture=False)
+    ids, pos, prev = _step_inputs(next_pos, device)
+    clean = DecodeGraphs(opt, twin, buckets=(4,), capture=False).step(ids, pos, prev, slots)
+    prev = prev.clone()
+    prev[1, 5] = float("nan")
+    ids = ids.clone()
+    ids[2] = CFG.vocab_size
+    before = cache.pos.clone()
+    tok, hidden, _ = graph.step(ids, pos, prev, slots)
+    assert tok.tolist()[1:] == [-1, -1] and int(tok[0]) == int(clean[0][0])
+    assert torch.equal(hidden[0], clean[1][0])
+    assert torch.equal(cache.pos[[2, 5]], before[[2, 5]])  # bad rows wrote nothing
+    with pytest.raises(InputError, match=r"prev_hidden: non-finite value in row 1"):
+        graph.check()
+    graph.check()  # cleared
+
+
+def test_step_argument_errors(loaded, device) -> None:
+    _, opt = layers(loaded, device)
+    graph = DecodeGraphs(opt, opt.new_device_cache(), buckets=(1, 2), capture=False)
+    ids, pos, prev = _step_inputs(torch.tensor([4, 9], device=device), device)
+    slots = torch.tensor([0, 1], device=device)
+    with pytest.raises(InputError, match="exceed the largest bucket 2"):
+        graph.step(ids.repeat(2), pos.repeat(2), prev.repeat(2, 1), slots.repeat(2))
+    with pytest.raises(InputError, match="prev_hidden"):
+        graph.step(ids, pos, prev.float(), slots)
+    with pytest.raises(InputError, match="slots"):
+        graph.step(ids, pos, prev, slots[:1])
+    with pytest.raises(InputError, match="buckets"):
+        DecodeGraphs(opt, opt.new_device_cache(), buckets=(0,), capture=False)
+    if device == "cpu":
+        with pytest.raises(InputError, match="CUDA"):
+            opt.capture_decode()
+
+
+@pytest.mark.gpu
+def test_replay_equals_the_eager_step_bitwise(loaded) -> None:
+    """Each bucket's replay against the eager step at the same padded size, from identical
+    caches: ids, hidden, logits and the caches bit for bit; then a second replay with other
+    inputs (the static buffers really are re-read)."""
+    _, opt = layers(loaded, "cuda")
+    cache, twin, slots, next_pos = _two_caches(opt, "cuda")
+    graph = DecodeGraphs(opt, cache, buckets=(4, 8))
+    eager = DecodeGraphs(opt, twin, buckets=(4, 8), capture=False)
+    for seed, (s, p) in enumerate([(slots, next_pos), (slots, next_pos + 1)]):
+        ids, pos, prev = _step_inputs(p, "cuda", seed=10 + seed)
+        got = [t.clone() for t in graph.step(ids, pos, prev, s)]
+        want = eager.step(ids, pos, prev, s)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), seed
+        assert torch.equal(cache.kv, twin.kv) and torch.equal(cache.pos, twin.pos)
