@@ -85,6 +85,8 @@ def test_ring_writes_read_back_as_the_host_cache_past_wraparound(device: str) ->
         cache.write(rows.to(device), pos.to(device), torch.ones_like(pos, device=device))
         host.append(rows, pos)
         _assert_same_cache(cache.to_host(1), host, f"after position {int(pos[-1])}")
+        ring = torch.arange(cache.capacity, device=device)
+        assert bool(((cache.pos < 0) | (cache.pos % cache.capacity == ring)).all()), "layout"
     assert len(cache.to_host(0)) == 0, "slot 0 was never written"
     cache.load(0, host)
     _assert_same_cache(cache.to_host(0), host, "load")
@@ -171,8 +173,8 @@ def test_rollback_then_decode_equals_recomputation(device: str) -> None:
     C = W + 3 - 1
     g = torch.Generator().manual_seed(4)
     slots = _slots([0, 1], device)
-    prefill_x = _rows(g, 19, BF16, device)
-    prefill_pos = torch.cat([torch.arange(12), torch.arange(500, 507)]).to(device)
+    prefill_x = _rows(g, 37, BF16, device)  # more rows than the ring holds: drafts overwrite
+    prefill_pos = torch.cat([torch.arange(20), torch.arange(500, 517)]).to(device)
     accepted = [_rows(g, 2, BF16, device)]
     drafts = [_rows(g, 2, BF16, device) for _ in range(3)]
     after = [_rows(g, 2, BF16, device) for _ in range(3)]
@@ -185,17 +187,17 @@ def test_rollback_then_decode_equals_recomputation(device: str) -> None:
         kv = torch.full((2, C, Dh), float("nan"), dtype=BF16, device=device)
         pos = torch.full((2, C), -1, dtype=torch.int32, device=device)
         cache = DeviceKVCache.from_tensors(kv, pos, W)
-        opt_attention(prefill_x, prefill_pos, pack, CFG, seq_lens=[12, 7], kv_cache=cache,
+        opt_attention(prefill_x, prefill_pos, pack, CFG, seq_lens=[20, 17], kv_cache=cache,
                       cache_slots=slots, batch_invariant=True)  # fmt: skip
-        step(cache, accepted[0], [12, 507], slots)
-        if rollback:
-            for i, x in enumerate(drafts):  # positions 13..15 and 508..510
-                step(cache, x, [13 + i, 508 + i], slots)
-            cache.rollback(slots, torch.tensor([12, 509], device=device))
+        step(cache, accepted[0], [20, 517], slots)
+        if rollback:  # positions 21..23 and 518..520 overwrite 3..5 and 500..502
+            for i, x in enumerate(drafts):
+                step(cache, x, [21 + i, 518 + i], slots)
+            cache.rollback(slots, torch.tensor([20, 519], device=device))
         else:
             for i, x in enumerate(drafts[:2]):
-                step(cache, x, [0, 508 + i], _slots([-1, 1], device))
-        outs = [step(cache, x, [13 + i, 510 + i], slots) for i, x in enumerate(after)]
+                step(cache, x, [0, 518 + i], _slots([-1, 1], device))
+        outs = [step(cache, x, [21 + i, 520 + i], slots) for i, x in enumerate(after)]
         return outs, [cache.to_host(0), cache.to_host(1)]
 
     drafted, drafted_rings = run(rollback=True)
