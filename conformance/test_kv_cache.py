@@ -132,6 +132,42 @@ def test_decode_is_bitwise_the_host_cache_path(device: str) -> None:
     assert len(cache.to_host(1)) == 0
 
 
+def test_prefill_against_filled_rings_is_bitwise_the_host_cache_path(device: str) -> None:
+    """Multi-row calls against rings that already hold rows (a chunked prefill, a verify step):
+    a batch of a 3-row chunk, a decode row, an empty sequence, a padding sequence and a chunk
+    of 40 rows (more than the ring's 32: only the last 32 are written), after a first prefill.
+    Bitwise the host-KVCache path without the padding sequence (the same varlen launch over
+    the same keys; batch_invariant=True, the two calls differ in T), caches too; the padding
+    sequence's output rows are zero."""
+    pack = pack_attention(layer_params(BF16), device)
+    cache = DeviceKVCache(CFG, num_seqs=5, dtype=BF16, device=device)
+    hosts = [KVCache(W) for _ in range(4)]
+    g = torch.Generator().manual_seed(10)
+    first_lens = [20, 6, 2, 9]
+    pos = torch.cat([torch.arange(20), torch.arange(50, 56), torch.arange(7, 9), torch.arange(9)])
+    x = _rows(g, 37, BF16, device)
+    pos = pos.to(device)
+    slots = _slots([3, 0, 4, 1], device)
+    got = opt_attention(x, pos, pack, CFG, seq_lens=first_lens, kv_cache=cache, cache_slots=slots)
+    want = opt_attention(x, pos, pack, CFG, seq_lens=first_lens, kv_cache=hosts)
+    assert torch.equal(got, want), "first prefill"
+    lens = [3, 1, 0, 2, 40]
+    pos = torch.cat([torch.arange(20, 23), torch.tensor([56]), torch.tensor([0, 1]),
+                     torch.arange(9, 49)]).to(device)  # fmt: skip
+    x = _rows(g, 46, BF16, device)
+    slots = _slots([3, 0, 4, -1, 1], device)
+    got = opt_attention(x, pos, pack, CFG, seq_lens=lens, kv_cache=cache, cache_slots=slots,
+                        batch_invariant=True)  # fmt: skip
+    host_lens, rows = [3, 1, 0, 40], torch.cat([torch.arange(4), torch.arange(6, 46)])
+    want = opt_attention(x[rows.to(device)], pos[rows.to(device)], pack, CFG, seq_lens=host_lens,
+                         kv_cache=hosts, batch_invariant=True)  # fmt: skip
+    assert torch.equal(got[rows.to(device)], want)
+    assert got[4:6].abs().max() == 0, "padding rows"
+    for slot, host in zip((3, 0, 4, 1), hosts, strict=True):
+        _assert_same_cache(cache.to_host(slot), host, f"slot {slot}")
+    assert len(cache.to_host(2)) == 0
+
+
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
 def test_decode_with_position_gaps_is_within_the_layer_tolerance(
     dtype: torch.dtype, device: str
