@@ -693,52 +693,62 @@ def _ring_prefill(
     attn_sink: torch.Tensor,
     batch_invariant: bool,
 ) -> torch.Tensor:
-    """Eager prefill against a ring cache: each sequence's visible cached rows (gathered in
-    position order) then its new rows in one varlen launch, then the new rows written (only
-    the last C of a sequence: earlier ones would be overwritten in the same call)."""
+    """Eager prefill against a ring cache, with one host read (the slots, the positions and
+    the rings' positions): each sequence's visible cached rows in position order, then its
+    new rows, as the keys of one varlen launch; then the new rows written (only the last C of
+    a sequence: the earlier ones would be overwritten in the same call)."""
     W, C, dev = cache.window, cache.capacity, q.device
-    slot = [int(v) for v in slots.tolist()]
+    T, B, Dh = q.shape[0], len(lens), q.shape[2]
+    rings = cache.pos[slots.long().clamp(min=0)].long()  # (B, C)
+    host = torch.cat([slots.long(), positions.long(), rings.flatten()]).tolist()
+    slot, pos, ring_pos = host[:B], host[B : B + T], host[B + T :]
     bounds = [0, *itertools.accumulate(lens)]
-    keys, key_pos, k_lens, write = [], [], [], []
+    cached_src: list[int] = []  # rows of cache.kv viewed (S * C, Dh)
+    cached_dst: list[int] = []  # their rows among the keys
+    new_dst: list[int] = []  # the keys' rows of q's rows 0 .. T-1, in order (-1: none)
+    key_pos: list[int] = []
+    k_lens: list[int] = []
+    written: list[int] = []  # q's rows written to their rings
     for b, n in enumerate(lens):
-        rows = slice(bounds[b], bounds[b + 1])
         if slot[b] < 0 or n == 0:  # padding: reads and writes nothing, its output is zero
+            new_dst += [-1] * n
             k_lens.append(0)
             continue
-        ring = cache.pos[slot[b]].long()  # (C,)
-        seen = ((ring >= 0) & (ring > positions[bounds[b]] - W)).nonzero()[:, 0]
-        order = seen[torch.argsort(ring[seen])]
-        keys += [cache.kv[slot[b], order], kv[rows]]
-        key_pos += [ring[order], positions[rows].long()]
-        k_lens.append(int(order.shape[0]) + n)
-        write.append(
-            torch.arange(bounds[b], bounds[b + 1], device=dev)[
-                positions[rows] > positions[bounds[b + 1] - 1] - C
-            ]
-        )
-    cu_q = torch.tensor(bounds, dtype=torch.int32, device=dev)
-    cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32, device=dev)
+        first, last = pos[bounds[b]], pos[bounds[b + 1] - 1]
+        ring = ring_pos[b * C : (b + 1) * C]
+        seen = sorted((p, r) for r, p in enumerate(ring) if p >= 0 and p > first - W)
+        cached_src += [slot[b] * C + r for _, r in seen]
+        cached_dst += range(len(key_pos), len(key_pos) + len(seen))
+        key_pos += [p for p, _ in seen]
+        new_dst += range(len(key_pos), len(key_pos) + n)
+        key_pos += pos[bounds[b] : bounds[b + 1]]
+        k_lens.append(len(seen) + n)
+        written += [t for t in range(bounds[b], bounds[b + 1]) if pos[t] > last - C]
+    keys = kv.new_empty((len(key_pos), Dh))
+    if cached_src:
+        src = torch.tensor(cached_src, device=dev)
+        keys[torch.tensor(cached_dst, device=dev)] = cache.kv.view(-1, Dh)[src]
+    mine = [t for t in range(T) if new_dst[t] >= 0]
+    if mine:
+        rows = torch.tensor(mine, device=dev)
+        keys[torch.tensor([new_dst[t] for t in mine], device=dev)] = kv[rows]
     o = sink_attention_varlen(
         q,
         positions,
-        torch.cat(keys) if keys else kv[:0],
-        torch.cat(key_pos) if key_pos else positions[:0].long(),
+        keys,
+        torch.tensor(key_pos, dtype=torch.int64, device=dev),
         attn_sink,
-        cu_q,
-        cu_k,
+        torch.tensor(bounds, dtype=torch.int32, device=dev),
+        torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32, device=dev),
         window=W,
-        scale=q.shape[2] ** -0.5,
+        scale=Dh**-0.5,
         batch_invariant=batch_invariant,
     )  # fmt: skip  (T, H, Dh)
-    if write:
-        rows_w = torch.cat(write)
-        seq_of = torch.repeat_interleave(
-            torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev)
-        )
-        _write_out(
-            kv[rows_w].contiguous(), positions[rows_w], slots[seq_of[rows_w]],
-            cache_kv=cache.kv, cache_pos=cache.pos,
-        )  # fmt: skip
+    if written:
+        rows = torch.tensor(written, device=dev)
+        seq_of = [b for b, n in enumerate(lens) for _ in range(n)]
+        owners = torch.tensor([slot[seq_of[t]] for t in written], dtype=torch.int32, device=dev)
+        _write_out(kv[rows], positions[rows], owners, cache_kv=cache.kv, cache_pos=cache.pos)
     return o
 
 
