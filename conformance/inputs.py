@@ -785,8 +785,9 @@ def cache_attention_inputs(
     ring has had 0 .. 2 * window + C - 1 rows written in position order (so most rings have
     wrapped around), from U[0, 1000), stepping by 1 or, with probability ``gap``, by
     2 .. window; a row holds its latest position (``cache_pos[s, p % C] == p``), -1 where never
-    written, and its kv is NaN there (an empty row must never be read).  Query b reads slot
-    U[0, S) (two queries may share one), or is padding (-1) with probability ``pad``; its
+    written, and its kv is the dtype's largest value there (an empty row must never be read:
+    one that is read overflows the scores to inf / NaN).  Query b reads slot U[0, S) (two
+    queries may share one), or is padding (-1) with probability ``pad``; its
     position is the slot's newest, or 1 .. 3 before it (newer rows invisible: a draft not yet
     rolled back), or up to window after it (0 for an empty ring, clamped at 0).  Shapes depend
     on (T, shape) only, never on the seed, so a captured graph can replay other seeds' inputs.
@@ -812,7 +813,8 @@ def cache_attention_inputs(
     ring = torch.full((S * C,), -1, dtype=torch.int64, device=q.device)
     ring.scatter_reduce_(0, rows[live], written[live], reduce="amax")  # the latest wins
     cache_pos = ring.view(S, C)
-    cache_kv[cache_pos < 0] = float("nan")
+    cache_kv[cache_pos < 0] = torch.finfo(dtype).max  # finite (the builder's output compares
+    # equal to itself), and overflows the scores of any query that reads it
     slots = r.ints(0, S, T)
     slots = torch.where(r.uniform(0.0, 1.0, T) < pad, -1, slots)
     offset = torch.where(r.uniform(0.0, 1.0, T) < 0.5, 0, r.ints(-W, 4, T))
