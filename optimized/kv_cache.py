@@ -194,7 +194,8 @@ class DeviceKVCache:
         """Row t of ``kv (T, Dh)`` at ``positions[t]`` into the ring of ``slots[t]`` (device
         tensors, T each); rows with a negative slot (padding) or position write nothing.  The
         rows' (slot, position % C) must be distinct; the caller keeps positions increasing.
-        One launch (``torch.ops.dsv4mtp.kv_cache_write_out``), capturable."""
+        One launch (``torch.ops.dsv4mtp.kv_cache_write_out``) moving T * (2 * Dh * itemsize
+        + 4) bytes plus the slots and positions, capturable."""
         if not isinstance(kv, torch.Tensor) or kv.dim() != 2 or kv.shape[1] != self.head_dim:
             got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
             raise InputError(f"kv: expected shape (T, {self.head_dim}), got {got}")

@@ -1,5 +1,7 @@
-"""Sliding-window MQA with per-head sinks (Triton): what ``sink_attention`` and
-``sink_attention_varlen`` run.  The math: docs/semantics.md, "Visibility and the sink softmax".
+"""Sliding-window MQA with per-head sinks (Triton): what ``sink_attention``,
+``sink_attention_varlen`` and ``sink_attention_cache`` run, and the ring write of
+``kv_cache_write``.  The math: docs/semantics.md, "Visibility and the sink softmax" and "The
+device ring cache".
 
 Shapes: q (Tq, H, Dh) and out (Tq, H, Dh) contiguous, kv (Tk, Dh) contiguous (one latent per
 token, the key and the value of every head), q_pos (Tq,) / k_pos (Tk,) int32 or int64,
@@ -34,6 +36,16 @@ Numerics: QK^T and PV on tensor cores with fp32 accumulation; for bf16 inputs P 
 bf16 before the PV dot (as flash attention does), for fp32 inputs both dots are IEEE fp32 (no
 TF32).  Under the interpreter every dot runs in fp32 on upcast operands (Triton's interpreted
 bf16 dot is wrong) after the same bf16 rounding of P, so the CPU tier checks the GPU's rounding.
+
+Ring cache (:func:`sink_attention_cache_kernel`).  The same grid, tiles and online-softmax step
+(:func:`_rows_block`), over ring ``slots[b]`` of a cache kv (S, C, Dh), positions (S, C) whose
+row ``p % C`` holds position p (-1: empty).  Positions in a ring are not sorted, so step 1 scans
+the ring's C positions (SCAN at a time) for the first visible one, ``lo``; step 2 walks the
+positions ``lo .. q_pos`` in BLOCK_N blocks, lane i of a block loading row ``p % C`` only where
+it holds p.  With no gap in the visible positions this puts every key in the lane and block
+the contiguous kernel gives it, so both round alike.  A padding row (slot < 0) loads nothing and
+stores zeros.  The write (:func:`ring_write_kernel`): one program per new row, Dh values and one
+position stored, nothing for a negative slot or position.
 
 Bytes per call: q read once and out written once (2 * Tq * H * Dh * itemsize), plus each
 sequence's visible keys: decode at V4-Flash (Tq = 1, H 64, Dh 512, window 128) reads
