@@ -480,3 +480,50 @@ def test_captured_decode_step_replays_as_eager() -> None:
         torch.cuda.synchronize()
         assert torch.equal(out, want), f"step {step}"
         assert torch.equal(graphed.pos, eager.pos) and torch.equal(graphed.kv, eager.kv)
+
+
+@pytest.mark.gpu
+def test_captured_rollback_and_write_replay_as_eager() -> None:
+    """``rollback`` and ``write`` captured in one CUDA graph, replayed on new slots, bounds,
+    rows and positions: the rings bitwise those of the same calls run eagerly."""
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(11)
+
+    def filled() -> DeviceKVCache:
+        cache = DeviceKVCache(CFG, num_seqs=4, dtype=BF16, device=dev)
+        pos = torch.arange(40, device=dev).repeat(4)
+        slots = torch.arange(4, device=dev).repeat_interleave(40)
+        keep = pos >= 40 - cache.capacity
+        rows = torch.randn(
+            160, Dh, device=dev, generator=torch.Generator(device=dev).manual_seed(12)
+        )
+        cache.write(rows[keep].to(BF16), pos[keep], slots[keep])
+        return cache
+
+    graphed, eager = filled(), filled()
+    slot_buf, keep_buf = _slots([0, 2, -1], dev), torch.tensor([30, 35, 0], device=dev)
+    rows_buf = torch.zeros(3, Dh, dtype=BF16, device=dev)
+    pos_buf = torch.tensor([31, 36, 0], device=dev)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (JIT) on a scratch cache
+        scratch = filled()
+        scratch.rollback(slot_buf, keep_buf)
+        scratch.write(rows_buf, pos_buf, slot_buf)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed.rollback(slot_buf, keep_buf)
+        graphed.write(rows_buf, pos_buf, slot_buf)
+    for slots, keep in (([0, 2, -1], [30, 35, 0]), ([3, -1, 1], [20, 0, 38])):
+        rows = torch.randn(3, Dh, device=dev, generator=g).to(BF16)
+        pos = [k + 1 for k in keep]
+        slot_buf.copy_(_slots(slots, dev))
+        keep_buf.copy_(torch.tensor(keep, device=dev))
+        rows_buf.copy_(rows)
+        pos_buf.copy_(torch.tensor(pos, device=dev))
+        graph.replay()
+        eager.rollback(_slots(slots, dev), torch.tensor(keep, device=dev))
+        eager.write(rows, torch.tensor(pos, device=dev), _slots(slots, dev))
+        torch.cuda.synchronize()
+        assert torch.equal(graphed.pos, eager.pos) and torch.equal(graphed.kv, eager.kv), slots
