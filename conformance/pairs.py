@@ -438,8 +438,9 @@ for _op in ("sink_attention", "sink_attention_varlen"):
 # --------------------------------------------------------------------------- ring-cache decode
 # Inputs: conformance/inputs.py, cache_attention_inputs (T decode queries against rings that
 # have wrapped around, the dtype's max in never-written rows, padding rows, shared slots,
-# queries before and after their ring's newest row).  Shapes as the attention core's: tiny / small on CPU, flash /
-# pro on CUDA with up to 1024 queries (the reference gathers each query's ring on its own).
+# queries before and after their ring's newest row).  Shapes as the attention core's: tiny /
+# small on CPU, flash / pro on CUDA with up to 1024 queries (the reference gathers each query's
+# ring on its own).
 @st.composite
 def _cache_case(draw: Any, dtype: torch.dtype, device: str, max_tokens: int) -> Case:
     from dsv4mtp.conformance.inputs import cache_attention_inputs

@@ -481,7 +481,8 @@ def _cache_call(
         _check_cache_values(cache_pos, slots)
     tail = (int(window), float(scale), choice, fields)
     if out is None:
-        return _ops_cache(q, q_pos, cache_kv, cache_pos, slots, attn_sink, *tail)  # type: ignore[no-any-return]
+        o = _ops_cache(q, q_pos, cache_kv, cache_pos, slots, attn_sink, *tail)
+        return o  # type: ignore[no-any-return]
     _ops_cache_out(q, q_pos, cache_kv, cache_pos, slots, attn_sink, *tail, out=out)
     return out
 
