@@ -9,6 +9,7 @@ explains a kernel that streams well alone but slowly inside a fused kernel.
     python bench/sm90_resources.py            # default schedules, one line per kernel phase
     python bench/sm90_resources.py --collapse '[[64, 256, 32, 16, 4, 3, true]]'  # candidates
     python bench/sm90_resources.py --rope     # the RoPE / q / kv path kernel only
+    python bench/sm90_resources.py --attention  # the attention cores and the ring write only
 """
 
 from __future__ import annotations
@@ -184,9 +185,13 @@ def main() -> None:
     )
     p.add_argument("--linear", action="store_true", help="the dense linears only")
     p.add_argument("--rope", action="store_true", help="only the RoPE / q / kv path kernel")
+    p.add_argument(
+        "--attention", action="store_true", help="only the attention cores and the ring write"
+    )
     args = p.parse_args()
-    if args.linear or args.rope:
-        for line in linear_lines() if args.linear else rope_lines():
+    if args.linear or args.rope or args.attention:
+        lines = linear_lines if args.linear else rope_lines if args.rope else attention_lines
+        for line in lines():
             print(line, flush=True)
         return
     for op in ("hc_head", "hc_pre"):
@@ -214,8 +219,50 @@ def main() -> None:
                   INTERP=False)  # fmt: skip
     line = resources(mhc_head_fma_kernel, head_sig, consts, num_warps=4)
     print(f"hc_head fma (4 x 256, 4 warps): {line}", flush=True)
-    for line in rope_lines():
+    for line in rope_lines() + attention_lines():
         print(line, flush=True)
+
+
+def attention_lines() -> list[str]:
+    """kernels/sink_attention.py at V4-Flash / V4-Pro (H 64 / 128, Dh 512, window 128), bf16,
+    default schedules: the varlen kernel, the ring-cache decode kernel (C = 144, the
+    DeviceKVCache capacity for window 128 and 8 draft steps) and the ring write."""
+    from dsv4mtp.optimized.kernels.sink_attention import (
+        attention_schedule,
+        ring_write_kernel,
+        sink_attention_cache_kernel,
+        sink_attention_kernel,
+    )
+    from dsv4mtp.optimized.kv_cache import ring_capacity
+
+    W = 128
+    C = ring_capacity(W, 8)
+    lines = []
+    for H in (64, 128):
+        sc = attention_schedule(H, 512, W)
+        tiles = dict(BLOCK_H=sc.block_h, BLOCK_N=sc.block_n, BLOCK_D=sc.block_d,
+                     BLOCK_DV=sc.block_dv, IEEE=False, INTERP=False)  # fmt: skip
+        opts = dict(num_warps=sc.num_warps, num_stages=sc.num_stages)
+        sig = dict(
+            q_ptr="*bf16", qpos_ptr="*i64", kv_ptr="*bf16", kpos_ptr="*i64", sink_ptr="*fp32",
+            cuq_ptr="*i32", cuk_ptr="*i32", out_ptr="*bf16", Tk="i32", B="i32", window="i32",
+            qk_scale="fp32",
+        )  # fmt: skip
+        consts = dict(H=H, DH=512, VARLEN=True, SEARCH=sc.search, **tiles)
+        line = resources(sink_attention_kernel, sig, consts, **opts)
+        lines.append(f"sink_attention_varlen H={H} {tuple(sc.fields())}: {line}")
+        sig = dict(
+            q_ptr="*bf16", qpos_ptr="*i64", kv_ptr="*bf16", kpos_ptr="*i32", slots_ptr="*i32",
+            sink_ptr="*fp32", out_ptr="*bf16", window="i32", qk_scale="fp32",
+        )  # fmt: skip
+        consts = dict(H=H, DH=512, C=C, SCAN=min(256, 1 << (C - 1).bit_length()), **tiles)
+        line = resources(sink_attention_cache_kernel, sig, consts, **opts)
+        lines.append(f"sink_attention_cache H={H} C={C} {tuple(sc.fields())}: {line}")
+    sig = dict(new_ptr="*bf16", pos_ptr="*i64", slots_ptr="*i32", kv_ptr="*bf16",
+               kpos_ptr="*i32", C="i32")  # fmt: skip
+    line = resources(ring_write_kernel, sig, dict(DH=512, BLOCK_D=512), num_warps=4, num_stages=1)
+    lines.append(f"kv_cache_write Dh=512: {line}")
+    return lines
 
 
 def rope_lines() -> list[str]:

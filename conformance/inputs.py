@@ -13,7 +13,8 @@ comb, f).  ``zero_rows`` then zeroes each activation row with that probability, 
 generator after every other draw, so it leaves the other values unchanged.
 
 The MoE ops (``route``, ``fused_experts``, ``moe``): :func:`moe_inputs`; the attention core
-(``sink_attention``, ``sink_attention_varlen``): :func:`attention_inputs`; the dense linears
+(``sink_attention``, ``sink_attention_varlen``): :func:`attention_inputs`, and its decode over a
+ring cache (``sink_attention_cache``): :func:`cache_attention_inputs`; the dense linears
 (``linear``, ``grouped_linear``): :func:`linear_inputs`; RoPE and the q / kv paths
 (``apply_rope``, ``q_head_norm_rope``, ``kv_norm_rope``): :func:`rope_inputs`; each described
 there.
@@ -38,6 +39,7 @@ from dsv4mtp.params import MoEParams, PackedExperts
 __all__ = [
     "ATTENTION_OPS",
     "ATTENTION_SHAPES",
+    "CACHE_OPS",
     "EPS",
     "EXPERT_FORMATS",
     "LINEAR_FORMATS",
@@ -52,6 +54,7 @@ __all__ = [
     "SKEWS",
     "attention_inputs",
     "attention_shape",
+    "cache_attention_inputs",
     "linear_inputs",
     "linear_shape",
     "linear_weight",
@@ -72,7 +75,8 @@ MOE_OPS = ("route", "fused_experts", "moe")
 ATTENTION_OPS = ("sink_attention", "sink_attention_varlen")
 LINEAR_OPS = ("linear", "grouped_linear")
 ROPE_OPS = ("apply_rope", "q_head_norm_rope", "kv_norm_rope")
-OPS = ("rms_norm", *MHC_OPS, *MOE_OPS, *ATTENTION_OPS, *LINEAR_OPS, *ROPE_OPS)
+CACHE_OPS = ("sink_attention_cache",)
+OPS = ("rms_norm", *MHC_OPS, *MOE_OPS, *ATTENTION_OPS, *LINEAR_OPS, *ROPE_OPS, *CACHE_OPS)
 
 Inputs = tuple[tuple[torch.Tensor, ...], dict[str, Any]]
 
@@ -177,6 +181,10 @@ def op_inputs(
         return attention_inputs(
             op, T, seed, shape=attention_shape(D), dtype=dtype, device=device, magnitude=magnitude
         )
+    if op in CACHE_OPS:
+        return cache_attention_inputs(
+            T, seed, shape=attention_shape(D), dtype=dtype, device=device, magnitude=magnitude
+        )
     if op in ROPE_OPS:
         return rope_inputs(
             op, T, seed, shape=rope_shape(D), dtype=dtype, device=device, magnitude=magnitude,
@@ -198,6 +206,8 @@ def token_rows(op: str, args: tuple[torch.Tensor, ...], index: Any) -> tuple[tor
         return (args[0][index], args[1][index], *args[2:])
     if op == "sink_attention_varlen":
         return _varlen_rows(args, index)
+    if op == "sink_attention_cache":  # q, q_pos, cache_kv, cache_pos, slots, attn_sink
+        return (args[0][index], args[1][index], args[2], args[3], args[4][index], args[5])
     if op in ("apply_rope", "q_head_norm_rope"):  # x, positions, freqs
         return (args[0][index], args[1][index], args[2])
     if op == "kv_norm_rope":  # kv, kv_norm_weight, positions, freqs
@@ -766,3 +776,62 @@ def rope_inputs(
     if op == "q_head_norm_rope":
         return (x, positions, freqs), kw
     return (x, w, positions, freqs), kw
+
+
+# ==================================================================================== ring cache
+def cache_attention_inputs(
+    T: int,
+    seed: int,
+    *,
+    shape: str = "tiny",
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cuda",
+    gap: float = 0.25,
+    magnitude: float = 1.0,
+    pad: float = 0.2,
+    max_draft: int = 8,
+) -> Inputs:
+    """``(args, kwargs)`` of one ``sink_attention_cache`` call: T decode queries against a ring
+    cache of S = T + 2 slots, ``(q, q_pos, cache_kv, cache_pos, slots, attn_sink)``.
+
+    The capacity is the DeviceKVCache's, C = window + max_draft rounded up to 16.  Each slot's
+    ring has had 0 .. 2 * window + C - 1 rows written in position order (so most rings have
+    wrapped around), from U[0, 1000), stepping by 1 or, with probability ``gap``, by
+    2 .. window; a row holds its latest position (``cache_pos[s, p % C] == p``), -1 where never
+    written, and its kv is the dtype's largest value there (an empty row must never be read:
+    one that is read overflows the scores to inf / NaN).  Query b reads slot U[0, S) (two
+    queries may share one), or is padding (-1) with probability ``pad``; its
+    position is the slot's newest, or 1 .. 3 before it (newer rows invisible: a draft not yet
+    rolled back), or up to window after it (0 for an empty ring, clamped at 0).  Shapes depend
+    on (T, shape) only, never on the seed, so a captured graph can replay other seeds' inputs.
+
+    From one generator on ``device`` seeded with ``seed``: q ~ N(0, magnitude^2) (T, H, Dh) and
+    cache_kv ~ N(0, 1) (S, C, Dh) in ``dtype``, attn_sink ~ N(0, 1) fp32 (H,), then the rings'
+    counts, starts and steps, then the slots and query offsets.  cache_pos and slots int32,
+    q_pos int64.  kwargs: ``window``, ``scale = Dh**-0.5``.
+    """
+    H, Dh, W = ATTENTION_SHAPES[shape]
+    C = -(-(W + max_draft) // 16) * 16
+    S, N = T + 2, 2 * W + C
+    r = _Gen(torch.device(device), seed)
+    q = (r.normal(T, H, Dh) * magnitude).to(dtype)
+    cache_kv = r.normal(S, C, Dh)
+    sink = r.normal(H)
+    counts = r.ints(0, N, S, 1)  # rows written per ring
+    starts = r.ints(0, 1000, S, 1)
+    steps = torch.where(r.uniform(0.0, 1.0, S, N) < gap, r.ints(2, W + 1, S, N), 1)
+    written = starts + torch.cumsum(steps, 1) - 1  # (S, N) increasing positions per ring
+    live = torch.arange(N, device=q.device)[None, :] < counts
+    rows = torch.arange(S, device=q.device)[:, None] * C + written % C
+    ring = torch.full((S * C,), -1, dtype=torch.int64, device=q.device)
+    ring.scatter_reduce_(0, rows[live], written[live], reduce="amax")  # the latest wins
+    cache_pos = ring.view(S, C)
+    cache_kv[cache_pos < 0] = torch.finfo(dtype).max  # finite (the builder's output compares
+    # equal to itself), and overflows the scores of any query that reads it
+    slots = r.ints(0, S, T)
+    slots = torch.where(r.uniform(0.0, 1.0, T) < pad, -1, slots)
+    offset = torch.where(r.uniform(0.0, 1.0, T) < 0.5, 0, r.ints(-W, 4, T))
+    newest = cache_pos.max(dim=1).values.clamp(min=0)  # (S,)
+    q_pos = (newest[slots.clamp(min=0)] - offset).clamp(min=0)
+    args = (q, q_pos, cache_kv.to(dtype), cache_pos.to(torch.int32), slots.to(torch.int32), sink)
+    return args, {"window": W, "scale": Dh**-0.5}

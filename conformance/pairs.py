@@ -435,6 +435,52 @@ for _op in ("sink_attention", "sink_attention_varlen"):
     )
 
 
+# --------------------------------------------------------------------------- ring-cache decode
+# Inputs: conformance/inputs.py, cache_attention_inputs (T decode queries against rings that
+# have wrapped around, the dtype's max in never-written rows, padding rows, shared slots,
+# queries before and after their ring's newest row).  Shapes as the attention core's: tiny /
+# small on CPU, flash / pro on CUDA with up to 1024 queries (the reference gathers each query's
+# ring on its own).
+@st.composite
+def _cache_case(draw: Any, dtype: torch.dtype, device: str, max_tokens: int) -> Case:
+    from dsv4mtp.conformance.inputs import cache_attention_inputs
+
+    shape = draw(_attention_shape(device))
+    cap = 12 if device == "cpu" else min(1024, max_tokens)
+    T = draw(st.one_of(st.sampled_from([0, 1, 4]), st.integers(0, cap)))
+    gap = draw(st.sampled_from([0.0, 0.25, 0.9]))
+    magnitude = draw(st.sampled_from([1.0, 0.1, 4.0]))
+    pad = draw(st.sampled_from([0.0, 0.3]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    args, kw = cache_attention_inputs(
+        T, seed, shape=shape, dtype=dtype, device=device, gap=gap, magnitude=magnitude, pad=pad
+    )
+    label = f"{shape} T={T} gap={gap} magnitude={magnitude:g} pad={pad} seed={seed}"
+    return Case(args, kw, label=label)
+
+
+def _cache_facts(case: Case) -> Facts:
+    q, sink = case.args[0], case.args[5]
+    return Facts(q.device, (q.dtype, sink.dtype))
+
+
+# The tolerances of the attention core, declared above: the ring-cache kernel runs the same
+# key-block step (kernels/sink_attention.py, _rows_block) and sink merge over the same visible
+# keys in position order, so it has the same two bf16 roundings (P, the output) and the same
+# fp32 summation-order and exp2 differences from the float64 oracle.
+register(
+    OpPair(
+        name="sink_attention_cache",
+        concept="attention",
+        strategy=_cache_case,
+        build=partial(_build, "sink_attention_cache"),
+        facts=_cache_facts,
+        cpu_examples=12,
+        tolerances={(BF16, "math"): _ATTN_BF16, (FP32, "math"): _ATTN_FP32},
+    )
+)
+
+
 # --------------------------------------------------------------------------- linear
 # Inputs: conformance/inputs.py, linear_inputs: x and a checkpoint-format weight (the core's
 # QuantizedWeight: FP8 with e8m0 or fp32 128x128 block scales, or bf16).  The reference

@@ -14,8 +14,10 @@ from .attention import (
     pack_attention,
     pack_attention_weights,
     sink_attention,
+    sink_attention_cache,
     sink_attention_varlen,
 )
+from .kv_cache import DeviceKVCache
 from .linear import LinearPack, grouped_linear, linear, pack_linear
 from .mhc import CollapseSchedule, hc_head, hc_post, hc_pre
 from .moe import MoEPack, fused_experts, moe, pack_moe, route
@@ -33,3 +35,4 @@ __all__ += ["sink_attention", "sink_attention_varlen"]
 __all__ += ["LinearPack", "grouped_linear", "linear", "pack_linear"]
 __all__ += ["apply_rope", "kv_norm_rope", "q_head_norm_rope"]
 __all__ += ["MTPLayer", "MTPLayerPack"]
+__all__ += ["DeviceKVCache", "sink_attention_cache"]

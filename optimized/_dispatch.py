@@ -299,3 +299,16 @@ TABLES.update(
         for op in ("apply_rope", "q_head_norm_rope", "kv_norm_rope")
     }
 )
+
+
+# ------------------------------------------------------------------------------ KV ring cache
+# sink_attention_cache runs the ring-cache Triton kernel of optimized/kernels/sink_attention.py
+# (bf16 / fp32 on CUDA or under the interpreter; the entry point checks dtypes and devices before
+# the table is read).  No by_T rule: the schedule is sink_attention's, read by H, Dh and window.
+TABLES.update(
+    {
+        "sink_attention_cache": OpTable(
+            "sink_attention_cache", (Backend("triton", _always),), auto=("triton",)
+        ),
+    }
+)

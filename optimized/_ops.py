@@ -1021,3 +1021,116 @@ _KERNELS.update(
 
 
 _ROPE_LIB = _register(_ROPE_SCHEMAS)
+
+
+# ------------------------------------------------------------------------------ KV ring cache
+# The decode attention over a preallocated ring cache (optimized/attention.py validates; the
+# kernels are optimized/kernels/sink_attention.py) and the ring write of new rows
+# (optimized/kv_cache.py's DeviceKVCache and the attention sublayer call it).  The write's
+# functional variant returns written copies of the cache tensors; its ``_out`` variant writes
+# the cache in place (the form a captured decode step runs).
+if TYPE_CHECKING:
+    from .kernels.sink_attention import ring_write_triton, sink_attention_cache_triton
+else:
+    ring_write_triton = triton_kernel("sink_attention", "ring_write_triton")
+    sink_attention_cache_triton = triton_kernel("sink_attention", "sink_attention_cache_triton")
+
+_CACHE_ARGS = (
+    "Tensor q, Tensor q_pos, Tensor cache_kv, Tensor cache_pos, Tensor slots, Tensor attn_sink"
+)
+_WRITE_ARGS = "Tensor kv, Tensor positions, Tensor slots"
+_CACHE_SCHEMAS: dict[str, str] = {
+    "sink_attention_cache": f"sink_attention_cache({_CACHE_ARGS}, {_ATTN_TAIL}) -> Tensor",
+    "sink_attention_cache_out": (
+        f"sink_attention_cache_out({_CACHE_ARGS}, {_ATTN_TAIL}, *, Tensor(a!) out) -> ()"
+    ),
+    "kv_cache_write": (
+        f"kv_cache_write({_WRITE_ARGS}, Tensor cache_kv, Tensor cache_pos) -> (Tensor, Tensor)"
+    ),
+    "kv_cache_write_out": (
+        f"kv_cache_write_out({_WRITE_ARGS}, *, Tensor(a!) cache_kv, Tensor(b!) cache_pos) -> ()"
+    ),
+}
+SCHEMAS.update(_CACHE_SCHEMAS)
+OPS = tuple(SCHEMAS)
+
+
+def _sink_attention_cache_out(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cache_kv: torch.Tensor,
+    cache_pos: torch.Tensor,
+    slots: torch.Tensor,
+    attn_sink: torch.Tensor,
+    window: int,
+    scale: float,
+    backend: str,
+    schedule: Sequence[int],
+    *,
+    out: torch.Tensor,
+) -> None:
+    if backend != "triton":
+        raise _unknown("sink_attention_cache", backend, ("triton",))
+    B, H, Dh = q.shape
+    if B == 0:
+        return
+    sched = _attn_schedule(tuple(schedule), H, Dh, window, q.dtype == torch.float32)
+    sink_attention_cache_triton(
+        q.contiguous(), q_pos.contiguous(), cache_kv.contiguous(), cache_pos.contiguous(),
+        slots.contiguous(), attn_sink.contiguous(), out, window, scale, sched,
+    )  # fmt: skip
+
+
+def _kv_cache_write_out(
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    cache_kv: torch.Tensor,
+    cache_pos: torch.Tensor,
+) -> None:
+    # The kernel writes the caches through their base pointers: they must be contiguous (a
+    # copy would leave the caller's tensors unwritten); optimized/kv_cache.py guarantees it.
+    assert cache_kv.is_contiguous() and cache_pos.is_contiguous()
+    ring_write_triton(
+        kv.contiguous(), positions.contiguous(), slots.contiguous(), cache_kv, cache_pos
+    )
+
+
+def _kv_cache_write_fake(
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    cache_kv: torch.Tensor,
+    cache_pos: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(cache_kv), torch.empty_like(cache_pos)
+
+
+def _kv_cache_write(
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    cache_kv: torch.Tensor,
+    cache_pos: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    new_kv, new_pos = (
+        cache_kv.clone(memory_format=torch.contiguous_format),
+        cache_pos.clone(memory_format=torch.contiguous_format),
+    )
+    _kv_cache_write_out(kv, positions, slots, cache_kv=new_kv, cache_pos=new_pos)
+    return new_kv, new_pos
+
+
+_sink_attention_cache = _functional(_sink_attention_cache_out, _x_like)
+_KERNELS.update(
+    {
+        "sink_attention_cache": (_sink_attention_cache, _x_like),
+        "sink_attention_cache_out": (_sink_attention_cache_out, _out_fake),
+        "kv_cache_write": (_kv_cache_write, _kv_cache_write_fake),
+        "kv_cache_write_out": (_kv_cache_write_out, _out_fake),
+    }
+)
+
+
+_CACHE_LIB = _register(_CACHE_SCHEMAS)

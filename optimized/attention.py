@@ -1,7 +1,9 @@
 """The MTP layer's attention core on the H200: sliding-window MQA with per-head sinks.
 
-Same signatures as :func:`dsv4mtp.reference.sink_attention` and
-:func:`dsv4mtp.reference.sink_attention_varlen` plus keyword-only ``backend`` and ``schedule``.
+Same signatures as :func:`dsv4mtp.reference.sink_attention`,
+:func:`dsv4mtp.reference.sink_attention_varlen` and :func:`dsv4mtp.reference.sink_attention_cache`
+(decode over a :class:`~dsv4mtp.optimized.kv_cache.DeviceKVCache` ring) plus keyword-only
+``backend`` and ``schedule``.
 The math: docs/semantics.md, "Visibility and the sink softmax"; the kernel, its grid, tiles and
 bytes: optimized/kernels/sink_attention.py.  One launch per call, for one sequence or for B
 concatenated ones (decode: one query per sequence against its cached keys plus its own; prefill:
@@ -45,6 +47,7 @@ from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
 from ._dispatch import PLANS, Facts, remember, select
 from ._packs import packed_once
 from .kernels._launch import check_device, check_kernel_dtype, check_out
+from .kv_cache import DeviceKVCache
 from .linear import LinearPack, grouped_linear, linear, pack_linear
 from .norm import rms_norm
 from .rope import apply_rope, kv_norm_rope, q_head_norm_rope
@@ -55,6 +58,7 @@ __all__ = [
     "pack_attention",
     "pack_attention_weights",
     "sink_attention",
+    "sink_attention_cache",
     "sink_attention_varlen",
 ]
 
@@ -310,6 +314,179 @@ def sink_attention_varlen(
     )  # fmt: skip
 
 
+_ops_cache = torch.ops.dsv4mtp.sink_attention_cache.default
+_ops_cache_out = torch.ops.dsv4mtp.sink_attention_cache_out.default
+
+
+def _cache_plan(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cache_kv: torch.Tensor,
+    cache_pos: torch.Tensor,
+    slots: torch.Tensor,
+    attn_sink: torch.Tensor,
+    window: int,
+    scale: float,
+    batch_invariant: bool,
+    out: torch.Tensor | None,
+    backend: str,
+    schedule: object,
+) -> tuple[str, list[int]]:
+    """Every metadata check of a sink_attention_cache call, then the backend and schedule."""
+    check_kernel_dtype("q", q)
+    if q.dim() != 3:
+        raise InputError(f"q: expected shape (B, H, Dh), got {tuple(q.shape)}")
+    B, H, Dh = q.shape
+    if Dh % 16:
+        raise InputError(f"q: expected a head dim that is a multiple of 16, got Dh={Dh}")
+    check_positions("q_pos", q_pos, B)
+    check_kernel_dtype("cache_kv", cache_kv)
+    if cache_kv.dtype != q.dtype:
+        raise InputError(f"cache_kv: expected dtype {q.dtype} (as q), got {cache_kv.dtype}")
+    check_shape("cache_kv", cache_kv, (None, None, Dh))
+    S, C = cache_kv.shape[:2]
+    if S < 1 or C < 1:
+        raise InputError(f"cache_kv: expected S >= 1 rings of C >= 1 rows, got {(S, C, Dh)}")
+    if not isinstance(cache_pos, torch.Tensor) or cache_pos.dtype not in (torch.int32, torch.int64):
+        got = cache_pos.dtype if isinstance(cache_pos, torch.Tensor) else type(cache_pos).__name__
+        raise InputError(f"cache_pos: expected an int32 / int64 tensor, got {got}")
+    check_shape("cache_pos", cache_pos, (S, C))
+    check_positions("slots", slots, B)
+    check_kernel_dtype("attn_sink", attn_sink)
+    check_shape("attn_sink", attn_sink, (H,))
+    check_int("window", window, 1)
+    check_number("scale", scale)
+    check_instance("batch_invariant", batch_invariant, bool)
+    dev = check_device(
+        [("q", q), ("q_pos", q_pos), ("cache_kv", cache_kv), ("cache_pos", cache_pos),
+         ("slots", slots), ("attn_sink", attn_sink)]
+    )  # fmt: skip
+    choice = select("sink_attention_cache", backend, Facts(dev, (q.dtype, attn_sink.dtype)))
+    if out is not None:
+        check_out("out", out, (B, H, Dh), q.dtype, dev)
+    return choice, _schedule_fields(schedule, H, Dh)
+
+
+def _check_cache_values(cache_pos: torch.Tensor, slots: torch.Tensor) -> None:
+    """The slot indices and the ring layout, on the device with one host read (eager only)."""
+    if torch.compiler.is_compiling():
+        return
+    if cache_pos.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    S, C = cache_pos.shape
+    rows = torch.arange(C, device=cache_pos.device)
+    bad_row = (cache_pos < -1) | ((cache_pos >= 0) & (cache_pos % C != rows))  # (S, C)
+    ok = torch.stack([~bad_row.any(), (slots < S).all()])
+    if bool(ok.all()):
+        return
+    if slots.numel() and int(slots.max()) >= S:
+        raise InputError(
+            f"slots: expected ring indices < S={S} (negative: padding), got "
+            f"{[int(v) for v in slots.tolist()]}"
+        )
+    s, r = (int(v) for v in bad_row.nonzero()[0].tolist())
+    raise InputError(
+        f"cache_pos: expected -1 (empty) or the position p held at row p % C (C={C}), got "
+        f"{int(cache_pos[s, r])} at slot {s}, row {r}"
+    )
+
+
+def sink_attention_cache(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cache_kv: torch.Tensor,
+    cache_pos: torch.Tensor,
+    slots: torch.Tensor,
+    attn_sink: torch.Tensor,
+    *,
+    window: int,
+    scale: float,
+    batch_invariant: bool = False,
+    out: torch.Tensor | None = None,
+    backend: AttentionBackend = "auto",
+    schedule: Any = None,
+) -> torch.Tensor:
+    """Decode attention over a ring KV cache (:class:`~dsv4mtp.optimized.kv_cache.DeviceKVCache`
+    layout): o (B, H, Dh) in q.dtype.
+
+    q (B, H, Dh) bf16 / fp32, Dh a multiple of 16, one query per row; q_pos (B,) int32 / int64;
+    cache_kv (S, C, Dh) in q's dtype and cache_pos (S, C) int32 / int64: ring s holds the row of
+    position p at index ``p % C`` with ``cache_pos[s, p % C] == p``, -1 for an empty row;
+    slots (B,) int32 / int64: the ring of each row, negative for a padding row (its output is
+    zero and it reads nothing); attn_sink (H,) bf16 / fp32.  Row b attends to the rows of ring
+    ``slots[b]`` with position k, ``q_pos[b] - window < k <= q_pos[b]`` (k >= 0), plus the sink
+    (docs/semantics.md, "Visibility and the sink softmax"); the math, precisions and tiles are
+    :func:`sink_attention`'s.  Rows never visible (empty, out of the window, stale) are never
+    loaded, so a NaN there cannot reach an output.  With no gap between the visible positions a
+    row's bits equal :func:`sink_attention_varlen`'s over the same keys in position order
+    (kernels/sink_attention.py, ``sink_attention_cache_kernel``).
+
+    Bytes: q and out once (2 * B * H * Dh * itemsize), each row's ring positions (C * 4 B) and
+    its visible rows once for all heads (at V4-Flash, window 128 and Dh 512 in bf16: 128 KiB of
+    keys and 576 B of positions at C = 144 per row).  One launch, no host sync: capturable at
+    fixed B.  An eager call also checks, with one host read, that every slot is < S and that
+    every ring row holds -1 or a position p at index p % C (InputError otherwise); during
+    capture or tracing the op trusts them.  ``out`` (B, H, Dh) in q's dtype, contiguous, is
+    written in place and returned.  ``batch_invariant``: every row is computed on its own, so
+    the flag changes nothing.
+    """
+    return _cache_call(
+        q, q_pos, cache_kv, cache_pos, slots, attn_sink, window, scale, batch_invariant, out,
+        backend, schedule, check_values=True,
+    )  # fmt: skip
+
+
+def _cache_call(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cache_kv: torch.Tensor,
+    cache_pos: torch.Tensor,
+    slots: torch.Tensor,
+    attn_sink: torch.Tensor,
+    window: int,
+    scale: float,
+    batch_invariant: bool,
+    out: torch.Tensor | None,
+    backend: str,
+    schedule: object,
+    *,
+    check_values: bool,
+) -> torch.Tensor:
+    """sink_attention_cache through the plan cache; ``check_values`` False for a caller that
+    keeps the ring layout itself (the sublayer: its rows are written by kv_cache_write)."""
+    key: tuple[object, ...] | None = None
+    plan: tuple[Any, ...] | None = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = (
+                "sink_attention_cache", _tensor_key(q), _tensor_key(q_pos),
+                _tensor_key(cache_kv), _tensor_key(cache_pos), _tensor_key(slots),
+                _tensor_key(attn_sink), window.__class__, window, scale.__class__, scale,
+                batch_invariant.__class__, batch_invariant, backend, schedule,
+                None if out is None
+                else (out.__class__, out.shape, out.dtype, out.device, out.is_contiguous()),
+            )  # fmt: skip
+            plan = PLANS.get(key)
+        except (AttributeError, TypeError):
+            key = None
+    if plan is None:
+        plan = _cache_plan(
+            q, q_pos, cache_kv, cache_pos, slots, attn_sink, window, scale, batch_invariant, out,
+            backend, schedule,
+        )  # fmt: skip
+        if key is not None:
+            remember(key, plan)
+    choice, fields = plan
+    if check_values:
+        _check_cache_values(cache_pos, slots)
+    tail = (int(window), float(scale), choice, fields)
+    if out is None:
+        o = _ops_cache(q, q_pos, cache_kv, cache_pos, slots, attn_sink, *tail)
+        return o  # type: ignore[no-any-return]
+    _ops_cache_out(q, q_pos, cache_kv, cache_pos, slots, attn_sink, *tail, out=out)
+    return out
+
+
 # ----------------------------------------------------------------------------- the sublayer
 # A composition in Python of the registered operators (linear, grouped_linear, rms_norm,
 # q_head_norm_rope, kv_norm_rope, sink_attention_varlen, apply_rope): no operator of its own.
@@ -468,6 +645,136 @@ def _check_sequences(
             )
 
 
+def _check_ring_sequences(
+    positions: torch.Tensor, lens: list[int], cache: DeviceKVCache, slots: torch.Tensor
+) -> None:
+    """The reference's position checks against a ring cache, with one host read of the
+    positions, the slots and each ring's newest position: slots < S and distinct (negative:
+    padding, unchecked), positions in [0, 2^31) increasing within each sequence and past its
+    ring's newest row."""
+    newest = cache.pos.max(dim=1).values.long()  # (S,), -1 for an empty ring
+    host = torch.cat([positions.long(), slots.long(), newest]).tolist()
+    T, B = positions.shape[0], slots.shape[0]
+    pos, slot, last = host[:T], host[T : T + B], host[T + B :]
+    S = cache.num_seqs
+    used = [s for s in slot if s >= 0]
+    if any(s >= S for s in used) or len(set(used)) != len(used):
+        raise InputError(
+            f"cache_slots: expected distinct ring indices < num_seqs={S} (negative: padding), "
+            f"got {slot}"
+        )
+    start = 0
+    for b, n in enumerate(lens):
+        pos_b = pos[start : start + n]
+        start += n
+        if slot[b] < 0:
+            continue
+        if any(p < 0 or p >= 2**31 for p in pos_b):
+            raise InputError(
+                f"positions: expected positions in [0, 2^31) with a DeviceKVCache, got {pos_b} "
+                f"in sequence {b}"
+            )
+        if any(a >= c for a, c in itertools.pairwise(pos_b)):
+            raise InputError(
+                f"positions: expected strictly increasing positions within sequence {b}, "
+                f"got {pos_b}"
+            )
+        if n and last[slot[b]] >= 0 and pos_b[0] <= last[slot[b]]:
+            raise InputError(
+                f"positions: sequence {b} starts at {pos_b[0]} but its kv_cache already "
+                f"holds position {last[slot[b]]}"
+            )
+
+
+def _ring_prefill(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    lens: list[int],
+    cache: DeviceKVCache,
+    slots: torch.Tensor,
+    attn_sink: torch.Tensor,
+    batch_invariant: bool,
+) -> torch.Tensor:
+    """Eager prefill against a ring cache, with one host read (the slots, the positions and
+    the rings' positions): each sequence's visible cached rows in position order, then its
+    new rows, as the keys of one varlen launch; then the new rows written (only the last C of
+    a sequence: the earlier ones would be overwritten in the same call)."""
+    W, C, dev = cache.window, cache.capacity, q.device
+    T, B, Dh = q.shape[0], len(lens), q.shape[2]
+    rings = cache.pos[slots.long().clamp(min=0)].long()  # (B, C)
+    host = torch.cat([slots.long(), positions.long(), rings.flatten()]).tolist()
+    slot, pos, ring_pos = host[:B], host[B : B + T], host[B + T :]
+    bounds = [0, *itertools.accumulate(lens)]
+    cached_src: list[int] = []  # rows of cache.kv viewed (S * C, Dh)
+    cached_dst: list[int] = []  # their rows among the keys
+    new_dst: list[int] = []  # the keys' rows of q's rows 0 .. T-1, in order (-1: none)
+    key_pos: list[int] = []
+    k_lens: list[int] = []
+    written: list[int] = []  # q's rows written to their rings
+    for b, n in enumerate(lens):
+        if slot[b] < 0 or n == 0:  # padding: reads and writes nothing, its output is zero
+            new_dst += [-1] * n
+            k_lens.append(0)
+            continue
+        first, last = pos[bounds[b]], pos[bounds[b + 1] - 1]
+        ring = ring_pos[b * C : (b + 1) * C]
+        seen = sorted((p, r) for r, p in enumerate(ring) if p >= 0 and p > first - W)
+        cached_src += [slot[b] * C + r for _, r in seen]
+        cached_dst += range(len(key_pos), len(key_pos) + len(seen))
+        key_pos += [p for p, _ in seen]
+        new_dst += range(len(key_pos), len(key_pos) + n)
+        key_pos += pos[bounds[b] : bounds[b + 1]]
+        k_lens.append(len(seen) + n)
+        written += [t for t in range(bounds[b], bounds[b + 1]) if pos[t] > last - C]
+    keys = kv.new_empty((len(key_pos), Dh))
+    if cached_src:
+        src = torch.tensor(cached_src, device=dev)
+        keys[torch.tensor(cached_dst, device=dev)] = cache.kv.view(-1, Dh)[src]
+    mine = [t for t in range(T) if new_dst[t] >= 0]
+    if mine:
+        rows = torch.tensor(mine, device=dev)
+        keys[torch.tensor([new_dst[t] for t in mine], device=dev)] = kv[rows]
+    o = sink_attention_varlen(
+        q,
+        positions,
+        keys,
+        torch.tensor(key_pos, dtype=torch.int64, device=dev),
+        attn_sink,
+        torch.tensor(bounds, dtype=torch.int32, device=dev),
+        torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32, device=dev),
+        window=W,
+        scale=Dh**-0.5,
+        batch_invariant=batch_invariant,
+    )  # fmt: skip  (T, H, Dh)
+    if written:
+        rows = torch.tensor(written, device=dev)
+        seq_of = [b for b, n in enumerate(lens) for _ in range(n)]
+        owners = torch.tensor([slot[seq_of[t]] for t in written], dtype=torch.int32, device=dev)
+        _write_out(kv[rows], positions[rows], owners, cache_kv=cache.kv, cache_pos=cache.pos)
+    return o
+
+
+_write_out = torch.ops.dsv4mtp.kv_cache_write_out.default
+_FREQS: dict[tuple[object, ...], torch.Tensor] = {}
+
+
+def _rope_table(config: DSV4Config, rope_mode: RopeMode, dev: torch.device) -> torch.Tensor:
+    """The fp32 RoPE frequency table of a config, mode and device, built once: a captured call
+    then allocates nothing for it (the yarn table is built on the host and copied)."""
+    key = (config.qk_rope_head_dim, config.rope_theta, rope_mode, repr(config.rope_scaling), dev)
+    freqs = _FREQS.get(key)
+    if freqs is None:
+        freqs = rope_frequencies(
+            config.qk_rope_head_dim, config.rope_theta, mode=rope_mode,
+            rope_scaling=config.rope_scaling, dtype=torch.float32, device=dev,
+        )  # fmt: skip
+        if len(_FREQS) >= 64:
+            _FREQS.clear()
+        _FREQS[key] = freqs
+    return freqs
+
+
 def attention(
     x: torch.Tensor,
     positions: torch.Tensor,
@@ -475,41 +782,67 @@ def attention(
     config: DSV4Config,
     *,
     seq_lens: Sequence[int] | None = None,
-    kv_cache: Sequence[KVCache] | None = None,
+    kv_cache: Sequence[KVCache] | DeviceKVCache | None = None,
     rope_mode: RopeMode = "plain",
     fp8_kv: bool = False,
     act_quant: bool = False,
     norm_order: NormOrder = "official",
     batch_invariant: bool = False,
     out: torch.Tensor | None = None,
+    cache_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MTP attention sublayer: x (T, D) bf16 / fp32 (already ``attn_norm``-ed) -> (T, D).
 
     Same signature and math as :func:`dsv4mtp.reference.attention` (docs/semantics.md,
-    "Attention with sinks") plus ``batch_invariant`` and ``out``.  positions (T,) int;
-    ``seq_lens``: lengths of consecutive sequences (default one); ``kv_cache``: one
-    :class:`KVCache` per sequence, read and then extended with this call's rows (after kv_norm,
-    RoPE and the optional FP8 round trip, as the reference stores them).  ``params``: an
-    :class:`AttentionPack`, or a core :class:`AttentionParams` packed on first use and cached
-    for that object (refused during CUDA-graph capture).  ``act_quant`` rounds the inputs of
-    wq_a, wq_b, wkv and wo_b through e4m3; wo_a (bf16 in the official code) takes none.
+    "Attention with sinks") plus ``batch_invariant``, ``out`` and ``cache_slots``.  positions
+    (T,) int; ``seq_lens``: lengths of consecutive sequences (default one, or T of one row each
+    with a :class:`DeviceKVCache`); ``kv_cache``: one :class:`KVCache` per sequence, read and
+    then extended with this call's rows (after kv_norm, RoPE and the optional FP8 round trip,
+    as the reference stores them), or one :class:`DeviceKVCache` with ``cache_slots``.
+    ``params``: an :class:`AttentionPack`, or a core :class:`AttentionParams` packed on first
+    use and cached for that object (refused during CUDA-graph capture).  ``act_quant`` rounds
+    the inputs of wq_a, wq_b, wkv and wo_b through e4m3; wo_a (bf16 in the official code) takes
+    none.
 
     Not an operator of its own: a Python composition of the registered ops, in the reference's
     order: ``linear`` wq_a (T, Rq) -> ``rms_norm`` q_norm -> ``linear`` wq_b (T, H, Dh) ->
     ``q_head_norm_rope``; ``linear`` wkv (T, Dh) -> ``kv_norm_rope`` (one fused wq_a+wkv GEMM
-    for a :func:`pack_attention_weights` pack); one ``sink_attention_varlen`` launch over every
-    sequence (its cached rows concatenated on the host before its new ones) -> ``apply_rope``
-    inverse on the output's rope dims -> ``grouped_linear`` wo_a (T, G, Ro) -> ``linear`` wo_b
-    (T, D).  Bytes per call at V4-Flash (FP8 codes): wq_a 4 MiB, wq_b 32 MiB, wkv 2 MiB, wo_a
-    32 MiB, wo_b 32 MiB, plus each sequence's KV window (at most 128 rows of 512, 128 KiB in
-    bf16) and the activations.  Every op's schedule is batch invariant under
-    ``batch_invariant=True``; rows and sequences are independent, so the flag is passed on.
+    for a :func:`pack_attention_weights` pack); the attention core -> ``apply_rope`` inverse on
+    the output's rope dims -> ``grouped_linear`` wo_a (T, G, Ro) -> ``linear`` wo_b (T, D).
+    Bytes per call at V4-Flash (FP8 codes): wq_a 4 MiB, wq_b 32 MiB, wkv 2 MiB, wo_a 32 MiB,
+    wo_b 32 MiB, plus each sequence's KV window (at most 128 rows of 512, 128 KiB in bf16) and
+    the activations.  Every op's schedule is batch invariant under ``batch_invariant=True``;
+    rows and sequences are independent, so the flag is passed on.
 
-    Validation as the reference's, with one host read of the positions, before any cache is
-    touched.  Eager: the cache concatenation and extension are host-side, and cu_q / cu_k are
-    built from host ints on every call (a call with ``kv_cache`` is refused during CUDA-graph
-    capture; capture of the cache-free call is not tested).  ``out`` (T, D) in x.dtype,
-    contiguous, receives the result (the wo_b GEMM writes it).
+    The attention core by cache:
+
+    * none or host :class:`KVCache` s: one ``sink_attention_varlen`` launch over every
+      sequence, its cached rows concatenated on the host before its new ones; cu_q / cu_k are
+      built from host ints and the caches extended on the host.  Eager only: a call with host
+      caches is refused during CUDA-graph capture.
+    * :class:`DeviceKVCache` (docs/semantics.md, "The device ring cache"): ``cache_slots`` (B,)
+      int32 / int64 on x's device names each sequence's ring, negative for a padding sequence,
+      which reads and writes no cache row and whose attention output is zero (its output rows
+      are then wo_b(wo_a(0)) = 0: finite, never NaN).  Decode, every sequence one row
+      (``seq_lens`` None means T sequences of one row): ``kv_cache_write`` puts the new rows
+      in their rings, then one ``sink_attention_cache`` launch; device indices only, no host
+      read.  Prefill, some sequence longer than one row: eager, each ring's visible rows
+      gathered in position order before the new rows, one ``sink_attention_varlen`` launch,
+      then the rows written; refused during capture.
+
+    CUDA-graph capturable call form: ``attention(x, positions, pack, config,
+    kv_cache=device_cache, cache_slots=slots, seq_lens=None, ...)`` with x (T, D),
+    positions (T,) and slots (T,) at a fixed T, ``params`` an :class:`AttentionPack` (or
+    params packed by an earlier eager call) and the RoPE table built by an earlier eager call
+    with the same config and ``rope_mode``; the inputs are then read from their device
+    buffers on each replay.  During capture the host checks below are skipped: check positions
+    and slots eagerly first.
+
+    Validation as the reference's, with one host read of the positions (and, with a
+    :class:`DeviceKVCache`, of the slots and each ring's newest position: slots < num_seqs and
+    distinct, positions in [0, 2^31) and past their ring's newest row) before any cache is
+    touched.  ``out`` (T, D) in x.dtype, contiguous, receives the result (the wo_b GEMM
+    writes it).
     """
     check_instance("config", config, DSV4Config)
     check_instance("batch_invariant", batch_invariant, bool)
@@ -522,23 +855,45 @@ def attention(
     T = x.shape[0]
     check_positions("positions", positions, T)
     dev = check_device([("x", x), ("positions", positions)])
-    if kv_cache is not None and not all(isinstance(c, KVCache) for c in kv_cache):
+    ring = kv_cache if isinstance(kv_cache, DeviceKVCache) else None
+    host = None if isinstance(kv_cache, DeviceKVCache) else kv_cache
+    if host is not None and not all(isinstance(c, KVCache) for c in host):
         raise InputError("kv_cache: expected a sequence of KVCache (one per sequence)")
+    if ring is None and cache_slots is not None:
+        raise InputError("cache_slots: expected None without a DeviceKVCache kv_cache")
     if seq_lens is not None and not all(
         isinstance(n, (int, torch.Tensor)) and not isinstance(n, bool) for n in seq_lens
     ):
         raise InputError(f"seq_lens: expected a sequence of ints, got {seq_lens!r}")
     H, Dh, Dr = config.num_attention_heads, config.head_dim, config.qk_rope_head_dim
     Dn, G, W, eps = Dh - Dr, config.o_groups, config.sliding_window, config.rms_norm_eps
-    lens = [T] if seq_lens is None else [int(n) for n in seq_lens]
+    if seq_lens is not None:
+        lens = [int(n) for n in seq_lens]
+    else:
+        lens = [1] * T if ring is not None else [T]
     if any(n < 0 for n in lens) or sum(lens) != T:
         raise InputError(f"seq_lens: expected lengths summing to T={T}, got {lens}")
-    if kv_cache is not None and len(kv_cache) != len(lens):
+    if host is not None and len(host) != len(lens):
         raise InputError(
-            f"kv_cache: expected one cache per sequence ({len(lens)}), got {len(kv_cache)}"
+            f"kv_cache: expected one cache per sequence ({len(lens)}), got {len(host)}"
         )
     capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if kv_cache is not None and capturing:
+    decode = all(n == 1 for n in lens)
+    if ring is not None:
+        check_positions("cache_slots", cache_slots, len(lens))
+        assert cache_slots is not None
+        check_device([("x", x), ("cache_slots", cache_slots)])
+        if (ring.head_dim, ring.window, ring.dtype, ring.device) != (Dh, W, x.dtype, dev):
+            raise InputError(
+                f"kv_cache: expected a DeviceKVCache of Dh={Dh}, window={W} in {x.dtype} on "
+                f"{dev}, got {ring!r}"
+            )
+        if capturing and not decode:
+            raise InputError(
+                "kv_cache: a prefill (a sequence of more than one row) with a DeviceKVCache is "
+                "eager only (not during capture); decode steps are capturable"
+            )
+    elif host is not None and capturing:
         raise InputError("kv_cache: attention with KV caches is eager only (not during capture)")
     pack = _attention_pack(params, dev)
     if pack.wq_b.out_features != H * Dh or pack.wo_b.out_features != config.hidden_size:
@@ -553,17 +908,18 @@ def attention(
             f"{pack.wo_a.groups} of {pack.wo_a.out_features}"
         )
     if not capturing and not torch.compiler.is_compiling():
-        _check_sequences(positions, lens, kv_cache)
+        if ring is not None:
+            assert cache_slots is not None
+            _check_ring_sequences(positions, lens, ring, cache_slots)
+        else:
+            _check_sequences(positions, lens, host)
     if out is not None:
         check_out("out", out, (T, config.hidden_size), x.dtype, dev)
-    freqs = rope_frequencies(
-        Dr, config.rope_theta, mode=rope_mode, rope_scaling=config.rope_scaling,
-        dtype=torch.float32, device=dev,
-    )  # fmt: skip
+    freqs = _rope_table(config, rope_mode, dev)
     bi = batch_invariant
     if T == 0:  # no rows: nothing to launch; the caches are extended by nothing, as the reference
-        if kv_cache is not None:
-            for cache in kv_cache:
+        if host is not None:
+            for cache in host:
                 cache.append(x.new_zeros(0, Dh), positions[:0])
         return out.zero_() if out is not None else x.new_zeros(0, config.hidden_size)
 
@@ -591,7 +947,52 @@ def attention(
         batch_invariant=bi,
     )  # fmt: skip  (T, Dh): the rows attended and cached
 
-    # every sequence's window in one launch: its cached rows, then its new ones
+    if ring is not None and decode:
+        # decode against the rings: write each row into its ring, then attend to the ring
+        assert cache_slots is not None
+        _write_out(kv, positions, cache_slots, cache_kv=ring.kv, cache_pos=ring.pos)
+        o = _cache_call(
+            q,
+            positions,
+            ring.kv,
+            ring.pos,
+            cache_slots,
+            pack.attn_sink,
+            W,
+            Dh**-0.5,
+            bi,
+            None,
+            "auto",
+            None,
+            check_values=False,
+        )  # fmt: skip  (T, H, Dh)
+    elif ring is not None:
+        assert cache_slots is not None
+        o = _ring_prefill(q, kv, positions, lens, ring, cache_slots, pack.attn_sink, bi)
+    else:
+        o = _host_cache_core(q, kv, positions, lens, host, pack.attn_sink, W, bi, dev)
+
+    # output path: undo the values' rotation (query position), grouped wo_a, wo_b
+    o[..., Dn:] = apply_rope(o[..., Dn:], positions, freqs, inverse=True, batch_invariant=bi)
+    z = grouped_linear(o.view(T, G, (H // G) * Dh), pack.wo_a, batch_invariant=bi)  # (T, G, Ro)
+    z = z.view(T, G * config.o_lora_rank)
+    return linear(z, pack.wo_b, act_quant=act_quant, batch_invariant=bi, out=out)
+
+
+def _host_cache_core(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    lens: list[int],
+    kv_cache: Sequence[KVCache] | None,
+    attn_sink: torch.Tensor,
+    W: int,
+    bi: bool,
+    dev: torch.device,
+) -> torch.Tensor:
+    """Every sequence's window in one varlen launch: its host-cached rows, then its new ones;
+    then the host caches extended."""
+    Dh = q.shape[2]
     bounds = [0, *itertools.accumulate(lens)]
     if kv_cache is None:
         keys, key_pos, k_lens = kv, positions, lens
@@ -605,31 +1006,22 @@ def attention(
         keys = torch.cat([k for k, _ in parts]) if parts else kv
         key_pos = torch.cat([p.to(positions.dtype) for _, p in parts]) if parts else positions
         k_lens = [int(k.shape[0]) for k, _ in parts]
-    if T:
-        cu_q = torch.tensor(bounds, dtype=torch.int32, device=dev)
-        cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32, device=dev)
-        o = sink_attention_varlen(
-            q,
-            positions,
-            keys.contiguous(),
-            key_pos,
-            pack.attn_sink,
-            cu_q,
-            cu_k,
-            window=W,
-            scale=Dh**-0.5,
-            batch_invariant=bi,
-        )  # fmt: skip  (T, H, Dh)
-    else:
-        o = q.new_zeros(0, H, Dh)
+    cu_q = torch.tensor(bounds, dtype=torch.int32, device=dev)
+    cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32, device=dev)
+    o = sink_attention_varlen(
+        q,
+        positions,
+        keys.contiguous(),
+        key_pos,
+        attn_sink,
+        cu_q,
+        cu_k,
+        window=W,
+        scale=Dh**-0.5,
+        batch_invariant=bi,
+    )  # fmt: skip  (T, H, Dh)
     if kv_cache is not None:
         for b in range(len(lens)):
             rows = slice(bounds[b], bounds[b + 1])
             kv_cache[b].append(kv[rows], positions[rows])
-
-    # output path: undo the values' rotation (query position), grouped wo_a, wo_b
-    if T:
-        o[..., Dn:] = apply_rope(o[..., Dn:], positions, freqs, inverse=True, batch_invariant=bi)
-    z = grouped_linear(o.view(T, G, (H // G) * Dh), pack.wo_a, batch_invariant=bi)  # (T, G, Ro)
-    z = z.view(T, G * config.o_lora_rank)
-    return linear(z, pack.wo_b, act_quant=act_quant, batch_invariant=bi, out=out)
+    return o

@@ -45,6 +45,7 @@ from .attention import (
     kv_norm_rope,
     q_head_norm_rope,
     sink_attention,
+    sink_attention_cache,
     sink_attention_varlen,
 )
 from .moe import fused_experts, moe, route, swiglu_expert
@@ -143,6 +144,7 @@ __all__ = [
     "rope_frequencies",
     "route",
     "sink_attention",
+    "sink_attention_cache",
     "sink_attention_varlen",
     "sinkhorn",
     "swiglu_expert",

@@ -52,6 +52,7 @@ __all__ = [
     "kv_norm_rope",
     "q_head_norm_rope",
     "sink_attention",
+    "sink_attention_cache",
     "sink_attention_varlen",
 ]
 
@@ -167,6 +168,80 @@ def sink_attention_varlen(
         )
     o = torch.cat(outs)
     return _written(out, o)
+
+
+def sink_attention_cache(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cache_kv: torch.Tensor,
+    cache_pos: torch.Tensor,
+    slots: torch.Tensor,
+    attn_sink: torch.Tensor,
+    *,
+    window: int,
+    scale: float,
+    batch_invariant: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`sink_attention` of B decode queries, each against one ring of a KV cache.
+
+    q (B, H, Dh); q_pos (B,) int; cache_kv (S, C, Dh) and cache_pos (S, C) int: ring s holds
+    the row of position p at index ``p % C`` (``cache_pos[s, p % C] == p``), -1 where empty
+    (docs/semantics.md, "The device ring cache"); slots (B,) int: the ring of each query,
+    negative for padding (output 0).  Query b sees the rows of its ring with position k,
+    ``q_pos[b] - window < k <= q_pos[b]``.  Returns o (B, H, Dh) in q.dtype; ``batch_invariant``
+    changes nothing (every query is computed on its own); ``out`` as in :func:`sink_attention`.
+    """
+    check_dtype("q", q, FLOAT_DTYPES)
+    if q.dim() != 3:
+        raise InputError(f"q: expected shape (B, H, Dh), got {tuple(q.shape)}")
+    B, H, Dh = q.shape
+    check_positions("q_pos", q_pos, B)
+    check_dtype("cache_kv", cache_kv, FLOAT_DTYPES)
+    check_shape("cache_kv", cache_kv, (None, None, Dh))
+    S, C = cache_kv.shape[:2]
+    check_positions("slots", slots, B)
+    check_dtype("attn_sink", attn_sink, FLOAT_DTYPES)
+    check_shape("attn_sink", attn_sink, (H,))
+    check_instance("batch_invariant", batch_invariant, bool)
+    _check_rings(cache_pos, S, C, slots)
+    outs = []
+    for b, s in enumerate(int(v) for v in slots.tolist()):
+        if s < 0:  # padding: no keys, no sink weight either
+            outs.append(q.new_zeros(1, H, Dh))
+            continue
+        present = cache_pos[s] >= 0  # (C,)
+        order = torch.argsort(cache_pos[s][present])  # position order
+        keys, key_pos = cache_kv[s][present][order], cache_pos[s][present][order]  # (N, Dh), (N,)
+        rows = slice(b, b + 1)
+        outs.append(
+            sink_attention(
+                q[rows], q_pos[rows], keys, key_pos, attn_sink, window=window, scale=scale
+            )
+        )
+    o = torch.cat(outs) if outs else q.new_zeros(0, H, Dh)  # (B, H, Dh)
+    return _written(out, o)
+
+
+def _check_rings(cache_pos: torch.Tensor, S: int, C: int, slots: torch.Tensor) -> None:
+    """The ring layout: cache_pos (S, C) int, each row -1 or a position p at index p % C; and
+    the slot indices < S."""
+    if not isinstance(cache_pos, torch.Tensor) or cache_pos.dtype not in (torch.int32, torch.int64):
+        got = cache_pos.dtype if isinstance(cache_pos, torch.Tensor) else type(cache_pos).__name__
+        raise InputError(f"cache_pos: expected an int32 / int64 tensor, got {got}")
+    check_shape("cache_pos", cache_pos, (S, C))
+    if slots.numel() and int(slots.max()) >= S:
+        raise InputError(
+            f"slots: expected ring indices < S={S} (negative: padding), got {slots.tolist()}"
+        )
+    rows = torch.arange(C, device=cache_pos.device)
+    bad = (cache_pos < -1) | ((cache_pos >= 0) & (cache_pos % C != rows))
+    if bool(bad.any()):
+        s, r = (int(v) for v in bad.nonzero()[0].tolist())
+        raise InputError(
+            f"cache_pos: expected -1 (empty) or the position p held at row p % C (C={C}), got "
+            f"{int(cache_pos[s, r])} at slot {s}, row {r}"
+        )
 
 
 def _check_offsets(name: str, cu: torch.Tensor, total: int) -> list[int]:

@@ -1,5 +1,7 @@
-"""Sliding-window MQA with per-head sinks (Triton): what ``sink_attention`` and
-``sink_attention_varlen`` run.  The math: docs/semantics.md, "Visibility and the sink softmax".
+"""Sliding-window MQA with per-head sinks (Triton): what ``sink_attention``,
+``sink_attention_varlen`` and ``sink_attention_cache`` run, and the ring write of
+``kv_cache_write``.  The math: docs/semantics.md, "Visibility and the sink softmax" and "The
+device ring cache".
 
 Shapes: q (Tq, H, Dh) and out (Tq, H, Dh) contiguous, kv (Tk, Dh) contiguous (one latent per
 token, the key and the value of every head), q_pos (Tq,) / k_pos (Tk,) int32 or int64,
@@ -35,6 +37,16 @@ bf16 before the PV dot (as flash attention does), for fp32 inputs both dots are 
 TF32).  Under the interpreter every dot runs in fp32 on upcast operands (Triton's interpreted
 bf16 dot is wrong) after the same bf16 rounding of P, so the CPU tier checks the GPU's rounding.
 
+Ring cache (:func:`sink_attention_cache_kernel`).  The same grid, tiles and online-softmax step
+(:func:`_rows_block`), over ring ``slots[b]`` of a cache kv (S, C, Dh), positions (S, C) whose
+row ``p % C`` holds position p (-1: empty).  Positions in a ring are not sorted, so step 1 scans
+the ring's C positions (SCAN at a time) for the first visible one, ``lo``; step 2 walks the
+positions ``lo .. q_pos`` in BLOCK_N blocks, lane i of a block loading row ``p % C`` only where
+it holds p.  With no gap in the visible positions this puts every key in the lane and block
+the contiguous kernel gives it, so both round alike.  A padding row (slot < 0) loads nothing and
+stores zeros.  The write (:func:`ring_write_kernel`): one program per new row, Dh values and one
+position stored, nothing for a negative slot or position.
+
 Bytes per call: q read once and out written once (2 * Tq * H * Dh * itemsize), plus each
 sequence's visible keys: decode at V4-Flash (Tq = 1, H 64, Dh 512, window 128) reads
 128 * 512 * 2 B = 128 KiB of keys per sequence from HBM, once for all 64 heads (the Dh / BLOCK_DV
@@ -52,7 +64,13 @@ import triton.language as tl
 
 from ._launch import INTERPRET, TritonLaunch, next_pow2, rne_bf16_if_interpreted, triton_launch
 
-__all__ = ["AttentionSchedule", "attention_schedule", "sink_attention_triton"]
+__all__ = [
+    "AttentionSchedule",
+    "attention_schedule",
+    "ring_write_triton",
+    "sink_attention_cache_triton",
+    "sink_attention_triton",
+]
 
 _LOG2E = math.log2(math.e)
 
@@ -152,7 +170,33 @@ def _key_block(
     j = start + offs_n
     j_ok = j < hi
     k_rows = kv_ptr + j[:, None] * DH  # (BLOCK_N, 1)
-    s = tl.zeros([m_i.shape[0], offs_n.shape[0]], dtype=tl.float32)
+    return _rows_block(
+        q_rows, k_rows, j_ok, h_ok, offs_d, offs_dv, m_i, l_i, acc, qk_scale, DH, BLOCK_D, IEEE,
+        INTERP,
+    )  # fmt: skip
+
+
+@triton.jit
+def _rows_block(
+    q_rows,
+    k_rows,
+    j_ok,
+    h_ok,
+    offs_d,
+    offs_dv,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    DH: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """One online-softmax step over the key rows ``k_rows`` (BLOCK_N, 1) pointers, of which the
+    lanes ``j_ok`` are keys (the others are neither loaded nor weighted): shared by the
+    contiguous-key kernel and the ring-cache kernel, so both round alike lane for lane."""
+    s = tl.zeros([m_i.shape[0], j_ok.shape[0]], dtype=tl.float32)
     for d0 in tl.static_range(0, DH, BLOCK_D):
         qc = tl.load(q_rows + d0 + offs_d[None, :], mask=h_ok[:, None], other=0.0)
         kc = tl.load(k_rows + d0 + offs_d[None, :], mask=j_ok[:, None], other=0.0)
@@ -240,15 +284,161 @@ def sink_attention_kernel(
             )  # fmt: skip
 
     # 3. the sink: one more logit with a zero value
+    o = _with_sink(sink_ptr, offs_h, h_ok, m_i, l_i, acc)
+    _store_rows(out_ptr, t, o, offs_h, h_ok, offs_dv, H, DH, INTERP)
+
+
+@triton.jit
+def _with_sink(sink_ptr, offs_h, h_ok, m_i, l_i, acc):
+    """O / Z with the sink merged as one more logit whose value is zero (it enlarges Z only)."""
     sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     m_f = tl.maximum(m_i, sink)
     alpha = tl.exp2(m_i - m_f)
     z = l_i * alpha + tl.exp2(sink - m_f)
-    o = acc * (alpha / z)[:, None]
+    return acc * (alpha / z)[:, None]
+
+
+@triton.jit
+def _store_rows(out_ptr, t, o, offs_h, h_ok, offs_dv, H: tl.constexpr, DH: tl.constexpr,
+                INTERP: tl.constexpr):  # fmt: skip
     out_ty = out_ptr.dtype.element_ty
     o = rne_bf16_if_interpreted(o, out_ty, INTERP)
     o_ptrs = out_ptr + t * (H * DH) + offs_h[:, None] * DH + offs_dv[None, :]
     tl.store(o_ptrs, o.to(out_ty), mask=h_ok[:, None])
+
+
+@triton.jit
+def sink_attention_cache_kernel(
+    q_ptr,
+    qpos_ptr,
+    kv_ptr,
+    kpos_ptr,
+    slots_ptr,
+    sink_ptr,
+    out_ptr,
+    window,
+    qk_scale,
+    H: tl.constexpr,
+    DH: tl.constexpr,
+    C: tl.constexpr,
+    SCAN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """Decode rows against a ring cache: row b's query attends to the rows of ring
+    ``slots[b]`` (kv (S, C, DH), positions (S, C), -1 empty; the row of position p at
+    ``p % C``) whose position k satisfies ``q_pos - window < k <= q_pos``."""
+    N_DV: tl.constexpr = DH // BLOCK_DV
+    N_HB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
+    pid = tl.program_id(0)
+    dv = pid % N_DV
+    hb = (pid // N_DV) % N_HB
+    t = (pid // (N_DV * N_HB)).to(tl.int64)
+
+    # 1. the ring of the row's slot, and the first visible position in it (a padding row,
+    #    slot < 0, reads nothing: every load below is masked off and no block runs)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    valid = slot >= 0
+    slot = tl.maximum(slot, 0)
+    ring_pos = kpos_ptr + slot * C
+    ring_kv = kv_ptr + slot * (C * DH)
+    pos_t = tl.load(qpos_ptr + t).to(tl.int64)
+    hi = pos_t + 1
+    lo = hi
+    for c0 in tl.static_range(0, C, SCAN):
+        offs_c = c0 + tl.arange(0, SCAN)
+        p = tl.load(ring_pos + offs_c, mask=(offs_c < C) & valid, other=-1).to(tl.int64)
+        seen = (p >= 0) & (p < hi) & (p > pos_t - window)
+        lo = tl.minimum(lo, tl.min(tl.where(seen, p, hi), axis=0))
+
+    # 2. online softmax over the positions [lo, hi), BLOCK_N at a time: position p is the row
+    #    p % C when that row holds p (else absent: masked, never loaded).  Blocks start at the
+    #    first visible position, so with no gap in the positions lane i of block k holds the
+    #    same key as in sink_attention_kernel over the same keys: the same bits.
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_rows = q_ptr + t * (H * DH) + offs_h[:, None] * DH  # (BLOCK_H, 1)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    if INTERP:
+        # The interpreter's scalars are 1-element arrays, which range() cannot take.
+        start = lo
+        while start < hi:
+            m_i, l_i, acc = _ring_block(
+                q_rows, ring_kv, ring_pos, start, hi, h_ok, offs_d, offs_dv, offs_n, m_i, l_i,
+                acc, qk_scale, C, DH, BLOCK_D, IEEE, INTERP,
+            )  # fmt: skip
+            start += BLOCK_N
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _ring_block(
+                q_rows, ring_kv, ring_pos, start, hi, h_ok, offs_d, offs_dv, offs_n, m_i, l_i,
+                acc, qk_scale, C, DH, BLOCK_D, IEEE, INTERP,
+            )  # fmt: skip
+
+    # 3. the sink; a padding row stores zeros whatever its sink
+    o = _with_sink(sink_ptr, offs_h, h_ok, m_i, l_i, acc)
+    o = tl.where(valid, o, 0.0)
+    _store_rows(out_ptr, t, o, offs_h, h_ok, offs_dv, H, DH, INTERP)
+
+
+@triton.jit
+def _ring_block(
+    q_rows,
+    ring_kv,
+    ring_pos,
+    start,
+    hi,
+    h_ok,
+    offs_d,
+    offs_dv,
+    offs_n,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    C: tl.constexpr,
+    DH: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """One online-softmax step over the positions [start, min(start + BLOCK_N, hi))."""
+    p = start + offs_n  # (BLOCK_N,) >= 0: start >= the first visible position
+    in_window = p < hi
+    row = p % C
+    held = tl.load(ring_pos + row, mask=in_window, other=-1).to(tl.int64)
+    k_rows = ring_kv + row[:, None] * DH  # (BLOCK_N, 1)
+    return _rows_block(
+        q_rows, k_rows, in_window & (held == p), h_ok, offs_d, offs_dv, m_i, l_i, acc,
+        qk_scale, DH, BLOCK_D, IEEE, INTERP,
+    )  # fmt: skip
+
+
+@triton.jit
+def ring_write_kernel(
+    new_ptr, pos_ptr, slots_ptr, kv_ptr, kpos_ptr, C, DH: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """Row t of ``new`` (T, DH) at position p into ring ``slots[t]``: kv[slot, p % C] and
+    pos[slot, p % C] = p; nothing for slot < 0 or p < 0."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    ok = (slot >= 0) & (p >= 0)
+    row = tl.maximum(slot, 0) * C + tl.maximum(p, 0) % C
+    for d0 in tl.static_range(0, DH, BLOCK_D):
+        offs = d0 + tl.arange(0, BLOCK_D)
+        v = tl.load(new_ptr + t * DH + offs, mask=ok & (offs < DH))
+        tl.store(kv_ptr + row * DH + offs, v, mask=ok & (offs < DH))
+    tl.store(kpos_ptr + row, p.to(kpos_ptr.dtype.element_ty), mask=ok)
 
 
 def _launch(
@@ -307,3 +497,74 @@ def sink_attention_triton(
         kv.shape[0], B, window, scale * _LOG2E,
     )  # fmt: skip
     return out
+
+
+def _cache_launch(
+    H: int, Dh: int, C: int, ieee: bool, sched: AttentionSchedule
+) -> tuple[TritonLaunch, int]:
+    launch = triton_launch(
+        sink_attention_cache_kernel,
+        H=H,
+        DH=Dh,
+        C=C,
+        SCAN=min(256, next_pow2(C)),
+        BLOCK_H=sched.block_h,
+        BLOCK_N=sched.block_n,
+        BLOCK_D=sched.block_d,
+        BLOCK_DV=sched.block_dv,
+        IEEE=ieee,
+        INTERP=INTERPRET,
+        num_warps=sched.num_warps,
+        num_stages=sched.num_stages,
+    )
+    per_row = (Dh // sched.block_dv) * triton.cdiv(H, sched.block_h)
+    return launch, per_row
+
+
+_CACHE_LAUNCHES: dict[tuple[object, ...], tuple[TritonLaunch, int]] = {}
+
+
+def sink_attention_cache_triton(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cache_kv: torch.Tensor,
+    cache_pos: torch.Tensor,
+    slots: torch.Tensor,
+    attn_sink: torch.Tensor,
+    out: torch.Tensor,
+    window: int,
+    scale: float,
+    sched: AttentionSchedule,
+) -> torch.Tensor:
+    """Launch :func:`sink_attention_cache_kernel`: one program per (row, head block, output
+    slice), as :func:`sink_attention_triton`'s grid."""
+    B, H, Dh = q.shape
+    if B == 0:
+        return out
+    key = (H, Dh, cache_kv.shape[1], q.dtype == torch.float32, sched)
+    entry = _CACHE_LAUNCHES.get(key)
+    if entry is None:
+        entry = _CACHE_LAUNCHES[key] = _cache_launch(*key)  # type: ignore[arg-type]
+    launch, per_row = entry
+    launch(
+        (B * per_row,), q, q_pos, cache_kv, cache_pos, slots, attn_sink, out, window,
+        scale * _LOG2E,
+    )  # fmt: skip
+    return out
+
+
+def ring_write_triton(
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    cache_kv: torch.Tensor,
+    cache_pos: torch.Tensor,
+) -> None:
+    """Launch :func:`ring_write_kernel`: one program per row of ``kv`` (T, Dh)."""
+    T, Dh = kv.shape
+    if T == 0:
+        return
+    launch = triton_launch(
+        ring_write_kernel, DH=Dh, BLOCK_D=min(512, next_pow2(Dh)), num_warps=4, num_stages=1
+    )
+    launch((T,), kv, positions, slots, cache_kv, cache_pos, cache_kv.shape[1])

@@ -1,0 +1,529 @@
+"""The device ring KV cache (``dsv4mtp.optimized.DeviceKVCache``) and the attention sublayer
+over it.
+
+Tiny config (D 256, H 4 x Dh 128 with 64 rope dims, window 16).  Every tensor that reaches an
+optimized op lives on the ``device`` fixture's device (CUDA when present, else the CPU under the
+Triton interpreter), so the same tests run on the GPU tier.  Covered: ring writes and reads
+against the host :class:`KVCache` past wraparound; decode through ``attention(kv_cache=
+DeviceKVCache)`` bitwise equal to the host-cache optimized path (contiguous positions) and within
+the layer's declared tolerance of the reference (gapped positions); rollback then re-decode
+bitwise equal to recomputation at the tightest capacity; padding rows; batch invariance; typed
+errors; the operators (opcheck); and (gpu) a captured decode step replayed on new inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dsv4mtp.config import DSV4Config
+from dsv4mtp.conformance import test_attention_layer as layer_tests
+from dsv4mtp.conformance._mtp_random import random_attention_params
+from dsv4mtp.errors import ConfigError, DSV4Error, InputError
+from dsv4mtp.kv_cache import KVCache
+from dsv4mtp.optimized import DeviceKVCache, pack_attention
+from dsv4mtp.optimized import attention as opt_attention
+from dsv4mtp.optimized import sink_attention_cache as opt_cache_attention
+from dsv4mtp.params import AttentionParams
+from dsv4mtp.reference import attention as ref_attention
+from dsv4mtp.reference import sink_attention_cache as ref_cache_attention
+
+BF16, FP32 = torch.bfloat16, torch.float32
+CFG = DSV4Config.tiny()
+D, W, Dh = CFG.hidden_size, CFG.sliding_window, CFG.head_dim
+OFFICIAL = dict(fp8_kv=True, act_quant=True, norm_order="official")
+
+
+def layer_params(dtype: torch.dtype, seed: int = 0) -> AttentionParams:
+    """Random params as a layer keeps them: linears in the activation dtype, norms and sinks
+    in fp32."""
+    p = random_attention_params(CFG, torch.Generator().manual_seed(seed))
+    lin = {"wq_a", "wq_b", "wkv", "wo_a", "wo_b"}
+    return AttentionParams(
+        **{
+            f.name: getattr(p, f.name).to(dtype if f.name in lin else FP32)
+            for f in dataclasses.fields(p)
+        }
+    )
+
+
+def _slots(values: list[int], device: str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _rows(g: torch.Generator, T: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    return torch.randn(T, D, generator=g).to(dtype).to(device)
+
+
+def _assert_same_cache(got: KVCache, want: KVCache, what: str) -> None:
+    assert got.positions is not None and want.positions is not None, what
+    assert torch.equal(got.positions.cpu(), want.positions.cpu()), what
+    assert got.kv is not None and want.kv is not None
+    assert torch.equal(got.kv.cpu(), want.kv.cpu()), what
+
+
+# ------------------------------------------------------------------------------ the ring alone
+def test_ring_writes_read_back_as_the_host_cache_past_wraparound(device: str) -> None:
+    """Rows written one call at a time (a 5-row prefill, then 40 single rows, some position
+    gaps, the ring of 16 rows wrapping around several times) read back through ``to_host``
+    exactly as a host KVCache fed the same rows keeps them; ``load`` round-trips."""
+    cache = DeviceKVCache(CFG, num_seqs=2, max_draft=0, dtype=BF16, device=device)
+    assert cache.capacity == 16 and cache.nbytes == 2 * 16 * (Dh * 2 + 4)
+    host = KVCache(W)
+    g = torch.Generator().manual_seed(1)
+    steps = [torch.arange(300, 305)]
+    last = 304
+    for i in range(40):
+        last += 1 + (i % 7 == 3) * 2  # gaps of 2 now and then
+        steps.append(torch.tensor([last]))
+    for pos in steps:
+        rows = torch.randn(pos.shape[0], Dh, generator=g).to(BF16)
+        cache.write(rows.to(device), pos.to(device), torch.ones_like(pos, device=device))
+        host.append(rows, pos)
+        _assert_same_cache(cache.to_host(1), host, f"after position {int(pos[-1])}")
+        ring = torch.arange(cache.capacity, device=device)
+        assert bool(((cache.pos < 0) | (cache.pos % cache.capacity == ring)).all()), "layout"
+    assert len(cache.to_host(0)) == 0, "slot 0 was never written"
+    cache.load(0, host)
+    _assert_same_cache(cache.to_host(0), host, "load")
+    cache.reset(_slots([1], device))
+    assert len(cache.to_host(1)) == 0 and len(cache.to_host(0)) == len(host)
+    cache.reset()
+    assert int(cache.pos.max()) == -1
+
+
+# ------------------------------------------------------------------------------ decode
+def test_decode_is_bitwise_the_host_cache_path(device: str) -> None:
+    """A prefill of two sequences (slots 2 and 0 of 3), then decode steps (T = 2, seq_lens
+    None) until the ring of 16 rows has wrapped: every output bitwise equal to the optimized
+    host-KVCache path, and the caches too.
+
+    Bitwise, not within a tolerance: the rows are the same ops' outputs, the prefill runs the
+    same varlen launch over the same keys, and with contiguous positions the ring kernel walks
+    the visible keys in the same blocks and lanes as the varlen kernel (kernels/
+    sink_attention.py).  Official preset (fp8_kv rows), the ring's kv poisoned with NaN first:
+    a row never written is never read."""
+    pack = pack_attention(layer_params(BF16), device)
+    cache = DeviceKVCache(CFG, num_seqs=3, max_draft=0, dtype=BF16, device=device)
+    cache.kv.fill_(float("nan"))
+    hosts = [KVCache(W), KVCache(W)]
+    slots = _slots([2, 0], device)
+    g = torch.Generator().manual_seed(2)
+    pos = torch.cat([torch.arange(40, 54), torch.arange(0, 5)]).to(device)
+    x = _rows(g, 19, BF16, device)
+    got = opt_attention(x, pos, pack, CFG, seq_lens=[14, 5], kv_cache=cache, cache_slots=slots,
+                        **OFFICIAL)  # fmt: skip
+    want = opt_attention(x, pos, pack, CFG, seq_lens=[14, 5], kv_cache=hosts, **OFFICIAL)
+    assert torch.equal(got, want), "prefill"
+    last = [53, 4]  # the next five positions of slot 2 overwrite rows of 38..42
+    for step in range(5):
+        last = [p + 1 for p in last]
+        x, pos = _rows(g, 2, BF16, device), torch.tensor(last, device=device)
+        got = opt_attention(x, pos, pack, CFG, kv_cache=cache, cache_slots=slots, **OFFICIAL)
+        want = opt_attention(x, pos, pack, CFG, seq_lens=[1, 1], kv_cache=hosts, **OFFICIAL)
+        assert torch.isfinite(got).all()
+        assert torch.equal(got, want), f"decode step {step}"
+    for slot, host in zip((2, 0), hosts, strict=True):
+        _assert_same_cache(cache.to_host(slot), host, f"slot {slot}")
+    assert len(cache.to_host(1)) == 0
+
+
+def test_prefill_against_filled_rings_is_bitwise_the_host_cache_path(device: str) -> None:
+    """Multi-row calls against rings that already hold rows (a chunked prefill, a verify step):
+    a batch of a 3-row chunk, a decode row, an empty sequence, a padding sequence and a chunk
+    of 40 rows (more than the ring's 32: only the last 32 are written), after a first prefill.
+    Bitwise the host-KVCache path without the padding sequence (the same varlen launch over
+    the same keys; batch_invariant=True, the two calls differ in T), caches too; the padding
+    sequence's output rows are zero."""
+    pack = pack_attention(layer_params(BF16), device)
+    cache = DeviceKVCache(CFG, num_seqs=5, dtype=BF16, device=device)
+    hosts = [KVCache(W) for _ in range(4)]
+    g = torch.Generator().manual_seed(10)
+    first_lens = [20, 6, 2, 9]
+    pos = torch.cat([torch.arange(20), torch.arange(50, 56), torch.arange(7, 9), torch.arange(9)])
+    x = _rows(g, 37, BF16, device)
+    pos = pos.to(device)
+    slots = _slots([3, 0, 4, 1], device)
+    got = opt_attention(x, pos, pack, CFG, seq_lens=first_lens, kv_cache=cache, cache_slots=slots)
+    want = opt_attention(x, pos, pack, CFG, seq_lens=first_lens, kv_cache=hosts)
+    assert torch.equal(got, want), "first prefill"
+    lens = [3, 1, 0, 2, 40]
+    pos = torch.cat([torch.arange(20, 23), torch.tensor([56]), torch.tensor([0, 1]),
+                     torch.arange(9, 49)]).to(device)  # fmt: skip
+    x = _rows(g, 46, BF16, device)
+    slots = _slots([3, 0, 4, -1, 1], device)
+    got = opt_attention(x, pos, pack, CFG, seq_lens=lens, kv_cache=cache, cache_slots=slots,
+                        batch_invariant=True)  # fmt: skip
+    host_lens, rows = [3, 1, 0, 40], torch.cat([torch.arange(4), torch.arange(6, 46)])
+    want = opt_attention(x[rows.to(device)], pos[rows.to(device)], pack, CFG, seq_lens=host_lens,
+                         kv_cache=hosts, batch_invariant=True)  # fmt: skip
+    assert torch.equal(got[rows.to(device)], want)
+    assert got[4:6].abs().max() == 0, "padding rows"
+    for slot, host in zip((3, 0, 4, 1), hosts, strict=True):
+        _assert_same_cache(cache.to_host(slot), host, f"slot {slot}")
+    assert len(cache.to_host(2)) == 0
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
+def test_decode_with_position_gaps_is_within_the_layer_tolerance(
+    dtype: torch.dtype, device: str
+) -> None:
+    """Gaps in the positions (one wider than the window): the ring kernel's blocks start at the
+    first visible position, the varlen kernel's at the first visible key, so the fp32 sums
+    differ in order; the outputs stay within the sublayer's declared tolerance of the reference
+    (``TOL`` of test_attention_layer.py)."""
+    params = layer_params(dtype)
+    pack = pack_attention(params, device)
+    cache = DeviceKVCache(CFG, num_seqs=2, max_draft=0, dtype=dtype, device=device)
+    refs = [KVCache(W), KVCache(W)]
+    slots = _slots([1, 0], device)
+    g = torch.Generator().manual_seed(3)
+    pos = torch.tensor([0, 2, 3, 7, 100, 101, 104])
+    x = torch.randn(7, D, generator=g).to(dtype)
+    lens = [4, 3]
+    got = opt_attention(x.to(device), pos.to(device), pack, CFG, seq_lens=lens, kv_cache=cache,
+                        cache_slots=slots)  # fmt: skip
+    want = ref_attention(x, pos, params, CFG, seq_lens=lens, kv_cache=refs)
+    assert layer_tests.rel_err(got.cpu(), want) < layer_tests.TOL[dtype], "prefill"
+    last = [7, 104]
+    for step, gap in enumerate((1, 3, 2, W + 1, 1, 2)):
+        last = [last[0] + gap, last[1] + 1 + step % 2]
+        x, pos = torch.randn(2, D, generator=g).to(dtype), torch.tensor(last)
+        got = opt_attention(x.to(device), pos.to(device), pack, CFG, kv_cache=cache,
+                            cache_slots=slots)  # fmt: skip
+        want = ref_attention(x, pos, params, CFG, seq_lens=[1, 1], kv_cache=refs)
+        assert layer_tests.rel_err(got.cpu(), want) < layer_tests.TOL[dtype], f"step {step}"
+
+
+def test_rollback_then_decode_equals_recomputation(device: str) -> None:
+    """At the tightest ring (C = window + max_draft - 1 = 18 for three draft steps, through
+    ``from_tensors``): after a prefill and a decode step, three draft steps; rollback keeps
+    none of sequence 0's drafts and two of sequence 1's.  Three more decode steps then give
+    bitwise the outputs (and rings) of a fresh cache that never saw the rejected drafts
+    (sequence 1's accepted drafts fed to it with sequence 0 as a padding row)."""
+    pack = pack_attention(layer_params(BF16), device)
+    C = W + 3 - 1
+    g = torch.Generator().manual_seed(4)
+    slots = _slots([0, 1], device)
+    prefill_x = _rows(g, 37, BF16, device)  # more rows than the ring holds: drafts overwrite
+    prefill_pos = torch.cat([torch.arange(20), torch.arange(500, 517)]).to(device)
+    accepted = [_rows(g, 2, BF16, device)]
+    drafts = [_rows(g, 2, BF16, device) for _ in range(3)]
+    after = [_rows(g, 2, BF16, device) for _ in range(3)]
+
+    def step(cache: DeviceKVCache, x: torch.Tensor, pos: list[int], sl: torch.Tensor):
+        return opt_attention(x, torch.tensor(pos, device=device), pack, CFG, kv_cache=cache,
+                             cache_slots=sl, batch_invariant=True)  # fmt: skip
+
+    def run(rollback: bool) -> tuple[list[torch.Tensor], list[KVCache]]:
+        kv = torch.full((2, C, Dh), float("nan"), dtype=BF16, device=device)
+        pos = torch.full((2, C), -1, dtype=torch.int32, device=device)
+        cache = DeviceKVCache.from_tensors(kv, pos, W)
+        opt_attention(prefill_x, prefill_pos, pack, CFG, seq_lens=[20, 17], kv_cache=cache,
+                      cache_slots=slots, batch_invariant=True)  # fmt: skip
+        step(cache, accepted[0], [20, 517], slots)
+        if rollback:  # positions 21..23 and 518..520 overwrite 3..5 and 500..502
+            for i, x in enumerate(drafts):
+                step(cache, x, [21 + i, 518 + i], slots)
+            cache.rollback(slots, torch.tensor([20, 519], device=device))
+        else:
+            for i, x in enumerate(drafts[:2]):
+                step(cache, x, [0, 518 + i], _slots([-1, 1], device))
+        outs = [step(cache, x, [21 + i, 520 + i], slots) for i, x in enumerate(after)]
+        return outs, [cache.to_host(0), cache.to_host(1)]
+
+    drafted, drafted_rings = run(rollback=True)
+    recomputed, recomputed_rings = run(rollback=False)
+    for i, (a, b) in enumerate(zip(drafted, recomputed, strict=True)):
+        assert torch.equal(a, b), f"decode step {i} after the rollback"
+    for s in (0, 1):
+        _assert_same_cache(drafted_rings[s], recomputed_rings[s], f"slot {s}")
+
+
+def test_padding_rows_write_nothing_and_change_no_other_row(device: str) -> None:
+    """A padding row (slot -1) among real ones: the real rows' outputs are bitwise those of the
+    same call without it, the rings are bitwise those it leaves, and its own output is zero."""
+    pack = pack_attention(layer_params(BF16), device)
+    g = torch.Generator().manual_seed(5)
+    x = _rows(g, 3, BF16, device)
+    pos = torch.tensor([20, 7, 31], device=device)
+    base = torch.randn(3, Dh, generator=g).to(BF16).to(device)
+    caches = []
+    for slots, rows in (([0, -1, 1], [0, 1, 2]), ([0, 1], [0, 2])):
+        cache = DeviceKVCache(CFG, num_seqs=3, dtype=BF16, device=device)
+        cache.write(base, torch.tensor([18, 19, 6], device=device), _slots([0, 0, 1], device))
+        r = torch.tensor(rows, device=device)
+        out = opt_attention(x[r], pos[r], pack, CFG, kv_cache=cache,
+                            cache_slots=_slots(slots, device), batch_invariant=True)  # fmt: skip
+        caches.append((cache, out))
+    (padded, with_pad), (plain, without) = caches
+    assert torch.equal(with_pad[[0, 2]], without)
+    assert with_pad[1].abs().max() == 0
+    assert torch.equal(padded.pos, plain.pos) and torch.equal(padded.kv, plain.kv)
+    assert int((padded.pos[2] >= 0).sum()) == 0, "slot 2 written"
+
+
+def test_batch_invariant_rows_are_bitwise_the_same_alone(device: str) -> None:
+    """batch_invariant=True: each decode row of a three-sequence step equals the same row
+    computed alone (its own slot, T = 1)."""
+    pack = pack_attention(layer_params(BF16), device)
+    g = torch.Generator().manual_seed(6)
+    base = torch.randn(9, Dh, generator=g).to(BF16).to(device)
+    base_pos = torch.tensor([0, 1, 2, 3, 40, 41, 42, 43, 44], device=device)
+    base_slots = _slots([0, 0, 0, 0, 2, 2, 2, 2, 2], device)
+    x = _rows(g, 2, BF16, device)
+    pos = torch.tensor([4, 45], device=device)
+
+    def run(rows: list[int], slots: list[int]) -> torch.Tensor:
+        cache = DeviceKVCache(CFG, num_seqs=3, dtype=BF16, device=device)
+        cache.write(base, base_pos, base_slots)
+        r = torch.tensor(rows, device=device)
+        return opt_attention(x[r], pos[r], pack, CFG, kv_cache=cache,
+                             cache_slots=_slots(slots, device), batch_invariant=True)  # fmt: skip
+
+    both = run([0, 1], [0, 2])
+    assert torch.equal(both[0:1], run([0], [0]))
+    assert torch.equal(both[1:2], run([1], [2]))
+
+
+# ------------------------------------------------------------------------------ the core op
+def test_cache_op_matches_the_reference_on_hand_built_rings(device: str) -> None:
+    """A ring with a stale newer row, one wrapped around, an empty one and a padding row, NaN in
+    the empty rows: the optimized op within the attention core's fp32 tolerance of the float64
+    reference; a query past its window sees nothing (0)."""
+    import dsv4mtp.conformance.pairs  # noqa: F401  (declares the pairs)
+    from dsv4mtp.conformance.registry import REGISTRY
+
+    g = torch.Generator().manual_seed(7)
+    H, C, S, w = 4, 16, 3, 8
+    kv = torch.randn(S, C, 64, generator=g)
+    pos = torch.full((S, C), -1, dtype=torch.int32)
+    for s, (start, n) in enumerate([(10, 21), (0, 3)]):
+        for p in range(start, start + n):
+            pos[s, p % C] = p
+    kv[pos < 0] = float("nan")
+    q = torch.randn(6, H, 64, generator=g)
+    q_pos = torch.tensor([29, 2, 5, 27, 3, 60])  # row 3: stale rows 28..30 not visible
+    slots = torch.tensor([0, 1, 2, 0, -1, 0])
+    sink = torch.randn(H, generator=g)
+    kw = dict(window=w, scale=0.125)
+    want = ref_cache_attention(q.double(), q_pos, kv.double(), pos, slots, sink.double(), **kw)
+    got = opt_cache_attention(*(t.to(device) for t in (q, q_pos, kv, pos, slots, sink)), **kw)
+    tol = REGISTRY["sink_attention_cache"].tolerance(FP32)
+    rel = float((got.cpu().double() - want).norm() / want.norm())
+    assert rel < tol.rel
+    assert all(got[b].abs().max() == 0 for b in (2, 4, 5)) and got[0].abs().max() > 0
+
+
+@pytest.mark.parametrize("variant", ["", "_out"])
+@pytest.mark.parametrize("op", ["sink_attention_cache", "kv_cache_write"])
+def test_cache_opcheck(op: str, variant: str, device: str) -> None:
+    """Schema, fake kernel and AOT dispatch of the operators (torch.library.opcheck)."""
+    from dsv4mtp.conformance.inputs import cache_attention_inputs
+
+    dtype = BF16 if device == "cuda" else FP32
+    args, kw = cache_attention_inputs(3, 0, shape="tiny", dtype=dtype, device=device)
+    if op == "sink_attention_cache":
+        call: tuple[object, ...] = (*args, kw["window"], kw["scale"], "triton", [])
+        outs = {"out": torch.empty_like(args[0])} if variant else {}
+    else:
+        cache_kv, cache_pos = args[2], args[3]
+        new = torch.randn(2, cache_kv.shape[2], device=device).to(dtype)
+        call = (new, torch.tensor([2000, 7], device=device), _slots([1, -1], device))
+        cache_kv = torch.nan_to_num(cache_kv)  # opcheck compares outputs: no NaN
+        tensors = (cache_kv.clone(), cache_pos.clone())
+        if variant:
+            outs = {"cache_kv": tensors[0], "cache_pos": tensors[1]}
+        else:
+            call, outs = (*call, *tensors), {}
+    torch.library.opcheck(getattr(torch.ops.dsv4mtp, op + variant).default, call, outs)
+
+
+# ------------------------------------------------------------------------------ errors
+def test_bad_arguments_raise_typed_errors(device: str) -> None:
+    with pytest.raises(InputError, match=r"^num_seqs"):
+        DeviceKVCache(CFG, num_seqs=0, dtype=BF16, device=device)
+    with pytest.raises(InputError, match=r"^max_draft"):
+        DeviceKVCache(CFG, num_seqs=1, max_draft=-1, dtype=BF16, device=device)
+    with pytest.raises(InputError, match=r"^dtype"):
+        DeviceKVCache(CFG, num_seqs=1, dtype=torch.float64, device=device)
+    with pytest.raises(InputError, match=r"^device"):
+        DeviceKVCache(CFG, num_seqs=1, dtype=BF16, device="tpu")
+    with pytest.raises(InputError, match=r"^config"):
+        DeviceKVCache(object(), num_seqs=1, dtype=BF16, device=device)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^head_dim"):
+        DeviceKVCache(CFG.replace(head_dim=120), num_seqs=1, dtype=BF16, device=device)
+    kv = torch.zeros(2, 20, Dh, dtype=BF16, device=device)
+    pos32 = torch.full((2, 20), -1, dtype=torch.int32, device=device)
+    with pytest.raises(InputError, match=r"^pos: expected an int32"):
+        DeviceKVCache.from_tensors(kv, pos32.long(), W)
+    with pytest.raises(InputError, match=r"^pos: expected shape"):
+        DeviceKVCache.from_tensors(kv, pos32[:, :10], W)
+    with pytest.raises(InputError, match=r"^kv: expected a capacity"):
+        DeviceKVCache.from_tensors(kv, pos32, 21)
+    cache = DeviceKVCache.from_tensors(kv, pos32, W)
+    with pytest.raises(InputError, match=r"^last_kept"):
+        cache.rollback(_slots([0, 1], device), _slots([3], device))
+    with pytest.raises(InputError, match=r"^slots: expected slot indices < num_seqs=2"):
+        cache.rollback(_slots([0, 2], device), _slots([3, 3], device))
+    with pytest.raises(InputError, match=r"^kv: expected"):
+        cache.write(kv[0, :2].float(), torch.arange(2, device=device), _slots([0, 0], device))
+    with pytest.raises(InputError, match=r"^slot"):
+        cache.to_host(2)
+
+
+def test_attention_with_a_device_cache_rejects_bad_calls(device: str) -> None:
+    pack = pack_attention(layer_params(BF16), device)
+    cache = DeviceKVCache(CFG, num_seqs=2, dtype=BF16, device=device)
+    cache.write(torch.zeros(1, Dh, dtype=BF16, device=device), torch.tensor([9], device=device),
+                _slots([0], device))  # fmt: skip
+    x = torch.zeros(2, D, dtype=BF16, device=device)
+    pos = torch.tensor([10, 3], device=device)
+
+    def slots(*v: int) -> dict[str, object]:
+        return dict(kv_cache=cache, cache_slots=_slots(list(v), device))
+
+    fp32_cache = DeviceKVCache(CFG, num_seqs=2, dtype=FP32, device=device)
+    cases = [
+        ("cache_slots: expected a 1-D", dict(kv_cache=cache)),
+        ("cache_slots: expected shape", slots(0)),
+        ("cache_slots: expected distinct", slots(0, 0)),
+        ("cache_slots: expected distinct", slots(0, 2)),
+        ("cache_slots: expected None", dict(kv_cache=[KVCache(W)] * 2, seq_lens=[1, 1],
+                                            cache_slots=_slots([0, 1], device))),
+        ("positions: sequence 0 starts at 9", slots(0, 1)),
+        ("positions: expected positions in", slots(1, 0)),
+        ("kv_cache: expected a DeviceKVCache", dict(kv_cache=fp32_cache,
+                                                    cache_slots=_slots([0, 1], device))),
+    ]  # fmt: skip
+    bad_pos = {
+        "positions: sequence 0 starts at 9": [9, 3],
+        "positions: expected positions in": [10, -1],
+    }
+    for message, kw in cases:
+        p = torch.tensor(bad_pos[message], device=device) if message in bad_pos else pos
+        with pytest.raises(InputError, match="^" + message):
+            opt_attention(x, p, pack, CFG, **kw)  # type: ignore[arg-type]
+    assert int((cache.pos >= 0).sum()) == 1, "a refused call wrote the cache"
+
+
+def test_cache_op_rejects_broken_rings_as_the_reference(device: str) -> None:
+    from dsv4mtp.conformance.inputs import cache_attention_inputs
+
+    args, kw = cache_attention_inputs(3, 1, shape="tiny", dtype=FP32, device=device)
+    q, q_pos, cache_kv, cache_pos, slots, sink = args
+    moved = cache_pos.clone()
+    moved[0, 0] = 17  # position 17 belongs at row 1 of a 16-row ring
+    far = slots.clone()
+    far[1] = cache_kv.shape[0]
+    for fn in (ref_cache_attention, opt_cache_attention):
+        with pytest.raises(InputError, match=r"^cache_pos: expected -1 \(empty\) or the position"):
+            fn(q, q_pos, cache_kv, moved, slots, sink, **kw)
+        with pytest.raises(InputError, match=r"^slots: expected ring indices < S="):
+            fn(q, q_pos, cache_kv, cache_pos, far, sink, **kw)
+    with pytest.raises(DSV4Error, match=r"^cache_kv: expected dtype"):
+        opt_cache_attention(q, q_pos, cache_kv.to(BF16), cache_pos, slots, sink, **kw)
+
+
+# ------------------------------------------------------------------------------ CUDA graphs
+@pytest.mark.gpu
+def test_captured_decode_step_replays_as_eager() -> None:
+    """V4-like bf16 decode through ``attention(kv_cache=DeviceKVCache, cache_slots=...)``
+    captured in a CUDA graph (T = 4 with one padding row), replayed for five steps on new x,
+    positions and slots copied into the captured buffers: outputs and rings bitwise those of
+    the same steps run eagerly on a copy of the cache."""
+    dev = "cuda"
+    pack = pack_attention(layer_params(BF16), dev)
+    g = torch.Generator().manual_seed(8)
+
+    def prefilled() -> DeviceKVCache:
+        cache = DeviceKVCache(CFG, num_seqs=6, dtype=BF16, device=dev)
+        gp = torch.Generator().manual_seed(9)
+        x = torch.randn(30, D, generator=gp).to(BF16).to(dev)
+        pos = torch.cat([torch.arange(0, 10), torch.arange(100, 120)]).to(dev)
+        opt_attention(x, pos, pack, CFG, seq_lens=[10, 20], kv_cache=cache,
+                      cache_slots=_slots([1, 4], dev))  # fmt: skip
+        return cache
+
+    graphed, eager = prefilled(), prefilled()
+    x_buf = torch.zeros(4, D, dtype=BF16, device=dev)
+    pos_buf = torch.tensor([10, 120, 0, 0], device=dev)
+    slot_buf = _slots([1, 4, -1, 3], dev)
+    out = torch.empty(4, D, dtype=BF16, device=dev)
+    scratch = prefilled()  # the warm-up call's writes go here
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        opt_attention(x_buf, pos_buf, pack, CFG, kv_cache=scratch, cache_slots=slot_buf, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt_attention(x_buf, pos_buf, pack, CFG, kv_cache=graphed, cache_slots=slot_buf, out=out)
+    last = {1: 9, 4: 119, 3: -1}
+    for step in range(5):
+        slots = [1, 4, -1, 3] if step % 2 == 0 else [4, -1, 1, 3]
+        pos = [last[s] + 1 if s >= 0 else 0 for s in slots]
+        for s in slots:
+            if s >= 0:
+                last[s] += 1
+        x = torch.randn(4, D, generator=g).to(BF16).to(dev)
+        x_buf.copy_(x)
+        pos_buf.copy_(torch.tensor(pos, device=dev))
+        slot_buf.copy_(_slots(slots, dev))
+        graph.replay()
+        want = opt_attention(x, torch.tensor(pos, device=dev), pack, CFG, kv_cache=eager,
+                             cache_slots=_slots(slots, dev))  # fmt: skip
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"step {step}"
+        assert torch.equal(graphed.pos, eager.pos) and torch.equal(graphed.kv, eager.kv)
+
+
+@pytest.mark.gpu
+def test_captured_rollback_and_write_replay_as_eager() -> None:
+    """``rollback`` and ``write`` captured in one CUDA graph, replayed on new slots, bounds,
+    rows and positions: the rings bitwise those of the same calls run eagerly."""
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(11)
+
+    def filled() -> DeviceKVCache:
+        cache = DeviceKVCache(CFG, num_seqs=4, dtype=BF16, device=dev)
+        pos = torch.arange(40, device=dev).repeat(4)
+        slots = torch.arange(4, device=dev).repeat_interleave(40)
+        keep = pos >= 40 - cache.capacity
+        rows = torch.randn(
+            160, Dh, device=dev, generator=torch.Generator(device=dev).manual_seed(12)
+        )
+        cache.write(rows[keep].to(BF16), pos[keep], slots[keep])
+        return cache
+
+    graphed, eager = filled(), filled()
+    slot_buf, keep_buf = _slots([0, 2, -1], dev), torch.tensor([30, 35, 0], device=dev)
+    rows_buf = torch.zeros(3, Dh, dtype=BF16, device=dev)
+    pos_buf = torch.tensor([31, 36, 0], device=dev)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (JIT) on a scratch cache
+        scratch = filled()
+        scratch.rollback(slot_buf, keep_buf)
+        scratch.write(rows_buf, pos_buf, slot_buf)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed.rollback(slot_buf, keep_buf)
+        graphed.write(rows_buf, pos_buf, slot_buf)
+    for slots, keep in (([0, 2, -1], [30, 35, 0]), ([3, -1, 1], [20, 0, 38])):
+        rows = torch.randn(3, Dh, device=dev, generator=g).to(BF16)
+        pos = [k + 1 for k in keep]
+        slot_buf.copy_(_slots(slots, dev))
+        keep_buf.copy_(torch.tensor(keep, device=dev))
+        rows_buf.copy_(rows)
+        pos_buf.copy_(torch.tensor(pos, device=dev))
+        graph.replay()
+        eager.rollback(_slots(slots, dev), torch.tensor(keep, device=dev))
+        eager.write(rows, torch.tensor(pos, device=dev), _slots(slots, dev))
+        torch.cuda.synchronize()
+        assert torch.equal(graphed.pos, eager.pos) and torch.equal(graphed.kv, eager.kv), slots

@@ -1,0 +1,282 @@
+"""One MTP layer's KV rows of many sequences, preallocated on the device: :class:`DeviceKVCache`.
+
+The host :class:`~dsv4mtp.kv_cache.KVCache` concatenates and slices tensors per call and its
+owner reads positions on the host, so a decode step that uses it cannot be captured in a CUDA
+graph.  This cache is two fixed tensors that every call reads and writes in place, through
+device-side indices only: ``kv (S, C, Dh)`` and ``pos (S, C)`` int32.  The math of what is
+visible: docs/semantics.md, "Attention with sinks", "KV cache" and "The device ring cache".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4mtp.checks import (
+    check_device_arg,
+    check_dtype_arg,
+    check_instance,
+    check_int,
+    check_positions,
+)
+from dsv4mtp.config import DSV4Config
+from dsv4mtp.errors import ConfigError, InputError
+from dsv4mtp.kv_cache import KVCache
+
+from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
+from .kernels._launch import KERNEL_DTYPES
+
+__all__ = ["RING_ALIGN", "DeviceKVCache", "ring_capacity"]
+
+_write_out = torch.ops.dsv4mtp.kv_cache_write_out.default
+
+#: The ring capacity is rounded up to a multiple of this many rows.
+RING_ALIGN = 16
+
+
+def ring_capacity(window: int, max_draft: int) -> int:
+    """C = window + max_draft rounded up to a multiple of :data:`RING_ALIGN`."""
+    return -(-(window + max_draft) // RING_ALIGN) * RING_ALIGN
+
+
+class DeviceKVCache:
+    """The KV rows of one MTP layer for up to ``num_seqs`` sequences, preallocated on the device.
+
+    ``kv (num_seqs, C, Dh)`` in the layer dtype (bf16 / fp32): the rows exactly as attended
+    (after kv_norm, RoPE and, with ``fp8_kv``, the FP8 rounding, stored rounded in that dtype as
+    the reference stores them); ``pos (num_seqs, C)`` int32, -1 for an empty row.  Sequence slot
+    s is a ring: the row of position p lives at ``kv[s, p % C]`` and ``pos[s, p % C] == p``, so
+    writing position p overwrites position ``p - C``.  A query at position q sees the rows with
+    ``q - window < pos <= q`` (docs/semantics.md, "Visibility and the sink softmax"): one never
+    reads a row that is empty, out of its window or overwritten, so stale data cannot leak.
+
+    Capacity.  ``C >= window + max_draft`` (rounded up to a multiple of 16).  Speculative
+    decoding writes up to ``max_draft`` draft positions past the last accepted one, L; a
+    rejected draft is undone by :meth:`rollback`, which empties the rows with ``pos > L``.
+    Those draft writes overwrote positions ``<= L + max_draft - C <= L - window``, and the next
+    query (at L + 1) sees only positions ``> L + 1 - window``: no row it needs was overwritten,
+    so decoding after a rollback gives the bits of decoding as if the draft never ran
+    ("rollback equals recomputation").  Drafting more than ``max_draft`` positions past the last
+    kept one before rolling back breaks that guarantee.
+
+    Device only and capturable: :meth:`write`, :meth:`rollback` and :meth:`reset` take device
+    tensors and never read them on the host (an eager call checks slot indices with one host
+    read; a call during CUDA-graph capture trusts them).  :meth:`load` and :meth:`to_host`
+    convert from / to the host :class:`~dsv4mtp.kv_cache.KVCache` of one sequence (tests,
+    engine interop).
+
+    Integration point: an engine that owns its memory hands its own tensors to
+    :meth:`from_tensors`; the layer then reads and writes them in place.
+    """
+
+    kv: torch.Tensor
+    pos: torch.Tensor
+    window: int
+
+    def __init__(
+        self,
+        config: DSV4Config,
+        *,
+        num_seqs: int,
+        max_draft: int = 8,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        check_instance("config", config, DSV4Config)
+        check_int("num_seqs", num_seqs, 1)
+        check_int("max_draft", max_draft, 0)
+        dt = check_dtype_arg("dtype", dtype, KERNEL_DTYPES)
+        dev = check_device_arg("device", device)
+        Dh, window = config.head_dim, config.sliding_window
+        if Dh % 16:
+            raise ConfigError(f"head_dim: expected a multiple of 16 (the kernels' tiles), got {Dh}")
+        if window < 1:
+            raise ConfigError(f"sliding_window: expected an int >= 1, got {window}")
+        C = ring_capacity(window, max_draft)
+        kv = torch.zeros((num_seqs, C, Dh), dtype=dt, device=dev)
+        pos = torch.full((num_seqs, C), -1, dtype=torch.int32, device=dev)
+        self._init(kv, pos, window)
+
+    @classmethod
+    def from_tensors(cls, kv: torch.Tensor, pos: torch.Tensor, window: int) -> DeviceKVCache:
+        """A cache over an engine's own tensors (read and written in place, never copied):
+        ``kv (S, C, Dh)`` bf16 / fp32 and ``pos (S, C)`` int32, both contiguous on one device,
+        Dh a multiple of 16, ``C >= window`` (``C >= window + max_draft`` for the rollback
+        guarantee); ``pos`` -1 in empty rows and p in row ``p % C`` otherwise."""
+        check_int("window", window, 1)
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 3 or kv.dtype not in KERNEL_DTYPES:
+            got = f"{kv.dtype} {tuple(kv.shape)}" if isinstance(kv, torch.Tensor) else type(kv)
+            raise InputError(f"kv: expected a (S, C, Dh) bfloat16 / float32 tensor, got {got}")
+        S, C, Dh = kv.shape
+        if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int32:
+            got = f"{pos.dtype}" if isinstance(pos, torch.Tensor) else type(pos).__name__
+            raise InputError(f"pos: expected an int32 tensor, got {got}")
+        if tuple(pos.shape) != (S, C):
+            raise InputError(f"pos: expected shape ({S}, {C}) (as kv), got {tuple(pos.shape)}")
+        if pos.device != kv.device:
+            raise InputError(f"pos: expected device {kv.device} (as kv), got {pos.device}")
+        for name, t in (("kv", kv), ("pos", pos)):
+            if not t.is_contiguous():
+                raise InputError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+        if S < 1 or Dh < 16 or Dh % 16:
+            raise InputError(
+                f"kv: expected S >= 1 sequences and Dh a multiple of 16, got {tuple(kv.shape)}"
+            )
+        if window > C:
+            raise InputError(f"kv: expected a capacity C >= window={window} rows, got C={C}")
+        obj = cls.__new__(cls)
+        obj._init(kv, pos, window)
+        return obj
+
+    def _init(self, kv: torch.Tensor, pos: torch.Tensor, window: int) -> None:
+        self.kv, self.pos, self.window = kv, pos, window
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_seqs(self) -> int:
+        return int(self.kv.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        """C, the ring's rows per sequence."""
+        return int(self.kv.shape[1])
+
+    @property
+    def max_draft(self) -> int:
+        """Draft positions past the last kept one that a rollback can undo: C - window."""
+        return self.capacity - self.window
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.kv.shape[2])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held: ``S * C * (Dh * itemsize + 4)``."""
+        return self.kv.numel() * self.kv.element_size() + self.pos.numel() * 4
+
+    def __repr__(self) -> str:
+        return (
+            f"DeviceKVCache(num_seqs={self.num_seqs}, capacity={self.capacity}, "
+            f"window={self.window}, head_dim={self.head_dim}, dtype={self.dtype}, "
+            f"device={self.device})"
+        )
+
+    # ------------------------------------------------------------------ device-side updates
+    def _slots(self, name: str, slots: object, length: int | None = None) -> torch.Tensor:
+        check_positions(name, slots, length)
+        assert isinstance(slots, torch.Tensor)
+        if slots.device != self.device:
+            raise InputError(
+                f"{name}: expected device {self.device} (the cache's), got {slots.device}"
+            )
+        return slots
+
+    def check_slots(self, name: str, slots: torch.Tensor) -> None:
+        """Eager only (one host read; nothing while a CUDA graph is captured): every slot is
+        < num_seqs (a negative slot is padding)."""
+        if _capturing(slots):
+            return
+        if slots.numel() and int(slots.max()) >= self.num_seqs:
+            raise InputError(
+                f"{name}: expected slot indices < num_seqs={self.num_seqs} (negative: padding), "
+                f"got {[int(s) for s in slots.tolist()]}"
+            )
+
+    def write(self, kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Row t of ``kv (T, Dh)`` at ``positions[t]`` into the ring of ``slots[t]`` (device
+        tensors, T each); rows with a negative slot (padding) or position write nothing.  The
+        rows' (slot, position % C) must be distinct; the caller keeps positions increasing.
+        One launch (``torch.ops.dsv4mtp.kv_cache_write_out``) moving T * (2 * Dh * itemsize
+        + 4) bytes plus the slots and positions, capturable."""
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 2 or kv.shape[1] != self.head_dim:
+            got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
+            raise InputError(f"kv: expected shape (T, {self.head_dim}), got {got}")
+        if kv.dtype != self.dtype or kv.device != self.device:
+            raise InputError(
+                f"kv: expected {self.dtype} on {self.device} (the cache's), got {kv.dtype} on "
+                f"{kv.device}"
+            )
+        T = kv.shape[0]
+        check_positions("positions", positions, T)
+        slots = self._slots("slots", slots, T)
+        if positions.device != self.device:
+            raise InputError(f"positions: expected device {self.device}, got {positions.device}")
+        self.check_slots("slots", slots)
+        if T:
+            _write_out(kv, positions, slots, cache_kv=self.kv, cache_pos=self.pos)
+
+    def rollback(self, slots: torch.Tensor, last_kept: torch.Tensor) -> None:
+        """Empty, in the ring of each ``slots[b]``, the rows with ``pos > last_kept[b]``
+        (device tensors (B,); a negative slot is padding; ``last_kept < 0`` empties the slot;
+        a slot listed twice keeps the smaller bound).  No host read, capturable."""
+        slots = self._slots("slots", slots)
+        last_kept = self._slots("last_kept", last_kept, slots.shape[0])
+        self.check_slots("slots", slots)
+        S = self.num_seqs
+        index = torch.where(slots >= 0, slots.long(), S)  # padding -> the spare entry S
+        limit = torch.full((S + 1,), 2**31 - 1, dtype=torch.int64, device=self.device)
+        limit.scatter_reduce_(0, index, last_kept.long(), reduce="amin")
+        self.pos.masked_fill_(self.pos > limit[:S, None], -1)
+
+    def reset(self, slots: torch.Tensor | None = None) -> None:
+        """Empty every row (``slots`` None) or the rings of ``slots`` (a device tensor (B,),
+        negative entries ignored).  Device only, capturable."""
+        if slots is None:
+            self.pos.fill_(-1)
+            return
+        slots = self._slots("slots", slots)
+        self.rollback(slots, torch.full_like(slots, -1))
+
+    # ------------------------------------------------------------------ host interop
+    def _slot_index(self, slot: object) -> int:
+        s = check_int("slot", slot, 0)
+        if s >= self.num_seqs:
+            raise InputError(f"slot: expected an int < num_seqs={self.num_seqs}, got {s}")
+        return s
+
+    def load(self, slot: int, host: KVCache) -> None:
+        """Replace ring ``slot`` with the rows of a host :class:`KVCache` (eager: host reads)."""
+        s = self._slot_index(slot)
+        check_instance("host", host, KVCache)
+        if host.window != self.window:
+            raise InputError(f"host: expected a KVCache of window {self.window}, got {host.window}")
+        self.pos[s] = -1
+        if host.kv is None or host.positions is None or not len(host):
+            return
+        kv, positions = host.kv.to(self.device), host.positions.to(self.device)
+        if kv.dtype != self.dtype:
+            raise InputError(f"host: expected rows in {self.dtype} (the cache's), got {kv.dtype}")
+        keep = positions > positions[-1] - self.capacity  # distinct rows p % C
+        kv, positions = kv[keep].contiguous(), positions[keep]
+        self.write(kv, positions, torch.full_like(positions, s))
+
+    def to_host(self, slot: int) -> KVCache:
+        """Ring ``slot`` as a host :class:`KVCache`: its rows ordered by position, only those
+        the next position can see (``pos > newest - window + 1``), as KVCache keeps them.
+        The tensors stay on the cache's device."""
+        s = self._slot_index(slot)
+        out = KVCache(self.window)
+        pos = self.pos[s].long()  # (C,)
+        present = pos >= 0
+        if not bool(present.any()):
+            return out
+        newest = int(pos.max())
+        order = torch.argsort(torch.where(present, pos, newest + 1))
+        keep = order[: int(present.sum())]
+        keep = keep[pos[keep] > newest - self.window + 1]
+        out.kv, out.positions = self.kv[s, keep].clone(), pos[keep].clone()
+        return out
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
