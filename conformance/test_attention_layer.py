@@ -286,12 +286,13 @@ def test_bad_params_and_dtypes() -> None:
 
 
 def test_signature_extends_the_reference() -> None:
-    """The reference's parameters, in order, with the same kinds and defaults; nothing extra
-    (the sublayer has no backend of its own)."""
+    """The reference's parameters, in order, with the same kinds and defaults, then one
+    optimized-only keyword: ``cache_slots`` (for a DeviceKVCache; the sublayer has no backend
+    of its own)."""
     import inspect
 
     ref = inspect.signature(ref_attention).parameters
     opt = inspect.signature(_opt_attention).parameters
-    assert [(p.name, p.kind, p.default) for p in opt.values()] == [
-        (p.name, p.kind, p.default) for p in ref.values()
-    ]
+    sig = [(p.name, p.kind, p.default) for p in opt.values()]
+    assert sig[:-1] == [(p.name, p.kind, p.default) for p in ref.values()]
+    assert sig[-1] == ("cache_slots", inspect.Parameter.KEYWORD_ONLY, None)
