@@ -157,6 +157,16 @@ def test_code_decodes_are_exact_for_every_code(device: str) -> None:
     assert torch.equal(hi.double(), want_hi)
 
 
+@pytest.mark.parametrize("T", [1, 2])
+def test_default_schedule_fits_small_k(T: int, device: str) -> None:
+    """The default schedule's 4-way K split at T <= 2 (GPU) on the tiny shape, whose K (D 256,
+    I 128) cannot be split four ways in 128-wide steps: the launchers split less instead of
+    reading misaligned slices (which returned NaN and garbage before)."""
+    for fmt in ("mxfp4", "fp8"):
+        args, kw = moe_inputs("moe", T, 5, shape="tiny", fmt=fmt, device=device, magnitude=4.0)
+        _check("moe", moe(*args, **kw), args, kw)
+
+
 def test_split_schedule_is_batch_invariant(device: str) -> None:
     (x, params, cfg), _ = moe_inputs("moe", 9, 13, shape=_shape(device), fmt="fp8", device=device)
     s = SCHEDULES["split_group_swap_bits"]

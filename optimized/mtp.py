@@ -515,8 +515,10 @@ class DecodeGraphs:
         ok = real & finite & ids_ok & pos_ok
         reason = torch.where(~finite, 1, torch.where(~ids_ok, 2, 3))
         bad = real & ~ok
-        row = torch.where(bad.any(), bad.to(torch.int32).argmax(), -1)
-        new = torch.stack([row, torch.where(row >= 0, reason[row.clamp_min(0)], -1)])
+        # no host read while capturing: a 0-d index tensor would be read, gather is not
+        row = torch.where(bad.any(), bad.to(torch.int32).argmax(), -1).view(1)
+        why = torch.where(row >= 0, reason.gather(0, row.clamp_min(0)), -1)
+        new = torch.cat([row, why])
         self.bad.copy_(torch.where(self.bad[0] >= 0, self.bad, new))
         hidden = L._run(
             torch.where(ok, ids, 0),

@@ -88,6 +88,8 @@ summation order only.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -635,6 +637,17 @@ def _grid(num_m: int, n: int, tile: GemmTile) -> tuple[int, ...]:
     return (num_m, nt, tile.split_k)
 
 
+def _fit_split(tile: GemmTile, K: int) -> GemmTile:
+    """The tile with its K split halved until every split covers whole BLOCK_K steps (the
+    kernels place split s at s * (K / SPLIT_K), asserted a multiple of BLOCK_K): V4's K (4096,
+    7168, 2048, 3072) take the default 4-way split; small test shapes (K 256 or 128) fall
+    back to fewer splits rather than misaligned slices."""
+    split = tile.split_k
+    while split > 1 and K % (split * tile.block_k):
+        split //= 2
+    return tile if split == tile.split_k else dataclasses.replace(tile, split_k=split)
+
+
 def _tile_meta(tile: GemmTile, decode: str, fp4_join: bool) -> dict[str, object]:
     return dict(
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT_K=tile.split_k, GROUP_M=tile.group_m,
@@ -668,6 +681,7 @@ def moe_gate_up_triton(
     T, D = x.shape
     identity = sorted_slot is None
     dummy = gscale
+    tile = _fit_split(tile, D)
     split = tile.split_k
     rows = num_m_blocks * block_m
     part = (
@@ -717,6 +731,7 @@ def moe_down_triton(
     (split_k, rows_out, D), unscaled, for :func:`moe_reduce_triton`."""
     identity = sorted_slot is None
     dummy = gscale
+    tile = _fit_split(tile, inter)
     split = tile.split_k
     if split > 1:
         y = torch.empty((split, rows_out, D), dtype=torch.float32, device=h.device)
