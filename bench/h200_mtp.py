@@ -302,6 +302,68 @@ def bench_reference(ref: Any, T: int, g: torch.Generator) -> dict[str, Any]:
     return row
 
 
+# ------------------------------------------------------------------------------------- report
+def markdown(result: dict[str, Any]) -> str:
+    """The tables of one run (bench/results/mtp-h200.md adds the reading of them)."""
+    m, rows = result["meta"], result["rows"]
+    out = [
+        f"Command: `{m['command']}`, commit {m['commit']}, {m['gpu']}, torch {m['torch']}, "
+        f"triton {m['triton']}; same-run copy {m['copy_bw_TBps']:.3f} TB/s, bf16 GEMM "
+        f"{m['gemm_TFLOPs']:.1f} TFLOP/s.  V4-Flash shapes, {m['expert_format']} experts, FP8 "
+        f"dense linears, bf16 head; checkpoint written in {m['write_s']:.1f} s, loaded in "
+        f"{m['load_s']:.1f} s (GPU {m['gpu_kept_GB']:.2f} GB kept, host peak RSS "
+        f"{m['load_peak_rss_GB']:.1f} GB), {len(DECODE_T)} buckets captured in "
+        f"{m['capture_s']:.1f} s.",
+        "",
+        "| step | T | time (us) | eager (us) | floor (us) | time / floor | target | bytes (MB) "
+        "| GFLOP | experts |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        target = TARGETS[r["kind"]]
+        met = "met" if r["ratio"] <= target else "missed"
+        eager = f"{r['eager_us']:.0f}" if r["kind"] == "decode" else "(eager)"
+        out.append(
+            f"| {r['kind']} | {r['T']} | {r['us']:.1f} | {eager} | {r['floor_us']:.1f} | "
+            f"{r['ratio']:.2f} | <= {target} {met} | {r['bytes'] / 1e6:.0f} | "
+            f"{r['flops'] / 1e9:.1f} | {r['distinct_experts']} |"
+        )
+    for p in result["peers"]:
+        out.append(f"\nPeer: {p['peer']}, T {p['T']}: {p['us']:.0f} us.")
+    for T, kernels in result["breakdown"].items():
+        out += ["", f"Per kernel, decode T {T} (torch.profiler over 5 replays):", "",
+                "| kernel | us / step | launches |", "|---|---|---|"]  # fmt: skip
+        out += [
+            f"| `{k['kernel'][:70]}` | {k['us_per_step']:.1f} | {k['calls']} |" for k in kernels
+        ]
+    return "\n".join(out) + "\n"
+
+
+def svg(rows: list[dict[str, Any]]) -> str:
+    """Time and floor per step as paired bars on a log axis (no plotting dependency)."""
+    import math
+
+    w, h, left, bottom = 560, 300, 60, 40
+    lo, hi = 1.0, math.log10(max(r["us"] for r in rows) * 2)
+    y = lambda v: h - bottom - (math.log10(v) - lo) / (hi - lo) * (h - bottom - 20)  # noqa: E731
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+             'font-family="sans-serif" font-size="11">']  # fmt: skip
+    for e in range(int(lo), int(hi) + 1):
+        parts.append(f'<line x1="{left}" x2="{w - 10}" y1="{y(10**e):.0f}" y2="{y(10**e):.0f}" '
+                     f'stroke="#ddd"/><text x="4" y="{y(10**e) + 4:.0f}">{10**e} us</text>')  # fmt: skip
+    step = (w - left - 20) / len(rows)
+    for i, r in enumerate(rows):
+        x0 = left + i * step + 8
+        for j, (key, color) in enumerate((("us", "#3367d6"), ("floor_us", "#aaa"))):
+            top = y(max(r[key], 10**lo))
+            parts.append(f'<rect x="{x0 + j * 22:.0f}" y="{top:.0f}" width="20" '
+                         f'height="{h - bottom - top:.0f}" fill="{color}"/>')  # fmt: skip
+        parts.append(f'<text x="{x0:.0f}" y="{h - bottom + 14}">{r["kind"][:3]} {r["T"]}</text>'
+                     f'<text x="{x0:.0f}" y="{h - bottom + 27}">{r["ratio"]:.2f}x</text>')  # fmt: skip
+    parts.append(f'<text x="{left}" y="12">time (blue) vs floor (grey), log scale</text></svg>')
+    return "\n".join(parts) + "\n"
+
+
 # ------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -384,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
     result = {"meta": meta, "rows": rows, "breakdown": breakdown, "peers": peers}
     with open(os.path.join(args.out, "mtp-h200.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
+    with open(os.path.join(args.out, "mtp-h200-table.md"), "w") as f:
+        f.write(markdown(result))
+    with open(os.path.join(args.out, "mtp-h200.svg"), "w") as f:
+        f.write(svg(rows))
     print(json.dumps(breakdown, indent=1)[:4000])
     return 0
 
