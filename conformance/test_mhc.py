@@ -480,7 +480,7 @@ def test_optimized_mhc_rejects_bad_input(device: str) -> None:
 
 
 def test_optimized_auto_backends_are_declared() -> None:
-    assert PRE_AUTO_BACKEND in ("triton", "flashinfer", "flashinfer_prenorm")
+    assert PRE_AUTO_BACKEND in ("triton", "triton_fma", "flashinfer", "flashinfer_prenorm")
     assert HEAD_AUTO_BACKEND in ("triton_fma", "triton_mma")
 
 
