@@ -9,6 +9,7 @@ explains a kernel that streams well alone but slowly inside a fused kernel.
     python bench/sm90_resources.py            # default schedules, one line per kernel phase
     python bench/sm90_resources.py --collapse '[[64, 256, 32, 16, 4, 3, true]]'  # candidates
     python bench/sm90_resources.py --rope     # the RoPE / q / kv path kernel only
+    python bench/sm90_resources.py --pre-fma  # hc_pre's small-batch FMA kernels only
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ from dsv4mtp.optimized.kernels.mhc_collapse import (
 )
 from dsv4mtp.optimized.kernels.mhc_head import mhc_head_fma_kernel
 from dsv4mtp.optimized.kernels.mhc_mix import mhc_mix_kernel, mix_config
+from dsv4mtp.optimized.kernels.mhc_pre_small import (
+    mhc_pre_apply_kernel,
+    mhc_pre_mix_kernel,
+    pre_small_schedule,
+)
 
 TARGET = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM = 65536
@@ -174,6 +180,32 @@ def linear_lines() -> list[str]:
     return lines
 
 
+def pre_fma_lines() -> list[str]:
+    """hc_pre's small-batch kernels (kernels/mhc_pre_small.py) at n = 4, D 4096 / 7168, bf16 x,
+    20 Sinkhorn iterations: the mix and the reduce + apply launch."""
+    f32 = "*fp32"
+    lines = []
+    for D in (4096, 7168):
+        rows, block_t, block_d, tpp, block_ta, block_da, warps = pre_small_schedule(4, D)
+        S, G, SA = triton.cdiv(D, block_d), triton.cdiv(24, rows), triton.cdiv(D, block_da)
+        sig = dict(x_ptr="*bf16", fn_ptr=f32, part_ptr=f32, sq_ptr=f32, T="i32")
+        consts = dict(D=D, N=4, M=24, S=S, G=G, ROWS=rows, BLOCK_T=block_t, BLOCK_D=block_d)
+        line = resources(mhc_pre_mix_kernel, sig, consts, num_warps=warps)
+        tile = (rows, block_t, block_d)
+        lines.append(f"hc_pre fma D={D} mix   (rows, block_t, block_d) {tile}: {line}")
+        sig = dict(
+            x_ptr="*bf16", scale_ptr=f32, base_ptr=f32, part_ptr=f32, sq_ptr=f32, gate_ptr=f32,
+            out_ptr="*bf16", post_ptr=f32, comb_ptr=f32, T="i32", rms_eps="fp32",
+            hc_eps="fp32", post_mult="fp32",
+        )  # fmt: skip
+        consts = dict(D=D, N=4, NP=4, M=24, S=S, SINKHORN_ITERS=20, TPP=tpp, SA=SA,
+                      BLOCK_TA=block_ta, BLOCK_DA=block_da, INTERP=False)  # fmt: skip
+        line = resources(mhc_pre_apply_kernel, sig, consts, num_warps=warps)
+        tile = (tpp, block_ta, block_da)
+        lines.append(f"hc_pre fma D={D} apply (tpp, block_t, block_d) {tile}: {line}")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -184,7 +216,12 @@ def main() -> None:
     )
     p.add_argument("--linear", action="store_true", help="the dense linears only")
     p.add_argument("--rope", action="store_true", help="only the RoPE / q / kv path kernel")
+    p.add_argument("--pre-fma", action="store_true", help="only hc_pre's small-batch kernels")
     args = p.parse_args()
+    if args.pre_fma:
+        for line in pre_fma_lines():
+            print(line, flush=True)
+        return
     if args.linear or args.rope:
         for line in linear_lines() if args.linear else rope_lines():
             print(line, flush=True)
@@ -214,6 +251,8 @@ def main() -> None:
                   INTERP=False)  # fmt: skip
     line = resources(mhc_head_fma_kernel, head_sig, consts, num_warps=4)
     print(f"hc_head fma (4 x 256, 4 warps): {line}", flush=True)
+    for line in pre_fma_lines():
+        print(line, flush=True)
     for line in rope_lines():
         print(line, flush=True)
 

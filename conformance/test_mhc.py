@@ -338,6 +338,39 @@ def test_optimized_hc_pre_backends_agree(T: int, D: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [4, 3])
+def test_optimized_hc_pre_fma_agrees_with_the_collapse(
+    n: int, dtype: torch.dtype, device: str
+) -> None:
+    """hc_pre's small-batch kernel (fp32 FMA mix, kernels/mhc_pre_small.py) and the collapse
+    (bf16 hi/lo tensor-core mix) compute one function: both within the registry's tolerance of
+    the float64 oracle; post and comb, formed by the same reduce code from mixes that differ by
+    the collapse's split of fn (~2^-17 per product: ~2e-5 on a mix of K = 28672 terms), agree
+    to 5e-4; layer_input within one rounding
+    of its scale.  n = 3 leaves the last group of fn rows partly empty (M = 15 of 16).  A
+    schedule is refused by the FMA backend, which has none."""
+    from dsv4mtp.conformance.differential import compare
+
+    shapes = [(1, 4096), (77, 7168), (300, 4096)] if device == "cuda" else [(1, 96), (37, 160)]
+    tol = REGISTRY["hc_pre"].tolerance(dtype)
+    for T, D in shapes:
+        args, kw = _opt_inputs("hc_pre", T, n, D, dtype, device, seed=T + n)
+        oracle = _reference_f64("hc_pre", args, kw)
+        fma = _call("hc_pre", args, kw, backend="triton_fma")
+        mma = _call("hc_pre", args, kw, backend="triton")
+        for name, got in (("triton_fma", fma), ("triton", mma)):
+            for g, r, what in zip(got, oracle, ("layer_input", "post", "comb"), strict=True):
+                rep = compare(g, r)
+                assert rep.within(tol), f"hc_pre {name} {what} T={T} D={D} {dtype}: {rep}"
+        for g, r in zip(fma[1:], mma[1:], strict=True):
+            assert torch.allclose(g, r, rtol=5e-4, atol=1e-5), f"T={T} D={D}"
+        scaled = (fma[0].double() - mma[0].double()).abs().max() / mma[0].double().abs().max()
+        assert float(scaled) <= 2.0**-7, f"T={T} D={D}: backends differ by {float(scaled):.2e}"
+    with pytest.raises(InputError, match="schedule: the 'triton_fma' backend takes none"):
+        opt.hc_pre(*args, **kw, backend="triton_fma", schedule=opt.CollapseSchedule())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_optimized_hc_head_backends_agree(dtype: torch.dtype, device: str) -> None:
     """hc_head's two kernels (fp32 FMA mix; bf16 hi/lo tensor-core mix) compute one function:
     both within the registry's tolerance of the float64 oracle, outputs within one rounding of
