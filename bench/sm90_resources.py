@@ -27,6 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from dsv4mtp.optimized.kernels._launch import next_pow2
 from dsv4mtp.optimized.kernels.linear import (
     BLOCK_K,
     FMT_DENSE,
@@ -194,11 +195,11 @@ def pre_fma_lines() -> list[str]:
         tile = (rows, block_t, block_d)
         lines.append(f"hc_pre fma D={D} mix   (rows, block_t, block_d) {tile}: {line}")
         sig = dict(
-            x_ptr="*bf16", scale_ptr=f32, base_ptr=f32, part_ptr=f32, sq_ptr=f32, gate_ptr=f32,
+            x_ptr="*bf16", scale_ptr=f32, base_ptr=f32, part_ptr=f32, sq_ptr=f32,
             out_ptr="*bf16", post_ptr=f32, comb_ptr=f32, T="i32", rms_eps="fp32",
             hc_eps="fp32", post_mult="fp32",
         )  # fmt: skip
-        consts = dict(D=D, N=4, NP=4, M=24, S=S, SINKHORN_ITERS=20, TPP=tpp, SA=SA,
+        consts = dict(D=D, N=4, NP=4, M=24, S=S, SP=next_pow2(S), SINKHORN_ITERS=20, TPP=tpp, SA=SA,
                       BLOCK_TA=block_ta, BLOCK_DA=block_da, INTERP=False)  # fmt: skip
         line = resources(mhc_pre_apply_kernel, sig, consts, num_warps=warps)
         tile = (tpp, block_ta, block_da)

@@ -3,15 +3,15 @@
 Computes what :mod:`.mhc_collapse` computes for hc_pre (``layer_input``, ``post``, ``comb``;
 docs/semantics.md, "mHC: hc_pre, Sinkhorn, hc_post") with a schedule built for latency.  The
 MTP draft step calls hc_pre twice per step at T = batch (1..64), where the one-pass collapse
-has one token block and 16 / 28 programs: each streams 96 KB of fn and then one of them runs
-the Sinkhorn, serially, on the block's 64 tokens.  Here the bytes that set the floor at small T
-(fn: M*n*D*4 = 1.5 MiB at D 4096) are spread over a few hundred programs, and no program holds
-more than TPP tokens' Sinkhorn.
+runs one token block on 16 / 28 programs (D 4096 / 7168): each streams 96 KB of fn in K steps
+before its share of the block's Sinkhorn can start.  Here the bytes that set the floor at small
+T (fn: M*n*D*4 = 1.5 MiB at D 4096) are spread over a few hundred programs, each loading its
+share in one round trip, and no program holds more than TPP tokens' Sinkhorn.
 
 Shapes (K = n*D, M = (2+n)*n, S = cdiv(D, BLOCK_D) slices, G = cdiv(M, ROWS) row groups):
     x     (T, n, D)   bf16 / fp32, contiguous      fn    (M, K) fp32 (or bf16), contiguous
     scale (3,) fp32,  base (M,) fp32               part  (S, T, M) fp32 workspace
-    sq    (S, T) fp32 workspace                    gate  (T, NP) fp32 workspace (scratch)
+    sq    (S, T) fp32 workspace
     layer_input (T, D) x.dtype;  post (T, n) fp32;  comb (T, n, n) fp32
 
 Schedule: two launches, no program waits on another.
@@ -22,15 +22,15 @@ Schedule: two launches, no program waits on another.
     lane, streams 0..n-1 in order, then one tree sum over the lanes) and its partial square sum,
     and stores them to slot s.  At T <= BLOCK_T that is S*G = 192 / 336 programs (D 4096 /
     7168, n = 4) for the 132 SMs, each with 8 KB of fn.
- 2. Gates and output (:func:`mhc_pre_apply_kernel`): the first cdiv(T, TPP) programs each take
-    TPP tokens through the collapse's own reduce (``mhc_collapse._reduce_gates``: the slot sums
-    in order 0..S-1, the RMS factor, the sigmoid gates, post and the Sinkhorn, in exactly its op
-    order) and write post and comb; they come first in the grid because the Sinkhorn's 2*iters
-    dependent normalizations are the longest chain of the launch.  Every other program takes a
-    (BLOCK_TA tokens, BLOCK_DA columns) piece of layer_input: it sums the pre rows and square
-    sums of its tokens in the same slot order, forms the pre gates with the same expression and
-    writes the weighted sum of the n streams (streams in order 0..n-1, as the collapse's apply).
-    The gates the reducers also write go to a scratch buffer nobody reads.
+ 2. Gates and output (:func:`mhc_pre_apply_kernel`): the first cdiv(T, TPP) programs each
+    form post and comb of TPP tokens; they come first in the grid because the Sinkhorn's
+    2*iters - 1 dependent normalizations are the longest chain of the launch.  Every other
+    program takes a (BLOCK_TA tokens, BLOCK_DA columns) piece of layer_input: it forms the pre
+    gates of its tokens and writes the weighted sum of the n streams (streams in order 0..n-1,
+    as the collapse's apply).  Both load the S slot partials they need as one tile (one L2
+    round trip; the collapse's reducer loads slot after slot) and sum each value by one tree
+    over the slots; the gates and the Sinkhorn then follow the op order of the collapse's
+    ``_reduce_gates``.
 
 Arithmetic: fp32 throughout, exact fp32 products in the mix (the collapse's tensor-core mix keeps
 ~16 bits of fn; this one all 24).  Tile sizes depend on n and D only, and every sum runs in an
@@ -38,7 +38,7 @@ order fixed by them: a token's result does not depend on its batch.
 
 Bytes: fn once per BLOCK_T tokens (from HBM for the first block, L2 after), x G times in the mix
 (once from HBM) and once more in the apply (mostly L2), layer_input / post / comb once; the
-workspace S*T*(M+1)*4 + T*NP*4 stays in L2 (the apply reads the pre rows once per column piece).
+workspace S*T*(M+1)*4 stays in L2 (each piece of layer_input reads its tokens' pre rows).
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ from ._launch import (
     triton_launch,
     workspaces,
 )
-from .mhc_collapse import _reduce_gates
 
 __all__ = ["mhc_pre_fma", "pre_small_schedule"]
 
@@ -107,12 +106,74 @@ def mhc_pre_mix_kernel(
         tl.store(sq_ptr + slab + t64, tl.sum(sq, axis=1), mask=t_ok)
 
 
+@triton.jit
+def _post_comb(
+    part_ptr, sq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, t, t_ok, T, K, rms_eps, hc_eps,
+    post_mult, S: tl.constexpr, SP: tl.constexpr, SINKHORN_ITERS: tl.constexpr, N: tl.constexpr,
+    NP: tl.constexpr, M: tl.constexpr,
+):  # fmt: skip
+    """post and comb of the tokens ``t`` (TPP,): their S slot partials loaded as one tile (one L2
+    round trip) and summed by one tree per value, then the gates and the Sinkhorn in the op order
+    of ``mhc_collapse._reduce_gates`` (docs/semantics.md, "Sinkhorn")."""
+    t64 = t.to(tl.int64)
+    sl = tl.arange(0, SP)
+    j = tl.arange(0, NP)
+    j2 = j[None, :]
+    # (SP, TPP) square sums and (SP, TPP, NP) post rows of each slot; padded slots load zeros.
+    s2 = sl[:, None]
+    sq_tot = tl.sum(
+        tl.load(sq_ptr + s2 * T + t64[None, :], mask=(s2 < S) & t_ok[None, :], other=0.0,
+                cache_modifier=".cg"),
+        axis=0,
+    )  # fmt: skip
+    s3 = sl[:, None, None]
+    row3 = part_ptr + (s3 * T + t64[None, :, None]) * M  # (SP, TPP, 1)
+    ok3 = (s3 < S) & t_ok[None, :, None]
+    post_l = tl.sum(
+        tl.load(row3 + N + j[None, None, :], mask=ok3 & (j[None, None, :] < N), other=0.0,
+                cache_modifier=".cg"),
+        axis=0,
+    )  # fmt: skip
+    # comb logits: rows 2N + jr*N + kc of the mix, jr = source stream, kc = destination.
+    jr = j[None, :, None]
+    kc = j[None, None, :]
+    crow = 2 * N + jr * N + kc  # (1, NP, NP)
+    jk_ok = (jr < N) & (kc < N)
+    comb_l = tl.sum(
+        tl.load(row3[:, :, :, None] + crow[None, :, :, :],
+                mask=ok3[:, :, :, None] & jk_ok[None, :, :, :], other=0.0, cache_modifier=".cg"),
+        axis=0,
+    )  # (TPP, NP, NP)  # fmt: skip
+    rstd = tl.math.rsqrt(sq_tot / K + rms_eps)[:, None]  # (TPP, 1)
+    s_post = tl.load(scale_ptr + 1).to(tl.float32)
+    s_comb = tl.load(scale_ptr + 2).to(tl.float32)
+    b_post = tl.load(base_ptr + N + j2, mask=j2 < N, other=0.0).to(tl.float32)
+    post = sigmoid(post_l * rstd * s_post + b_post) * post_mult
+    tl.store(post_ptr + t64[:, None] * N + j2, post, mask=t_ok[:, None] & (j2 < N))
+    b_comb = tl.load(base_ptr + crow, mask=jk_ok, other=0.0).to(tl.float32)
+    c = comb_l * rstd[:, :, None] * s_comb + b_comb
+    c = tl.where(jk_ok, c, float("-inf"))
+    row_max = tl.max(c, axis=2)  # (TPP, NP)
+    row_max = tl.where(j2 < N, row_max, 0.0)
+    e = tl.exp(c - row_max[:, :, None])  # padded entries: exp(-inf) = 0
+    # Row softmax + eps, a column normalization, then (iters - 1) x (rows, columns); padded
+    # entries stay 0.
+    row_sum = tl.where(j2 < N, tl.sum(e, axis=2), 1.0)  # padded rows: no 0/0
+    p = tl.where(jk_ok, e / row_sum[:, :, None] + hc_eps, 0.0)
+    p = p / (tl.sum(p, axis=1)[:, None, :] + hc_eps)
+    for _ in range(1, SINKHORN_ITERS):
+        p = p / (tl.sum(p, axis=2)[:, :, None] + hc_eps)
+        p = p / (tl.sum(p, axis=1)[:, None, :] + hc_eps)
+    t3 = t64[:, None, None]
+    tl.store(comb_ptr + t3 * (N * N) + jr * N + kc, p, mask=t_ok[:, None, None] & jk_ok)
+
+
 @triton.jit(do_not_specialize=["T"])
 def mhc_pre_apply_kernel(
-    x_ptr, scale_ptr, base_ptr, part_ptr, sq_ptr, gate_ptr, out_ptr, post_ptr, comb_ptr,
+    x_ptr, scale_ptr, base_ptr, part_ptr, sq_ptr, out_ptr, post_ptr, comb_ptr,
     T, rms_eps, hc_eps, post_mult,
     D: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, S: tl.constexpr,
-    SINKHORN_ITERS: tl.constexpr, TPP: tl.constexpr, SA: tl.constexpr,
+    SP: tl.constexpr, SINKHORN_ITERS: tl.constexpr, TPP: tl.constexpr, SA: tl.constexpr,
     BLOCK_TA: tl.constexpr, BLOCK_DA: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(T, TPP) + cdiv(T, BLOCK_TA) * SA,): reducers first (post, comb), then the
@@ -121,12 +182,10 @@ def mhc_pre_apply_kernel(
     K = N * D
     reducers = tl.cdiv(T, TPP)
     if pid < reducers:
-        local = tl.arange(0, TPP)
-        tr = pid * TPP + local
-        _reduce_gates(
-            part_ptr, sq_ptr, scale_ptr, base_ptr, gate_ptr, post_ptr, comb_ptr,
-            tr, tr < T, T, K, rms_eps, hc_eps, post_mult,
-            S, SINKHORN_ITERS, N, NP, M, TPP, True,
+        tr = pid * TPP + tl.arange(0, TPP)
+        _post_comb(
+            part_ptr, sq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, tr, tr < T, T, K,
+            rms_eps, hc_eps, post_mult, S, SP, SINKHORN_ITERS, N, NP, M,
         )  # fmt: skip
     else:
         a = pid - reducers
@@ -135,19 +194,24 @@ def mhc_pre_apply_kernel(
         t = q * BLOCK_TA + tl.arange(0, BLOCK_TA)  # (BT,)
         t_ok = t < T
         t64 = t.to(tl.int64)
-        j2 = tl.arange(0, NP)[None, :]
-        # The pre rows and square sums in slot order 0..S-1, as _reduce_gates sums them: the
-        # unrolled loop puts all S loads in flight before the first add.
-        sq_tot = tl.zeros((BLOCK_TA,), dtype=tl.float32)
-        pre_l = tl.zeros((BLOCK_TA, NP), dtype=tl.float32)
-        row = part_ptr + t64[:, None] * M
-        for ss in tl.static_range(S):
-            slab = ss * T.to(tl.int64)
-            sq_tot += tl.load(sq_ptr + slab + t64, mask=t_ok, other=0.0, cache_modifier=".cg")
-            pre_l += tl.load(
-                row + slab * M + j2, mask=t_ok[:, None] & (j2 < N), other=0.0,
-                cache_modifier=".cg",
-            )  # fmt: skip
+        j = tl.arange(0, NP)
+        j2 = j[None, :]
+        # The pre rows and square sums of all S slots as one tile each (one L2 round trip).
+        sl = tl.arange(0, SP)
+        s2 = sl[:, None]
+        sq_tot = tl.sum(
+            tl.load(sq_ptr + s2 * T + t64[None, :], mask=(s2 < S) & t_ok[None, :], other=0.0,
+                    cache_modifier=".cg"),
+            axis=0,
+        )  # fmt: skip
+        s3 = sl[:, None, None]
+        row3 = part_ptr + (s3 * T + t64[None, :, None]) * M  # (SP, BT, 1)
+        pre_l = tl.sum(
+            tl.load(row3 + j[None, None, :],
+                    mask=(s3 < S) & t_ok[None, :, None] & (j[None, None, :] < N), other=0.0,
+                    cache_modifier=".cg"),
+            axis=0,
+        )  # (BT, NP)  # fmt: skip
         rstd = tl.math.rsqrt(sq_tot / K + rms_eps)[:, None]  # (BT, 1)
         s_pre = tl.load(scale_ptr).to(tl.float32)
         b_pre = tl.load(base_ptr + j2, mask=j2 < N, other=0.0).to(tl.float32)
@@ -156,9 +220,9 @@ def mhc_pre_apply_kernel(
         ok = t_ok[:, None] & (d[None, :] < D)
         x_ptrs = x_ptr + t64[:, None] * K + d[None, :]  # (BT, BD), stream 0
         y = tl.zeros((BLOCK_TA, BLOCK_DA), dtype=tl.float32)
-        for j in tl.static_range(N):
-            g = tl.sum(tl.where(j2 == j, gate, 0.0), axis=1)  # (BT,): gate j, exact
-            xj = tl.load(x_ptrs + j * D, mask=ok, other=0.0).to(tl.float32)
+        for jj in tl.static_range(N):
+            g = tl.sum(tl.where(j2 == jj, gate, 0.0), axis=1)  # (BT,): gate jj, exact
+            xj = tl.load(x_ptrs + jj * D, mask=ok, other=0.0).to(tl.float32)
             y += g[:, None] * xj
         out_ty = out_ptr.dtype.element_ty
         y = rne_bf16_if_interpreted(y, out_ty, INTERP)
@@ -199,17 +263,15 @@ def _launches(
         BLOCK_D=block_d, num_warps=warps,
     )  # fmt: skip
     apply = triton_launch(
-        mhc_pre_apply_kernel, D=D, N=n, NP=next_pow2(n), M=M, S=S,
+        mhc_pre_apply_kernel, D=D, N=n, NP=next_pow2(n), M=M, S=S, SP=next_pow2(S),
         SINKHORN_ITERS=sinkhorn_iters, TPP=tpp, SA=SA, BLOCK_TA=block_ta, BLOCK_DA=block_da,
         INTERP=INTERPRET, num_warps=warps,
     )  # fmt: skip
     return (S, G, SA, block_t, tpp, block_ta), mix, apply
 
 
-# A call's plan: (mix grid, apply grid, mix launch, apply launch, part, sq, gate).
-_Plan = tuple[
-    tuple[int], tuple[int], TritonLaunch, TritonLaunch, torch.Tensor, torch.Tensor, torch.Tensor
-]
+# A call's plan: (mix grid, apply grid, mix launch, apply launch, part, sq).
+_Plan = tuple[tuple[int], tuple[int], TritonLaunch, TritonLaunch, torch.Tensor, torch.Tensor]
 
 
 def _plan(device: torch.device, T: int, n: int, D: int, sinkhorn_iters: int) -> _Plan:
@@ -217,11 +279,11 @@ def _plan(device: torch.device, T: int, n: int, D: int, sinkhorn_iters: int) -> 
     :func:`~._launch.plan`."""
     (S, G, SA, block_t, tpp, block_ta), mix, apply = _launches(n, D, sinkhorn_iters)
     M = (2 + n) * n
-    # (S, T, M), (S, T), (T, NP): written by the mix / the reducers before they are read.
-    part, sq, gate = workspaces("mhc_pre_fma", device, S * T * M, S * T, T * next_pow2(n))
+    # (S, T, M), (S, T): written by the mix before the second launch reads them.
+    part, sq = workspaces("mhc_pre_fma", device, S * T * M, S * T)
     mix_grid = (cdiv(T, block_t) * S * G,)
     apply_grid = (cdiv(T, tpp) + cdiv(T, block_ta) * SA,)
-    return mix_grid, apply_grid, mix, apply, part, sq, gate
+    return mix_grid, apply_grid, mix, apply, part, sq
 
 
 def mhc_pre_fma(
@@ -246,11 +308,9 @@ def mhc_pre_fma(
     T, n, D = x.shape
     if T == 0:
         return
-    mix_grid, apply_grid, mix, apply, part, sq, gate = plan(
-        _plan, x.device, T, n, D, int(sinkhorn_iters)
-    )
+    mix_grid, apply_grid, mix, apply, part, sq = plan(_plan, x.device, T, n, D, int(sinkhorn_iters))
     mix(mix_grid, x, fn, part, sq, T)
     apply(
-        apply_grid, x, scale, base, part, sq, gate, out, post, comb, T, float(rms_norm_eps),
+        apply_grid, x, scale, base, part, sq, out, post, comb, T, float(rms_norm_eps),
         float(hc_eps), float(post_mult),
     )  # fmt: skip
