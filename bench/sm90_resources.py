@@ -10,6 +10,7 @@ explains a kernel that streams well alone but slowly inside a fused kernel.
     python bench/sm90_resources.py --collapse '[[64, 256, 32, 16, 4, 3, true]]'  # candidates
     python bench/sm90_resources.py --rope     # the RoPE / q / kv path kernel only
     python bench/sm90_resources.py --pre-fma  # hc_pre's small-batch FMA kernels only
+    python bench/sm90_resources.py --pre-fma --pre-fma-tiles '[[8, 8, 64, 2, 4, 256, 4]]'
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dsv4mtp.optimized.kernels._launch import next_pow2
 from dsv4mtp.optimized.kernels.linear import (
     BLOCK_K,
     FMT_DENSE,
@@ -44,11 +44,8 @@ from dsv4mtp.optimized.kernels.mhc_collapse import (
 )
 from dsv4mtp.optimized.kernels.mhc_head import mhc_head_fma_kernel
 from dsv4mtp.optimized.kernels.mhc_mix import mhc_mix_kernel, mix_config
-from dsv4mtp.optimized.kernels.mhc_pre_small import (
-    mhc_pre_apply_kernel,
-    mhc_pre_mix_kernel,
-    pre_small_schedule,
-)
+from dsv4mtp.optimized.kernels.mhc_pre_small import PreFmaConfig, pre_fma_config
+from dsv4mtp.optimized.kernels.mhc_pre_small import _launches as pre_fma_launches
 
 TARGET = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM = 65536
@@ -181,29 +178,27 @@ def linear_lines() -> list[str]:
     return lines
 
 
-def pre_fma_lines() -> list[str]:
+def pre_fma_lines(tiles: list[list[int]] | None = None) -> list[str]:
     """hc_pre's small-batch kernels (kernels/mhc_pre_small.py) at n = 4, D 4096 / 7168, bf16 x,
-    20 Sinkhorn iterations: the mix and the reduce + apply launch."""
+    20 Sinkhorn iterations: the mix and the reduce + apply launch, at the default schedule or
+    at each PreFmaConfig 7-tuple of ``tiles``."""
     f32 = "*fp32"
+    mix_sig = dict(x_ptr="*bf16", fn_ptr=f32, part_ptr=f32, sq_ptr=f32, T="i32")
+    apply_sig = dict(
+        x_ptr="*bf16", scale_ptr=f32, base_ptr=f32, part_ptr=f32, sq_ptr=f32, out_ptr="*bf16",
+        post_ptr=f32, comb_ptr=f32, T="i32", rms_eps="fp32", hc_eps="fp32", post_mult="fp32",
+    )  # fmt: skip
     lines = []
     for D in (4096, 7168):
-        rows, block_t, block_d, tpp, block_ta, block_da, warps = pre_small_schedule(4, D)
-        S, G, SA = triton.cdiv(D, block_d), triton.cdiv(24, rows), triton.cdiv(D, block_da)
-        sig = dict(x_ptr="*bf16", fn_ptr=f32, part_ptr=f32, sq_ptr=f32, T="i32")
-        consts = dict(D=D, N=4, M=24, S=S, G=G, ROWS=rows, BLOCK_T=block_t, BLOCK_D=block_d)
-        line = resources(mhc_pre_mix_kernel, sig, consts, num_warps=warps)
-        tile = (rows, block_t, block_d)
-        lines.append(f"hc_pre fma D={D} mix   (rows, block_t, block_d) {tile}: {line}")
-        sig = dict(
-            x_ptr="*bf16", scale_ptr=f32, base_ptr=f32, part_ptr=f32, sq_ptr=f32,
-            out_ptr="*bf16", post_ptr=f32, comb_ptr=f32, T="i32", rms_eps="fp32",
-            hc_eps="fp32", post_mult="fp32",
-        )  # fmt: skip
-        consts = dict(D=D, N=4, NP=4, M=24, S=S, SP=next_pow2(S), SINKHORN_ITERS=20, TPP=tpp, SA=SA,
-                      BLOCK_TA=block_ta, BLOCK_DA=block_da, INTERP=False)  # fmt: skip
-        line = resources(mhc_pre_apply_kernel, sig, consts, num_warps=warps)
-        tile = (tpp, block_ta, block_da)
-        lines.append(f"hc_pre fma D={D} apply (tpp, block_t, block_d) {tile}: {line}")
+        cfgs = [PreFmaConfig(*t) for t in tiles] if tiles else [pre_fma_config(4, D)]
+        for cfg in cfgs:
+            _, mix, apply = pre_fma_launches(cfg, 4, D, 20)
+            for what, launch, sig in (("mix", mix, mix_sig), ("apply", apply, apply_sig)):
+                meta = dict(launch.meta)
+                warps = meta.pop("num_warps")
+                line = resources(launch.jit, sig, meta, num_warps=warps)
+                tile = tuple(dataclasses.astuple(cfg))
+                lines.append(f"hc_pre fma D={D} {what:5s} {tile}: {line}")
     return lines
 
 
@@ -218,9 +213,16 @@ def main() -> None:
     p.add_argument("--linear", action="store_true", help="the dense linears only")
     p.add_argument("--rope", action="store_true", help="only the RoPE / q / kv path kernel")
     p.add_argument("--pre-fma", action="store_true", help="only hc_pre's small-batch kernels")
+    p.add_argument(
+        "--pre-fma-tiles",
+        default=None,
+        help="JSON list of PreFmaConfig 7-tuples (rows, block_t, block_d, tpp, block_ta, "
+        "block_da, num_warps) for --pre-fma; default: pre_fma_config's schedules",
+    )
     args = p.parse_args()
     if args.pre_fma:
-        for line in pre_fma_lines():
+        tiles = json.loads(args.pre_fma_tiles) if args.pre_fma_tiles else None
+        for line in pre_fma_lines(tiles):
             print(line, flush=True)
         return
     if args.linear or args.rope:

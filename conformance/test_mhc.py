@@ -15,6 +15,7 @@ import dsv4mtp.conformance.pairs  # noqa: F401  (declares the pairs REGISTRY hol
 import dsv4mtp.optimized as opt
 from dsv4mtp.conformance.inputs import op_inputs
 from dsv4mtp.conformance.registry import REGISTRY
+from dsv4mtp.errors import ConfigError
 from dsv4mtp.optimized.mhc import HEAD_AUTO_BACKEND, PRE_AUTO_BACKEND
 from dsv4mtp.reference import InputError, hc_head, hc_post, hc_pre, sinkhorn
 
@@ -368,6 +369,37 @@ def test_optimized_hc_pre_fma_agrees_with_the_collapse(
         assert float(scaled) <= 2.0**-7, f"T={T} D={D}: backends differ by {float(scaled):.2e}"
     with pytest.raises(InputError, match="schedule: the 'triton_fma' backend takes none"):
         opt.hc_pre(*args, **kw, backend="triton_fma", schedule=opt.CollapseSchedule())
+
+
+def test_optimized_hc_pre_fma_schedules_compute_one_function(device: str) -> None:
+    """Other schedules of the small-batch hc_pre kernel (fewer fn rows per program, other token
+    blocks, slices, reducer and apply tiles, warps) change only the order of fp32 sums: post and
+    comb agree to 1e-5, layer_input within one rounding of its scale.  A schedule that is not
+    all powers of two is a ConfigError naming the field."""
+    from dsv4mtp.optimized.kernels.mhc_pre_small import PreFmaConfig, mhc_pre_fma, pre_fma_config
+
+    T, D = (70, 4096) if device == "cuda" else (19, 96)
+    (x, fn, scale, base), kw = _opt_inputs("hc_pre", T, 4, D, torch.bfloat16, device, seed=3)
+    default = pre_fma_config(4, D)
+    others = [PreFmaConfig(4, 4, 16, 1, 2, 16, 4), PreFmaConfig(16, 8, 32, 4, 8, 64, 2)]
+
+    def run(cfg: PreFmaConfig) -> list[torch.Tensor]:
+        outs = [torch.full((T, D), float("nan"), dtype=x.dtype, device=device),
+                torch.full((T, 4), float("nan"), device=device),
+                torch.full((T, 4, 4), float("nan"), device=device)]  # fmt: skip
+        mhc_pre_fma(x, fn, scale.float(), base.float(), *outs, cfg=cfg, **kw)
+        return outs
+
+    want = run(default)
+    for cfg in others:
+        got = run(cfg)
+        assert not any(g.isnan().any() for g in got), cfg
+        for g, w in zip(got[1:], want[1:], strict=True):
+            assert torch.allclose(g, w, rtol=1e-5, atol=1e-6), cfg
+        scaled = (got[0].double() - want[0].double()).abs().max() / want[0].double().abs().max()
+        assert float(scaled) <= 2.0**-7, cfg
+    with pytest.raises(ConfigError, match=r"PreFmaConfig\.block_d: expected a power of two"):
+        PreFmaConfig(8, 16, 48, 2, 4, 256, 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -1,10 +1,11 @@
 """Time hc_pre's backends at the small T of MTP's draft step and check them against "triton".
 
     cd bench; python3 diag/hc_pre_small_t.py --out DIR [--tokens 1,2,4] [--widths 4096]
-        [--backends triton,triton_fma,flashinfer]
+        [--backends triton,triton_fma,flashinfer] [--fma-tiles '[[8, 8, 64, 2, 4, 256, 4]]']
 
 Per (D, T), n = 4, bf16 x, fp32 parameters, 20 Sinkhorn iterations: GPU time per call of each
-backend by CUDA-graph replay (``h200_mhc.graph_time_us``: a graph of >= 100 calls walking through
+backend (and, with ``--fma-tiles``, of the FMA kernel at each other schedule: PreFmaConfig
+7-tuples, named ``fma:<tuple>``) by CUDA-graph replay (``h200_mhc.graph_time_us``: a graph of >= 100 calls walking through
 input sets, parameters included, that together exceed 2.2x the L2, so fn comes from HBM as in a
 draft step whose other weights evict it; median of 10 replays), then each backend's outputs
 (layer_input, post, comb) against "triton"'s on one input set: ``=`` where bitwise equal, else
@@ -33,6 +34,7 @@ import dsv4mtp.reference as ref
 from dsv4mtp.conformance.differential import compare
 from dsv4mtp.conformance.inputs import op_inputs
 from dsv4mtp.conformance.registry import REGISTRY
+from dsv4mtp.optimized.kernels.mhc_pre_small import PreFmaConfig, mhc_pre_fma
 
 
 def _vs(got: tuple[torch.Tensor, ...], base: tuple[torch.Tensor, ...]) -> list[str]:
@@ -47,18 +49,40 @@ def _vs(got: tuple[torch.Tensor, ...], base: tuple[torch.Tensor, ...]) -> list[s
     return cells
 
 
+def _runner(backend: str, cfg: PreFmaConfig | None, kw: dict):
+    """``run(inputs, outs)``: the public hc_pre with ``backend``, or (``cfg``) the FMA kernel at
+    that schedule; ``outs`` None allocates them.  Returns (layer_input, post, comb)."""
+
+    def run(s, outs):
+        if cfg is None:
+            return tuple(opt.hc_pre(*s, **kw, backend=backend, out=outs))
+        x = s[0]
+        T, n, D = x.shape
+        if outs is None:
+            f32 = torch.float32
+            outs = (x.new_empty((T, D)), x.new_empty((T, n), dtype=f32),
+                    x.new_empty((T, n, n), dtype=f32))  # fmt: skip
+        mhc_pre_fma(*s, *outs, cfg=cfg, **kw)
+        return outs
+
+    return run
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--tokens", default="1,2,4,8,16,32,64,128")
     p.add_argument("--widths", default="4096,7168")
     p.add_argument("--backends", default="triton,triton_fma,flashinfer")
+    p.add_argument("--fma-tiles", default="[]", help="JSON list of PreFmaConfig 7-tuples")
     a = p.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA device"
     l2 = int(torch.cuda.get_device_properties(0).L2_cache_size)
     empty = empty_kernel_us()
     tol = REGISTRY["hc_pre"].tolerance(torch.bfloat16)
     backends = a.backends.split(",")
+    tiles = {"fma:" + ",".join(map(str, t)): PreFmaConfig(*t) for t in json.loads(a.fma_tiles)}
+    backends += list(tiles)
     rows: list[dict] = []
     print(f"empty Triton kernel {empty:.2f} us (graph replay); L2 {l2 / 2**20:.0f} MiB")
     for D in map(int, a.widths.split(",")):
@@ -71,12 +95,10 @@ def main() -> None:
             for b in backends:
                 row: dict = dict(D=D, T=T, backend=b, min_bytes=min_bytes("hc_pre", T, D))
                 try:
-                    got = tuple(opt.hc_pre(*probe, **kw, backend=b))
+                    run = _runner(b, tiles.get(b), kw)
+                    got = run(probe, None)
                     outs = tuple(torch.empty_like(t) for t in got)
-                    calls = [
-                        lambda s=s, b=b, o=outs, k=kw: opt.hc_pre(*s, **k, backend=b, out=o)
-                        for s in sets
-                    ]
+                    calls = [lambda s=s, o=outs, r=run: r(s, o) for s in sets]
                     row["time_us"] = round(graph_time_us(calls, max(R, 100), 10), 3)
                 except Exception as e:  # a backend that does not apply or fails: reported
                     row["error"] = f"{type(e).__name__}: {e}"[:200]

@@ -43,11 +43,15 @@ workspace S*T*(M+1)*4 stays in L2 (each piece of layer_input reads its tokens' p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from dsv4mtp.errors import ConfigError
 
 from ._launch import (
     INTERPRET,
@@ -61,7 +65,7 @@ from ._launch import (
     workspaces,
 )
 
-__all__ = ["mhc_pre_fma", "pre_small_schedule"]
+__all__ = ["PreFmaConfig", "mhc_pre_fma", "pre_fma_config"]
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -229,60 +233,83 @@ def mhc_pre_apply_kernel(
         tl.store(out_ptr + t64[:, None] * D + d[None, :], y.to(out_ty), mask=ok)
 
 
+@dataclass(frozen=True)
+class PreFmaConfig:
+    """Schedule of the small-batch hc_pre: fn rows, tokens and columns per mix program; tokens
+    per reducer; tokens and columns per apply program; warps (both launches).  Every field but
+    ``num_warps`` a power of two.  :func:`pre_fma_config` holds the default."""
+
+    rows: int
+    block_t: int
+    block_d: int
+    tpp: int
+    block_ta: int
+    block_da: int
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        for name, v in dataclasses.asdict(self).items():
+            if name != "num_warps" and (v < 1 or v & (v - 1)):
+                raise ConfigError(f"PreFmaConfig.{name}: expected a power of two, got {v}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ConfigError(f"PreFmaConfig.num_warps: expected 1..16, got {self.num_warps}")
+
+
 @functools.cache
-def pre_small_schedule(n: int, D: int) -> tuple[int, int, int, int, int, int, int]:
-    """The schedule for (n, D); never a function of T (batch invariance).
+def pre_fma_config(n: int, D: int) -> PreFmaConfig:
+    """The default schedule for (n, D); never a function of T (batch invariance).
 
     Mix: 8 fn rows x 16 tokens x 64 columns per program (M = 24 rows in 3 groups at n = 4):
     192 / 336 programs at T <= 16 for D 4096 / 7168, enough for the 132 SMs, while the
-    (16, 8, 64) accumulator stays at 64 registers per thread with 4 warps; 16 tokens per block
-    read fn from L2 4 times at T 64.  64-column slices keep the slot count S (what every
-    program of phase 2 sums per token) at 64 / 112.  Reducers take 2 tokens each, the apply
-    4 tokens x 256 columns (hc_head's FMA tile).  Provisional: not yet measured on the H200.
-    Under the interpreter: narrower slices, so that the CPU tier's small D has several.
+    (16, 8, 64) accumulator takes 64 of the 128 registers per thread (4 warps, no spills:
+    bench/sm90_resources.py); 16 tokens per block read fn from L2 4 times at T 64.
+    64-column slices keep the slot count S (what phase 2 sums per token) at 64 / 112.
+    Reducers take 2 tokens each, the apply 4 tokens x 256 columns (hc_head's FMA tile).
+    Provisional: not yet measured on the H200 (bench/diag/hc_pre_small_t.py --fma-tiles times
+    alternatives).  Under the interpreter: narrower slices, so that the CPU tier's small D has
+    several.
     """
-    rows = 8
-    block_t = 16
-    block_d = 16 if INTERPRET else 64
-    block_d = min(block_d, max(16, next_pow2(D)))
-    block_da = 32 if INTERPRET else 256
-    block_da = min(block_da, max(16, next_pow2(D)))
-    return rows, block_t, block_d, 2, 4, block_da, 4
+    block_d = min(16 if INTERPRET else 64, max(16, next_pow2(D)))
+    block_da = min(32 if INTERPRET else 256, max(16, next_pow2(D)))
+    return PreFmaConfig(rows=8, block_t=16, block_d=block_d, tpp=2, block_ta=4,
+                        block_da=block_da, num_warps=4)  # fmt: skip
 
 
 @functools.cache
 def _launches(
-    n: int, D: int, sinkhorn_iters: int
-) -> tuple[tuple[int, int, int, int, int, int], TritonLaunch, TritonLaunch]:
-    """((S, G, SA, mix block_t, tokens per reducer, apply block_t), mix launch, apply launch)."""
-    rows, block_t, block_d, tpp, block_ta, block_da, warps = pre_small_schedule(n, D)
+    cfg: PreFmaConfig, n: int, D: int, sinkhorn_iters: int
+) -> tuple[tuple[int, int, int], TritonLaunch, TritonLaunch]:
+    """((S, G, SA), mix launch, apply launch) of one schedule and shape."""
     M = (2 + n) * n
-    S, G, SA = cdiv(D, block_d), cdiv(M, rows), cdiv(D, block_da)
+    S, G, SA = cdiv(D, cfg.block_d), cdiv(M, cfg.rows), cdiv(D, cfg.block_da)
     mix = triton_launch(
-        mhc_pre_mix_kernel, D=D, N=n, M=M, S=S, G=G, ROWS=rows, BLOCK_T=block_t,
-        BLOCK_D=block_d, num_warps=warps,
+        mhc_pre_mix_kernel, D=D, N=n, M=M, S=S, G=G, ROWS=cfg.rows, BLOCK_T=cfg.block_t,
+        BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
     )  # fmt: skip
     apply = triton_launch(
         mhc_pre_apply_kernel, D=D, N=n, NP=next_pow2(n), M=M, S=S, SP=next_pow2(S),
-        SINKHORN_ITERS=sinkhorn_iters, TPP=tpp, SA=SA, BLOCK_TA=block_ta, BLOCK_DA=block_da,
-        INTERP=INTERPRET, num_warps=warps,
+        SINKHORN_ITERS=sinkhorn_iters, TPP=cfg.tpp, SA=SA, BLOCK_TA=cfg.block_ta,
+        BLOCK_DA=cfg.block_da, INTERP=INTERPRET, num_warps=cfg.num_warps,
     )  # fmt: skip
-    return (S, G, SA, block_t, tpp, block_ta), mix, apply
+    return (S, G, SA), mix, apply
 
 
 # A call's plan: (mix grid, apply grid, mix launch, apply launch, part, sq).
 _Plan = tuple[tuple[int], tuple[int], TritonLaunch, TritonLaunch, torch.Tensor, torch.Tensor]
 
 
-def _plan(device: torch.device, T: int, n: int, D: int, sinkhorn_iters: int) -> _Plan:
+def _plan(
+    device: torch.device, T: int, n: int, D: int, sinkhorn_iters: int, cfg: PreFmaConfig | None
+) -> _Plan:
     """Everything of a call but its tensors and scalars; kept per (shapes, stream) by
     :func:`~._launch.plan`."""
-    (S, G, SA, block_t, tpp, block_ta), mix, apply = _launches(n, D, sinkhorn_iters)
+    cfg = cfg or pre_fma_config(n, D)
+    (S, G, SA), mix, apply = _launches(cfg, n, D, sinkhorn_iters)
     M = (2 + n) * n
     # (S, T, M), (S, T): written by the mix before the second launch reads them.
     part, sq = workspaces("mhc_pre_fma", device, S * T * M, S * T)
-    mix_grid = (cdiv(T, block_t) * S * G,)
-    apply_grid = (cdiv(T, tpp) + cdiv(T, block_ta) * SA,)
+    mix_grid = (cdiv(T, cfg.block_t) * S * G,)
+    apply_grid = (cdiv(T, cfg.tpp) + cdiv(T, cfg.block_ta) * SA,)
     return mix_grid, apply_grid, mix, apply, part, sq
 
 
@@ -299,16 +326,20 @@ def mhc_pre_fma(
     hc_eps: float,
     post_mult: float,
     sinkhorn_iters: int,
+    cfg: PreFmaConfig | None = None,
 ) -> None:
     """hc_pre of x (T, n, D) into ``out`` (T, D), ``post`` (T, n) and ``comb`` (T, n, n).
 
     Contiguous inputs and outputs on one device, scale / base in fp32 (validated by the
     caller).  Two launches: the mix, then the reducers and the weighted sum (module docstring).
+    ``cfg``: a schedule other than :func:`pre_fma_config`'s (tile sweeps and tests).
     """
     T, n, D = x.shape
     if T == 0:
         return
-    mix_grid, apply_grid, mix, apply, part, sq = plan(_plan, x.device, T, n, D, int(sinkhorn_iters))
+    mix_grid, apply_grid, mix, apply, part, sq = plan(
+        _plan, x.device, T, n, D, int(sinkhorn_iters), cfg
+    )
     mix(mix_grid, x, fn, part, sq, T)
     apply(
         apply_grid, x, scale, base, part, sq, out, post, comb, T, float(rms_norm_eps),
