@@ -92,10 +92,18 @@ def mhc_pre_mix_kernel(
     w_ok = m_ok[:, None] & (d[None, :] < D)
     acc = tl.zeros((BLOCK_T, ROWS, BLOCK_D), dtype=tl.float32)
     sq = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    # Unrolled over the streams, nothing depends on the loads: all 2n tiles are in flight at once.
+    # All 2n tiles are loaded before the first is used: the products need them in another
+    # layout (a shared-memory round trip behind a barrier), and a load issued after that
+    # barrier would wait for the one before it, n dependent memory round trips instead of one.
+    # Tuples grow by concatenation: Triton's frontend has no starred tuple display.
+    xs = ()
+    ws = ()
     for j in tl.static_range(N):
-        xj = tl.load(x_ptrs + j * D, mask=x_ok, other=0.0).to(tl.float32)  # (BT, BD)
-        wj = tl.load(w_ptrs + j * D, mask=w_ok, other=0.0).to(tl.float32)  # (R, BD)
+        xs = xs + (tl.load(x_ptrs + j * D, mask=x_ok, other=0.0),)  # noqa: RUF005  (BT, BD)
+        ws = ws + (tl.load(w_ptrs + j * D, mask=w_ok, other=0.0),)  # noqa: RUF005  (R, BD)
+    for j in tl.static_range(N):
+        xj = xs[j].to(tl.float32)
+        wj = ws[j].to(tl.float32)
         xb, wb = tl.broadcast(xj[:, None, :], wj[None, :, :])  # (BT, R, BD)
         acc = tl.fma(xb, wb, acc)
         sq = tl.fma(xj, xj, sq)
@@ -123,38 +131,34 @@ def _post_comb(
     sl = tl.arange(0, SP)
     j = tl.arange(0, NP)
     j2 = j[None, :]
-    # (SP, TPP) square sums and (SP, TPP, NP) post rows of each slot; padded slots load zeros.
+    jr = j[None, :, None]
+    kc = j[None, None, :]
+    crow = 2 * N + jr * N + kc  # (1, NP, NP): comb row jr*N + kc (source jr, destination kc)
+    jk_ok = (jr < N) & (kc < N)
+    # Every load before the first sum (see the mix kernel: a load behind a reduction's barrier
+    # would wait for the loads before it).  (SP, TPP) square sums, (SP, TPP, NP) post rows and
+    # (SP, TPP, NP, NP) comb rows of each slot; padded slots load zeros.
     s2 = sl[:, None]
-    sq_tot = tl.sum(
-        tl.load(sq_ptr + s2 * T + t64[None, :], mask=(s2 < S) & t_ok[None, :], other=0.0,
-                cache_modifier=".cg"),
-        axis=0,
-    )  # fmt: skip
+    sq_all = tl.load(sq_ptr + s2 * T + t64[None, :], mask=(s2 < S) & t_ok[None, :], other=0.0,
+                     cache_modifier=".cg")  # fmt: skip
     s3 = sl[:, None, None]
     row3 = part_ptr + (s3 * T + t64[None, :, None]) * M  # (SP, TPP, 1)
     ok3 = (s3 < S) & t_ok[None, :, None]
-    post_l = tl.sum(
-        tl.load(row3 + N + j[None, None, :], mask=ok3 & (j[None, None, :] < N), other=0.0,
-                cache_modifier=".cg"),
-        axis=0,
-    )  # fmt: skip
-    # comb logits: rows 2N + jr*N + kc of the mix, jr = source stream, kc = destination.
-    jr = j[None, :, None]
-    kc = j[None, None, :]
-    crow = 2 * N + jr * N + kc  # (1, NP, NP)
-    jk_ok = (jr < N) & (kc < N)
-    comb_l = tl.sum(
-        tl.load(row3[:, :, :, None] + crow[None, :, :, :],
-                mask=ok3[:, :, :, None] & jk_ok[None, :, :, :], other=0.0, cache_modifier=".cg"),
-        axis=0,
-    )  # (TPP, NP, NP)  # fmt: skip
-    rstd = tl.math.rsqrt(sq_tot / K + rms_eps)[:, None]  # (TPP, 1)
+    post_all = tl.load(row3 + N + j[None, None, :], mask=ok3 & (j[None, None, :] < N), other=0.0,
+                       cache_modifier=".cg")  # fmt: skip
+    comb_all = tl.load(row3[:, :, :, None] + crow[None, :, :, :],
+                       mask=ok3[:, :, :, None] & jk_ok[None, :, :, :], other=0.0,
+                       cache_modifier=".cg")  # fmt: skip
     s_post = tl.load(scale_ptr + 1).to(tl.float32)
     s_comb = tl.load(scale_ptr + 2).to(tl.float32)
     b_post = tl.load(base_ptr + N + j2, mask=j2 < N, other=0.0).to(tl.float32)
+    b_comb = tl.load(base_ptr + crow, mask=jk_ok, other=0.0).to(tl.float32)
+    sq_tot = tl.sum(sq_all, axis=0)  # (TPP,)
+    post_l = tl.sum(post_all, axis=0)  # (TPP, NP)
+    comb_l = tl.sum(comb_all, axis=0)  # (TPP, NP, NP)
+    rstd = tl.math.rsqrt(sq_tot / K + rms_eps)[:, None]  # (TPP, 1)
     post = sigmoid(post_l * rstd * s_post + b_post) * post_mult
     tl.store(post_ptr + t64[:, None] * N + j2, post, mask=t_ok[:, None] & (j2 < N))
-    b_comb = tl.load(base_ptr + crow, mask=jk_ok, other=0.0).to(tl.float32)
     c = comb_l * rstd[:, :, None] * s_comb + b_comb
     c = tl.where(jk_ok, c, float("-inf"))
     row_max = tl.max(c, axis=2)  # (TPP, NP)
@@ -200,33 +204,37 @@ def mhc_pre_apply_kernel(
         t64 = t.to(tl.int64)
         j = tl.arange(0, NP)
         j2 = j[None, :]
-        # The pre rows and square sums of all S slots as one tile each (one L2 round trip).
-        sl = tl.arange(0, SP)
-        s2 = sl[:, None]
-        sq_tot = tl.sum(
-            tl.load(sq_ptr + s2 * T + t64[None, :], mask=(s2 < S) & t_ok[None, :], other=0.0,
-                    cache_modifier=".cg"),
-            axis=0,
-        )  # fmt: skip
-        s3 = sl[:, None, None]
-        row3 = part_ptr + (s3 * T + t64[None, :, None]) * M  # (SP, BT, 1)
-        pre_l = tl.sum(
-            tl.load(row3 + j[None, None, :],
-                    mask=(s3 < S) & t_ok[None, :, None] & (j[None, None, :] < N), other=0.0,
-                    cache_modifier=".cg"),
-            axis=0,
-        )  # (BT, NP)  # fmt: skip
-        rstd = tl.math.rsqrt(sq_tot / K + rms_eps)[:, None]  # (BT, 1)
-        s_pre = tl.load(scale_ptr).to(tl.float32)
-        b_pre = tl.load(base_ptr + j2, mask=j2 < N, other=0.0).to(tl.float32)
-        gate = sigmoid(pre_l * rstd * s_pre + b_pre) + hc_eps  # (BT, NP)
         d = s * BLOCK_DA + tl.arange(0, BLOCK_DA)  # (BD,)
         ok = t_ok[:, None] & (d[None, :] < D)
-        x_ptrs = x_ptr + t64[:, None] * K + d[None, :]  # (BT, BD), stream 0
+        # The pre rows and square sums of all S slots as one tile each and the parameters, all
+        # loaded before the first sum (see the mix kernel).  The x tile comes after the gates:
+        # loaded first too, ptxas (12.9) capped the kernel at 32 registers with kilobytes of
+        # spills; it was read moments ago by the mix, so the second round trip is an L2 hit.
+        sl = tl.arange(0, SP)
+        s2 = sl[:, None]
+        sq_all = tl.load(sq_ptr + s2 * T + t64[None, :], mask=(s2 < S) & t_ok[None, :],
+                         other=0.0, cache_modifier=".cg")  # fmt: skip
+        s3 = sl[:, None, None]
+        row3 = part_ptr + (s3 * T + t64[None, :, None]) * M  # (SP, BT, 1)
+        pre_all = tl.load(row3 + j[None, None, :],
+                          mask=(s3 < S) & t_ok[None, :, None] & (j[None, None, :] < N),
+                          other=0.0, cache_modifier=".cg")  # fmt: skip
+        s_pre = tl.load(scale_ptr).to(tl.float32)
+        b_pre = tl.load(base_ptr + j2, mask=j2 < N, other=0.0).to(tl.float32)
+        sq_tot = tl.sum(sq_all, axis=0)  # (BT,)
+        pre_l = tl.sum(pre_all, axis=0)  # (BT, NP)
+        rstd = tl.math.rsqrt(sq_tot / K + rms_eps)[:, None]  # (BT, 1)
+        gate = sigmoid(pre_l * rstd * s_pre + b_pre) + hc_eps  # (BT, NP)
+        # Streams added in the order 0..n-1, each picked out of the tile exactly (a sum of
+        # zeros and one value), as the collapse's apply does.
+        j3 = j[None, :, None]
+        x3 = tl.load(x_ptr + t64[:, None, None] * K + j3 * D + d[None, None, :],
+                     mask=ok[:, None, :] & (j3 < N), other=0.0)  # fmt: skip
+        xf = x3.to(tl.float32)
         y = tl.zeros((BLOCK_TA, BLOCK_DA), dtype=tl.float32)
         for jj in tl.static_range(N):
             g = tl.sum(tl.where(j2 == jj, gate, 0.0), axis=1)  # (BT,): gate jj, exact
-            xj = tl.load(x_ptrs + jj * D, mask=ok, other=0.0).to(tl.float32)
+            xj = tl.sum(tl.where(j3 == jj, xf, 0.0), axis=1)  # (BT, BD), exact
             y += g[:, None] * xj
         out_ty = out_ptr.dtype.element_ty
         y = rne_bf16_if_interpreted(y, out_ty, INTERP)
