@@ -96,8 +96,8 @@ def mhc_pre_mix_kernel(
     # layout (a shared-memory round trip behind a barrier), and a load issued after that
     # barrier would wait for the one before it, n dependent memory round trips instead of one.
     # Tuples grow by concatenation: Triton's frontend has no starred tuple display.
-    xs = ()
-    ws = ()
+    xs = ()  # type: tuple[tl.tensor, ...]
+    ws = ()  # type: tuple[tl.tensor, ...]
     for j in tl.static_range(N):
         xs = xs + (tl.load(x_ptrs + j * D, mask=x_ok, other=0.0),)  # noqa: RUF005  (BT, BD)
         ws = ws + (tl.load(w_ptrs + j * D, mask=w_ok, other=0.0),)  # noqa: RUF005  (R, BD)
