@@ -10,6 +10,8 @@ explains a kernel that streams well alone but slowly inside a fused kernel.
     python bench/sm90_resources.py --collapse '[[64, 256, 32, 16, 4, 3, true]]'  # candidates
     python bench/sm90_resources.py --rope     # the RoPE / q / kv path kernel only
     python bench/sm90_resources.py --attention  # the attention cores and the ring write only
+    python bench/sm90_resources.py --pre-fma  # hc_pre's small-batch FMA kernels only
+    python bench/sm90_resources.py --pre-fma --pre-fma-tiles '[[8, 8, 64, 2, 4, 256, 4]]'
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from dsv4mtp.optimized.kernels.mhc_collapse import (
 )
 from dsv4mtp.optimized.kernels.mhc_head import mhc_head_fma_kernel
 from dsv4mtp.optimized.kernels.mhc_mix import mhc_mix_kernel, mix_config
+from dsv4mtp.optimized.kernels.mhc_pre_small import PreFmaConfig, pre_fma_config
+from dsv4mtp.optimized.kernels.mhc_pre_small import _launches as pre_fma_launches
 
 TARGET = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM = 65536
@@ -175,6 +179,30 @@ def linear_lines() -> list[str]:
     return lines
 
 
+def pre_fma_lines(tiles: list[list[int]] | None = None) -> list[str]:
+    """hc_pre's small-batch kernels (kernels/mhc_pre_small.py) at n = 4, D 4096 / 7168, bf16 x,
+    20 Sinkhorn iterations: the mix and the reduce + apply launch, at the default schedule or
+    at each PreFmaConfig 7-tuple of ``tiles``."""
+    f32 = "*fp32"
+    mix_sig = dict(x_ptr="*bf16", fn_ptr=f32, part_ptr=f32, sq_ptr=f32, T="i32")
+    apply_sig = dict(
+        x_ptr="*bf16", scale_ptr=f32, base_ptr=f32, part_ptr=f32, sq_ptr=f32, out_ptr="*bf16",
+        post_ptr=f32, comb_ptr=f32, T="i32", rms_eps="fp32", hc_eps="fp32", post_mult="fp32",
+    )  # fmt: skip
+    lines = []
+    for D in (4096, 7168):
+        cfgs = [PreFmaConfig(*t) for t in tiles] if tiles else [pre_fma_config(4, D)]
+        for cfg in cfgs:
+            _, mix, apply = pre_fma_launches(cfg, 4, D, 20)
+            for what, launch, sig in (("mix", mix, mix_sig), ("apply", apply, apply_sig)):
+                meta = dict(launch.meta)
+                warps = meta.pop("num_warps")
+                line = resources(launch.jit, sig, meta, num_warps=warps)
+                tile = tuple(dataclasses.astuple(cfg))
+                lines.append(f"hc_pre fma D={D} {what:5s} {tile}: {line}")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -188,7 +216,19 @@ def main() -> None:
     p.add_argument(
         "--attention", action="store_true", help="only the attention cores and the ring write"
     )
+    p.add_argument("--pre-fma", action="store_true", help="only hc_pre's small-batch kernels")
+    p.add_argument(
+        "--pre-fma-tiles",
+        default=None,
+        help="JSON list of PreFmaConfig 7-tuples (rows, block_t, block_d, tpp, block_ta, "
+        "block_da, num_warps) for --pre-fma; default: pre_fma_config's schedules",
+    )
     args = p.parse_args()
+    if args.pre_fma:
+        tiles = json.loads(args.pre_fma_tiles) if args.pre_fma_tiles else None
+        for line in pre_fma_lines(tiles):
+            print(line, flush=True)
+        return
     if args.linear or args.rope or args.attention:
         lines = linear_lines if args.linear else rope_lines if args.rope else attention_lines
         for line in lines():
@@ -219,7 +259,7 @@ def main() -> None:
                   INTERP=False)  # fmt: skip
     line = resources(mhc_head_fma_kernel, head_sig, consts, num_warps=4)
     print(f"hc_head fma (4 x 256, 4 warps): {line}", flush=True)
-    for line in rope_lines() + attention_lines():
+    for line in pre_fma_lines() + rope_lines() + attention_lines():
         print(line, flush=True)
 
 

@@ -46,6 +46,10 @@ def test_auto_reads_the_batch_size_only_when_batch_invariant_is_false(
     assert select("hc_head", "auto", Facts(cpu, (torch.float32,), T=64, **base)) == "triton_mma"  # type: ignore[arg-type]
     assert select("hc_head", "auto", Facts(cpu, (torch.float32,), T=63, **base)) == "triton_fma"  # type: ignore[arg-type]
     assert select("hc_head", "auto", Facts(cpu, (torch.float32,), **base)) == "triton_fma"  # type: ignore[arg-type]
+    monkeypatch.setattr(dispatch, "PRE_FMA_MAX_T", 64)
+    assert select("hc_pre", "auto", Facts(cpu, (torch.float32,), T=64, **base)) == "triton_fma"  # type: ignore[arg-type]
+    assert select("hc_pre", "auto", Facts(cpu, (torch.float32,), T=65, **base)) == "triton"  # type: ignore[arg-type]
+    assert select("hc_pre", "auto", Facts(cpu, (torch.float32,), **base)) == "triton_fma"  # type: ignore[arg-type]
     seen: list[tuple[str, int | None]] = []
 
     class Chosen(Exception):
@@ -67,8 +71,8 @@ def test_auto_reads_the_batch_size_only_when_batch_invariant_is_false(
         with pytest.raises(Chosen):
             opt.hc_pre(x, torch.randn(24, 32), torch.ones(3), torch.zeros(24), **eps,
                        sinkhorn_iters=2, batch_invariant=invariant)  # fmt: skip
-    # hc_head passes T only without batch_invariant; hc_pre has no rule by T and never does.
-    assert seen == [("hc_head", 3), ("hc_pre", None), ("hc_head", None), ("hc_pre", None)]
+    # hc_head and hc_pre pass T only without batch_invariant.
+    assert seen == [("hc_head", 3), ("hc_pre", 3), ("hc_head", None), ("hc_pre", None)]
 
 
 def test_unknown_and_inapplicable_backends_are_input_errors_naming_op_and_reason() -> None:

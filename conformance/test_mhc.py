@@ -15,6 +15,7 @@ import dsv4mtp.conformance.pairs  # noqa: F401  (declares the pairs REGISTRY hol
 import dsv4mtp.optimized as opt
 from dsv4mtp.conformance.inputs import op_inputs
 from dsv4mtp.conformance.registry import REGISTRY
+from dsv4mtp.errors import ConfigError
 from dsv4mtp.optimized.mhc import HEAD_AUTO_BACKEND, PRE_AUTO_BACKEND
 from dsv4mtp.reference import InputError, hc_head, hc_post, hc_pre, sinkhorn
 
@@ -338,6 +339,70 @@ def test_optimized_hc_pre_backends_agree(T: int, D: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [4, 3])
+def test_optimized_hc_pre_fma_agrees_with_the_collapse(
+    n: int, dtype: torch.dtype, device: str
+) -> None:
+    """hc_pre's small-batch kernel (fp32 FMA mix, kernels/mhc_pre_small.py) and the collapse
+    (bf16 hi/lo tensor-core mix) compute one function: both within the registry's tolerance of
+    the float64 oracle; post and comb, formed by the same reduce code from mixes that differ by
+    the collapse's split of fn (~2^-17 per product: ~2e-5 on a mix of K = 28672 terms), agree
+    to 5e-4; layer_input within one rounding
+    of its scale.  n = 3 leaves the last group of fn rows partly empty (M = 15 of 16).  A
+    schedule is refused by the FMA backend, which has none."""
+    from dsv4mtp.conformance.differential import compare
+
+    shapes = [(1, 4096), (77, 7168), (300, 4096)] if device == "cuda" else [(1, 96), (37, 160)]
+    tol = REGISTRY["hc_pre"].tolerance(dtype)
+    for T, D in shapes:
+        args, kw = _opt_inputs("hc_pre", T, n, D, dtype, device, seed=T + n)
+        oracle = _reference_f64("hc_pre", args, kw)
+        fma = _call("hc_pre", args, kw, backend="triton_fma")
+        mma = _call("hc_pre", args, kw, backend="triton")
+        for name, got in (("triton_fma", fma), ("triton", mma)):
+            for g, r, what in zip(got, oracle, ("layer_input", "post", "comb"), strict=True):
+                rep = compare(g, r)
+                assert rep.within(tol), f"hc_pre {name} {what} T={T} D={D} {dtype}: {rep}"
+        for g, r in zip(fma[1:], mma[1:], strict=True):
+            assert torch.allclose(g, r, rtol=5e-4, atol=1e-5), f"T={T} D={D}"
+        scaled = (fma[0].double() - mma[0].double()).abs().max() / mma[0].double().abs().max()
+        assert float(scaled) <= 2.0**-7, f"T={T} D={D}: backends differ by {float(scaled):.2e}"
+    with pytest.raises(InputError, match="schedule: the 'triton_fma' backend takes none"):
+        opt.hc_pre(*args, **kw, backend="triton_fma", schedule=opt.CollapseSchedule())
+
+
+def test_optimized_hc_pre_fma_schedules_compute_one_function(device: str) -> None:
+    """Other schedules of the small-batch hc_pre kernel (fewer fn rows per program, other token
+    blocks, slices, reducer and apply tiles, warps) change only the order of fp32 sums: post and
+    comb agree to 1e-5, layer_input within one rounding of its scale.  A schedule that is not
+    all powers of two is a ConfigError naming the field."""
+    from dsv4mtp.optimized.kernels.mhc_pre_small import PreFmaConfig, mhc_pre_fma, pre_fma_config
+
+    T, D = (70, 4096) if device == "cuda" else (19, 96)
+    (x, fn, scale, base), kw = _opt_inputs("hc_pre", T, 4, D, torch.bfloat16, device, seed=3)
+    default = pre_fma_config(4, D)
+    others = [PreFmaConfig(4, 4, 16, 1, 2, 16, 4), PreFmaConfig(16, 8, 32, 4, 8, 64, 2)]
+
+    def run(cfg: PreFmaConfig) -> list[torch.Tensor]:
+        outs = [torch.full((T, D), float("nan"), dtype=x.dtype, device=device),
+                torch.full((T, 4), float("nan"), device=device),
+                torch.full((T, 4, 4), float("nan"), device=device)]  # fmt: skip
+        mhc_pre_fma(x, fn, scale.float(), base.float(), *outs, cfg=cfg, **kw)
+        return outs
+
+    want = run(default)
+    for cfg in others:
+        got = run(cfg)
+        assert not any(g.isnan().any() for g in got), cfg
+        for g, w in zip(got[1:], want[1:], strict=True):
+            assert torch.allclose(g, w, rtol=1e-5, atol=1e-6), cfg
+        scaled = (got[0].double() - want[0].double()).abs().max() / want[0].double().abs().max()
+        assert float(scaled) <= 2.0**-7, cfg
+    with pytest.raises(ConfigError, match=r"PreFmaConfig\.block_d: expected a power of two"):
+        PreFmaConfig(8, 16, 48, 2, 4, 256, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_optimized_hc_head_backends_agree(dtype: torch.dtype, device: str) -> None:
     """hc_head's two kernels (fp32 FMA mix; bf16 hi/lo tensor-core mix) compute one function:
     both within the registry's tolerance of the float64 oracle, outputs within one rounding of
@@ -480,7 +545,7 @@ def test_optimized_mhc_rejects_bad_input(device: str) -> None:
 
 
 def test_optimized_auto_backends_are_declared() -> None:
-    assert PRE_AUTO_BACKEND in ("triton", "flashinfer", "flashinfer_prenorm")
+    assert PRE_AUTO_BACKEND in ("triton", "triton_fma", "flashinfer", "flashinfer_prenorm")
     assert HEAD_AUTO_BACKEND in ("triton_fma", "triton_mma")
 
 

@@ -10,7 +10,8 @@ kernels can run it (device, dtypes, stream count, eps, whether FlashInfer import
 read T.  ``auto`` may read T through an op's ``by_T`` rule, and only when the call passes
 ``batch_invariant=False``: the op then puts T in its Facts; with ``batch_invariant=True`` Facts
 carry ``T=None`` and every choice is the same for every batch size, so a token's bits do not
-depend on its batch.  Today only ``hc_head`` has a ``by_T`` rule (:data:`HEAD_MMA_MIN_T`).
+depend on its batch.  ``hc_head`` (:data:`HEAD_MMA_MIN_T`) and ``hc_pre`` (:data:`PRE_FMA_MAX_T`)
+have ``by_T`` rules.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .kernels._flashinfer import flashinfer_mismatch
 __all__ = [
     "HEAD_MMA_MIN_T",
     "PLANS",
+    "PRE_FMA_MAX_T",
     "TABLES",
     "Backend",
     "Facts",
@@ -146,6 +148,24 @@ def _head_by_T(facts: Facts) -> str | None:
     return None
 
 
+# hc_pre's default (batch_invariant=False) runs the small-batch FMA kernel
+# (kernels/mhc_pre_small.py) up to this T and the one-pass collapse above it.  Provisional: set
+# from the kernels' designs (the collapse costs 19-23 us at T <= 64 on the H200,
+# bench/results/mhc-h200.md, most of it a serial Sinkhorn and one token block's 16 / 28 programs;
+# the FMA kernel spreads fn over 192 / 336 programs and re-reads it from L2 once per 16 tokens),
+# until bench/diag/hc_pre_small_t.py has measured the crossover.  With batch_invariant=True auto
+# runs the FMA kernel at every T (its auto order below), as hc_head does: MTP's draft step, which
+# calls hc_pre twice per step at T = batch, is the hot path, and a T-independent choice must
+# serve it.  A prefill-sized batch then pays for that choice.
+PRE_FMA_MAX_T = 64
+
+
+def _pre_by_T(facts: Facts) -> str | None:
+    if facts.T is not None:
+        return "triton_fma" if facts.T <= PRE_FMA_MAX_T else "triton"
+    return None
+
+
 # The auto orders are measured on the H200 (bench/results/mhc-h200.md, norm-h200.md).  hc_pre:
 # the one-pass Triton collapse beat the producer + FlashInfer pair at every measured T and D
 # (T 4096: 88 vs 173 us at D 4096, 177 vs 232 us at D 7168).  hc_head: the FMA kernel is ~2x
@@ -161,10 +181,12 @@ TABLES: dict[str, OpTable] = {
         "hc_pre",
         (
             Backend("triton", _always),
+            Backend("triton_fma", _always),
             Backend("flashinfer", _flashinfer_mhc),
             Backend("flashinfer_prenorm", _flashinfer_mhc),
         ),
-        auto=("triton",),
+        auto=("triton_fma", "triton"),
+        by_T=_pre_by_T,
     ),
     "hc_post": OpTable(
         "hc_post",

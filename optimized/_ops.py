@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from .kernels.mhc_head import mhc_head_fma
     from .kernels.mhc_mix import MixConfig, mhc_mix_splitk, mix_config
     from .kernels.mhc_post import mhc_post_triton
+    from .kernels.mhc_pre_small import mhc_pre_fma
     from .kernels.rms_norm import rms_norm_triton
 else:
     # Imported on the first call that needs them: triton is optional (the `gpu` extra).
@@ -48,6 +49,7 @@ else:
     mhc_mix_splitk = triton_kernel("mhc_mix", "mhc_mix_splitk")
     mix_config = triton_kernel("mhc_mix", "mix_config")
     mhc_post_triton = triton_kernel("mhc_post", "mhc_post_triton")
+    mhc_pre_fma = triton_kernel("mhc_pre_small", "mhc_pre_fma")
     rms_norm_triton = triton_kernel("rms_norm", "rms_norm_triton")
 
 __all__ = ["NAMESPACE", "OPS", "SCHEMAS", "schedule_fields"]
@@ -202,8 +204,16 @@ def _hc_pre_out(
             sinkhorn_iters=sinkhorn_iters, cfg=_collapse_cfg(tuple(collapse)),
         )  # fmt: skip
         return
+    if backend == "triton_fma":
+        mhc_pre_fma(
+            x, fn, scale32, base32, layer_input, post, comb, rms_norm_eps=rms_norm_eps,
+            hc_eps=hc_eps, post_mult=post_mult, sinkhorn_iters=sinkhorn_iters,
+        )  # fmt: skip
+        return
     if backend not in ("flashinfer", "flashinfer_prenorm"):
-        raise _unknown("hc_pre", backend, ("triton", "flashinfer", "flashinfer_prenorm"))
+        raise _unknown(
+            "hc_pre", backend, ("triton", "triton_fma", "flashinfer", "flashinfer_prenorm")
+        )
     # The split-K mix producer, then FlashInfer's Sinkhorn + pre-weighted sum.  FlashInfer
     # writes post as (T, 4, 1); ours is (T, 4): the same bytes.
     M, K = fn.shape

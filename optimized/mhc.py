@@ -11,17 +11,19 @@ programs turn shares of them into gates, and once the gates are written, pieces 
 only ever wait on programs that have already started (kernels/_sync.py), so no wait depends on
 how much of the GPU other work leaves free.
 hc_pre can instead feed FlashInfer's consumer from a split-K mix producer (kernels/mhc_mix.py).
-hc_head has a latency-first kernel for the small T at which MTP calls it (kernels/mhc_head.py).
+hc_pre and hc_head each have a latency-first kernel for the small T at which MTP calls them
+(kernels/mhc_pre_small.py, kernels/mhc_head.py).
 Each public function validates its arguments, chooses the backend (optimized/_dispatch.py) and
 calls the operator ``torch.ops.dsv4mtp.<op>`` (or ``<op>_out`` when given ``out``;
 optimized/_ops.py), which runs it.  Backends (``backend="auto"`` picks the first that applies
-by dtype, n and D; hc_head's default may also pick by T, see ``_dispatch.HEAD_MMA_MIN_T``, and
-``batch_invariant=True`` keeps every choice independent of T, so a token's result does not
-depend on its batch):
+by dtype, n and D; hc_pre's and hc_head's defaults may also pick by T, see
+``_dispatch.PRE_FMA_MAX_T`` and ``_dispatch.HEAD_MMA_MIN_T``, and ``batch_invariant=True`` keeps
+every choice independent of T, so a token's result does not depend on its batch):
 
-* ``hc_pre``  - n = 4, bf16, CUDA: ``PRE_AUTO_BACKEND`` (picked by measurement on the H200,
-  bench/results/): the Triton collapse, or the mix producer feeding FlashInfer's
-  ``mhc_pre_big_fuse`` (Sinkhorn + pre-weighted sum).  Otherwise the Triton collapse.
+* ``hc_pre``  - ``PRE_AUTO_BACKEND``: the small-batch FMA kernel (kernels/mhc_pre_small.py) up
+  to ``PRE_FMA_MAX_T`` tokens and under ``batch_invariant=True``; the Triton collapse above it.
+  The mix producer feeding FlashInfer's ``mhc_pre_big_fuse`` (Sinkhorn + pre-weighted sum) is
+  an explicit choice (n = 4, bf16, CUDA): the collapse beat it at every measured T.
 * ``hc_post`` - n = 4, bf16 f and residual, CUDA: FlashInfer ``mhc_post``; otherwise Triton.
 * ``hc_head`` - ``HEAD_AUTO_BACKEND``: the small-batch FMA kernel (kernels/mhc_head.py)
   or the Triton collapse (no FlashInfer kernel exists for it on sm_90).
@@ -59,7 +61,7 @@ __all__ = [
     "hc_pre",
 ]
 
-PreBackend = Literal["auto", "triton", "flashinfer", "flashinfer_prenorm"]
+PreBackend = Literal["auto", "triton", "triton_fma", "flashinfer", "flashinfer_prenorm"]
 PostBackend = Literal["auto", "flashinfer", "triton"]
 HeadBackend = Literal["auto", "triton_fma", "triton_mma"]
 
@@ -137,12 +139,15 @@ def hc_pre(
     x: (T, n, D) bf16 / fp32; fn: (M, n*D), M = (2+n)*n; scale: (3,); base: (M,).
     layer_input (T, D) in x.dtype; post (T, n) and comb (T, n, n) in fp32.  ``out`` is a
     3-tuple of contiguous tensors of exactly those shapes and dtypes, written in place.
-    backend: "triton" (the one-pass collapse kernel), "flashinfer" (split-K mix producer +
-    FlashInfer ``mhc_pre_big_fuse``), "flashinfer_prenorm" (producer with one split +
-    ``mhc_pre_big_fuse_with_prenorm``), or "auto" (``PRE_AUTO_BACKEND`` where FlashInfer
-    applies, else "triton").
-    ``batch_invariant=True`` pins a schedule that does not depend on T; "auto" picks by dtype,
-    n and D only, so the default is batch invariant too.
+    backend: "triton" (the one-pass collapse kernel), "triton_fma" (kernels/mhc_pre_small.py:
+    fp32 FMA mix spread over a few hundred programs, then the Sinkhorn and the weighted sum in a
+    second launch; built for the T <= 64 of MTP's draft step), "flashinfer" (split-K mix
+    producer + FlashInfer ``mhc_pre_big_fuse``), "flashinfer_prenorm" (producer with one split +
+    ``mhc_pre_big_fuse_with_prenorm``), or "auto".
+    ``schedule`` tunes "triton" and the FlashInfer backends; "triton_fma" refuses one.  With
+    ``batch_invariant=False`` (the default) "auto" runs "triton_fma" up to
+    ``_dispatch.PRE_FMA_MAX_T`` (64) tokens and "triton" above; ``batch_invariant=True`` keeps
+    "auto" on "triton_fma" at every T.
     """
     # The plan of this call signature (optimized/_dispatch.py, "plans"): the checks run once
     # per signature.  While torch.compile traces, they run every time and become its guards.
@@ -209,7 +214,8 @@ def _hc_pre_plan(
     backend: str,
     schedule: CollapseSchedule | None,
 ) -> tuple[str, Sequence[int], Sequence[int]]:
-    """Every check of hc_pre's arguments, then the backend choice: (backend, schedule fields)."""
+    """Every check of hc_pre's arguments, then the backend choice (which may read T): (backend,
+    schedule fields)."""
     check_instance("batch_invariant", batch_invariant, bool)
     T, n, D = _check_streams(x)
     M = (2 + n) * n
@@ -229,8 +235,12 @@ def _hc_pre_plan(
             raise InputError("out: expected a 3-tuple (layer_input, post, comb)")
         for i, (o, (s, dt)) in enumerate(zip(out, shapes, strict=True)):
             check_out(f"out[{i}]", o, s, dt, dev)
-    facts = Facts(dev, (x.dtype,), n=n, D=D, eps=(rms_norm_eps, hc_eps))
+    facts = Facts(
+        dev, (x.dtype,), n=n, D=D, eps=(rms_norm_eps, hc_eps), T=None if batch_invariant else T
+    )
     choice = select("hc_pre", backend, facts)
+    if schedule is not None and choice == "triton_fma":
+        raise InputError("schedule: the 'triton_fma' backend takes none; pass backend='triton'")
     collapse, mix = _schedule(schedule)
     return choice, collapse, mix
 

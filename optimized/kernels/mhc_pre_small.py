@@ -1,0 +1,359 @@
+"""hc_pre for small batches: fp32 FMA mix spread over many programs, then gates and output.
+
+Computes what :mod:`.mhc_collapse` computes for hc_pre (``layer_input``, ``post``, ``comb``;
+docs/semantics.md, "mHC: hc_pre, Sinkhorn, hc_post") with a schedule built for latency.  The
+MTP draft step calls hc_pre twice per step at T = batch (1..64), where the one-pass collapse
+runs one token block on 16 / 28 programs (D 4096 / 7168): each streams 96 KB of fn in K steps
+before its share of the block's Sinkhorn can start.  Here the bytes that set the floor at small
+T (fn: M*n*D*4 = 1.5 MiB at D 4096) are spread over a few hundred programs, each loading its
+share in one round trip, and no program holds more than TPP tokens' Sinkhorn.
+
+Shapes (K = n*D, M = (2+n)*n, S = cdiv(D, BLOCK_D) slices, G = cdiv(M, ROWS) row groups):
+    x     (T, n, D)   bf16 / fp32, contiguous      fn    (M, K) fp32 (or bf16), contiguous
+    scale (3,) fp32,  base (M,) fp32               part  (S, T, M) fp32 workspace
+    sq    (S, T) fp32 workspace
+    layer_input (T, D) x.dtype;  post (T, n) fp32;  comb (T, n, n) fp32
+
+Schedule: two launches, no program waits on another.
+ 1. Mix (:func:`mhc_pre_mix_kernel`, grid blocks x S x G): program (q, s, r) loads the
+    (BLOCK_T, BLOCK_D) tile of each of the n streams of token block q, slice s, and the
+    matching (ROWS, BLOCK_D) columns of fn rows [r*ROWS, (r+1)*ROWS), all in one memory round
+    trip (no K loop), forms its partial mix with fp32 FMAs (exact fp32 products, per column
+    lane, streams 0..n-1 in order, then one tree sum over the lanes) and its partial square sum,
+    and stores them to slot s.  At T <= BLOCK_T that is S*G = 192 / 336 programs (D 4096 /
+    7168, n = 4) for the 132 SMs, each with 8 KB of fn.
+ 2. Gates and output (:func:`mhc_pre_apply_kernel`): the first cdiv(T, TPP) programs each
+    form post and comb of TPP tokens; they come first in the grid because the Sinkhorn's
+    2*iters - 1 dependent normalizations are the longest chain of the launch.  Every other
+    program takes a (BLOCK_TA tokens, BLOCK_DA columns) piece of layer_input: it forms the pre
+    gates of its tokens and writes the weighted sum of the n streams (streams in order 0..n-1,
+    as the collapse's apply).  Both load the S slot partials they need as one tile (one L2
+    round trip; the collapse's reducer loads slot after slot) and sum each value by one tree
+    over the slots; the gates and the Sinkhorn then follow the op order of the collapse's
+    ``_reduce_gates``.
+
+Latency: in every phase all independent loads are issued before the first layout conversion or
+reduction, whose barrier would otherwise make each later load wait for the ones before it (one
+memory round trip per stream or per tile instead of one per phase; checked in the sm_90 SASS).
+
+Arithmetic: fp32 throughout, exact fp32 products in the mix (the collapse's tensor-core mix keeps
+~16 bits of fn; this one all 24).  Tile sizes depend on n and D only, and every sum runs in an
+order fixed by them: a token's result does not depend on its batch.
+
+Bytes: fn once per BLOCK_T tokens (from HBM for the first block, L2 after), x G times in the mix
+(once from HBM) and once more in the apply (mostly L2), layer_input / post / comb once; the
+workspace S*T*(M+1)*4 stays in L2 (each piece of layer_input reads its tokens' pre rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4mtp.errors import ConfigError
+
+from ._launch import (
+    INTERPRET,
+    TritonLaunch,
+    cdiv,
+    next_pow2,
+    plan,
+    rne_bf16_if_interpreted,
+    sigmoid,
+    triton_launch,
+    workspaces,
+)
+
+__all__ = ["PreFmaConfig", "mhc_pre_fma", "pre_fma_config"]
+
+
+@triton.jit(do_not_specialize=["T"])
+def mhc_pre_mix_kernel(
+    x_ptr, fn_ptr, part_ptr, sq_ptr, T,
+    D: tl.constexpr, N: tl.constexpr, M: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Grid (blocks * S * G,): program (q * S + s) * G + r = token block q, slice s, rows r."""
+    pid = tl.program_id(0)
+    r = pid % G
+    s = (pid // G) % S
+    q = pid // (G * S)
+    K = N * D
+    t = q * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)
+    t_ok = t < T
+    t64 = t.to(tl.int64)
+    d = s * BLOCK_D + tl.arange(0, BLOCK_D)  # (BD,) column of this slice, in each stream
+    m = r * ROWS + tl.arange(0, ROWS)  # (R,) fn row
+    m_ok = m < M
+    x_ptrs = x_ptr + t64[:, None] * K + d[None, :]  # (BT, BD), stream 0
+    x_ok = t_ok[:, None] & (d[None, :] < D)
+    w_ptrs = fn_ptr + m[:, None] * K + d[None, :]  # (R, BD), stream 0
+    w_ok = m_ok[:, None] & (d[None, :] < D)
+    acc = tl.zeros((BLOCK_T, ROWS, BLOCK_D), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    # All 2n tiles are loaded before the first is used: the products need them in another
+    # layout (a shared-memory round trip behind a barrier), and a load issued after that
+    # barrier would wait for the one before it, n dependent memory round trips instead of one.
+    # Tuples grow by concatenation: Triton's frontend has no starred tuple display.
+    xs = ()  # type: tuple[tl.tensor, ...]
+    ws = ()  # type: tuple[tl.tensor, ...]
+    for j in tl.static_range(N):
+        xs = xs + (tl.load(x_ptrs + j * D, mask=x_ok, other=0.0),)  # noqa: RUF005  (BT, BD)
+        ws = ws + (tl.load(w_ptrs + j * D, mask=w_ok, other=0.0),)  # noqa: RUF005  (R, BD)
+    for j in tl.static_range(N):
+        xj = xs[j].to(tl.float32)
+        wj = ws[j].to(tl.float32)
+        xb, wb = tl.broadcast(xj[:, None, :], wj[None, :, :])  # (BT, R, BD)
+        acc = tl.fma(xb, wb, acc)
+        sq = tl.fma(xj, xj, sq)
+    part = tl.sum(acc, axis=2)  # (BT, R): one tree over the column lanes
+    slab = s.to(tl.int64) * T
+    tl.store(
+        part_ptr + (slab + t64)[:, None] * M + m[None, :],
+        part,
+        mask=t_ok[:, None] & m_ok[None, :],
+    )
+    if r == 0:
+        tl.store(sq_ptr + slab + t64, tl.sum(sq, axis=1), mask=t_ok)
+
+
+@triton.jit
+def _post_comb(
+    part_ptr, sq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, t, t_ok, T, K, rms_eps, hc_eps,
+    post_mult, S: tl.constexpr, SP: tl.constexpr, SINKHORN_ITERS: tl.constexpr, N: tl.constexpr,
+    NP: tl.constexpr, M: tl.constexpr,
+):  # fmt: skip
+    """post and comb of the tokens ``t`` (TPP,): their S slot partials loaded as one tile (one L2
+    round trip) and summed by one tree per value, then the gates and the Sinkhorn in the op order
+    of ``mhc_collapse._reduce_gates`` (docs/semantics.md, "Sinkhorn")."""
+    t64 = t.to(tl.int64)
+    sl = tl.arange(0, SP)
+    j = tl.arange(0, NP)
+    j2 = j[None, :]
+    jr = j[None, :, None]
+    kc = j[None, None, :]
+    crow = 2 * N + jr * N + kc  # (1, NP, NP): comb row jr*N + kc (source jr, destination kc)
+    jk_ok = (jr < N) & (kc < N)
+    # Every load before the first sum (see the mix kernel: a load behind a reduction's barrier
+    # would wait for the loads before it).  (SP, TPP) square sums, (SP, TPP, NP) post rows and
+    # (SP, TPP, NP, NP) comb rows of each slot; padded slots load zeros.
+    s2 = sl[:, None]
+    sq_all = tl.load(sq_ptr + s2 * T + t64[None, :], mask=(s2 < S) & t_ok[None, :], other=0.0,
+                     cache_modifier=".cg")  # fmt: skip
+    s3 = sl[:, None, None]
+    row3 = part_ptr + (s3 * T + t64[None, :, None]) * M  # (SP, TPP, 1)
+    ok3 = (s3 < S) & t_ok[None, :, None]
+    post_all = tl.load(row3 + N + j[None, None, :], mask=ok3 & (j[None, None, :] < N), other=0.0,
+                       cache_modifier=".cg")  # fmt: skip
+    comb_all = tl.load(row3[:, :, :, None] + crow[None, :, :, :],
+                       mask=ok3[:, :, :, None] & jk_ok[None, :, :, :], other=0.0,
+                       cache_modifier=".cg")  # fmt: skip
+    s_post = tl.load(scale_ptr + 1).to(tl.float32)
+    s_comb = tl.load(scale_ptr + 2).to(tl.float32)
+    b_post = tl.load(base_ptr + N + j2, mask=j2 < N, other=0.0).to(tl.float32)
+    b_comb = tl.load(base_ptr + crow, mask=jk_ok, other=0.0).to(tl.float32)
+    sq_tot = tl.sum(sq_all, axis=0)  # (TPP,)
+    post_l = tl.sum(post_all, axis=0)  # (TPP, NP)
+    comb_l = tl.sum(comb_all, axis=0)  # (TPP, NP, NP)
+    rstd = tl.math.rsqrt(sq_tot / K + rms_eps)[:, None]  # (TPP, 1)
+    post = sigmoid(post_l * rstd * s_post + b_post) * post_mult
+    tl.store(post_ptr + t64[:, None] * N + j2, post, mask=t_ok[:, None] & (j2 < N))
+    c = comb_l * rstd[:, :, None] * s_comb + b_comb
+    c = tl.where(jk_ok, c, float("-inf"))
+    row_max = tl.max(c, axis=2)  # (TPP, NP)
+    row_max = tl.where(j2 < N, row_max, 0.0)
+    e = tl.exp(c - row_max[:, :, None])  # padded entries: exp(-inf) = 0
+    # Row softmax + eps, a column normalization, then (iters - 1) x (rows, columns); padded
+    # entries stay 0.
+    row_sum = tl.where(j2 < N, tl.sum(e, axis=2), 1.0)  # padded rows: no 0/0
+    p = tl.where(jk_ok, e / row_sum[:, :, None] + hc_eps, 0.0)
+    p = p / (tl.sum(p, axis=1)[:, None, :] + hc_eps)
+    for _ in range(1, SINKHORN_ITERS):
+        p = p / (tl.sum(p, axis=2)[:, :, None] + hc_eps)
+        p = p / (tl.sum(p, axis=1)[:, None, :] + hc_eps)
+    t3 = t64[:, None, None]
+    tl.store(comb_ptr + t3 * (N * N) + jr * N + kc, p, mask=t_ok[:, None, None] & jk_ok)
+
+
+@triton.jit(do_not_specialize=["T"])
+def mhc_pre_apply_kernel(
+    x_ptr, scale_ptr, base_ptr, part_ptr, sq_ptr, out_ptr, post_ptr, comb_ptr,
+    T, rms_eps, hc_eps, post_mult,
+    D: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, S: tl.constexpr,
+    SP: tl.constexpr, SINKHORN_ITERS: tl.constexpr, TPP: tl.constexpr, SA: tl.constexpr,
+    BLOCK_TA: tl.constexpr, BLOCK_DA: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """Grid (cdiv(T, TPP) + cdiv(T, BLOCK_TA) * SA,): reducers first (post, comb), then the
+    pieces of layer_input, program cdiv(T, TPP) + q * SA + s = token block q, column piece s."""
+    pid = tl.program_id(0)
+    K = N * D
+    reducers = tl.cdiv(T, TPP)
+    if pid < reducers:
+        tr = pid * TPP + tl.arange(0, TPP)
+        _post_comb(
+            part_ptr, sq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, tr, tr < T, T, K,
+            rms_eps, hc_eps, post_mult, S, SP, SINKHORN_ITERS, N, NP, M,
+        )  # fmt: skip
+    else:
+        a = pid - reducers
+        q = a // SA
+        s = a % SA
+        t = q * BLOCK_TA + tl.arange(0, BLOCK_TA)  # (BT,)
+        t_ok = t < T
+        t64 = t.to(tl.int64)
+        j = tl.arange(0, NP)
+        j2 = j[None, :]
+        d = s * BLOCK_DA + tl.arange(0, BLOCK_DA)  # (BD,)
+        ok = t_ok[:, None] & (d[None, :] < D)
+        # The pre rows and square sums of all S slots as one tile each and the parameters, all
+        # loaded before the first sum (see the mix kernel).  The x tile comes after the gates:
+        # loaded first too, ptxas (12.9) capped the kernel at 32 registers with kilobytes of
+        # spills; it was read moments ago by the mix, so the second round trip is an L2 hit.
+        sl = tl.arange(0, SP)
+        s2 = sl[:, None]
+        sq_all = tl.load(sq_ptr + s2 * T + t64[None, :], mask=(s2 < S) & t_ok[None, :],
+                         other=0.0, cache_modifier=".cg")  # fmt: skip
+        s3 = sl[:, None, None]
+        row3 = part_ptr + (s3 * T + t64[None, :, None]) * M  # (SP, BT, 1)
+        pre_all = tl.load(row3 + j[None, None, :],
+                          mask=(s3 < S) & t_ok[None, :, None] & (j[None, None, :] < N),
+                          other=0.0, cache_modifier=".cg")  # fmt: skip
+        s_pre = tl.load(scale_ptr).to(tl.float32)
+        b_pre = tl.load(base_ptr + j2, mask=j2 < N, other=0.0).to(tl.float32)
+        sq_tot = tl.sum(sq_all, axis=0)  # (BT,)
+        pre_l = tl.sum(pre_all, axis=0)  # (BT, NP)
+        rstd = tl.math.rsqrt(sq_tot / K + rms_eps)[:, None]  # (BT, 1)
+        gate = sigmoid(pre_l * rstd * s_pre + b_pre) + hc_eps  # (BT, NP)
+        # Streams added in the order 0..n-1, each picked out of the tile exactly (a sum of
+        # zeros and one value), as the collapse's apply does.
+        j3 = j[None, :, None]
+        x3 = tl.load(x_ptr + t64[:, None, None] * K + j3 * D + d[None, None, :],
+                     mask=ok[:, None, :] & (j3 < N), other=0.0)  # fmt: skip
+        xf = x3.to(tl.float32)
+        y = tl.zeros((BLOCK_TA, BLOCK_DA), dtype=tl.float32)
+        for jj in tl.static_range(N):
+            g = tl.sum(tl.where(j2 == jj, gate, 0.0), axis=1)  # (BT,): gate jj, exact
+            xj = tl.sum(tl.where(j3 == jj, xf, 0.0), axis=1)  # (BT, BD), exact
+            y += g[:, None] * xj
+        out_ty = out_ptr.dtype.element_ty
+        y = rne_bf16_if_interpreted(y, out_ty, INTERP)
+        tl.store(out_ptr + t64[:, None] * D + d[None, :], y.to(out_ty), mask=ok)
+
+
+@dataclass(frozen=True)
+class PreFmaConfig:
+    """Schedule of the small-batch hc_pre: fn rows, tokens and columns per mix program; tokens
+    per reducer; tokens and columns per apply program; warps (both launches).  Every field but
+    ``num_warps`` a power of two.  :func:`pre_fma_config` holds the default."""
+
+    rows: int
+    block_t: int
+    block_d: int
+    tpp: int
+    block_ta: int
+    block_da: int
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        for name, v in dataclasses.asdict(self).items():
+            if name != "num_warps" and (v < 1 or v & (v - 1)):
+                raise ConfigError(f"PreFmaConfig.{name}: expected a power of two, got {v}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ConfigError(f"PreFmaConfig.num_warps: expected 1..16, got {self.num_warps}")
+
+
+@functools.cache
+def pre_fma_config(n: int, D: int) -> PreFmaConfig:
+    """The default schedule for (n, D); never a function of T (batch invariance).
+
+    Mix: 8 fn rows x 16 tokens x 64 columns per program (M = 24 rows in 3 groups at n = 4):
+    192 / 336 programs at T <= 16 for D 4096 / 7168, enough for the 132 SMs, while the
+    (16, 8, 64) accumulator takes 64 of the 128 registers per thread (4 warps, no spills:
+    bench/sm90_resources.py); 16 tokens per block read fn from L2 4 times at T 64.
+    64-column slices keep the slot count S (what phase 2 sums per token) at 64 / 112.
+    Reducers take 2 tokens each, the apply 4 tokens x 256 columns (hc_head's FMA tile).
+    Provisional: not yet measured on the H200 (bench/diag/hc_pre_small_t.py --fma-tiles times
+    alternatives).  Under the interpreter: narrower slices, so that the CPU tier's small D has
+    several.
+    """
+    block_d = min(16 if INTERPRET else 64, max(16, next_pow2(D)))
+    block_da = min(32 if INTERPRET else 256, max(16, next_pow2(D)))
+    return PreFmaConfig(rows=8, block_t=16, block_d=block_d, tpp=2, block_ta=4,
+                        block_da=block_da, num_warps=4)  # fmt: skip
+
+
+@functools.cache
+def _launches(
+    cfg: PreFmaConfig, n: int, D: int, sinkhorn_iters: int
+) -> tuple[tuple[int, int, int], TritonLaunch, TritonLaunch]:
+    """((S, G, SA), mix launch, apply launch) of one schedule and shape."""
+    M = (2 + n) * n
+    S, G, SA = cdiv(D, cfg.block_d), cdiv(M, cfg.rows), cdiv(D, cfg.block_da)
+    mix = triton_launch(
+        mhc_pre_mix_kernel, D=D, N=n, M=M, S=S, G=G, ROWS=cfg.rows, BLOCK_T=cfg.block_t,
+        BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    apply = triton_launch(
+        mhc_pre_apply_kernel, D=D, N=n, NP=next_pow2(n), M=M, S=S, SP=next_pow2(S),
+        SINKHORN_ITERS=sinkhorn_iters, TPP=cfg.tpp, SA=SA, BLOCK_TA=cfg.block_ta,
+        BLOCK_DA=cfg.block_da, INTERP=INTERPRET, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return (S, G, SA), mix, apply
+
+
+# A call's plan: (mix grid, apply grid, mix launch, apply launch, part, sq).
+_Plan = tuple[tuple[int], tuple[int], TritonLaunch, TritonLaunch, torch.Tensor, torch.Tensor]
+
+
+def _plan(
+    device: torch.device, T: int, n: int, D: int, sinkhorn_iters: int, cfg: PreFmaConfig | None
+) -> _Plan:
+    """Everything of a call but its tensors and scalars; kept per (shapes, stream) by
+    :func:`~._launch.plan`."""
+    cfg = cfg or pre_fma_config(n, D)
+    (S, G, SA), mix, apply = _launches(cfg, n, D, sinkhorn_iters)
+    M = (2 + n) * n
+    # (S, T, M), (S, T): written by the mix before the second launch reads them.
+    part, sq = workspaces("mhc_pre_fma", device, S * T * M, S * T)
+    mix_grid = (cdiv(T, cfg.block_t) * S * G,)
+    apply_grid = (cdiv(T, cfg.tpp) + cdiv(T, cfg.block_ta) * SA,)
+    return mix_grid, apply_grid, mix, apply, part, sq
+
+
+def mhc_pre_fma(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    *,
+    rms_norm_eps: float,
+    hc_eps: float,
+    post_mult: float,
+    sinkhorn_iters: int,
+    cfg: PreFmaConfig | None = None,
+) -> None:
+    """hc_pre of x (T, n, D) into ``out`` (T, D), ``post`` (T, n) and ``comb`` (T, n, n).
+
+    Contiguous inputs and outputs on one device, scale / base in fp32 (validated by the
+    caller).  Two launches: the mix, then the reducers and the weighted sum (module docstring).
+    ``cfg``: a schedule other than :func:`pre_fma_config`'s (tile sweeps and tests).
+    """
+    T, n, D = x.shape
+    if T == 0:
+        return
+    mix_grid, apply_grid, mix, apply, part, sq = plan(
+        _plan, x.device, T, n, D, int(sinkhorn_iters), cfg
+    )
+    mix(mix_grid, x, fn, part, sq, T)
+    apply(
+        apply_grid, x, scale, base, part, sq, out, post, comb, T, float(rms_norm_eps),
+        float(hc_eps), float(post_mult),
+    )  # fmt: skip
