@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 FMT_DENSE, FMT_FP8 = 0, 1
-SCALE_BLOCK = 128  # the FP8 head's 128x128 scale blocks
+SCALE_BLOCK = tl.constexpr(128)  # the FP8 head's 128x128 scale blocks
 MAX_BLOCK_T = 64  # token rows per program; more rows take more T tiles (the head re-read)
 _REDUCE_BLOCK = 1024  # chunk partials combined per step of the reduction
 
