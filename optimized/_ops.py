@@ -1045,6 +1045,11 @@ SCHEMAS.update(_LM_HEAD_SCHEMAS)
 OPS = tuple(SCHEMAS)
 
 
+# torch.mm(..., out_dtype=, out=) (aten::mm.dtype_out): bf16 products written as fp32 logits
+# straight into the caller's buffer.
+_MM_DTYPE_OUT = hasattr(torch.ops.aten.mm, "dtype_out")
+
+
 def _lm_head_fmt(fmt: str) -> int:
     if fmt not in _LINEAR_FMT:
         raise InputError(f"fmt: expected one of {tuple(_LINEAR_FMT)}, got {fmt!r}")
@@ -1094,10 +1099,12 @@ def _lm_head_logits_out(
     if T == 0:
         return
     if code == 0 and not batch_invariant and y.is_cuda and y.dtype == head.dtype:
-        if y.dtype == torch.bfloat16:
-            torch.mm(y, head.T, out_dtype=torch.float32, out=out)
-        else:
+        if y.dtype != torch.bfloat16:
             torch.mm(y, head.T, out=out)
+        elif _MM_DTYPE_OUT:
+            torch.mm(y, head.T, out_dtype=torch.float32, out=out)
+        else:  # a torch with mm's out_dtype but not its out= form: one (T, V) copy more
+            out.copy_(torch.mm(y, head.T, out_dtype=torch.float32))
         return
     sched = linear_schedule(T, V, D, 1, batch_invariant)
     linear_triton(

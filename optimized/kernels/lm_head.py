@@ -41,10 +41,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, cdiv, next_pow2, workspace
+from ._launch import INTERPRET, cdiv, next_pow2, triton_launch, workspace
 from .decode import _e4m3_bf16
 from .linear import _dot
 from .moe_common import jit_loop_bounds
@@ -190,7 +189,9 @@ def lm_head_argmax_triton(
     fmt: int,
     sched: LmHeadSchedule,
 ) -> None:
-    """out (T,) int64 = argmax over V of y (T, D) @ w (V, D)^T (module doc); all contiguous."""
+    """out (T,) int64 = argmax over V of y (T, D) @ w (V, D)^T (module doc); all contiguous.
+    Two launches through :func:`triton_launch` (a repeated call skips Triton's argument binding)
+    and partials in a per-stream workspace, so the call is CUDA-graph capturable."""
     T, D = y.shape
     V = w.shape[0]
     if T == 0:
@@ -199,12 +200,12 @@ def lm_head_argmax_triton(
     pval = workspace("lm_head.pval", (T * chunks,), torch.float32, y.device)
     pidx = workspace("lm_head.pidx", (T * chunks,), torch.int32, y.device)
     use_f32 = INTERPRET or y.dtype == torch.float32 or w.dtype == torch.float32
-    grid = (chunks, cdiv(T, sched.block_t))
-    lm_head_argmax_kernel[grid](
-        y, w, s if s.numel() else w, pval, pidx, T, V, D, chunks,
-        FMT=fmt, BLOCK_V=sched.block_v, BLOCK_T=sched.block_t, BLOCK_K=sched.block_k,
-        USE_F32=use_f32, INTERP=INTERPRET, num_warps=sched.num_warps,
+    main = triton_launch(
+        lm_head_argmax_kernel, FMT=fmt, BLOCK_V=sched.block_v, BLOCK_T=sched.block_t,
+        BLOCK_K=sched.block_k, USE_F32=use_f32, INTERP=INTERPRET, num_warps=sched.num_warps,
         num_stages=sched.num_stages,
     )  # fmt: skip
-    block_c = min(_REDUCE_BLOCK, max(16, triton.next_power_of_2(chunks)))
-    lm_head_argmax_reduce_kernel[(T,)](pval, pidx, out, V, chunks, BLOCK_C=block_c, num_warps=4)
+    main((chunks, cdiv(T, sched.block_t)), y, w, s if s.numel() else w, pval, pidx, T, V, D, chunks)
+    block_c = min(_REDUCE_BLOCK, max(16, next_pow2(chunks)))
+    reduce = triton_launch(lm_head_argmax_reduce_kernel, BLOCK_C=block_c, num_warps=4)
+    reduce((T,), pval, pidx, out, V, chunks)
