@@ -1070,7 +1070,8 @@ def _lm_head_argmax_out(
     T = y.shape[0]
     if T == 0:
         return
-    sched = LmHeadSchedule(*schedule) if schedule else lm_head_schedule(T, batch_invariant)
+    fp32 = y.dtype == torch.float32 or head.dtype == torch.float32
+    sched = LmHeadSchedule(*schedule) if schedule else lm_head_schedule(T, batch_invariant, fp32)
     lm_head_argmax_triton(
         y.contiguous(), head.contiguous(), scale.contiguous(), out, fmt=code, sched=sched
     )

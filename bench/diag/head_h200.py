@@ -188,19 +188,22 @@ def resources() -> None:
         T="i32", V="i32", D="i32", CHUNKS="i32",
     )  # fmt: skip
     seen = set()
-    for T, bi in ((1, False), (8, False), (64, False), (1, True)):
-        sc = lm_head_schedule(T, bi)
-        for fmt in (FMT_DENSE, FMT_FP8):
-            if (sc, fmt) in seen:
-                continue
-            seen.add((sc, fmt))
-            s = dict(sig, w_ptr="*u8" if fmt == FMT_FP8 else "*bf16")
-            consts = dict(FMT=fmt, BLOCK_V=sc.block_v, BLOCK_T=sc.block_t, BLOCK_K=sc.block_k,
-                          USE_F32=False, INTERP=False)  # fmt: skip
-            line = res(lm_head_argmax_kernel, s, consts, ints=("D",), num_warps=sc.num_warps,
-                       num_stages=sc.num_stages)  # fmt: skip
-            what = "fp8 " if fmt == FMT_FP8 else "bf16"
-            print(f"lm_head_argmax {what} T={T:<2d} bi={bi!s:5s} {tuple(sc.fields())}: {line}")
+    for fp32 in (False, True):
+        for T, bi in ((1, False), (8, False), (64, False), (1, True)):
+            sc = lm_head_schedule(T, bi, fp32)
+            for fmt in (FMT_DENSE, FMT_FP8):
+                if (sc, fmt, fp32) in seen:
+                    continue
+                seen.add((sc, fmt, fp32))
+                act = "*fp32" if fp32 else "*bf16"
+                s = dict(sig, y_ptr=act, w_ptr="*u8" if fmt == FMT_FP8 else act)
+                consts = dict(FMT=fmt, BLOCK_V=sc.block_v, BLOCK_T=sc.block_t,
+                              BLOCK_K=sc.block_k, USE_F32=fp32, INTERP=False)  # fmt: skip
+                line = res(lm_head_argmax_kernel, s, consts, ints=("D",),
+                           num_warps=sc.num_warps, num_stages=sc.num_stages)  # fmt: skip
+                what = ("fp8 " if fmt == FMT_FP8 else "dense") + (" fp32 y" if fp32 else "")
+                print(f"lm_head_argmax {what:12s} T={T:<2d} bi={bi!s:5s} "
+                      f"{tuple(sc.fields())}: {line}")  # fmt: skip
     rsig = dict(pval_ptr="*fp32", pidx_ptr="*i32", out_ptr="*i64", V="i32", CHUNKS="i32")
     line = res(lm_head_argmax_reduce_kernel, rsig, dict(BLOCK_C=1024), num_warps=4)
     print(f"lm_head_argmax reduce (1024 chunks per step): {line}")

@@ -78,18 +78,22 @@ class LmHeadSchedule:
         return [self.block_v, self.block_t, self.block_k, self.num_warps, self.num_stages]
 
 
-def lm_head_schedule(T: int, batch_invariant: bool) -> LmHeadSchedule:
+def lm_head_schedule(T: int, batch_invariant: bool, fp32: bool = False) -> LmHeadSchedule:
     """The default schedule.  Token tile: the next power of two of T between 16 and 64 (one T
     tile up to 64 rows).  Up to 32 rows: 128 head rows per program (1010 programs at V4-Flash's
     V 129280, ~7.7 per SM: the grid spreads over all 132 SMs with a short tail), 128-wide K
     steps, 4 warps, 4 stages ((128 + 32) x 128 x 2 B = 40 KiB per stage).  64 rows: 256 head
     rows (505 programs) so that y, re-read from L2 by every program, costs half as much
     (258 MiB at T 64), 64-wide K steps and 8 warps (a 256 x 64 fp32 accumulator is 64 registers
-    per thread), 4 stages of 40 KiB.  ``batch_invariant``: the 64-row schedule for every T (a
-    row's bits then never depend on T).  Under the interpreter: small tiles (CPU-tier V)."""
+    per thread), 4 stages of 40 KiB.  ``fp32`` (y or the head in fp32: an fp32 FMA dot, twice
+    the bytes per element): 128 head rows, 64-wide K steps, 8 warps (4 warps spill at T 64 on sm_90),
+    3 stages ((128 + 64) x 64 x 4 B = 48 KiB per stage).  ``batch_invariant``: the 64-row schedule for every T (a row's bits then
+    never depend on T).  Under the interpreter: small tiles (CPU-tier V)."""
     bt = MAX_BLOCK_T if batch_invariant else min(MAX_BLOCK_T, max(16, next_pow2(T)))
     if INTERPRET:
         return LmHeadSchedule(64, bt, 64, 4, 1)
+    if fp32:
+        return LmHeadSchedule(128, bt, 64, num_warps=8, num_stages=3)
     if bt <= 32:
         return LmHeadSchedule(128, bt, 128, num_warps=4, num_stages=4)
     return LmHeadSchedule(256, bt, 64, num_warps=8, num_stages=4)
