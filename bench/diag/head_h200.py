@@ -39,6 +39,7 @@ import torch
 V, D = 129280, 4096
 TS = (1, 8, 64)
 F32 = torch.float32
+DTYPE_OUT = hasattr(torch.ops.aten.mm, "dtype_out")  # torch.mm(..., out_dtype=, out=)
 
 
 def median_ms(fn: Callable[[], Any], reps: int) -> float:
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
     print(f"{props.name}: copy {bw / 1e12:.3f} TB/s (read + write); L2 {props.L2_cache_size >> 20} "
-          f"MiB < head {V * D * 2 / 1e9:.2f} GB", flush=True)  # fmt: skip
+          f"MiB < head {V * D * 2 / 1e9:.2f} GB; mm.dtype_out {DTYPE_OUT}", flush=True)  # fmt: skip
     g = torch.Generator(device=dev).manual_seed(0)
     head = (torch.randn(V, D, generator=g, device=dev) * D**-0.5).to(torch.bfloat16)
     fp8 = pack_head(head, format="fp8")
@@ -112,12 +113,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         logits = torch.empty(T, V, dtype=F32, device=dev)
         ids = torch.empty(T, dtype=torch.int64, device=dev)
 
-        def mm(y: torch.Tensor = y, logits: torch.Tensor = logits) -> None:
-            torch.mm(y, head.T, out_dtype=F32, out=logits)
+        def mm(y: torch.Tensor = y, logits: torch.Tensor = logits) -> torch.Tensor:
+            if DTYPE_OUT:
+                return torch.mm(y, head.T, out_dtype=F32, out=logits)
+            return torch.mm(y, head.T, out_dtype=F32)
 
-        def mm_argmax(y: torch.Tensor = y, logits: torch.Tensor = logits) -> torch.Tensor:
-            torch.mm(y, head.T, out_dtype=F32, out=logits)
-            return logits.argmax(-1)
+        def mm_argmax(y: torch.Tensor = y) -> torch.Tensor:
+            return mm(y).argmax(-1)
 
         cases: list[tuple[str, Callable[[], Any], int]] = [
             ("cublas_logits", mm, bf16_bytes + T * V * 4),
@@ -130,7 +132,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.sweep:
             bt = lm_head_schedule(T, False).block_t
             for bv, bk, w, st in ((64, 128, 4, 4), (128, 128, 4, 3), (128, 64, 4, 6),
-                                  (256, 64, 8, 4), (256, 128, 8, 3)):  # fmt: skip
+                                  (256, 64, 8, 4), (256, 128, 8, 2)):  # fmt: skip
                 sc = LmHeadSchedule(bv, bt, bk, w, st)
                 for name, h, nbytes in (("bf16", head, bf16_bytes), ("fp8", fp8, fp8_bytes)):
                     cases.append((f"argmax_{name} {tuple(sc.fields())}",
@@ -165,6 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.cuda.synchronize()
     return dict(
         device=props.name, torch=torch.__version__, copy_bw_bytes_per_s=bw, V=V, D=D,
+        mm_dtype_out=DTYPE_OUT,
         rows=rows, checks=checks, seconds=round(time.time() - t0, 1),
     )  # fmt: skip
 
