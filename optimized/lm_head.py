@@ -1,8 +1,8 @@
 """The shared LM head of the MTP layer on the H200: greedy ids without the (T, V) logits, the
 logits themselves, and an optional FP8 head.
 
-Same math as :mod:`dsv4mtp.reference.lm_head` (docs/semantics.md, "The MTP layer end to end":
-``compute_logits`` is ``norm(hc_head(h)) @ head^T`` in fp32; greedy drafting takes its argmax).
+Same math as :mod:`dsv4mtp.reference.lm_head` (docs/semantics.md, "The MTP layer end to end",
+``compute_logits``: ``norm(hc_head(h)) @ head^T`` in fp32; ``draft``: greedy takes its argmax).
 
 * :func:`lm_head_argmax` (y (T, D), head) -> (T,) int64: the Triton kernel of
   optimized/kernels/lm_head.py (each program a V chunk, fp32 logits on the tensor cores, a

@@ -1,5 +1,5 @@
 """Greedy ids of the shared LM head without the (T, V) logits: ``argmax_v (y @ W^T)[t, v]``
-(docs/semantics.md, "The MTP layer end to end": compute_logits, then the draft's argmax).
+(docs/semantics.md, "The MTP layer end to end": ``compute_logits``, then ``draft``'s argmax).
 
 Layout (what ``optimized/lm_head.py``'s ``pack_head`` builds): ``w`` (V, D) bf16 / fp32 (FMT 0)
 or e4m3 codes as uint8 (FMT 1) with fp32 block scales ``s`` (ceil(V/128), ceil(D/128)); ``y``
@@ -18,6 +18,8 @@ y_tile^T (BLOCK_K, BLOCK_T)``.  Tensor cores rather than FMA: at T = 64 the head
 wastes 15/16 of a tensor-core issue that is still idle most of the time (memory bound).  The
 FP8 head decodes its codes in registers (kernels/decode.py, exact in bf16) and applies each
 row's fp32 block scale to the fp32 partial of each 128-wide K block, as kernels/linear.py does.
+Under the interpreter the dot is kernels/linear.py's ``_dot``: an fp32 broadcast sum (the
+interpreter's bf16 ``tl.dot`` is wrong), never on the GPU path.
 
 Phase 2, ``lm_head_argmax_reduce_kernel``: one program per token row combines the row's
 chunk partials in chunk order into the id (int64).  Both phases are deterministic (no
@@ -31,9 +33,9 @@ chunk that has one).
 
 Bytes per call: the head once per T tile (V*D*itemsize: 1.06 GB bf16, 0.53 GB FP8 codes + 0.13
 MB scales at V4-Flash, one T tile up to 64 rows), y re-read by every program from L2
-(chunks * T * D * itemsize: 505 chunks x 512 KiB = 258 MiB at T 64 with 256-row chunks, 16 MiB
-at T 1 with 128-row chunks), and 8 bytes per (row, chunk) of partials plus the ids.  The head
-does not fit the 60 MB L2, so every call streams it from HBM.
+(chunks * T * D * itemsize: 505 chunks x 512 KiB = 253 MiB at T 64 with 256-row chunks,
+1010 x 8 KiB = 8 MiB at T 1 with 128-row chunks), and 8 bytes per (row, chunk) of partials
+plus the ids.  The head does not fit the 60 MB L2, so every call streams it from HBM.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def lm_head_schedule(T: int, batch_invariant: bool, fp32: bool = False) -> LmHea
     V 129280, ~7.7 per SM: the grid spreads over all 132 SMs with a short tail), 128-wide K
     steps, 4 warps, 4 stages ((128 + 32) x 128 x 2 B = 40 KiB per stage).  64 rows: 256 head
     rows (505 programs) so that y, re-read from L2 by every program, costs half as much
-    (258 MiB at T 64), 64-wide K steps and 8 warps (a 256 x 64 fp32 accumulator is 64 registers
+    (253 MiB at T 64), 64-wide K steps and 8 warps (a 256 x 64 fp32 accumulator is 64 registers
     per thread), 4 stages of 40 KiB.  ``fp32`` (y or the head in fp32: an fp32 FMA dot, twice
     the bytes per element): 128 head rows, 64-wide K steps, 8 warps (4 warps spill at T 64 on sm_90),
     3 stages ((128 + 64) x 64 x 4 B = 48 KiB per stage).  ``batch_invariant``: the 64-row schedule for every T (a row's bits then
