@@ -192,6 +192,10 @@ def op_inputs(
         )  # fmt: skip
     if op == "rms_norm":
         return norm_inputs(T, D, dtype, device, seed, magnitude=magnitude, zero_rows=zero_rows)
+    if op in LM_HEAD_OPS:
+        return lm_head_inputs(
+            op, T, seed, D=D, dtype=dtype, device=device, magnitude=magnitude, zero_rows=zero_rows
+        )
     return mhc_inputs(op, T, n, D, dtype, device, seed, magnitude=magnitude, zero_rows=zero_rows)
 
 
@@ -835,3 +839,71 @@ def cache_attention_inputs(
     q_pos = (newest[slots.clamp(min=0)] - offset).clamp(min=0)
     args = (q, q_pos, cache_kv.to(dtype), cache_pos.to(torch.int32), slots.to(torch.int32), sink)
     return args, {"window": W, "scale": Dh**-0.5}
+
+
+# ==================================================================================== LM head
+#: The shared LM head's ops (greedy ids and logits).  V is a function of D: ``LM_HEAD_CPU_V``
+#: below 1024 (the CPU tier: the argmax kernel runs in the interpreter; 1000 leaves a partial
+#: V chunk), V4's vocabulary (129280, V4-Flash and V4-Pro alike) at the real widths.
+LM_HEAD_OPS = ("lm_head_argmax", "lm_head_logits")
+LM_HEAD_FORMATS = ("bf16", "fp8")
+LM_HEAD_CPU_V = 1000
+LM_HEAD_V = 129280
+
+
+def lm_head_vocab(D: int) -> int:
+    """The vocabulary size of the LM head inputs at hidden size D."""
+    return LM_HEAD_CPU_V if D < 1024 else LM_HEAD_V
+
+
+@functools.lru_cache(maxsize=4)
+def lm_head_weight(
+    V: int, D: int, fmt: str, dtype: torch.dtype, seed: int, device: str | torch.device = "cpu"
+) -> Any:
+    """The head (V, D) as the synthetic checkpoint draws it, N(0, 1/D), in ``dtype``
+    (bf16 / fp32) for ``fmt`` "bf16"; ``fmt`` "fp8": that bf16 head quantized to a core
+    ``QuantizedWeight`` (e4m3 codes, ue8m0 128x128 block scales, ``formats.quantize_fp8_block``),
+    as ``pack_head(head, format="fp8")`` quantizes it.  Cached (the same object for the same
+    arguments: the optimized side packs it once); callers must not modify it."""
+    from dsv4mtp import formats
+    from dsv4mtp.checkpoint.weights import QuantizedWeight
+
+    r = _Gen(torch.device(device), seed)
+    w = r.normal(V, D, std=D**-0.5)
+    if fmt == "bf16":
+        return w.to(dtype)
+    if fmt != "fp8":
+        raise ValueError(f"fmt: expected one of {LM_HEAD_FORMATS}, got {fmt!r}")
+    codes, scale = formats.quantize_fp8_block(w.to(torch.bfloat16), scale_fmt="e8m0")
+    return QuantizedWeight("fp8_e8m0", codes, scale, (V, D), name="head")
+
+
+def lm_head_inputs(
+    op: str,
+    T: int,
+    seed: int,
+    *,
+    D: int,
+    V: int | None = None,
+    fmt: str = "bf16",
+    head_seed: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cuda",
+    magnitude: float = 1.0,
+    zero_rows: float = 0.0,
+) -> Inputs:
+    """``(y, head), {}`` of one :data:`LM_HEAD_OPS` call.  y (T, D) in ``dtype``: the normed
+    rows the head sees, N(0, 1) rows scaled to rms 1, times the norm weight 1 + N(0, 0.1^2)
+    (the synthetic checkpoint's) and ``magnitude``, ``zero_rows`` of them zeroed.  head:
+    :func:`lm_head_weight` (V default :func:`lm_head_vocab`, seeded ``head_seed``, default
+    ``seed + 1``), a dense tensor in ``dtype`` or an FP8 ``QuantizedWeight``."""
+    if op not in LM_HEAD_OPS:
+        raise ValueError(f"not an LM head op: {op!r}")
+    r = _Draw(device, seed)
+    x = r.normal(T, D)
+    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS)
+    y = x * r.normal(D, std=0.1, mean=1.0).to(torch.bfloat16).float() * magnitude
+    y = r.zero_rows(y, zero_rows).to(dtype)
+    V = lm_head_vocab(D) if V is None else V
+    hs = seed + 1 if head_seed is None else head_seed
+    return (y, lm_head_weight(V, D, fmt, dtype, hs, torch.device(device))), {}

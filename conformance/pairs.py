@@ -728,3 +728,137 @@ register(
         },
     )
 )
+
+
+# --------------------------------------------------------------------------- LM head
+# Inputs: conformance/inputs.py, lm_head_inputs: y the normed rows (rms 1 times the norm
+# weight, times a magnitude), the head N(0, 1/D) dense in the test dtype or quantized to FP8
+# (a core QuantizedWeight with ue8m0 128x128 scales: the reference decodes it exactly, the
+# optimized op takes its pack_head).  On CPU V 1000 and D 64..256 (the interpreter); on CUDA
+# V4's V 129280 at D 4096 / 7168 with up to 256 rows (the draft step's batch).
+
+#: Greedy-id near-tie: the float64 logits of the optimized id and of the reference's id closer
+#: than this times the larger of their sum(|y| |w_v|) (the scale of a logit's rounding).  Both
+#: ops sum D exact products (bf16 x bf16 or bf16 x e4m3 fit fp32; fp32 x fp32 rounds each once)
+#: in fp32, whose error in practice is ~sqrt(D) 2^-24 of that scale (measured on the CPU tier:
+#: ~1e-7 relative on the logits); 2e-5 leaves ~100x, and an id off by a TF32 product (~1e-3
+#: relative) or a wrong chunk is caught.  Rows whose reference logits hold a NaN are never
+#: excused: there the id must be torch.argmax's (the first NaN).
+LM_HEAD_TIE_REL = 2e-5
+
+_HEAD_PACKS: dict[int, tuple[Any, Any]] = {}
+
+
+def _packed_head(args: tuple[Any, ...], kwargs: dict[str, Any]):
+    """(y, QuantizedWeight) -> (y, its HeadPack), packed once per weight object (kept alive
+    with its pack); a dense head tensor is passed as it is."""
+    from dsv4mtp.checkpoint.weights import QuantizedWeight
+    from dsv4mtp.optimized import pack_head  # type: ignore[attr-defined]
+
+    y, head = args[0], args[1]
+    if not isinstance(head, QuantizedWeight):
+        return args, kwargs
+    if id(head) not in _HEAD_PACKS:
+        if len(_HEAD_PACKS) >= 4:
+            _HEAD_PACKS.pop(next(iter(_HEAD_PACKS)))
+        _HEAD_PACKS[id(head)] = (head, pack_head(head, device=y.device))
+    return (y, _HEAD_PACKS[id(head)][1], *args[2:]), kwargs
+
+
+def lm_head_near_ties(
+    y: torch.Tensor, head: Any, got: torch.Tensor, want: torch.Tensor
+) -> torch.Tensor:
+    """(T,) bool: rows where ``got`` differs from ``want`` (the float64 reference's ids) by a
+    near-tie (:data:`LM_HEAD_TIE_REL`), on y's device."""
+    from dsv4mtp.checkpoint.weights import QuantizedWeight
+
+    w = head.dequantize(torch.float64) if isinstance(head, QuantizedWeight) else head.double()
+    y64 = y.double()
+    g, o = got.to(y.device).long(), want.to(y.device).long()
+    wg, wo = w.to(y.device)[g], w.to(y.device)[o]  # (T, D) each: the two ids' head rows
+    gap = ((y64 * wo).sum(-1) - (y64 * wg).sum(-1)).abs()  # float64 logits' difference
+    scale = torch.maximum((y64.abs() * wg.abs()).sum(-1), (y64.abs() * wo.abs()).sum(-1))
+    return (g != o) & (gap <= LM_HEAD_TIE_REL * scale)
+
+
+def _lm_head_canonical(case: Case, got: tuple, oracle: tuple):
+    """Ids: a different id is excused (replaced by the reference's) only at a near-tie."""
+    y, head = case.args[:2]
+    g, o = got[0].long().cpu(), oracle[0].long().cpu()
+    if g.numel() == 0:
+        return (g,), (o,), ""
+    near = lm_head_near_ties(y, head, g, o).cpu()
+    note = f"{int(near.sum())} of {len(g)} rows excused at a near-tie"
+    return (torch.where(near, o, g),), (o,), note
+
+
+@st.composite
+def _lm_head_case(draw: Any, op: str, dtype: torch.dtype, device: str, max_tokens: int) -> Case:
+    from dsv4mtp.conformance.inputs import LM_HEAD_FORMATS, lm_head_inputs
+
+    if device == "cpu":
+        T = draw(st.one_of(st.sampled_from([0, 1, 2, 17]), st.integers(0, 40)))
+        D = draw(st.sampled_from([64, 128, 256]))
+    else:
+        T = min(
+            max_tokens, draw(st.one_of(st.sampled_from([0, 1, 8, 64, 65]), st.integers(0, 256)))
+        )
+        D = draw(st.sampled_from([4096, 7168]))
+    fmt = draw(st.sampled_from(LM_HEAD_FORMATS))
+    magnitude = draw(st.sampled_from([1.0, 1e-3, 30.0]))
+    zero_rows = 0.25 if draw(st.booleans()) else 0.0
+    seed = draw(st.integers(0, 2**31 - 1))
+    head_seed = draw(st.integers(0, 1))  # few heads: each is drawn (and packed) once
+    args, kw = lm_head_inputs(
+        op, T, seed, D=D, fmt=fmt, head_seed=head_seed, dtype=dtype, device=device,
+        magnitude=magnitude, zero_rows=zero_rows,
+    )  # fmt: skip
+    label = (
+        f"T={T} D={D} V={args[1].shape[0]} {fmt} magnitude={magnitude:g} "
+        f"zero_rows={zero_rows} seed={seed} head_seed={head_seed}"
+    )
+    return Case(args, kw, label=label)
+
+
+def _lm_head_facts(case: Case) -> Facts:
+    y, head = case.args[:2]
+    dtypes = (y.dtype, head.dtype) if isinstance(head, torch.Tensor) else (y.dtype, torch.uint8)
+    return Facts(y.device, dtypes)
+
+
+_LM_HEAD_COMMON: dict[str, Any] = dict(
+    concept="lm_head", facts=_lm_head_facts, optimized_args=_packed_head, cpu_D=128,
+    cpu_examples=8,
+)  # fmt: skip
+
+# Greedy ids: compared exactly after near-ties are excused (LM_HEAD_TIE_REL); the tolerance
+# below is the registry's required entry and reads no float output.
+_IDS = Tolerance(1e-6, 1e-6, "integer ids, compared exactly (near-ties excused as sets)")
+register(
+    OpPair(
+        name="lm_head_argmax",
+        strategy=partial(_lm_head_case, "lm_head_argmax"),
+        build=partial(_build, "lm_head_argmax"),
+        outputs=("ids",),
+        canonical=_lm_head_canonical,
+        exact=("ids",),
+        tolerances={(BF16, "math"): _IDS, (FP32, "math"): _IDS},
+        **_LM_HEAD_COMMON,
+    )
+)
+
+# Logits: fp32 from both inputs' exact products (bf16 x bf16 and bf16 x e4m3 fit fp32; the FP8
+# head's power-of-two scale is exact) summed over D in another order than float64's; fp32 x
+# fp32 products round once more.  Measured on the CPU tier's shapes (both formats):
+# rel <= 2.2e-7; no output rounding.
+_LOGITS = Tolerance(2e-6, 1e-5, "fp32 sums over D of exact products, in another order")
+register(
+    OpPair(
+        name="lm_head_logits",
+        strategy=partial(_lm_head_case, "lm_head_logits"),
+        build=partial(_build, "lm_head_logits"),
+        outputs=("logits",),
+        tolerances={(BF16, "math"): _LOGITS, (FP32, "math"): _LOGITS},
+        **_LM_HEAD_COMMON,
+    )
+)

@@ -80,9 +80,7 @@ class OnDevice:
                 return torch.Generator(device=dev).manual_seed(v.initial_seed())
             return v
 
-        out = getattr(self.layer, name)(
-            *map(move, args), **{k: move(v) for k, v in kwargs.items()}
-        )
+        out = getattr(self.layer, name)(*map(move, args), **{k: move(v) for k, v in kwargs.items()})
         if isinstance(out, tuple):
             return tuple(t.cpu() for t in out)
         return out.cpu()

@@ -29,14 +29,16 @@ HERE = Path(__file__).resolve().parent
 
 # Public names of dsv4mtp.optimized that are not ops with a numeric output to compare (classes
 # re-exported from the reference, model objects tested by their own module tests, and helpers
-# with no reference counterpart: pack_moe and pack_linear build the kernels' weight layouts, and
-# their decodes are checked bit for bit against the core's in test_moe_pairs.py / test_linear.py;
-# pack_attention and pack_attention_weights alike, tested through the sublayer).  ``attention`` is
-# a composition of registered ops with stateful KV caches, not an operator: its differential,
-# cache, NaN, out= and error tests and its signature check are in test_attention_layer.py.
+# with no reference counterpart: pack_moe, pack_linear and pack_head build the kernels' weight
+# layouts, and their decodes are checked bit for bit against the core's in test_moe_pairs.py /
+# test_linear.py / test_lm_head.py; pack_attention and pack_attention_weights alike, tested
+# through the sublayer).  ``attention`` is a composition of registered ops with stateful KV
+# caches, not an operator: its differential, cache, NaN, out= and error tests and its signature
+# check are in test_attention_layer.py.
 NOT_OPS = {
     "pack_moe",
     "pack_linear",
+    "pack_head",
     "pack_attention",
     "pack_attention_weights",
     "attention",

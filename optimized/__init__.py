@@ -36,3 +36,7 @@ __all__ += ["LinearPack", "grouped_linear", "linear", "pack_linear"]
 __all__ += ["apply_rope", "kv_norm_rope", "q_head_norm_rope"]
 __all__ += ["MTPLayer", "MTPLayerPack"]
 __all__ += ["DeviceKVCache", "sink_attention_cache"]
+
+from .lm_head import HeadPack, lm_head_argmax, lm_head_logits, pack_head  # noqa: E402
+
+__all__ += ["HeadPack", "lm_head_argmax", "lm_head_logits", "pack_head"]

@@ -1144,3 +1144,123 @@ _KERNELS.update(
 
 
 _CACHE_LIB = _register(_CACHE_SCHEMAS)
+
+
+# ------------------------------------------------------------------------------ LM head
+# The shared LM head (optimized/lm_head.py validates and packs; the argmax kernel is
+# optimized/kernels/lm_head.py, the FP8 / batch-invariant logits the dense-linear kernel).  A
+# HeadPack travels flat: the (V, D) weight (bf16 / fp32, or uint8 e4m3 codes), its fp32 block
+# scales (ceil(V/128), ceil(D/128)) (empty for a dense head) and the format ("bf16" for a dense
+# head of either dtype, "fp8").  The argmax schedule travels as LmHeadSchedule.fields (empty:
+# the default of T).
+if TYPE_CHECKING:
+    from .kernels.lm_head import LmHeadSchedule, lm_head_argmax_triton, lm_head_schedule
+else:
+    LmHeadSchedule = triton_kernel("lm_head", "LmHeadSchedule")
+    lm_head_argmax_triton = triton_kernel("lm_head", "lm_head_argmax_triton")
+    lm_head_schedule = triton_kernel("lm_head", "lm_head_schedule")
+
+_HEAD_ARGS = "Tensor y, Tensor head, Tensor scale, str fmt, bool batch_invariant"
+_LM_HEAD_SCHEMAS: dict[str, str] = {
+    "lm_head_argmax": f"lm_head_argmax({_HEAD_ARGS}, int[] schedule) -> Tensor",
+    "lm_head_argmax_out": (
+        f"lm_head_argmax_out({_HEAD_ARGS}, int[] schedule, *, Tensor(a!) out) -> ()"
+    ),
+    "lm_head_logits": f"lm_head_logits({_HEAD_ARGS}) -> Tensor",
+    "lm_head_logits_out": f"lm_head_logits_out({_HEAD_ARGS}, *, Tensor(a!) out) -> ()",
+}
+SCHEMAS.update(_LM_HEAD_SCHEMAS)
+OPS = tuple(SCHEMAS)
+
+
+# torch.mm(..., out_dtype=, out=) (aten::mm.dtype_out): bf16 products written as fp32 logits
+# straight into the caller's buffer.
+_MM_DTYPE_OUT = hasattr(torch.ops.aten.mm, "dtype_out")
+
+
+def _lm_head_fmt(fmt: str) -> int:
+    if fmt not in _LINEAR_FMT:
+        raise InputError(f"fmt: expected one of {tuple(_LINEAR_FMT)}, got {fmt!r}")
+    return _LINEAR_FMT[fmt]
+
+
+def _lm_head_argmax_out(
+    y: torch.Tensor,
+    head: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: str,
+    batch_invariant: bool,
+    schedule: Sequence[int],
+    *,
+    out: torch.Tensor,
+) -> None:
+    code = _lm_head_fmt(fmt)
+    T = y.shape[0]
+    if T == 0:
+        return
+    fp32 = y.dtype == torch.float32 or head.dtype == torch.float32
+    sched = LmHeadSchedule(*schedule) if schedule else lm_head_schedule(T, batch_invariant, fp32)
+    lm_head_argmax_triton(
+        y.contiguous(), head.contiguous(), scale.contiguous(), out, fmt=code, sched=sched
+    )
+
+
+def _lm_head_argmax_fake(y: torch.Tensor, *args: Any) -> torch.Tensor:
+    return y.new_empty((y.shape[0],), dtype=torch.int64)
+
+
+def _lm_head_logits_out(
+    y: torch.Tensor,
+    head: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: str,
+    batch_invariant: bool,
+    *,
+    out: torch.Tensor,
+) -> None:
+    """cuBLAS for a dense head in y's dtype on CUDA (bf16 products accumulated and written in
+    fp32: the head read once); the dense-linear Triton kernel writing fp32 for an FP8 head, a
+    head of another dtype than y, the interpreter, and ``batch_invariant`` (cuBLAS picks its
+    algorithm by T: no bitwise guarantee across batch sizes)."""
+    code = _lm_head_fmt(fmt)
+    T, D = y.shape
+    V = head.shape[0]
+    if T == 0:
+        return
+    if code == 0 and not batch_invariant and y.is_cuda and y.dtype == head.dtype:
+        if y.dtype != torch.bfloat16:
+            torch.mm(y, head.T, out=out)
+        elif _MM_DTYPE_OUT:
+            torch.mm(y, head.T, out_dtype=torch.float32, out=out)
+        else:  # a torch with mm's out_dtype but not its out= form: one (T, V) copy more
+            out.copy_(torch.mm(y, head.T, out_dtype=torch.float32))
+        return
+    sched = linear_schedule(T, V, D, 1, batch_invariant)
+    linear_triton(
+        y.contiguous().view(T, 1, D), head.contiguous().view(1, V, D),
+        scale.contiguous().view(1, *scale.shape) if scale.numel() else scale,
+        out.view(T, 1, V), fmt=code, sched=sched,
+    )  # fmt: skip
+
+
+def _lm_head_logits_fake(y: torch.Tensor, head: torch.Tensor, *args: Any) -> torch.Tensor:
+    return y.new_empty((y.shape[0], head.shape[0]), dtype=torch.float32)
+
+
+_KERNELS.update(
+    {
+        "lm_head_argmax": (
+            _functional(_lm_head_argmax_out, _lm_head_argmax_fake),
+            _lm_head_argmax_fake,
+        ),
+        "lm_head_argmax_out": (_lm_head_argmax_out, _out_fake),
+        "lm_head_logits": (
+            _functional(_lm_head_logits_out, _lm_head_logits_fake),
+            _lm_head_logits_fake,
+        ),
+        "lm_head_logits_out": (_lm_head_logits_out, _out_fake),
+    }
+)
+
+
+_LM_HEAD_LIB = _register(_LM_HEAD_SCHEMAS)

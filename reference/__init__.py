@@ -151,3 +151,8 @@ __all__ = [
     "unpack_e2m1",
     "write_sharded_checkpoint",
 ]
+
+# --- the shared LM head: logits and greedy ids
+from .lm_head import lm_head_argmax, lm_head_logits
+
+__all__ += ["lm_head_argmax", "lm_head_logits"]
