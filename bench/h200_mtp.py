@@ -42,7 +42,7 @@ import torch
 
 from dsv4mtp.checkpoint.fullsize import make_fullsize_checkpoint
 from dsv4mtp.config import DSV4Config
-from dsv4mtp.optimized import MTPLayer, route
+from dsv4mtp.optimized import MTPLayer, pack_head, route
 from dsv4mtp.optimized.mtp import DecodeGraphs
 
 BF16 = torch.bfloat16
@@ -216,16 +216,16 @@ def profile_replay(replay: Callable[[], Any], top: int = 14) -> list[dict[str, A
 
 # ------------------------------------------------------------------------------------- cells
 def bench_decode(layer: MTPLayer, graph: DecodeGraphs, fixed: dict[str, int], T: int,
-                 g: torch.Generator, bw: float, peak: float, reps: int) -> dict[str, Any]:  # fmt: skip
-    """One decode step of T sequences, each against a full window in its slot."""
+                 inputs: tuple[torch.Tensor, ...], bw: float, peak: float, reps: int,
+                 name: str, experts: tuple[int, int] | None) -> dict[str, Any]:  # fmt: skip
+    """One decode step of T sequences, each against a full window in its slot, through
+    ``graph`` (greedy ids only, or with logits).  ``experts``: (distinct, slots) of the same
+    inputs if already counted (then the eager step is not timed again)."""
     cfg, W = layer.config, layer.config.sliding_window
-    ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda", generator=g)
-    pos = torch.full((T,), W - 1, dtype=torch.int64, device="cuda")
-    prev = torch.randn(T, cfg.hc_dim, device="cuda", generator=g).to(layer.dtype)
-    slots = torch.arange(T, device="cuda")
+    ids, pos, prev, slots = inputs
     cache = graph.cache
     tok, hidden, logits = (t.clone() for t in graph.step(ids, pos, prev, slots))
-    eager = DecodeGraphs(layer, cache, buckets=(T,), capture=False)
+    eager = DecodeGraphs(layer, cache, buckets=(T,), capture=False, logits=graph.logits)
     keep = pos - 1  # rollback to the filled window: the eager step re-decodes the same row
 
     def eager_step() -> Any:
@@ -234,26 +234,32 @@ def bench_decode(layer: MTPLayer, graph: DecodeGraphs, fixed: dict[str, int], T:
 
     e_tok, e_hidden, _ = eager_step()
     same = bool(torch.equal(tok, e_tok) and torch.equal(hidden, e_hidden))
-    finite = bool(torch.isfinite(logits).all())
-    distinct, slots_n = count_experts(layer, eager_step)
+    finite = bool(torch.isfinite(hidden).all() and torch.isfinite(logits).all())
     replay = graph.graphs[T].replay  # its static inputs are still this step's
     for _ in range(3):
         replay()
     us = median_ms(replay, reps) * 1e3
-    # eager wall time of a step (its input checks' host reads included), rollback excluded
-    rb = wall_ms(lambda: cache.rollback(slots, keep), 5) * 1e3
-    eager_us = wall_ms(eager_step, 5) * 1e3 - rb
-    by = step_bytes(layer, fixed, T, T, T * (W - 1), distinct, T)
+    row: dict[str, Any] = {}
+    if experts is None:
+        experts = count_experts(layer, eager_step)
+        # eager wall time of a step (its input checks' host reads included), rollback excluded
+        rb = wall_ms(lambda: cache.rollback(slots, keep), 5) * 1e3
+        row["eager_us"] = wall_ms(eager_step, 5) * 1e3 - rb
+    distinct, slots_n = experts
+    head = nbytes(tensors_of(layer.heads[0]))
+    by = step_bytes(layer, {**fixed, "head": head}, T, T, T * (W - 1), distinct,
+                    T if graph.logits else 0)  # fmt: skip
     fl = step_flops(cfg, T, slots_n, T * W, T)
     floor = max(by / bw, fl / peak) * 1e6
-    print(f"decode T {T}: {us:.1f} us (eager {eager_us:.0f} us), floor {floor:.1f} us "
-          f"({us / floor:.2f}x), {distinct} experts, replay==eager {same}")  # fmt: skip
-    return {
-        "kind": "decode", "T": T, "us": us, "eager_us": eager_us, "floor_us": floor,
+    print(f"decode {name} T {T}: {us:.1f} us, floor {floor:.1f} us ({us / floor:.2f}x), "
+          f"{distinct} experts, replay==eager {same}, {row}")  # fmt: skip
+    row.update({
+        "kind": "decode", "variant": name, "T": T, "us": us, "floor_us": floor,
         "ratio": us / floor, "bytes": by, "flops": fl, "distinct_experts": distinct,
-        "replay_equals_eager": same, "logits_finite": finite,
-        "head_floor_us": fixed["head"] / bw * 1e6,
-    }  # fmt: skip
+        "routed_slots": slots_n, "replay_equals_eager": same, "finite": finite,
+        "head_floor_us": head / bw * 1e6,
+    })  # fmt: skip
+    return row
 
 
 def bench_prefill(layer: MTPLayer, cache: Any, fixed: dict[str, int], T: int,
@@ -318,13 +324,16 @@ def markdown(result: dict[str, Any]) -> str:
         "| step | T | time (us) | eager (us) | floor (us) | time / floor | target | bytes (MB) "
         "| GFLOP | experts |",
         "|---|---|---|---|---|---|---|---|---|---|",
+        # decode variants: greedy = ids from the logit-free argmax (bf16 head); logits = the
+        # (T, V) fp32 logits + argmax (for sampling); FP8 head = greedy over the FP8 head
     ]
     for r in rows:
         target = TARGETS[r["kind"]]
         met = "met" if r["ratio"] <= target else "missed"
-        eager = f"{r['eager_us']:.0f}" if r["kind"] == "decode" else "(eager)"
+        eager = f"{r['eager_us']:.0f}" if "eager_us" in r and r["kind"] == "decode" else "-"
+        kind = r["kind"] + (f" ({r['variant']})" if "variant" in r else " (eager)")
         out.append(
-            f"| {r['kind']} | {r['T']} | {r['us']:.1f} | {eager} | {r['floor_us']:.1f} | "
+            f"| {kind} | {r['T']} | {r['us']:.1f} | {eager} | {r['floor_us']:.1f} | "
             f"{r['ratio']:.2f} | <= {target} {met} | {r['bytes'] / 1e6:.0f} | "
             f"{r['flops'] / 1e9:.1f} | {r['distinct_experts']} |"
         )
@@ -351,6 +360,8 @@ def svg(rows: list[dict[str, Any]]) -> str:
     for e in range(int(lo), int(hi) + 1):
         parts.append(f'<line x1="{left}" x2="{w - 10}" y1="{y(10**e):.0f}" y2="{y(10**e):.0f}" '
                      f'stroke="#ddd"/><text x="4" y="{y(10**e) + 4:.0f}">{10**e} us</text>')  # fmt: skip
+    step = (w - left - 20) / len(rows)
+    rows = [r for r in rows if r.get("variant", "greedy") == "greedy"]
     step = (w - left - 20) / len(rows)
     for i, r in enumerate(rows):
         x0 = left + i * step + 8
@@ -420,19 +431,39 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     graphs = layer.capture_decode(buckets=DECODE_T, num_seqs=max(DECODE_T))
     meta["capture_s"] = time.perf_counter() - t0
-    graph = graphs[0]
-    fill_cache(layer, graph.cache, max(DECODE_T), W - 1, g)
+    cache = graphs[0].cache
+    greedy = DecodeGraphs(layer, cache, buckets=DECODE_T, logits=False)
+    bf16_heads = layer.heads
+    layer.heads = [pack_head(layer.layers[0].head, format="fp8")]
+    fp8 = DecodeGraphs(layer, cache, buckets=DECODE_T, logits=False)
+    fp8_heads, layer.heads = layer.heads, bf16_heads
+    fill_cache(layer, cache, max(DECODE_T), W - 1, g)
     breakdown = {}
     for T in DECODE_T:
-        rows.append(bench_decode(layer, graph, fixed, T, g, bw, peak, args.reps))
+        inputs = (
+            torch.randint(0, cfg.vocab_size, (T,), device="cuda", generator=g),
+            torch.full((T,), W - 1, dtype=torch.int64, device="cuda"),
+            torch.randn(T, cfg.hc_dim, device="cuda", generator=g).to(layer.dtype),
+            torch.arange(T, device="cuda"),
+        )
+        head = bench_decode(layer, greedy, fixed, T, inputs, bw, peak, args.reps, "greedy", None)
+        experts = (head["distinct_experts"], head["routed_slots"])
+        rows.append(head)
+        rows.append(bench_decode(layer, graphs[0], fixed, T, inputs, bw, peak, args.reps,
+                                 "logits", experts))  # fmt: skip
+        layer.heads = fp8_heads
+        rows.append(bench_decode(layer, fp8, fixed, T, inputs, bw, peak, args.reps,
+                                 "greedy, FP8 head", experts))  # fmt: skip
+        layer.heads = bf16_heads
         if T in (1, 64):
-            breakdown[T] = profile_replay(graph.graphs[T].replay)
-    graph.check()
+            breakdown[T] = profile_replay(greedy.graphs[T].replay)
+    for gr in (graphs[0], greedy, fp8):
+        gr.check()
 
     # prefill: one sequence into an empty slot, logits of its last row
     if not args.no_prefill:
         for T in PREFILL_T:
-            rows.append(bench_prefill(layer, graph.cache, fixed, T, g, bw, peak))
+            rows.append(bench_prefill(layer, cache, fixed, T, g, bw, peak))
 
     # peer: the reference layer on the GPU, eager
     peers = []

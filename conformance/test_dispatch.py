@@ -50,6 +50,9 @@ def test_auto_reads_the_batch_size_only_when_batch_invariant_is_false(
     assert select("hc_pre", "auto", Facts(cpu, (torch.float32,), T=64, **base)) == "triton_fma"  # type: ignore[arg-type]
     assert select("hc_pre", "auto", Facts(cpu, (torch.float32,), T=65, **base)) == "triton"  # type: ignore[arg-type]
     assert select("hc_pre", "auto", Facts(cpu, (torch.float32,), **base)) == "triton_fma"  # type: ignore[arg-type]
+    wide = {**base, "D": 7168}
+    assert select("hc_pre", "auto", Facts(cpu, (torch.float32,), T=32, **wide)) == "triton_fma"  # type: ignore[arg-type]
+    assert select("hc_pre", "auto", Facts(cpu, (torch.float32,), T=33, **wide)) == "triton"  # type: ignore[arg-type]
     seen: list[tuple[str, int | None]] = []
 
     class Chosen(Exception):

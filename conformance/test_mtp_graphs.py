@@ -189,3 +189,36 @@ def test_replay_equals_the_eager_step_bitwise(loaded) -> None:
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b), seed
         assert torch.equal(cache.kv, twin.kv) and torch.equal(cache.pos, twin.pos)
+
+
+def test_logit_free_steps_give_the_greedy_ids(loaded, device) -> None:
+    """Steps captured with ``logits=False`` (greedy ids from ``lm_head_argmax``, no (B, V)
+    logits) draft the ids the logits steps draft; a draft that needs logits falls back to the
+    host loop rather than failing."""
+    _, opt = layers(loaded, device)
+    ids, pos, prev, lens = prefix(4, [3, 6], device)
+    opt.graphs = eager_graphs(opt)
+    want = opt.draft(ids, pos, prev, seq_lens=lens, num_tokens=3)
+    opt.graphs = [
+        DecodeGraphs(opt, opt.new_device_cache(), buckets=(1, 2), capture=False, logits=False)
+    ]
+    assert torch.equal(opt.draft(ids, pos, prev, seq_lens=lens, num_tokens=3), want)
+    tokens, logits = opt.draft(ids, pos, prev, seq_lens=lens, num_tokens=3, return_logits=True)
+    assert torch.equal(tokens, want) and logits.shape == (2, 3, CFG.vocab_size)
+
+
+def test_fp8_head_switch(loaded, device) -> None:
+    """``head_format="fp8"``: the head packed as e4m3 with 128x128 ue8m0 blocks (half the bytes);
+    logits within the FP8 head's error of the bf16 head's (measured ~2.7e-2 rel. at V4-Flash's
+    head shape, bench/results/head-fp8.md; 6e-2 bounds it here); never the default."""
+    from dsv4mtp.errors import ConfigError
+
+    _, opt = layers(loaded, device)
+    fp8 = OptLayer.from_loaded(loaded, dtype=BF16, device=device, max_num_tokens=32,
+                               head_format="fp8")  # fmt: skip
+    assert opt.head_format == "bf16" and fp8.heads[0].format == "fp8"
+    ids, pos, prev, _ = prefix(5, [6], device)
+    h = opt.forward(ids, pos, prev)
+    assert rel_err(fp8.compute_logits(h), opt.compute_logits(h)) < 6e-2
+    with pytest.raises(ConfigError, match="head_format"):
+        OptLayer.from_loaded(loaded, device=device, head_format="mxfp4")

@@ -149,20 +149,27 @@ def _head_by_T(facts: Facts) -> str | None:
 
 
 # hc_pre's default (batch_invariant=False) runs the small-batch FMA kernel
-# (kernels/mhc_pre_small.py) up to this T and the one-pass collapse above it.  Provisional: set
-# from the kernels' designs (the collapse costs 19-23 us at T <= 64 on the H200,
-# bench/results/mhc-h200.md, most of it a serial Sinkhorn and one token block's 16 / 28 programs;
-# the FMA kernel spreads fn over 192 / 336 programs and re-reads it from L2 once per 16 tokens),
-# until bench/diag/hc_pre_small_t.py has measured the crossover.  With batch_invariant=True auto
+# (kernels/mhc_pre_small.py) up to this T and the one-pass collapse above it: the collapse costs
+# 21-23 us at T <= 64, most of it a serial Sinkhorn and one token block's 16 / 28 programs; the
+# FMA kernel spreads fn over 192 / 336 programs and re-reads it from L2 once per 16 tokens.
+# With batch_invariant=True auto
 # runs the FMA kernel at every T (its auto order below), as hc_head does: MTP's draft step, which
 # calls hc_pre twice per step at T = batch, is the hot path, and a T-independent choice must
 # serve it.  A prefill-sized batch then pays for that choice.
+#
+# Measured on the H200 (bench/diag/hc_pre_small_t.py, CUDA-graph replay, inputs rotated past the
+# L2; bench/results/mhc-h200.md): triton_fma vs the collapse at D 4096 9.7 / 9.9 / 12.4 / 17.0 /
+# 26.5 us vs 21.4 / 21.9 / 21.9 / 22.7 / 23.2 us at T 1 / 8 / 32 / 64 / 128; at D 7168 13.5 /
+# 14.3 / 19.9 / 28.4 us vs 21.0 / 21.1 / 21.7 / 23.0 us at T 1 / 8 / 32 / 64.  So the FMA kernel
+# up to T 64 at D <= 4096 and up to T 32 at wider D (its mix re-reads fn per 16-token block).
 PRE_FMA_MAX_T = 64
+PRE_FMA_MAX_T_WIDE = 32  # D > 4096
 
 
 def _pre_by_T(facts: Facts) -> str | None:
     if facts.T is not None:
-        return "triton_fma" if facts.T <= PRE_FMA_MAX_T else "triton"
+        limit = PRE_FMA_MAX_T if facts.D <= 4096 else PRE_FMA_MAX_T_WIDE
+        return "triton_fma" if facts.T <= limit else "triton"
     return None
 
 

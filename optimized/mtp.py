@@ -58,6 +58,7 @@ from .attention import AttentionPack, attention, pack_attention, pack_attention_
 from .kernels._launch import check_device
 from .kv_cache import DeviceKVCache
 from .linear import LinearPack, linear, pack_linear
+from .lm_head import HeadPack, lm_head_argmax, lm_head_logits, pack_head
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoEPack, moe, pack_moe
 from .norm import rms_norm
@@ -164,6 +165,7 @@ class MTPLayer(MTPLayerAPI):
         device: str | torch.device | None = None,
         max_num_tokens: int = 8192,
         max_batch: int = 256,
+        head_format: str = "bf16",
     ) -> None:
         self.semantics = check_layer_args(
             config, layers, (MTPLayerParams, MTPLayerPack), embed, semantics, dtype, _DTYPES
@@ -189,6 +191,18 @@ class MTPLayer(MTPLayerAPI):
                     f"{p.ffn.max_tokens}"
                 )
         self.info: dict[str, Any] = dict(info or {})
+        # The LM head as its ops read it, packed once per distinct head tensor (the MTP layers
+        # share the model's head): bf16 by default; "fp8" (e4m3, 128x128 ue8m0 blocks: half the
+        # bytes, logits within ~3e-2 rel. of the bf16 head, bench/results/head-fp8.md) only on
+        # request, never by default.
+        if head_format not in ("bf16", "fp8"):
+            raise ConfigError(f"head_format: expected 'bf16' or 'fp8', got {head_format!r}")
+        self.head_format = head_format
+        packs: dict[int, HeadPack] = {}
+        self.heads = [
+            packs.setdefault(id(p.head), pack_head(p.head, format=head_format))  # type: ignore[arg-type]
+            for p in self.layers
+        ]
         #: the captured decode steps, one per MTP layer (:meth:`capture_decode`)
         self.graphs: list[DecodeGraphs] = []
 
@@ -203,6 +217,7 @@ class MTPLayer(MTPLayerAPI):
         device: str | torch.device = "cuda",
         max_num_tokens: int = 8192,
         max_batch: int = 256,
+        head_format: str = "bf16",
         **switches: Any,
     ) -> MTPLayer:
         """From :func:`load_mtp_checkpoint`'s result, packed once: the dense linears and the
@@ -226,6 +241,7 @@ class MTPLayer(MTPLayerAPI):
             info=loaded_info(checkpoint, preset),
             max_num_tokens=max_num_tokens,
             max_batch=max_batch,
+            head_format=head_format,
         )
 
     @classmethod
@@ -238,6 +254,7 @@ class MTPLayer(MTPLayerAPI):
         device: str | torch.device = "cuda",
         max_num_tokens: int = 8192,
         max_batch: int = 256,
+        head_format: str = "bf16",
         **switches: Any,
     ) -> MTPLayer:
         """Load ``mtp.*`` (+ the shared embedding and head) from a checkpoint directory."""
@@ -251,6 +268,7 @@ class MTPLayer(MTPLayerAPI):
             device=device,
             max_num_tokens=max_num_tokens,
             max_batch=max_batch,
+            head_format=head_format,
             **switches,
         )
 
@@ -327,19 +345,27 @@ class MTPLayer(MTPLayerAPI):
 
     # ------------------------------------------------------------------ CUDA graphs
     def capture_decode(
-        self, buckets: Sequence[int] = BUCKETS, *, num_seqs: int | None = None
+        self,
+        buckets: Sequence[int] = BUCKETS,
+        *,
+        num_seqs: int | None = None,
+        logits: bool = True,
     ) -> list[DecodeGraphs]:
         """Capture the decode step of every MTP layer for ``buckets`` (one :class:`DecodeGraphs`
         per layer, each with its own :class:`DeviceKVCache` of ``num_seqs`` slots, default
         ``max_batch``); ``draft`` uses them from then on.  CUDA only; allocates the graphs'
         memory pool once (a few hundred MB at V4-Flash for bucket 64: the logits and the MoE
-        workspace)."""
+        workspace).  ``logits=False``: the steps compute greedy ids only (:meth:`_greedy`, no
+        (B, V) logits written), and ``draft`` uses them for drafts that need no logits (greedy
+        or forced, without ``return_logits``)."""
         if self.device.type != "cuda":
             raise InputError(
                 f"capture_decode: CUDA graphs need a CUDA layer, this one is on {self.device}"
             )
         self.graphs = [
-            DecodeGraphs(self, self.new_device_cache(num_seqs), spec_step=i, buckets=buckets)
+            DecodeGraphs(
+                self, self.new_device_cache(num_seqs), spec_step=i, buckets=buckets, logits=logits
+            )
             for i in range(len(self.layers))
         ]
         return self.graphs
@@ -362,7 +388,12 @@ class MTPLayer(MTPLayerAPI):
         Otherwise the shared host loop."""
         B = len(lens)
         graphs = self.graphs
-        if not graphs or min(graphs[0].max_batch, graphs[0].cache.num_seqs) < B:
+        needs_logits = return_logits or not (greedy or forced_tokens is not None)
+        if (
+            not graphs
+            or min(graphs[0].max_batch, graphs[0].cache.num_seqs) < B
+            or (needs_logits and not graphs[0].logits)
+        ):
             return super()._draft(
                 input_ids, positions, prev_hidden, lens, num_tokens, greedy, temperature,
                 generator, forced_tokens, return_logits,
@@ -397,17 +428,9 @@ class MTPLayer(MTPLayerAPI):
         tokens = torch.stack(drafted, dim=1)  # (B, num_tokens)
         return tokens, torch.stack(step_logits, dim=1) if return_logits else None
 
-    def _logits(self, hidden: torch.Tensor, spec_step: int) -> torch.Tensor:
-        """:meth:`compute_logits` on a checked ``hidden`` -> (T, V) fp32.
-
-        ``hc_head`` and ``rms_norm`` (norm) are the optimized ops; the LM head is one cuBLAS
-        GEMM of the normed rows (T, D) in the layer dtype and the head (V, D), accumulated in
-        fp32 and written in fp32 (``torch.mm(..., out_dtype=float32)`` for bf16 on CUDA: it
-        reads the bf16 head once, V*D*2 bytes, 1 GiB at V4-Flash, instead of an fp32 copy).
-        Off CUDA, and for an fp32 head, the same products in an fp32 matmul.  The reference
-        multiplies the same bf16 values in fp32 in 16384-column chunks, so the two differ only
-        in fp32 summation order (conformance/test_mtp_optimized.py declares the tolerance).
-        """
+    def _head_input(self, hidden: torch.Tensor, spec_step: int) -> torch.Tensor:
+        """hidden (T, nD) -> the rows the LM head reads (T, D): ``hc_head`` with the layer's
+        ``hc_head_*``, then its ``norm`` (both the optimized ops)."""
         cfg = self.config
         p = self.layers[spec_step % len(self.layers)]
         T = hidden.shape[0]
@@ -419,11 +442,26 @@ class MTPLayer(MTPLayerAPI):
             rms_norm_eps=cfg.rms_norm_eps,
             hc_eps=cfg.hc_eps,
         )  # (T, D)
-        y = rms_norm(y, p.norm, cfg.rms_norm_eps, order=self.semantics.norm_order)
-        f32 = torch.float32
-        if y.is_cuda and y.dtype == p.head.dtype == torch.bfloat16:
-            return torch.mm(y, p.head.T, out_dtype=f32)  # (T, V)
-        return torch.matmul(y.to(f32), p.head.to(f32).T)  # (T, V)
+        return rms_norm(y, p.norm, cfg.rms_norm_eps, order=self.semantics.norm_order)
+
+    def _logits(self, hidden: torch.Tensor, spec_step: int) -> torch.Tensor:
+        """:meth:`compute_logits` on a checked ``hidden`` -> (T, V) fp32.
+
+        :meth:`_head_input`, then :func:`lm_head_logits`: for the bf16 head one cuBLAS GEMM
+        accumulated and written in fp32 (it reads the head once, V*D*2 bytes, 1.06 GB at
+        V4-Flash); for the FP8 head (``head_format="fp8"``) the FP8 linear kernel.  The
+        reference multiplies the same bf16 values in fp32 in 16384-column chunks, so the two
+        differ only in fp32 summation order (conformance/test_mtp_optimized.py declares the
+        tolerance).
+        """
+        y = self._head_input(hidden, spec_step)
+        return lm_head_logits(y, self.heads[spec_step % len(self.heads)])
+
+    def _greedy(self, hidden: torch.Tensor, spec_step: int) -> torch.Tensor:
+        """Greedy ids (T,) without the (T, V) logits: :func:`lm_head_argmax` (torch.argmax's
+        tie and NaN rules)."""
+        y = self._head_input(hidden, spec_step)
+        return lm_head_argmax(y, self.heads[spec_step % len(self.heads)])
 
 
 def _check_bound(name: str, v: object) -> int:
@@ -468,6 +506,7 @@ class DecodeGraphs:
         spec_step: int = 0,
         buckets: Sequence[int] = BUCKETS,
         capture: bool = True,
+        logits: bool = True,
     ) -> None:
         if not buckets or any(
             isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets
@@ -486,6 +525,7 @@ class DecodeGraphs:
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.captured = capture
+        self.logits = logits
         if not capture:
             return
         side = torch.cuda.Stream(device=dev)
@@ -504,7 +544,8 @@ class DecodeGraphs:
         self.bad.fill_(-1)
 
     def _body(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The captured step at bucket b -> (ids (b,), hidden (b, nD), logits (b, V) fp32)."""
+        """The captured step at bucket b -> (ids (b,), hidden (b, nD), logits (b, V) fp32, or
+        (b, 0) with ``logits=False``)."""
         L, cfg = self.layer, self.layer.config
         ids, pos, prev, slots, real = (
             self.ids[:b], self.pos[:b], self.prev[:b], self.slots[:b], self.real[:b]
@@ -530,9 +571,13 @@ class DecodeGraphs:
             attn_extra={"cache_slots": torch.where(ok, slots, -1)},
             moe_extra={"row_mask": ok},
         )  # fmt: skip  (b, nD)
-        logits = L._logits(hidden, self.spec_step)  # (b, V) fp32
-        tokens = torch.where(ok, logits.argmax(-1), -1)
-        return tokens, hidden, logits
+        if self.logits:
+            logits = L._logits(hidden, self.spec_step)  # (b, V) fp32
+            tokens = logits.argmax(-1)
+        else:
+            logits = hidden.new_empty(b, 0, dtype=torch.float32)  # none computed
+            tokens = L._greedy(hidden, self.spec_step)
+        return torch.where(ok, tokens, -1), hidden, logits
 
     def bucket(self, B: int) -> int:
         """The smallest captured bucket >= B."""
