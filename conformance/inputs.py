@@ -310,7 +310,14 @@ def _fp4_linear(r: _Gen, E: int, N: int, K: int, fmt: str, up_rows: int = 0):
 
 
 def _fp8_codes(r: _Gen, *shape: int) -> torch.Tensor:
-    return r.normal(*shape, std=_FP8_CODE_STD).clamp(-448, 448).to(torch.float8_e4m3fn)
+    """e4m3 codes of N(0, 48^2) clamped to +-448.  A stack whose fp32 draw would pass 4 GiB (a
+    V4-Pro FP8 w13: 384 x 6144 x 7168, 63 GiB in fp32) is drawn one leading index at a time."""
+    if len(shape) < 2 or math.prod(shape) * 4 <= 4 << 30:
+        return r.normal(*shape, std=_FP8_CODE_STD).clamp(-448, 448).to(torch.float8_e4m3fn)
+    out = torch.empty(shape, dtype=torch.float8_e4m3fn, device=r.device)
+    for i in range(shape[0]):
+        out[i] = _fp8_codes(r, *shape[1:])
+    return out
 
 
 def _fp8_linear(r: _Gen, E: int, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
