@@ -220,5 +220,8 @@ def test_fp8_head_switch(loaded, device) -> None:
     ids, pos, prev, _ = prefix(5, [6], device)
     h = opt.forward(ids, pos, prev)
     assert rel_err(fp8.compute_logits(h), opt.compute_logits(h)) < 6e-2
+    # the FP8 head's greedy path is its logits' argmax (the bf16 head's argmax kernel is
+    # compared with the reference, near-ties excused, in test_lm_head.py)
+    assert torch.equal(fp8._greedy(h, 0), fp8.compute_logits(h).argmax(-1))
     with pytest.raises(ConfigError, match="head_format"):
         OptLayer.from_loaded(loaded, device=device, head_format="mxfp4")

@@ -458,10 +458,17 @@ class MTPLayer(MTPLayerAPI):
         return lm_head_logits(y, self.heads[spec_step % len(self.heads)])
 
     def _greedy(self, hidden: torch.Tensor, spec_step: int) -> torch.Tensor:
-        """Greedy ids (T,) without the (T, V) logits: :func:`lm_head_argmax` (torch.argmax's
-        tie and NaN rules)."""
+        """Greedy ids (T,), torch.argmax's tie and NaN rules.  bf16 head: :func:`lm_head_argmax`,
+        without the (T, V) logits (H200, V4-Flash head: 243 / 244 / 266 us at T 1 / 8 / 64
+        against cuBLAS logits + argmax 282 / 286 / 330 us, bench/results/head-h200.json).  FP8
+        head: its logits from the FP8 linear kernel, then torch.argmax, which measured faster
+        than the argmax kernel's FP8 decode (152 / 156 / 319 us + the argmax against 222 / 240 /
+        469 us)."""
         y = self._head_input(hidden, spec_step)
-        return lm_head_argmax(y, self.heads[spec_step % len(self.heads)])
+        head = self.heads[spec_step % len(self.heads)]
+        if head.format == "fp8":
+            return lm_head_logits(y, head).argmax(-1)
+        return lm_head_argmax(y, head)
 
 
 def _check_bound(name: str, v: object) -> int:
