@@ -39,6 +39,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from h200_mhc import _median_event_ms as median_ms
+from h200_mhc import copy_bandwidth
 
 from dsv4mtp.checkpoint.fullsize import make_fullsize_checkpoint
 from dsv4mtp.config import DSV4Config
@@ -52,18 +54,6 @@ TARGETS = {"decode": 1.3, "prefill": 1.6}  # time / floor, from the issue
 
 
 # ------------------------------------------------------------------------------------- timing
-def median_ms(fn: Callable[[], Any], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def wall_ms(fn: Callable[[], Any], reps: int) -> float:
     times = []
     for _ in range(reps):
@@ -73,21 +63,6 @@ def wall_ms(fn: Callable[[], Any], reps: int) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 2 GiB device-to-device copy."""
-    bufs = [torch.empty(1 << 30, device="cuda", dtype=BF16).normal_() for _ in range(2)]
-
-    def copy() -> None:
-        bufs[1].copy_(bufs[0])
-
-    for _ in range(3):
-        copy()
-    bw = 2 * bufs[0].nbytes / (median_ms(copy, 20) * 1e-3)
-    bufs.clear()
-    torch.cuda.empty_cache()
-    return bw
 
 
 def gemm_peak() -> float:
