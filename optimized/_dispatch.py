@@ -169,7 +169,7 @@ PRE_FMA_MAX_T_WIDE = 32  # D > 4096
 def _pre_by_T(facts: Facts) -> str | None:
     if facts.T is not None:
         limit = PRE_FMA_MAX_T if facts.D <= 4096 else PRE_FMA_MAX_T_WIDE
-        return "triton_fma" if facts.T <= limit else "triton"
+        return "triton" if facts.T > limit else "triton_fma"
     return None
 
 
