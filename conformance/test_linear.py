@@ -9,6 +9,8 @@ are small (the kernel runs in the interpreter); the gpu tests take V4-Flash's sh
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -199,6 +201,31 @@ def test_bad_inputs_raise_input_errors_naming_the_tensor(device: str) -> None:
     for call, match in _bad_calls(device):
         with pytest.raises(InputError, match=match):
             call()
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e8m0", "fp8_f32"])
+def test_pack_refuses_nan_codes_and_scales_naming_the_tensor(fmt: str, device: str) -> None:
+    """The kernels' e4m3 decode has no NaN (kernels/decode.py): a NaN code would compute as
+    +-480 where the reference gives NaN.  pack_linear refuses e4m3 NaN codes (0x7F, 0xFF; as
+    float8_e4m3fn or uint8 codes), a NaN e8m0 scale byte and a non-finite fp32 scale, naming the
+    tensor, its checkpoint name and the first bad index; the same weight without them packs."""
+    qw = linear_weight(2, 128, 256, fmt, seed=14)
+    assert qw.scale is not None
+    opt.pack_linear(qw, device, groups=2)
+    for byte, dtype in ((0x7F, torch.float8_e4m3fn), (0xFF, torch.uint8)):
+        codes = qw.data.view(torch.uint8).clone()
+        codes[130, 7] = byte
+        bad = dataclasses.replace(qw, data=codes.view(dtype))
+        want = r"^weight.data \(linear\): expected finite float8_e4m3fn codes, found 1 NaN"
+        with pytest.raises(InputError, match=want + rf".*index \(130, 7\): e4m3 byte 0x{byte:02X}"):
+            opt.pack_linear(bad, device, groups=2)
+    scale = qw.scale.clone()
+    scale[1, 0] = 0xFF if fmt == "fp8_e8m0" else float("inf")
+    code = "e8m0 byte 0xFF" if fmt == "fp8_e8m0" else "inf"
+    with pytest.raises(
+        InputError, match=rf"^weight.scale \(linear\): expected finite scales.*\(1, 0\): {code}"
+    ):
+        opt.pack_linear(dataclasses.replace(qw, scale=scale), device)
 
 
 # ------------------------------------------------------------------------------ operators

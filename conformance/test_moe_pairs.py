@@ -7,6 +7,8 @@ the shapes the kernels are built for.  Tolerances are the pairs' (conformance/pa
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -81,6 +83,84 @@ def test_pack_moe_decode_equals_the_core_decode(fmt: str, device: str) -> None:
         g2 = core.w2_weight_scale_2[e].float()
         torch.testing.assert_close(w13.float() * g13, want13, rtol=2e-7, atol=0)
         torch.testing.assert_close(w2.float() * g2, want2, rtol=2e-7, atol=0)
+
+
+_NAN = float("nan")
+# (expert format, RoutedExperts field, index, stored value, what the message shows there)
+_POISON = [
+    ("fp8", "w13_weight", (3, 5, 7), 0x7F, "e4m3 byte 0x7F"),
+    ("fp8", "w2_weight_scale", (1, 1, 0), _NAN, "nan"),
+    ("mxfp4", "w2_weight_scale", (5, 3, 1), 0xFF, "e8m0 byte 0xFF"),
+    ("nvfp4", "w13_weight_scale", (2, 0, 9), 0xFF, "e4m3 byte 0xFF"),
+    ("nvfp4", "w2_weight_scale_2", (6,), _NAN, "nan"),
+]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "field", "index", "value", "shown"), _POISON, ids=[f"{p[0]}-{p[1]}" for p in _POISON]
+)
+def test_pack_moe_refuses_nan_codes_and_scales_naming_the_tensor(
+    fmt: str, field: str, index: tuple[int, ...], value: float, shown: str, device: str
+) -> None:
+    """The kernels' e4m3 decode has no NaN (kernels/decode.py), so a NaN FP8 code or NVFP4
+    block scale would compute as +-480, and an e8m0 NaN byte (MXFP4) as +inf, where the
+    reference gives NaN: pack_moe refuses each, and non-finite fp32 block / global scales as the
+    checkpoint loader does, naming the tensor and the first bad index (local expert first)."""
+    import dataclasses
+
+    from dsv4mtp.conformance.inputs import moe_params
+    from dsv4mtp.optimized import pack_moe
+
+    params = moe_params("tiny", fmt, "cpu")[0]
+    ex = params.experts.packed
+    t = getattr(ex, field)
+    bad = t.clone() if t.dtype == torch.float32 else t.view(torch.uint8).clone()
+    bad[index] = value
+    poisoned = dataclasses.replace(
+        params, experts=dataclasses.replace(ex, **{field: bad.view(t.dtype)})
+    )
+    at = str(index[0]) if len(index) == 1 else str(index)
+    want = rf"^experts.{field} \(moe_inputs.experts\): expected finite .*found 1 .* {re.escape(at)}"
+    want += rf": {shown}.*" + (r"; index = \(local expert, \.\.\.\)$" if len(index) == 3 else "")
+    with pytest.raises(InputError, match=want):
+        pack_moe(poisoned, device)
+
+
+def test_pack_moe_refuses_nan_codes_in_the_fp8_shared_expert(device: str) -> None:
+    """The shared expert's FP8 codes (``params.shared_fp8``) go through the same e4m3 decode:
+    a NaN code or a NaN e8m0 scale byte is refused, naming which of (w1, w3, w2) holds it; the
+    same codes without them pack as FP8."""
+    import dataclasses
+
+    from dsv4mtp.conformance.inputs import MOE_SHAPES, linear_weight, moe_params
+    from dsv4mtp.optimized import pack_moe
+
+    cfg = MOE_SHAPES["tiny"]
+    inter, D = cfg.moe_intermediate_size, cfg.hidden_size
+    params = moe_params("tiny", "mxfp4", "cpu")[0]
+    shared = (
+        linear_weight(1, inter, D, "fp8_e8m0", seed=5),
+        linear_weight(1, inter, D, "fp8_e8m0", seed=6),
+        linear_weight(1, D, inter, "fp8_e8m0", seed=7),
+    )
+    assert pack_moe(dataclasses.replace(params, shared_fp8=shared), device).shared_fmt == "fp8"
+    codes = shared[1].data.view(torch.uint8).clone()
+    codes[100, 200] = 0xFF
+    bad = dataclasses.replace(shared[1], data=codes.view(torch.float8_e4m3fn))
+    with pytest.raises(
+        InputError,
+        match=r"^params.shared_fp8\[1\].data \(linear\): expected finite float8_e4m3fn codes.*"
+        r"\(100, 200\): e4m3 byte 0xFF",
+    ):
+        pack_moe(dataclasses.replace(params, shared_fp8=(shared[0], bad, shared[2])), device)
+    assert shared[2].scale is not None
+    scale = shared[2].scale.clone()
+    scale[1, 0] = 0xFF
+    bad = dataclasses.replace(shared[2], scale=scale)
+    with pytest.raises(
+        InputError, match=r"^params.shared_fp8\[2\].scale \(linear\): expected finite scales"
+    ):
+        pack_moe(dataclasses.replace(params, shared_fp8=(*shared[:2], bad)), device)
 
 
 def test_moe_packs_a_params_object_once_and_forgets_it_with_the_object(device: str) -> None:

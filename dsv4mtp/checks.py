@@ -7,8 +7,8 @@ and the actual value.  ``optimized`` imports these rather than keeping its own c
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import TypeGuard
+from collections.abc import Iterator, Sequence
+from typing import Literal, TypeGuard
 
 import torch
 
@@ -21,6 +21,7 @@ __all__ = [
     "check_eps",
     "check_finite",
     "check_finite_at",
+    "check_finite_codes",
     "check_instance",
     "check_int",
     "check_ndim",
@@ -89,6 +90,44 @@ def check_finite_at(name: str, t: torch.Tensor) -> None:
             f"{name}: expected finite values, found {value} at {where} "
             f"({int(bad.sum())} non-finite of {t.numel()})"
         )
+
+
+CodeRule = Literal[
+    "e4m3_weight", "fp8_scale", "mxfp4_scale", "nvfp4_block_scale", "nvfp4_global_scale"
+]
+# Row chunks of the code check: on the CPU the loader scan's measured size (4 MiB chunks stay in
+# the caches); on a GPU each chunk costs a few host syncs, so larger ones (the temporaries are
+# uint8 / bool masks of one chunk).
+_CODE_CHUNK_BYTES = {"cpu": 4 << 20, "cuda": 256 << 20}
+
+
+def check_finite_codes(name: str, t: torch.Tensor, rule: CodeRule, *, index: str = "") -> None:
+    """Refuse quantized codes or block scales, as stored, that decode to NaN or infinity: e4m3
+    NaN bytes (0x7F, 0xFF) for ``e4m3_weight`` / ``nvfp4_block_scale``, e8m0 byte 0xFF or a
+    non-finite float for ``fp8_scale`` / ``mxfp4_scale`` / ``nvfp4_global_scale``.  The
+    checkpoint loader's rules (dsv4mtp/checkpoint/scan.py, its ``nan`` findings only, same
+    messages: count, first index and code), for weights handed to a packer directly.  ``t``:
+    uint8 bytes are read as the rule's encoding.  ``index``: what the index's axes are, added
+    to the message.  Host-syncing (a few syncs per row chunk of at most a few MiB on the CPU,
+    256 MiB on a GPU): pack time only, never a hot path."""
+    from dsv4mtp.checkpoint.scan import scan_tensor  # scan imports formats, which imports us
+
+    if rule in ("e4m3_weight", "nvfp4_block_scale") and t.dtype == torch.uint8:
+        t = t.view(torch.float8_e4m3fn)
+    for finding in scan_tensor(name, rule, _row_chunks(t)):
+        if finding.code in ("non_finite_weight", "non_finite_scale"):
+            raise InputError(finding.message + (f"; index = {index}" if index else ""))
+
+
+def _row_chunks(t: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, rows) pieces of ``t`` along dim 0, each at most the device's chunk size."""
+    if t.dim() == 0 or t.shape[0] == 0:
+        yield 0, t
+        return
+    row_bytes = max(1, t[0].numel() * t.element_size())
+    rows = max(1, _CODE_CHUNK_BYTES.get(t.device.type, 4 << 20) // row_bytes)
+    for r in range(0, t.shape[0], rows):
+        yield r, t[r : r + rows]
 
 
 def _is_number(v: object) -> TypeGuard[float]:

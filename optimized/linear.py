@@ -24,7 +24,14 @@ import torch
 
 from dsv4mtp import formats
 from dsv4mtp.checkpoint.weights import FP8_BLOCK, QuantizedWeight
-from dsv4mtp.checks import check_device_arg, check_instance, check_int, check_ndim, check_shape
+from dsv4mtp.checks import (
+    check_device_arg,
+    check_finite_codes,
+    check_instance,
+    check_int,
+    check_ndim,
+    check_shape,
+)
 from dsv4mtp.errors import InputError
 
 from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
@@ -118,7 +125,8 @@ def pack_linear(
     dense (G, N, K) tensor (a grouped pack).  bf16 and fp32 dense weights are kept in their dtype,
     other floats widened to fp32.  ``groups``: split a 2-D weight's rows into that many groups
     (``wo_a``: G = o_groups; FP8 groups must be whole 128-row blocks).  ``device``: default the
-    weight's own.
+    weight's own.  e4m3 NaN codes and non-finite block scales are an :class:`InputError`
+    (``check_finite_codes``: the kernels' decode has no NaN).
     """
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise InputError("weight: pack_linear cannot run during CUDA-graph capture; pack before")
@@ -143,6 +151,11 @@ def pack_linear(
                     f"weight.scale: expected dtype float32 or e8m0 bytes (uint8), got {scale.dtype}"
                 )
             check_shape("weight.scale", scale, (-(-N // FP8_BLOCK), -(-K // FP8_BLOCK)))
+            # The kernels' e4m3 decode has no NaN (kernels/decode.py): a NaN code would compute
+            # as +-480 where the reference gives NaN, so NaN codes and scales are refused here.
+            named = f" ({weight.name})" if weight.name else ""
+            check_finite_codes(f"weight.data{named}", codes, "e4m3_weight")
+            check_finite_codes(f"weight.scale{named}", scale, "fp8_scale")
             fmt, w, s = "fp8", codes.view(torch.uint8), _fp8_scale(scale)
         elif weight.format == "bf16":
             check_shape("weight.data", weight.data, (N, K))

@@ -41,7 +41,13 @@ import torch
 
 from dsv4mtp import formats
 from dsv4mtp.checkpoint.weights import FP8_BLOCK, QuantizedWeight
-from dsv4mtp.checks import check_device_arg, check_finite, check_instance, check_shape
+from dsv4mtp.checks import (
+    check_device_arg,
+    check_finite,
+    check_finite_codes,
+    check_instance,
+    check_shape,
+)
 from dsv4mtp.errors import InputError
 
 from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
@@ -170,16 +176,17 @@ def _pack_quantized(head: QuantizedWeight, device: torch.device | str | None) ->
             f"head.data: expected dtype float8_e4m3fn or uint8 codes, got {codes.dtype}"
         )
     check_shape("head.data", codes, (V, D))
-    nan_codes = int(((codes.view(torch.uint8) & 0x7F) == 0x7F).sum())  # once per pack
-    if nan_codes:
-        # the kernels' decode (kernels/decode.py) has no NaN: it would read these as +-480
-        raise InputError(f"head.data: expected no e4m3 NaN codes (0x7F / 0xFF), found {nan_codes}")
     scale = head.scale
     if scale.dtype not in (torch.float32, torch.uint8, torch.float8_e8m0fnu):
         raise InputError(
             f"head.scale: expected dtype float32 or e8m0 bytes (uint8), got {scale.dtype}"
         )
     check_shape("head.scale", scale, (-(-V // FP8_BLOCK), -(-D // FP8_BLOCK)))
+    # The kernels' e4m3 decode (kernels/decode.py) has no NaN: it would read a NaN code as
+    # +-480, so NaN codes and scales are refused once per pack.
+    named = f" ({head.name})" if head.name else ""
+    check_finite_codes(f"head.data{named}", codes, "e4m3_weight")
+    check_finite_codes(f"head.scale{named}", scale, "fp8_scale")
     if scale.dtype != torch.float32:
         scale = formats.decode_e8m0(scale, dtype=torch.float32)
     dev = check_device_arg("device", device if device is not None else codes.device)

@@ -42,7 +42,7 @@ import torch
 
 from dsv4mtp import formats
 from dsv4mtp.checkpoint.weights import RoutedExperts
-from dsv4mtp.checks import check_instance, check_ndim, check_shape
+from dsv4mtp.checks import CodeRule, check_finite_codes, check_instance, check_ndim, check_shape
 from dsv4mtp.config import DSV4Config
 from dsv4mtp.errors import InputError
 from dsv4mtp.params import DenseExperts, MoEParams, PackedExperts
@@ -162,10 +162,38 @@ def _fp8_scale(scale: torch.Tensor) -> torch.Tensor:
     return formats.decode_e8m0(scale, dtype=torch.float32)
 
 
+# The stored scales' rules of dsv4mtp/checkpoint/scan.py (e2m1 weights are always finite).
+_SCALE_RULES: dict[str, CodeRule] = {
+    "fp8_e8m0": "fp8_scale", "fp8_f32": "fp8_scale", "mxfp4": "mxfp4_scale",
+    "nvfp4": "nvfp4_block_scale",
+}  # fmt: skip
+
+
+def _check_routed_codes(ex: RoutedExperts) -> None:
+    """Refuse NaN codes and non-finite scales, as the checkpoint loader does: the kernels' e4m3
+    decode (kernels/decode.py) of FP8 weights and NVFP4 block scales has no NaN and would
+    compute a NaN code as +-480, and an MXFP4 e8m0 NaN byte (0xFF) decodes as +inf, where the
+    reference gives NaN.  One host-syncing pass over the stored bytes, once per pack."""
+    named = f" ({ex.name})" if ex.name else ""
+    where = "(local expert, ...)"
+    for w in ("w13", "w2"):
+        if ex.format in ("fp8_e8m0", "fp8_f32"):
+            codes = getattr(ex, f"{w}_weight")
+            check_finite_codes(f"experts.{w}_weight{named}", codes, "e4m3_weight", index=where)
+        scale = getattr(ex, f"{w}_weight_scale")
+        if ex.format in _SCALE_RULES and scale is not None:
+            rule = _SCALE_RULES[ex.format]
+            check_finite_codes(f"experts.{w}_weight_scale{named}", scale, rule, index=where)
+        scale_2 = getattr(ex, f"{w}_weight_scale_2")
+        if ex.format == "nvfp4" and scale_2 is not None:
+            check_finite_codes(f"experts.{w}_weight_scale_2{named}", scale_2, "nvfp4_global_scale")
+
+
 def _pack_routed(
     ex: RoutedExperts, device: torch.device
 ) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     ex = ex.to(device)
+    _check_routed_codes(ex)
     E = ex.num_local_experts
     f32 = torch.float32
     ones = torch.ones((E, 3), dtype=f32, device=device)
@@ -208,6 +236,11 @@ def _pack_shared(
     if raw is not None:
         q1, q3, q2 = (q.to(device) for q in raw)
         assert q1.scale is not None and q3.scale is not None and q2.scale is not None
+        for i, q in enumerate((q1, q3, q2)):  # no NaN in the kernels' e4m3 decode, as above
+            assert q.scale is not None
+            named = f" ({q.name})" if q.name else ""
+            check_finite_codes(f"params.shared_fp8[{i}].data{named}", q.data, "e4m3_weight")
+            check_finite_codes(f"params.shared_fp8[{i}].scale{named}", q.scale, "fp8_scale")
         codes13 = torch.cat([q1.data, q3.data], 0).view(torch.uint8)[None].contiguous()
         s13 = torch.cat([_fp8_scale(q1.scale), _fp8_scale(q3.scale)], 0)[None].contiguous()
         codes2 = q2.data.view(torch.uint8)[None].contiguous()
@@ -225,7 +258,9 @@ def pack_moe(params: MoEParams, device: torch.device | str, *, max_tokens: int =
     Routed experts from ``params.experts`` (:class:`PackedExperts` over a checkpoint's
     :class:`RoutedExperts` in any format, a :class:`RoutedExperts`, or :class:`DenseExperts`);
     the shared expert from ``params.shared_fp8`` (raw FP8 codes and scales) when present, else
-    its dense weights.  Refused during CUDA-graph capture (it allocates and syncs).
+    its dense weights.  Refused during CUDA-graph capture (it allocates and syncs).  NaN codes
+    (FP8 weights, NVFP4 block scales) and non-finite scales are an :class:`InputError`
+    (``check_finite_codes``: the kernels' decode has no NaN).
     """
     check_instance("params", params, MoEParams)
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():

@@ -11,7 +11,12 @@ kernels/moe_schedule.py; the dense linears use ``"asm"``):
   (:func:`_e4m3_bf16`, :func:`_e2m1_pair_bf16`); under the interpreter, which cannot run PTX,
   the same values from the integer decode.
 
-Every decode is exact: an E4M3 or E2M1 value fits bf16.
+Every decode is exact: an E4M3 or E2M1 value fits bf16.  None has a NaN: the e4m3 NaN codes
+0x7F / 0xFF decode to +-480 (the exponent-15 pattern read as a normal number).  They need not
+produce NaN because no NaN code reaches a kernel: ``pack_linear``, ``pack_moe`` and ``pack_head``
+refuse NaN codes and non-finite block scales at pack time (``dsv4mtp.checks.check_finite_codes``,
+the checkpoint loader's scan rules in dsv4mtp/checkpoint/scan.py), as the loader does for a
+checkpoint.
 """
 
 from __future__ import annotations
