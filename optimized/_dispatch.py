@@ -167,9 +167,10 @@ PRE_FMA_MAX_T_WIDE = 32  # D > 4096
 
 
 def _pre_by_T(facts: Facts) -> str | None:
-    if facts.T is not None:
+    tokens = facts.T
+    if tokens is not None:
         limit = PRE_FMA_MAX_T if facts.D <= 4096 else PRE_FMA_MAX_T_WIDE
-        return "triton" if facts.T > limit else "triton_fma"
+        return "triton_fma" if tokens <= limit else "triton"
     return None
 
 
