@@ -181,8 +181,9 @@ def test_rejected_drafts_need_no_rollback(device: str) -> None:
         outs = []
         for x, p in steps:
             table, slots = engine.rows([0], [p])
-            outs.append(opt_attention(x, torch.tensor([p], device=device), pack, CFG,
-                                      kv_cache=pool, block_table=table, slot_mapping=slots))
+            p_t = torch.tensor([p], device=device)
+            outs.append(opt_attention(x, p_t, pack, CFG, kv_cache=pool, block_table=table,
+                                      slot_mapping=slots))  # fmt: skip
         return outs[-3:]
 
     for i, (a, b) in enumerate(zip(run(True), run(False), strict=True)):
@@ -409,7 +410,7 @@ def test_attention_with_a_paged_cache_rejects_bad_calls(device: str) -> None:
     for message, kwargs in cases:
         with pytest.raises(InputError, match="^" + message):
             opt_attention(x, pos, pack, CFG, **kwargs)  # type: ignore[arg-type]
-    with pytest.raises(InputError, match="^slot_mapping: expected distinct"):
+    with pytest.raises(InputError, match=r"^slot_mapping: expected distinct"):
         same = torch.tensor([[1, -1, -1], [1, -1, -1]], dtype=torch.int32, device=device)
         opt_attention(x, torch.tensor([3, 3], device=device), pack, CFG, kv_cache=pool,
                       block_table=same, slot_mapping=torch.tensor([7, 7], device=device))  # fmt: skip
