@@ -72,8 +72,8 @@ def _slots(values: list[int], device: str) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ the sublayer
 def test_decode_is_bitwise_the_ring_and_host_cache_paths(device: str) -> None:
-    """Two sequences prefilled (contiguous positions), then decode steps with position gaps
-    (one wider than the window) and a padding row: every output bitwise equal to the ring
+    """Two sequences prefilled (contiguous positions, one longer than the window), then decode
+    steps with position gaps (one wider than the window) and a padding row: every output bitwise equal to the ring
     cache path (both kernels walk the window's positions in the same blocks and lanes, gaps
     or not); the prefill and the gap-free steps also bitwise the host-KVCache path.  The pool
     is poisoned with NaN first (a row never written is never read), its blocks scattered."""
@@ -85,18 +85,18 @@ def test_decode_is_bitwise_the_ring_and_host_cache_paths(device: str) -> None:
     ring = DeviceKVCache(CFG, num_seqs=3, max_draft=0, dtype=BF16, device=device)
     hosts = [KVCache(W), KVCache(W)]
     g = torch.Generator().manual_seed(1)
-    pos = list(range(30, 44)) + list(range(0, 5))
-    x = _rows(g, 19, BF16, device)
-    table, slots = engine.rows([1, 0], pos, [14, 5])
+    pos = list(range(30, 50)) + list(range(0, 5))
+    x = _rows(g, 25, BF16, device)
+    table, slots = engine.rows([1, 0], pos, [20, 5])
     p = torch.tensor(pos, device=device)
-    got = opt_attention(x, p, pack, CFG, seq_lens=[14, 5], kv_cache=pool, block_table=table,
+    got = opt_attention(x, p, pack, CFG, seq_lens=[20, 5], kv_cache=pool, block_table=table,
                         slot_mapping=slots, **OFFICIAL)  # fmt: skip
-    want = opt_attention(x, p, pack, CFG, seq_lens=[14, 5], kv_cache=ring,
+    want = opt_attention(x, p, pack, CFG, seq_lens=[20, 5], kv_cache=ring,
                          cache_slots=_slots([2, 0], device), **OFFICIAL)  # fmt: skip
     assert torch.equal(got, want), "prefill vs ring"
-    host = opt_attention(x, p, pack, CFG, seq_lens=[14, 5], kv_cache=hosts, **OFFICIAL)
+    host = opt_attention(x, p, pack, CFG, seq_lens=[20, 5], kv_cache=hosts, **OFFICIAL)
     assert torch.equal(got, host), "prefill vs host caches"
-    last = [43, 4]
+    last = [49, 4]
     for step, gaps in enumerate([(1, 1), (1, 3), (W + 2, 1), (1, 1), (2, 1)]):
         last = [last[0] + gaps[0], last[1] + gaps[1]]
         x = _rows(g, 3, BF16, device)
