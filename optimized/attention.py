@@ -1,9 +1,11 @@
 """The MTP layer's attention core on the H200: sliding-window MQA with per-head sinks.
 
 Same signatures as :func:`dsv4mtp.reference.sink_attention`,
-:func:`dsv4mtp.reference.sink_attention_varlen` and :func:`dsv4mtp.reference.sink_attention_cache`
-(decode over a :class:`~dsv4mtp.optimized.kv_cache.DeviceKVCache` ring) plus keyword-only
-``backend`` and ``schedule``.
+:func:`dsv4mtp.reference.sink_attention_varlen`, :func:`dsv4mtp.reference.sink_attention_cache`
+(decode over a :class:`~dsv4mtp.optimized.kv_cache.DeviceKVCache` ring) and
+:func:`dsv4mtp.reference.sink_attention_paged` (over a
+:class:`~dsv4mtp.optimized.kv_cache.PagedKVCache` block pool) plus keyword-only ``backend`` and
+``schedule``.
 The math: docs/semantics.md, "Visibility and the sink softmax"; the kernel, its grid, tiles and
 bytes: optimized/kernels/sink_attention.py.  One launch per call, for one sequence or for B
 concatenated ones (decode: one query per sequence against its cached keys plus its own; prefill:

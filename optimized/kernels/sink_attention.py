@@ -1,7 +1,7 @@
 """Sliding-window MQA with per-head sinks (Triton): what ``sink_attention``,
-``sink_attention_varlen`` and ``sink_attention_cache`` run, and the ring write of
-``kv_cache_write``.  The math: docs/semantics.md, "Visibility and the sink softmax" and "The
-device ring cache".
+``sink_attention_varlen``, ``sink_attention_cache`` and ``sink_attention_paged`` run, and the
+ring write of ``kv_cache_write``.  The math: docs/semantics.md, "Visibility and the sink
+softmax", "The device ring cache" and "The paged cache".
 
 Shapes: q (Tq, H, Dh) and out (Tq, H, Dh) contiguous, kv (Tk, Dh) contiguous (one latent per
 token, the key and the value of every head), q_pos (Tq,) / k_pos (Tk,) int32 or int64,
