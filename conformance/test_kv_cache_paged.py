@@ -324,6 +324,22 @@ def test_paged_opcheck(variant: str, device: str) -> None:
     torch.library.opcheck(op, call, outs)
 
 
+def test_paged_write_opcheck(device: str) -> None:
+    """The pool's write is ``kv_cache_write`` over the pool viewed as N * bs rings of one row:
+    opcheck of both variants on that view (its writes themselves:
+    test_slot_mapping_minus_one_writes_nothing)."""
+    dtype = BF16 if device == "cuda" else FP32
+    pool = PagedKVCache(CFG, num_blocks=3, block_size=BS, dtype=dtype, device=device)
+    new = torch.randn(3, Dh, device=device).to(dtype)
+    call = (new, torch.tensor([5, 6, -1], device=device), torch.tensor([9, -1, 2], device=device))
+    rows = pool.num_blocks * BS
+    views = (pool.kv.view(rows, 1, Dh), pool.pos.view(rows, 1))
+    ops = torch.ops.dsv4mtp
+    torch.library.opcheck(ops.kv_cache_write.default, (*call, *views), {})
+    torch.library.opcheck(ops.kv_cache_write_out.default, call,
+                          {"cache_kv": views[0], "cache_pos": views[1]})  # fmt: skip
+
+
 # ------------------------------------------------------------------------------ errors
 def test_bad_arguments_raise_typed_errors(device: str) -> None:
     with pytest.raises(InputError, match=r"^num_blocks"):
