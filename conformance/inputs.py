@@ -957,11 +957,12 @@ def paged_attention_inputs(
     after newest (rejected drafts, held with probability 0.5).  Every other row of the pool
     holds -1 or, with probability 0.3, a position of another logical block at its offset (a
     block's earlier owner: ``k - bs * U{1, 2, 3}`` in the sequence's blocks, any in the spare
-    ones); its kv is the dtype's largest value, so a read of it overflows the scores.  Query b reads sequence U[0, S) (two queries may share one, and so their blocks)
-    or is padding (its table row all -1) with probability ``pad``; its position is its
-    sequence's newest, or 1 .. 3 before it, or up to window after it (clamped at 0).  The
-    table has M = 8 * window // bs + K + 1 columns: every position a query can see falls in
-    it.  Shapes depend on (T, shape) only.
+    ones); its kv is the dtype's largest value, so a read of it overflows the scores.  Query
+    b reads sequence U[0, S) (two queries may share one, and so their blocks) or is padding
+    (its table row all -1) with probability ``pad``; its position is its sequence's newest,
+    or 1 .. 3 before it, or up to window after it (clamped at 0).  The table has
+    M = 8 * window // bs + K + 1 columns: every position a query can see falls in it.  Shapes
+    depend on (T, shape) only.
 
     From one generator on ``device`` seeded with ``seed``: q ~ N(0, magnitude^2) (T, H, Dh) in
     ``dtype``, attn_sink ~ N(0, 1) fp32 (H,), then the layout.  cache_pos and block_table

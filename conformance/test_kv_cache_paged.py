@@ -73,10 +73,11 @@ def _slots(values: list[int], device: str) -> torch.Tensor:
 # ------------------------------------------------------------------------------ the sublayer
 def test_decode_is_bitwise_the_ring_and_host_cache_paths(device: str) -> None:
     """Two sequences prefilled (contiguous positions, one longer than the window), then decode
-    steps with position gaps (one wider than the window) and a padding row: every output bitwise equal to the ring
-    cache path (both kernels walk the window's positions in the same blocks and lanes, gaps
-    or not); the prefill and the gap-free steps also bitwise the host-KVCache path.  The pool
-    is poisoned with NaN first (a row never written is never read), its blocks scattered."""
+    steps with position gaps (one wider than the window) and a padding row: every output
+    bitwise equal to the ring cache path (both kernels walk the window's positions in the same
+    blocks and lanes, gaps or not); the prefill and the gap-free steps also bitwise the
+    host-KVCache path.  The pool is poisoned with NaN first (a row never written is never
+    read), its blocks scattered."""
     pack = pack_attention(layer_params(BF16), device)
     kv = torch.full((40, BS, Dh), float("nan"), dtype=BF16, device=device)
     pool = PagedKVCache.from_tensors(kv, torch.full((40, BS), -1, dtype=torch.int32,
@@ -158,6 +159,25 @@ def test_shared_prefix_blocks_are_read_only(device: str) -> None:
     want = opt_attention(xb, torch.arange(8, 14, device=device), pack, CFG, seq_lens=[6],
                          kv_cache=[host])  # fmt: skip
     assert out_b is not None and torch.equal(out_b, want)
+
+
+def test_prefill_with_a_padding_sequence(device: str) -> None:
+    """A prefill batch of a real sequence and a padding one (table row all -1, slots -1,
+    positions all 0): the padding rows are zero and write nothing, the real rows bitwise the
+    host-KVCache path of the real sequence alone (batch_invariant=True)."""
+    pack = pack_attention(layer_params(BF16), device)
+    g = torch.Generator().manual_seed(12)
+    x = _rows(g, 5, BF16, device)
+    pool = PagedKVCache(CFG, num_blocks=6, block_size=BS, dtype=BF16, device=device)
+    engine = _Engine(pool, 1, 4, seed=13)
+    table, slots = engine.rows([0, -1], [4, 5, 6, 0, 0], [3, 2])
+    pos = torch.tensor([4, 5, 6, 0, 0], device=device)
+    got = opt_attention(x, pos, pack, CFG, seq_lens=[3, 2], kv_cache=pool, block_table=table,
+                        slot_mapping=slots, batch_invariant=True)  # fmt: skip
+    want = opt_attention(x[:3], pos[:3], pack, CFG, kv_cache=[KVCache(W)],
+                         batch_invariant=True)  # fmt: skip
+    assert torch.equal(got[:3], want) and got[3:].abs().max() == 0
+    assert int((pool.pos >= 0).sum()) == 3
 
 
 def test_rejected_drafts_need_no_rollback(device: str) -> None:
@@ -426,10 +446,11 @@ def test_attention_with_a_paged_cache_rejects_bad_calls(device: str) -> None:
     for message, kwargs in cases:
         with pytest.raises(InputError, match="^" + message):
             opt_attention(x, pos, pack, CFG, **kwargs)  # type: ignore[arg-type]
+    same = torch.tensor([[1, -1, -1], [1, -1, -1]], dtype=torch.int32, device=device)
+    sevens = torch.tensor([7, 7], device=device)
     with pytest.raises(InputError, match=r"^slot_mapping: expected distinct"):
-        same = torch.tensor([[1, -1, -1], [1, -1, -1]], dtype=torch.int32, device=device)
         opt_attention(x, torch.tensor([3, 3], device=device), pack, CFG, kv_cache=pool,
-                      block_table=same, slot_mapping=torch.tensor([7, 7], device=device))  # fmt: skip
+                      block_table=same, slot_mapping=sevens)  # fmt: skip
     assert int((pool.pos >= 0).sum()) == 0, "a refused call wrote the cache"
 
 

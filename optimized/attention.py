@@ -906,8 +906,9 @@ def _check_paged_sequences(
     """The reference's position checks and the paged layout, with one host read of the
     positions, the slot mapping and the slots the table gives them: table entries in [-1, N)
     and the pool rows at their offsets (as sink_attention_paged checks), positions in
-    [0, 2^31) increasing within each sequence, each slot -1 or its position's vLLM slot
-    (a row written elsewhere would be seen by no query), the written slots distinct."""
+    [0, 2^31) increasing within each sequence (a padding sequence, its table row all -1,
+    unchecked), each slot -1 or its position's vLLM slot (a row written elsewhere would be
+    seen by no query; a padding sequence's slots are then -1), the written slots distinct."""
     _check_paged_values(cache.pos, block_table)
     T = positions.shape[0]
     seq = torch.repeat_interleave(
@@ -916,12 +917,15 @@ def _check_paged_sequences(
         output_size=T,
     )
     want = cache.slots(block_table[seq], positions.clamp(min=0))  # (T,)
-    host = torch.cat([positions.long(), slot_mapping.long(), want]).tolist()
-    pos, slot, vllm = host[:T], host[T : 2 * T], host[2 * T :]
+    padding = (block_table < 0).all(dim=1).long()  # (B,)
+    host = torch.cat([positions.long(), slot_mapping.long(), want, padding]).tolist()
+    pos, slot, vllm, pad = host[:T], host[T : 2 * T], host[2 * T : 3 * T], host[3 * T :]
     start = 0
     for b, n in enumerate(lens):
         pos_b = pos[start : start + n]
         start += n
+        if pad[b]:  # a padding sequence: attends to nothing, its slots checked below
+            continue
         if any(p < 0 or p >= 2**31 for p in pos_b):
             raise InputError(
                 f"positions: expected positions in [0, 2^31) with a PagedKVCache, got {pos_b} "
@@ -1118,8 +1122,8 @@ def attention(
     :class:`DeviceKVCache`, of the slots and each ring's newest position: slots < num_seqs and
     distinct, positions in [0, 2^31) and past their ring's newest row; with a
     :class:`PagedKVCache`, of the block table and slot mapping: entries in [-1, N), each slot -1
-    or its position's vLLM slot, distinct) before any cache is touched.  ``out`` (T, D) in x.dtype, contiguous, receives the result (the wo_b GEMM
-    writes it).
+    or its position's vLLM slot, distinct) before any cache is touched.  ``out`` (T, D) in
+    x.dtype, contiguous, receives the result (the wo_b GEMM writes it).
     """
     check_instance("config", config, DSV4Config)
     check_instance("batch_invariant", batch_invariant, bool)
