@@ -297,7 +297,9 @@ class PagedKVCache:
     and is overwritten when p is decoded again.  Prefix sharing: two sequences may list the same
     block at the same index (read-only for both; the engine copies a block before writing it).
     A block handed to a sequence must not hold rows of another sequence at positions the new
-    owner will query before writing them: :meth:`reset` empties blocks (capturable).
+    owner will query before writing them: :meth:`reset` empties blocks (capturable).  Entries
+    of blocks out of the window may be -1 or point at a block never written (all -1, as vLLM's
+    null block): either reads nothing.
 
     Device only: :meth:`write` and :meth:`reset` take device tensors and never read them on the
     host during CUDA-graph capture (an eager call checks indices with one host read).
