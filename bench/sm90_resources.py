@@ -266,12 +266,14 @@ def main() -> None:
 def attention_lines() -> list[str]:
     """kernels/sink_attention.py at V4-Flash / V4-Pro (H 64 / 128, Dh 512, window 128), bf16,
     default schedules: the varlen kernel, the ring-cache decode kernel (C = 144, the
-    DeviceKVCache capacity for window 128 and 8 draft steps) and the ring write."""
+    DeviceKVCache capacity for window 128 and 8 draft steps), the paged-cache kernel (vLLM's
+    block size 16) and the ring write (also the paged write)."""
     from dsv4mtp.optimized.kernels.sink_attention import (
         attention_schedule,
         ring_write_kernel,
         sink_attention_cache_kernel,
         sink_attention_kernel,
+        sink_attention_paged_kernel,
     )
     from dsv4mtp.optimized.kv_cache import ring_capacity
 
@@ -298,6 +300,13 @@ def attention_lines() -> list[str]:
         consts = dict(H=H, DH=512, C=C, SCAN=min(256, 1 << (C - 1).bit_length()), **tiles)
         line = resources(sink_attention_cache_kernel, sig, consts, **opts)
         lines.append(f"sink_attention_cache H={H} C={C} {tuple(sc.fields())}: {line}")
+        sig = dict(
+            q_ptr="*bf16", qpos_ptr="*i64", kv_ptr="*bf16", kpos_ptr="*i32", table_ptr="*i32",
+            sink_ptr="*fp32", out_ptr="*bf16", max_blocks="i32", window="i32", qk_scale="fp32",
+        )  # fmt: skip
+        consts = dict(H=H, DH=512, BS=16, SCAN=W, **tiles)
+        line = resources(sink_attention_paged_kernel, sig, consts, **opts)
+        lines.append(f"sink_attention_paged H={H} bs=16 {tuple(sc.fields())}: {line}")
     sig = dict(new_ptr="*bf16", pos_ptr="*i64", slots_ptr="*i32", kv_ptr="*bf16",
                kpos_ptr="*i32", C="i32")  # fmt: skip
     line = resources(ring_write_kernel, sig, dict(DH=512, BLOCK_D=512), num_warps=4, num_stages=1)

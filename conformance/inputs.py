@@ -185,6 +185,10 @@ def op_inputs(
         return cache_attention_inputs(
             T, seed, shape=attention_shape(D), dtype=dtype, device=device, magnitude=magnitude
         )
+    if op in PAGED_OPS:
+        return paged_attention_inputs(
+            T, seed, shape=attention_shape(D), dtype=dtype, device=device, magnitude=magnitude
+        )
     if op in ROPE_OPS:
         return rope_inputs(
             op, T, seed, shape=rope_shape(D), dtype=dtype, device=device, magnitude=magnitude,
@@ -211,6 +215,8 @@ def token_rows(op: str, args: tuple[torch.Tensor, ...], index: Any) -> tuple[tor
     if op == "sink_attention_varlen":
         return _varlen_rows(args, index)
     if op == "sink_attention_cache":  # q, q_pos, cache_kv, cache_pos, slots, attn_sink
+        return (args[0][index], args[1][index], args[2], args[3], args[4][index], args[5])
+    if op == "sink_attention_paged":  # q, q_pos, cache_kv, cache_pos, block_table, attn_sink
         return (args[0][index], args[1][index], args[2], args[3], args[4][index], args[5])
     if op in ("apply_rope", "q_head_norm_rope"):  # x, positions, freqs
         return (args[0][index], args[1][index], args[2])
@@ -914,3 +920,94 @@ def lm_head_inputs(
     V = lm_head_vocab(D) if V is None else V
     hs = seed + 1 if head_seed is None else head_seed
     return (y, lm_head_weight(V, D, fmt, dtype, hs, torch.device(device))), {}
+
+
+# ==================================================================================== paged cache
+PAGED_OPS = ("sink_attention_paged",)
+OPS = (*OPS, *PAGED_OPS)
+__all__ += ["PAGED_BLOCK_SIZE", "PAGED_OPS", "paged_attention_inputs"]
+
+#: The pool's block size by attention shape: a window spans 2 (tiny, small) or 8 (flash, pro)
+#: blocks plus the partial ones at its ends.
+PAGED_BLOCK_SIZE = {"tiny": 4, "small": 8, "flash": 16, "pro": 16}
+
+
+def paged_attention_inputs(
+    T: int,
+    seed: int,
+    *,
+    shape: str = "tiny",
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cuda",
+    gap: float = 0.25,
+    magnitude: float = 1.0,
+    pad: float = 0.2,
+) -> Inputs:
+    """``(args, kwargs)`` of one ``sink_attention_paged`` call: T queries of S = T + 2
+    sequences against one block pool, ``(q, q_pos, cache_kv, cache_pos, block_table,
+    attn_sink)``.
+
+    Block size bs = :data:`PAGED_BLOCK_SIZE`; span L = window + 2 * bs.  Sequence s has its
+    newest position U[0, 8 * window) and K = (L + 3) // bs + 2 consecutive logical blocks from
+    the one holding ``newest - L + 1``, each a distinct block of the pool (a random
+    permutation: scattered, never in order) and left out of the table (-1) with probability
+    0.1.  A position k of those blocks is held (``cache_pos == k`` at its slot, kv ~ N(0, 1))
+    when ``first <= k <= newest`` (first: newest - U[0, 2L), clamped at 0) and it survives the
+    gaps (dropped with probability ``gap / 2``; the newest always held), or k is one of the 3
+    after newest (rejected drafts, held with probability 0.5).  Every other row of the pool
+    holds -1 or, with probability 0.3, a position of another logical block at its offset (a
+    block's earlier owner: ``k - bs * U{1, 2, 3}`` in the sequence's blocks, any in the spare
+    ones); its kv is the dtype's largest value, so a read of it overflows the scores.  Query
+    b reads sequence U[0, S) (two queries may share one, and so their blocks) or is padding
+    (its table row all -1) with probability ``pad``; its position is its sequence's newest,
+    or 1 .. 3 before it, or up to window after it (clamped at 0).  The table has
+    M = 8 * window // bs + K + 1 columns: every position a query can see falls in it.  Shapes
+    depend on (T, shape) only.
+
+    From one generator on ``device`` seeded with ``seed``: q ~ N(0, magnitude^2) (T, H, Dh) in
+    ``dtype``, attn_sink ~ N(0, 1) fp32 (H,), then the layout.  cache_pos and block_table
+    int32, q_pos int64.  kwargs: ``window``, ``scale = Dh**-0.5``.
+    """
+    H, Dh, W = ATTENTION_SHAPES[shape]
+    bs = PAGED_BLOCK_SIZE[shape]
+    S, L, P = T + 2, W + 2 * bs, 8 * W
+    K = (L + 3) // bs + 2
+    M, NB = P // bs + K + 1, S * K + 2
+    dev = torch.device(device)
+    r = _Gen(dev, seed)
+    q = (r.normal(T, H, Dh) * magnitude).to(dtype)
+    sink = r.normal(H)
+    newest = r.ints(0, P, S, 1)  # (S, 1)
+    first = (newest - r.ints(0, 2 * L, S, 1)).clamp(min=0)
+    j0 = (newest - L + 1).clamp(min=0) // bs  # (S, 1) the first logical block
+    offs = torch.arange(K * bs, device=dev)[None, :]
+    k = j0 * bs + offs  # (S, K * bs) the positions of the sequence's blocks
+    kept = (r.uniform(0.0, 1.0, S, K * bs) >= gap / 2) | (k == newest)
+    held = ((k >= first) & (k <= newest) & kept) | (
+        (k > newest) & (k <= newest + 3) & (r.uniform(0.0, 1.0, S, K * bs) < 0.5)
+    )
+    phys = torch.randperm(NB, generator=r.g, device=dev)[: S * K].view(S, K)
+    listed = r.uniform(0.0, 1.0, S, K) >= 0.1
+    table = torch.full((S, M), -1, dtype=torch.int64, device=dev)
+    cols = j0 + torch.arange(K, device=dev)[None, :]  # (S, K) < M
+    table.scatter_(1, cols, torch.where(listed, phys, -1))
+    # every row first: empty or an earlier owner's position at its offset, poisoned kv
+    o = torch.arange(bs, device=dev)[None, :]
+    other = r.ints(0, M, NB, bs) * bs + o
+    pool_pos = torch.where(r.uniform(0.0, 1.0, NB, bs) < 0.3, other, -1)
+    pool_kv = torch.full((NB, bs, Dh), torch.finfo(dtype).max, device=dev)
+    rows = (phys[:, :, None] * bs + torch.arange(bs, device=dev)).view(S, K * bs)  # (S, K*bs)
+    flat_pos, flat_kv = pool_pos.view(-1), pool_kv.view(-1, Dh)
+    earlier = k - bs * r.ints(1, 4, S, K * bs)  # an earlier owner's position at this offset
+    stale = (r.uniform(0.0, 1.0, S, K * bs) < 0.3) & (earlier >= 0)
+    flat_pos[rows] = torch.where(held, k, torch.where(stale, earlier, -1))
+    flat_kv[rows[held]] = r.normal(int(held.sum()), Dh)
+    seq = r.ints(0, S, T)
+    padding = r.uniform(0.0, 1.0, T) < pad
+    block_table = torch.where(padding[:, None], -1, table[seq])
+    offset = torch.where(r.uniform(0.0, 1.0, T) < 0.5, 0, r.ints(-W, 4, T))
+    q_pos = (newest[seq, 0] - offset).clamp(min=0)
+    args = (
+        q, q_pos, pool_kv.to(dtype), pool_pos.to(torch.int32), block_table.to(torch.int32), sink,
+    )  # fmt: skip
+    return args, {"window": W, "scale": Dh**-0.5}

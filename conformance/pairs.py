@@ -862,3 +862,44 @@ register(
         **_LM_HEAD_COMMON,
     )
 )
+
+
+# --------------------------------------------------------------------------- paged-cache attention
+# Inputs: conformance/inputs.py, paged_attention_inputs (T queries against one block pool through
+# scattered block tables: blocks left out (-1), rows of rejected drafts and of a block's earlier
+# owner, the dtype's max in every row no query may read, padding rows, shared sequences).
+# Shapes as the attention core's: tiny / small on CPU, flash / pro on CUDA with up to 1024
+# queries.
+@st.composite
+def _paged_case(draw: Any, dtype: torch.dtype, device: str, max_tokens: int) -> Case:
+    from dsv4mtp.conformance.inputs import paged_attention_inputs
+
+    shape = draw(_attention_shape(device))
+    cap = 12 if device == "cpu" else min(1024, max_tokens)
+    T = draw(st.one_of(st.sampled_from([0, 1, 4]), st.integers(0, cap)))
+    gap = draw(st.sampled_from([0.0, 0.25, 0.9]))
+    magnitude = draw(st.sampled_from([1.0, 0.1, 4.0]))
+    pad = draw(st.sampled_from([0.0, 0.3]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    args, kw = paged_attention_inputs(
+        T, seed, shape=shape, dtype=dtype, device=device, gap=gap, magnitude=magnitude, pad=pad
+    )
+    label = f"{shape} T={T} gap={gap} magnitude={magnitude:g} pad={pad} seed={seed}"
+    return Case(args, kw, label=label)
+
+
+# The attention core's tolerances, declared above: the paged kernel runs the ring kernel's
+# blocks and lanes over the same visible keys (kernels/sink_attention.py, _rows_block), so it
+# has the same two bf16 roundings (P, the output) and the same fp32 summation-order and exp2
+# differences from the float64 oracle.
+register(
+    OpPair(
+        name="sink_attention_paged",
+        concept="attention",
+        strategy=_paged_case,
+        build=partial(_build, "sink_attention_paged"),
+        facts=_cache_facts,
+        cpu_examples=12,
+        tolerances={(BF16, "math"): _ATTN_BF16, (FP32, "math"): _ATTN_FP32},
+    )
+)

@@ -286,13 +286,15 @@ def test_bad_params_and_dtypes() -> None:
 
 
 def test_signature_extends_the_reference() -> None:
-    """The reference's parameters, in order, with the same kinds and defaults, then one
-    optimized-only keyword: ``cache_slots`` (for a DeviceKVCache; the sublayer has no backend
-    of its own)."""
+    """The reference's parameters, in order, with the same kinds and defaults, then the
+    optimized-only keywords: ``cache_slots`` (for a DeviceKVCache), ``block_table`` and
+    ``slot_mapping`` (for a PagedKVCache); the sublayer has no backend of its own."""
     import inspect
 
+    extra = ("cache_slots", "block_table", "slot_mapping")
     ref = inspect.signature(ref_attention).parameters
     opt = inspect.signature(_opt_attention).parameters
     sig = [(p.name, p.kind, p.default) for p in opt.values()]
-    assert sig[:-1] == [(p.name, p.kind, p.default) for p in ref.values()]
-    assert sig[-1] == ("cache_slots", inspect.Parameter.KEYWORD_ONLY, None)
+    n = len(sig) - len(extra)
+    assert sig[:n] == [(p.name, p.kind, p.default) for p in ref.values()]
+    assert sig[n:] == [(name, inspect.Parameter.KEYWORD_ONLY, None) for name in extra]

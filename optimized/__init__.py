@@ -40,3 +40,8 @@ __all__ += ["DeviceKVCache", "sink_attention_cache"]
 from .lm_head import HeadPack, lm_head_argmax, lm_head_logits, pack_head  # noqa: E402
 
 __all__ += ["HeadPack", "lm_head_argmax", "lm_head_logits", "pack_head"]
+
+from .attention import sink_attention_paged  # noqa: E402
+from .kv_cache import PagedKVCache  # noqa: E402
+
+__all__ += ["PagedKVCache", "sink_attention_paged"]

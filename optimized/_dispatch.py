@@ -342,3 +342,16 @@ TABLES.update(
         ),
     }
 )
+
+
+# ------------------------------------------------------------------------------ paged KV cache
+# sink_attention_paged runs the paged-cache Triton kernel of optimized/kernels/sink_attention.py
+# (bf16 / fp32 on CUDA or under the interpreter; the entry point checks dtypes and devices before
+# the table is read).  No by_T rule: the schedule is sink_attention's, read by H, Dh and window.
+TABLES.update(
+    {
+        "sink_attention_paged": OpTable(
+            "sink_attention_paged", (Backend("triton", _always),), auto=("triton",)
+        ),
+    }
+)

@@ -1264,3 +1264,64 @@ _KERNELS.update(
 
 
 _LM_HEAD_LIB = _register(_LM_HEAD_SCHEMAS)
+
+
+# ------------------------------------------------------------------------------ paged KV cache
+# The decode attention over an engine's paged pool through a block table (optimized/attention.py
+# validates; the kernel is optimized/kernels/sink_attention.py).  Its writes need no operator
+# of their own: a pool (N, bs, Dh) is kv_cache_write's ring cache of N * bs rings of one row,
+# and a slot of vLLM's slot mapping is that ring's index (optimized/kv_cache.py, PagedKVCache).
+if TYPE_CHECKING:
+    from .kernels.sink_attention import sink_attention_paged_triton
+else:
+    sink_attention_paged_triton = triton_kernel("sink_attention", "sink_attention_paged_triton")
+
+_PAGED_ARGS = (
+    "Tensor q, Tensor q_pos, Tensor cache_kv, Tensor cache_pos, Tensor block_table, "
+    "Tensor attn_sink"
+)
+_PAGED_SCHEMAS: dict[str, str] = {
+    "sink_attention_paged": f"sink_attention_paged({_PAGED_ARGS}, {_ATTN_TAIL}) -> Tensor",
+    "sink_attention_paged_out": (
+        f"sink_attention_paged_out({_PAGED_ARGS}, {_ATTN_TAIL}, *, Tensor(a!) out) -> ()"
+    ),
+}
+SCHEMAS.update(_PAGED_SCHEMAS)
+OPS = tuple(SCHEMAS)
+
+
+def _sink_attention_paged_out(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cache_kv: torch.Tensor,
+    cache_pos: torch.Tensor,
+    block_table: torch.Tensor,
+    attn_sink: torch.Tensor,
+    window: int,
+    scale: float,
+    backend: str,
+    schedule: Sequence[int],
+    *,
+    out: torch.Tensor,
+) -> None:
+    if backend != "triton":
+        raise _unknown("sink_attention_paged", backend, ("triton",))
+    B, H, Dh = q.shape
+    if B == 0:
+        return
+    sched = _attn_schedule(tuple(schedule), H, Dh, window, q.dtype == torch.float32)
+    sink_attention_paged_triton(
+        q.contiguous(), q_pos.contiguous(), cache_kv.contiguous(), cache_pos.contiguous(),
+        block_table.contiguous(), attn_sink.contiguous(), out, window, scale, sched,
+    )  # fmt: skip
+
+
+_KERNELS.update(
+    {
+        "sink_attention_paged": (_functional(_sink_attention_paged_out, _x_like), _x_like),
+        "sink_attention_paged_out": (_sink_attention_paged_out, _out_fake),
+    }
+)
+
+
+_PAGED_LIB = _register(_PAGED_SCHEMAS)

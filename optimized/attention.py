@@ -1,9 +1,11 @@
 """The MTP layer's attention core on the H200: sliding-window MQA with per-head sinks.
 
 Same signatures as :func:`dsv4mtp.reference.sink_attention`,
-:func:`dsv4mtp.reference.sink_attention_varlen` and :func:`dsv4mtp.reference.sink_attention_cache`
-(decode over a :class:`~dsv4mtp.optimized.kv_cache.DeviceKVCache` ring) plus keyword-only
-``backend`` and ``schedule``.
+:func:`dsv4mtp.reference.sink_attention_varlen`, :func:`dsv4mtp.reference.sink_attention_cache`
+(decode over a :class:`~dsv4mtp.optimized.kv_cache.DeviceKVCache` ring) and
+:func:`dsv4mtp.reference.sink_attention_paged` (over a
+:class:`~dsv4mtp.optimized.kv_cache.PagedKVCache` block pool) plus keyword-only ``backend`` and
+``schedule``.
 The math: docs/semantics.md, "Visibility and the sink softmax"; the kernel, its grid, tiles and
 bytes: optimized/kernels/sink_attention.py.  One launch per call, for one sequence or for B
 concatenated ones (decode: one query per sequence against its cached keys plus its own; prefill:
@@ -47,7 +49,7 @@ from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
 from ._dispatch import PLANS, Facts, remember, select
 from ._packs import packed_once
 from .kernels._launch import check_device, check_kernel_dtype, check_out
-from .kv_cache import DeviceKVCache
+from .kv_cache import DeviceKVCache, PagedKVCache, check_block_table
 from .linear import LinearPack, grouped_linear, linear, pack_linear
 from .norm import rms_norm
 from .rope import apply_rope, kv_norm_rope, q_head_norm_rope
@@ -59,6 +61,7 @@ __all__ = [
     "pack_attention_weights",
     "sink_attention",
     "sink_attention_cache",
+    "sink_attention_paged",
     "sink_attention_varlen",
 ]
 
@@ -487,6 +490,182 @@ def _cache_call(
     return out
 
 
+_ops_paged = torch.ops.dsv4mtp.sink_attention_paged.default
+_ops_paged_out = torch.ops.dsv4mtp.sink_attention_paged_out.default
+
+
+def _paged_plan(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cache_kv: torch.Tensor,
+    cache_pos: torch.Tensor,
+    block_table: torch.Tensor,
+    attn_sink: torch.Tensor,
+    window: int,
+    scale: float,
+    batch_invariant: bool,
+    out: torch.Tensor | None,
+    backend: str,
+    schedule: object,
+) -> tuple[str, list[int]]:
+    """Every metadata check of a sink_attention_paged call, then the backend and schedule."""
+    check_kernel_dtype("q", q)
+    if q.dim() != 3:
+        raise InputError(f"q: expected shape (B, H, Dh), got {tuple(q.shape)}")
+    B, H, Dh = q.shape
+    if Dh % 16:
+        raise InputError(f"q: expected a head dim that is a multiple of 16, got Dh={Dh}")
+    check_positions("q_pos", q_pos, B)
+    check_kernel_dtype("cache_kv", cache_kv)
+    if cache_kv.dtype != q.dtype:
+        raise InputError(f"cache_kv: expected dtype {q.dtype} (as q), got {cache_kv.dtype}")
+    check_shape("cache_kv", cache_kv, (None, None, Dh))
+    N, bs = cache_kv.shape[:2]
+    if N < 1 or bs < 1:
+        raise InputError(f"cache_kv: expected N >= 1 blocks of bs >= 1 rows, got {(N, bs, Dh)}")
+    if not isinstance(cache_pos, torch.Tensor) or cache_pos.dtype not in (torch.int32, torch.int64):
+        got = cache_pos.dtype if isinstance(cache_pos, torch.Tensor) else type(cache_pos).__name__
+        raise InputError(f"cache_pos: expected an int32 / int64 tensor, got {got}")
+    check_shape("cache_pos", cache_pos, (N, bs))
+    check_block_table("block_table", block_table, B)
+    check_kernel_dtype("attn_sink", attn_sink)
+    check_shape("attn_sink", attn_sink, (H,))
+    check_int("window", window, 1)
+    check_number("scale", scale)
+    check_instance("batch_invariant", batch_invariant, bool)
+    dev = check_device(
+        [("q", q), ("q_pos", q_pos), ("cache_kv", cache_kv), ("cache_pos", cache_pos),
+         ("block_table", block_table), ("attn_sink", attn_sink)]
+    )  # fmt: skip
+    choice = select("sink_attention_paged", backend, Facts(dev, (q.dtype, attn_sink.dtype)))
+    if out is not None:
+        check_out("out", out, (B, H, Dh), q.dtype, dev)
+    return choice, _schedule_fields(schedule, H, Dh)
+
+
+def _check_paged_values(cache_pos: torch.Tensor, block_table: torch.Tensor) -> None:
+    """The block indices and the pool layout, on the device with one host read (eager only)."""
+    if torch.compiler.is_compiling():
+        return
+    if cache_pos.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    N, bs = cache_pos.shape
+    offsets = torch.arange(bs, device=cache_pos.device)
+    bad_row = (cache_pos < -1) | ((cache_pos >= 0) & (cache_pos % bs != offsets))  # (N, bs)
+    bad_entry = (block_table < -1) | (block_table >= N)
+    ok = torch.stack([~bad_entry.any(), ~bad_row.any()])
+    if bool(ok.all()):
+        return
+    if bool(bad_entry.any()):
+        raise InputError(
+            f"block_table: expected block indices in [-1, N={N}) (-1: no block), got "
+            f"{block_table.tolist()}"
+        )
+    n, o = (int(v) for v in bad_row.nonzero()[0].tolist())
+    raise InputError(
+        f"cache_pos: expected -1 (empty) or a position p held at offset p % block_size "
+        f"(block_size={bs}), got {int(cache_pos[n, o])} at block {n}, offset {o}"
+    )
+
+
+def sink_attention_paged(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cache_kv: torch.Tensor,
+    cache_pos: torch.Tensor,
+    block_table: torch.Tensor,
+    attn_sink: torch.Tensor,
+    *,
+    window: int,
+    scale: float,
+    batch_invariant: bool = False,
+    out: torch.Tensor | None = None,
+    backend: AttentionBackend = "auto",
+    schedule: Any = None,
+) -> torch.Tensor:
+    """Attention over a paged KV cache (:class:`~dsv4mtp.optimized.kv_cache.PagedKVCache`
+    layout, vLLM's block table): o (B, H, Dh) in q.dtype.
+
+    q (B, H, Dh) bf16 / fp32, Dh a multiple of 16, one query per row; q_pos (B,) int32 / int64;
+    cache_kv (N, bs, Dh) in q's dtype and cache_pos (N, bs) int32 / int64: a pool of N blocks of
+    bs rows, -1 for an empty row, a row at offset o holding a position p with ``p % bs == o``;
+    block_table (B, M) int32 / int64: query b's blocks, entry j the block of positions
+    ``[j * bs, (j + 1) * bs)``, -1 for none (a padding query: all -1, output 0); attn_sink (H,)
+    bf16 / fp32.  Query b sees position k, ``q_pos[b] - window < k <= q_pos[b]`` (k >= 0), when
+    the row of its slot ``block_table[b, k // bs] * bs + k % bs`` holds k, plus the sink
+    (docs/semantics.md, "The paged cache"); the math, precisions and tiles are
+    :func:`sink_attention`'s.  Rows never visible (empty, out of the window, another position's)
+    are never loaded, so a NaN there cannot reach an output.  The kernel walks the window's
+    positions in the ring kernel's blocks and lanes, so the same stored keys give
+    :func:`sink_attention_cache`'s bits (kernels/sink_attention.py,
+    ``sink_attention_paged_kernel``).  A prefill passes one table row per query (its sequence's).
+
+    Bytes: q and out once (2 * B * H * Dh * itemsize), per row the window's table entries and
+    positions (at most window + SCAN of each: 1 KiB at window 128, int32) and its visible rows
+    once for all heads (at V4-Flash in bf16: 128 KiB of keys).  One launch, no host sync:
+    capturable at fixed B and M.  An eager call also checks, with one host read, that every
+    table entry is in [-1, N) and that every pool row holds -1 or a position at its offset
+    (InputError otherwise); during capture or tracing the op trusts them.  ``out`` (B, H, Dh) in
+    q's dtype, contiguous, is written in place and returned.  ``batch_invariant``: every row is
+    computed on its own, so the flag changes nothing.
+    """
+    return _paged_call(
+        q, q_pos, cache_kv, cache_pos, block_table, attn_sink, window, scale, batch_invariant,
+        out, backend, schedule, check_values=True,
+    )  # fmt: skip
+
+
+def _paged_call(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cache_kv: torch.Tensor,
+    cache_pos: torch.Tensor,
+    block_table: torch.Tensor,
+    attn_sink: torch.Tensor,
+    window: int,
+    scale: float,
+    batch_invariant: bool,
+    out: torch.Tensor | None,
+    backend: str,
+    schedule: object,
+    *,
+    check_values: bool,
+) -> torch.Tensor:
+    """sink_attention_paged through the plan cache; ``check_values`` False for a caller that
+    checked the table and pool itself (the sublayer)."""
+    key: tuple[object, ...] | None = None
+    plan: tuple[Any, ...] | None = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = (
+                "sink_attention_paged", _tensor_key(q), _tensor_key(q_pos),
+                _tensor_key(cache_kv), _tensor_key(cache_pos), _tensor_key(block_table),
+                _tensor_key(attn_sink), window.__class__, window, scale.__class__, scale,
+                batch_invariant.__class__, batch_invariant, backend, schedule,
+                None if out is None
+                else (out.__class__, out.shape, out.dtype, out.device, out.is_contiguous()),
+            )  # fmt: skip
+            plan = PLANS.get(key)
+        except (AttributeError, TypeError):
+            key = None
+    if plan is None:
+        plan = _paged_plan(
+            q, q_pos, cache_kv, cache_pos, block_table, attn_sink, window, scale,
+            batch_invariant, out, backend, schedule,
+        )  # fmt: skip
+        if key is not None:
+            remember(key, plan)
+    choice, fields = plan
+    if check_values:
+        _check_paged_values(cache_pos, block_table)
+    tail = (int(window), float(scale), choice, fields)
+    if out is None:
+        o = _ops_paged(q, q_pos, cache_kv, cache_pos, block_table, attn_sink, *tail)
+        return o  # type: ignore[no-any-return]
+    _ops_paged_out(q, q_pos, cache_kv, cache_pos, block_table, attn_sink, *tail, out=out)
+    return out
+
+
 # ----------------------------------------------------------------------------- the sublayer
 # A composition in Python of the registered operators (linear, grouped_linear, rms_norm,
 # q_head_norm_rope, kv_norm_rope, sink_attention_varlen, apply_rope): no operator of its own.
@@ -686,6 +865,90 @@ def _check_ring_sequences(
             )
 
 
+def _check_paged_args(
+    cache: PagedKVCache,
+    block_table: object,
+    slot_mapping: object,
+    B: int,
+    T: int,
+    x: torch.Tensor,
+    dh_w: tuple[int, int],
+    capturing: bool,
+    decode: bool,
+) -> None:
+    """The metadata of a call with a PagedKVCache: the cache's head dim, window, dtype and
+    device, block_table (B, M) and slot_mapping (T,) int on x's device."""
+    Dh, W = dh_w
+    if (cache.head_dim, cache.window, cache.dtype, cache.device) != (Dh, W, x.dtype, x.device):
+        raise InputError(
+            f"kv_cache: expected a PagedKVCache of Dh={Dh}, window={W} in {x.dtype} on "
+            f"{x.device}, got {cache!r}"
+        )
+    check_block_table("block_table", block_table, B)  # one row per sequence
+    assert isinstance(block_table, torch.Tensor)
+    check_positions("slot_mapping", slot_mapping, T)
+    assert isinstance(slot_mapping, torch.Tensor)
+    check_device([("x", x), ("block_table", block_table), ("slot_mapping", slot_mapping)])
+    if capturing and not decode:
+        raise InputError(
+            "kv_cache: a prefill (a sequence of more than one row) with a PagedKVCache is "
+            "eager only (not during capture); decode steps are capturable"
+        )
+
+
+def _check_paged_sequences(
+    positions: torch.Tensor,
+    lens: list[int],
+    cache: PagedKVCache,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """The reference's position checks and the paged layout, with one host read of the
+    positions, the slot mapping and the slots the table gives them: table entries in [-1, N)
+    and the pool rows at their offsets (as sink_attention_paged checks), positions in
+    [0, 2^31) increasing within each sequence (a padding sequence, its table row all -1,
+    unchecked), each slot -1 or its position's vLLM slot (a row written elsewhere would be
+    seen by no query; a padding sequence's slots are then -1), the written slots distinct."""
+    _check_paged_values(cache.pos, block_table)
+    T = positions.shape[0]
+    seq = torch.repeat_interleave(
+        torch.arange(len(lens), device=positions.device),
+        torch.tensor(lens, device=positions.device),
+        output_size=T,
+    )
+    want = cache.slots(block_table[seq], positions.clamp(min=0))  # (T,)
+    padding = (block_table < 0).all(dim=1).long()  # (B,)
+    host = torch.cat([positions.long(), slot_mapping.long(), want, padding]).tolist()
+    pos, slot, vllm, pad = host[:T], host[T : 2 * T], host[2 * T : 3 * T], host[3 * T :]
+    start = 0
+    for b, n in enumerate(lens):
+        pos_b = pos[start : start + n]
+        start += n
+        if pad[b]:  # a padding sequence: attends to nothing, its slots checked below
+            continue
+        if any(p < 0 or p >= 2**31 for p in pos_b):
+            raise InputError(
+                f"positions: expected positions in [0, 2^31) with a PagedKVCache, got {pos_b} "
+                f"in sequence {b}"
+            )
+        if any(a >= c for a, c in itertools.pairwise(pos_b)):
+            raise InputError(
+                f"positions: expected strictly increasing positions within sequence {b}, "
+                f"got {pos_b}"
+            )
+    bad = [t for t in range(T) if slot[t] != -1 and slot[t] != vllm[t]]
+    if bad:
+        t = bad[0]
+        raise InputError(
+            f"slot_mapping: expected -1 or the slot block_table[b, p // block_size] * "
+            f"block_size + p % block_size of each row's position (-1 where that entry is -1), "
+            f"got {slot[t]} for row {t} at position {pos[t]} (its slot: {vllm[t]})"
+        )
+    used = [s for s in slot if s >= 0]
+    if len(set(used)) != len(used):
+        raise InputError(f"slot_mapping: expected distinct slots (-1: none), got {slot}")
+
+
 def _ring_prefill(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -782,7 +1045,7 @@ def attention(
     config: DSV4Config,
     *,
     seq_lens: Sequence[int] | None = None,
-    kv_cache: Sequence[KVCache] | DeviceKVCache | None = None,
+    kv_cache: Sequence[KVCache] | DeviceKVCache | PagedKVCache | None = None,
     rope_mode: RopeMode = "plain",
     fp8_kv: bool = False,
     act_quant: bool = False,
@@ -790,15 +1053,19 @@ def attention(
     batch_invariant: bool = False,
     out: torch.Tensor | None = None,
     cache_slots: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MTP attention sublayer: x (T, D) bf16 / fp32 (already ``attn_norm``-ed) -> (T, D).
 
     Same signature and math as :func:`dsv4mtp.reference.attention` (docs/semantics.md,
-    "Attention with sinks") plus ``batch_invariant``, ``out`` and ``cache_slots``.  positions
-    (T,) int; ``seq_lens``: lengths of consecutive sequences (default one, or T of one row each
-    with a :class:`DeviceKVCache`); ``kv_cache``: one :class:`KVCache` per sequence, read and
-    then extended with this call's rows (after kv_norm, RoPE and the optional FP8 round trip,
-    as the reference stores them), or one :class:`DeviceKVCache` with ``cache_slots``.
+    "Attention with sinks") plus ``batch_invariant``, ``out``, ``cache_slots``, ``block_table``
+    and ``slot_mapping``.  positions (T,) int; ``seq_lens``: lengths of consecutive sequences
+    (default one, or T of one row each with a :class:`DeviceKVCache` / :class:`PagedKVCache`);
+    ``kv_cache``: one :class:`KVCache` per sequence, read and then extended with this call's
+    rows (after kv_norm, RoPE and the optional FP8 round trip, as the reference stores them),
+    one :class:`DeviceKVCache` with ``cache_slots``, or one :class:`PagedKVCache` with
+    ``block_table`` and ``slot_mapping``.
     ``params``: an :class:`AttentionPack`, or a core :class:`AttentionParams` packed on first
     use and cached for that object (refused during CUDA-graph capture).  ``act_quant`` rounds
     the inputs of wq_a, wq_b, wkv and wo_b through e4m3; wo_a (bf16 in the official code) takes
@@ -830,19 +1097,33 @@ def attention(
       gathered in position order before the new rows, one ``sink_attention_varlen`` launch,
       then the rows written; refused during capture.
 
+    * :class:`PagedKVCache` (docs/semantics.md, "The paged cache"), an engine's pool in vLLM's
+      convention: ``block_table`` (B, M) int32 / int64, sequence b's blocks (entry j: its
+      positions ``[j * bs, (j + 1) * bs)``, -1 none; a row of -1 is a padding sequence, output
+      zero), ``slot_mapping`` (T,) int64 / int32, the pool row of each new row (-1: not
+      written; otherwise vLLM's slot of its position, ``block_table[b, p // bs] * bs +
+      p % bs``).  The rows are written (``kv_cache_write``), then one ``sink_attention_paged``
+      launch attends every row through its sequence's table row; a row the mapping does not
+      write is seen by no query, its own included.  Decode (every sequence one row) is device
+      indices only, capturable; a prefill repeats each table row over its sequence's rows
+      (eager: it reads ``seq_lens`` on the host).  No rollback is needed after rejected drafts
+      (their positions are past the next query's and are overwritten when decoded again).
+
     CUDA-graph capturable call form: ``attention(x, positions, pack, config,
     kv_cache=device_cache, cache_slots=slots, seq_lens=None, ...)`` with x (T, D),
     positions (T,) and slots (T,) at a fixed T, ``params`` an :class:`AttentionPack` (or
     params packed by an earlier eager call) and the RoPE table built by an earlier eager call
     with the same config and ``rope_mode``; the inputs are then read from their device
-    buffers on each replay.  During capture the host checks below are skipped: check positions
-    and slots eagerly first.
+    buffers on each replay (with a :class:`PagedKVCache`: ``block_table=`` (T, M) and
+    ``slot_mapping=`` (T,) instead of ``cache_slots``).  During capture the host checks below
+    are skipped: check positions and slots eagerly first.
 
     Validation as the reference's, with one host read of the positions (and, with a
     :class:`DeviceKVCache`, of the slots and each ring's newest position: slots < num_seqs and
-    distinct, positions in [0, 2^31) and past their ring's newest row) before any cache is
-    touched.  ``out`` (T, D) in x.dtype, contiguous, receives the result (the wo_b GEMM
-    writes it).
+    distinct, positions in [0, 2^31) and past their ring's newest row; with a
+    :class:`PagedKVCache`, of the block table and slot mapping: entries in [-1, N), each slot -1
+    or its position's vLLM slot, distinct) before any cache is touched.  ``out`` (T, D) in
+    x.dtype, contiguous, receives the result (the wo_b GEMM writes it).
     """
     check_instance("config", config, DSV4Config)
     check_instance("batch_invariant", batch_invariant, bool)
@@ -856,11 +1137,15 @@ def attention(
     check_positions("positions", positions, T)
     dev = check_device([("x", x), ("positions", positions)])
     ring = kv_cache if isinstance(kv_cache, DeviceKVCache) else None
-    host = None if isinstance(kv_cache, DeviceKVCache) else kv_cache
+    paged = kv_cache if isinstance(kv_cache, PagedKVCache) else None
+    host = None if isinstance(kv_cache, (DeviceKVCache, PagedKVCache)) else kv_cache
     if host is not None and not all(isinstance(c, KVCache) for c in host):
         raise InputError("kv_cache: expected a sequence of KVCache (one per sequence)")
     if ring is None and cache_slots is not None:
         raise InputError("cache_slots: expected None without a DeviceKVCache kv_cache")
+    for name, v in (("block_table", block_table), ("slot_mapping", slot_mapping)):
+        if paged is None and v is not None:
+            raise InputError(f"{name}: expected None without a PagedKVCache kv_cache")
     if seq_lens is not None and not all(
         isinstance(n, (int, torch.Tensor)) and not isinstance(n, bool) for n in seq_lens
     ):
@@ -870,7 +1155,7 @@ def attention(
     if seq_lens is not None:
         lens = [int(n) for n in seq_lens]
     else:
-        lens = [1] * T if ring is not None else [T]
+        lens = [1] * T if ring is not None or paged is not None else [T]
     if any(n < 0 for n in lens) or sum(lens) != T:
         raise InputError(f"seq_lens: expected lengths summing to T={T}, got {lens}")
     if host is not None and len(host) != len(lens):
@@ -893,6 +1178,9 @@ def attention(
                 "kv_cache: a prefill (a sequence of more than one row) with a DeviceKVCache is "
                 "eager only (not during capture); decode steps are capturable"
             )
+    elif paged is not None:
+        _check_paged_args(paged, block_table, slot_mapping, len(lens), T, x, (Dh, W), capturing,
+                          decode)  # fmt: skip
     elif host is not None and capturing:
         raise InputError("kv_cache: attention with KV caches is eager only (not during capture)")
     pack = _attention_pack(params, dev)
@@ -911,6 +1199,9 @@ def attention(
         if ring is not None:
             assert cache_slots is not None
             _check_ring_sequences(positions, lens, ring, cache_slots)
+        elif paged is not None:
+            assert block_table is not None and slot_mapping is not None
+            _check_paged_sequences(positions, lens, paged, block_table, slot_mapping)
         else:
             _check_sequences(positions, lens, host)
     if out is not None:
@@ -969,6 +1260,18 @@ def attention(
     elif ring is not None:
         assert cache_slots is not None
         o = _ring_prefill(q, kv, positions, lens, ring, cache_slots, pack.attn_sink, bi)
+    elif paged is not None:
+        # write every new row at its slot, then attend each row through its sequence's table
+        assert block_table is not None and slot_mapping is not None
+        table = block_table
+        if not decode:  # one table row per query row (lens are host ints: eager only)
+            repeats = torch.tensor(lens, device=dev)
+            table = block_table.repeat_interleave(repeats, dim=0, output_size=T)
+        paged._write(kv, positions, slot_mapping)
+        o = _paged_call(
+            q, positions, paged.kv, paged.pos, table, pack.attn_sink, W, Dh**-0.5, bi, None,
+            "auto", None, check_values=False,
+        )  # fmt: skip
     else:
         o = _host_cache_core(q, kv, positions, lens, host, pack.attn_sink, W, bi, dev)
 

@@ -1,10 +1,12 @@
-"""One MTP layer's KV rows of many sequences, preallocated on the device: :class:`DeviceKVCache`.
+"""One MTP layer's KV rows of many sequences, preallocated on the device: :class:`DeviceKVCache`
+(a ring per sequence) and :class:`PagedKVCache` (an engine's block pool, vLLM's convention).
 
 The host :class:`~dsv4mtp.kv_cache.KVCache` concatenates and slices tensors per call and its
 owner reads positions on the host, so a decode step that uses it cannot be captured in a CUDA
 graph.  This cache is two fixed tensors that every call reads and writes in place, through
 device-side indices only: ``kv (S, C, Dh)`` and ``pos (S, C)`` int32.  The math of what is
-visible: docs/semantics.md, "Attention with sinks", "KV cache" and "The device ring cache".
+visible: docs/semantics.md, "Attention with sinks", "KV cache", "The device ring cache" and
+"The paged cache".
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dsv4mtp.kv_cache import KVCache
 from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
 from .kernels._launch import KERNEL_DTYPES
 
-__all__ = ["RING_ALIGN", "DeviceKVCache", "ring_capacity"]
+__all__ = ["RING_ALIGN", "DeviceKVCache", "PagedKVCache", "check_block_table", "ring_capacity"]
 
 _write_out = torch.ops.dsv4mtp.kv_cache_write_out.default
 
@@ -274,6 +276,217 @@ class DeviceKVCache:
         keep = keep[pos[keep] > newest - self.window + 1]
         out.kv, out.positions = self.kv[s, keep].clone(), pos[keep].clone()
         return out
+
+
+class PagedKVCache:
+    """The KV rows of one MTP layer in an engine's block pool, addressed as vLLM addresses them.
+
+    ``kv (num_blocks, block_size, Dh)`` in the layer dtype (the rows exactly as attended, as
+    :class:`DeviceKVCache` stores them) and ``pos (num_blocks, block_size)`` int32, -1 for an
+    empty row.  A call names each sequence's blocks with a block table ``(B, max_blocks)``
+    int32 (entry j: the block of the sequence's positions ``[j * bs, (j + 1) * bs)``, -1 for
+    none) and where each new row goes with a slot mapping ``(T,)`` int64: the flat row
+    ``block * bs + offset``, -1 to write nothing.  Under vLLM's convention the row of position p
+    is the slot ``block_table[b, p // bs] * bs + p % bs``, and ``pos`` there holds p.
+
+    Visibility (docs/semantics.md, "The paged cache"): a query at position q sees position k,
+    ``q - window < k <= q``, when k's slot holds k.  The stored position is what makes a row
+    visible, so a row that is empty, belongs to a rejected draft (a position past the query's)
+    or to an earlier owner of the block at other positions is never read.  Speculative decoding
+    needs no rollback: a rejected draft at position p stays invisible to every query before p
+    and is overwritten when p is decoded again.  Prefix sharing: two sequences may list the same
+    block at the same index (read-only for both; the engine copies a block before writing it).
+    A block handed to a sequence must not hold rows of another sequence at positions the new
+    owner will query before writing them: :meth:`reset` empties blocks (capturable).  Entries
+    of blocks out of the window may be -1 or point at a block never written (all -1, as vLLM's
+    null block): either reads nothing.
+
+    Device only: :meth:`write` and :meth:`reset` take device tensors and never read them on the
+    host during CUDA-graph capture (an eager call checks indices with one host read).
+    ``window`` is the layer's sliding window; a sequence needs ``ceil(window / bs) + 1`` blocks
+    (plus its draft rows') listed to see its whole window.
+    """
+
+    kv: torch.Tensor
+    pos: torch.Tensor
+    window: int
+
+    def __init__(
+        self,
+        config: DSV4Config,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        check_instance("config", config, DSV4Config)
+        check_int("num_blocks", num_blocks, 1)
+        check_int("block_size", block_size, 1)
+        dt = check_dtype_arg("dtype", dtype, KERNEL_DTYPES)
+        dev = check_device_arg("device", device)
+        Dh, window = config.head_dim, config.sliding_window
+        if Dh % 16:
+            raise ConfigError(f"head_dim: expected a multiple of 16 (the kernels' tiles), got {Dh}")
+        if window < 1:
+            raise ConfigError(f"sliding_window: expected an int >= 1, got {window}")
+        kv = torch.zeros((num_blocks, block_size, Dh), dtype=dt, device=dev)
+        pos = torch.full((num_blocks, block_size), -1, dtype=torch.int32, device=dev)
+        self.kv, self.pos, self.window = kv, pos, window
+
+    @classmethod
+    def from_tensors(cls, kv: torch.Tensor, pos: torch.Tensor, window: int) -> PagedKVCache:
+        """A cache over an engine's own pool (read and written in place, never copied):
+        ``kv (N, bs, Dh)`` bf16 / fp32 and ``pos (N, bs)`` int32, both contiguous on one
+        device, Dh a multiple of 16; ``pos`` -1 in empty rows and a position p with
+        ``p % bs`` its offset otherwise."""
+        check_int("window", window, 1)
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 3 or kv.dtype not in KERNEL_DTYPES:
+            got = f"{kv.dtype} {tuple(kv.shape)}" if isinstance(kv, torch.Tensor) else type(kv)
+            raise InputError(f"kv: expected a (N, bs, Dh) bfloat16 / float32 tensor, got {got}")
+        N, bs, Dh = kv.shape
+        if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int32:
+            got = f"{pos.dtype}" if isinstance(pos, torch.Tensor) else type(pos).__name__
+            raise InputError(f"pos: expected an int32 tensor, got {got}")
+        if tuple(pos.shape) != (N, bs):
+            raise InputError(f"pos: expected shape ({N}, {bs}) (as kv), got {tuple(pos.shape)}")
+        if pos.device != kv.device:
+            raise InputError(f"pos: expected device {kv.device} (as kv), got {pos.device}")
+        for name, t in (("kv", kv), ("pos", pos)):
+            if not t.is_contiguous():
+                raise InputError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+        if N < 1 or bs < 1 or Dh < 16 or Dh % 16:
+            raise InputError(
+                f"kv: expected N >= 1 blocks of bs >= 1 rows and Dh a multiple of 16, got "
+                f"{tuple(kv.shape)}"
+            )
+        obj = cls.__new__(cls)
+        obj.kv, obj.pos, obj.window = kv, pos, window
+        return obj
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_blocks(self) -> int:
+        return int(self.kv.shape[0])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.kv.shape[1])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.kv.shape[2])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held: ``N * bs * (Dh * itemsize + 4)``."""
+        return self.kv.numel() * self.kv.element_size() + self.pos.numel() * 4
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"window={self.window}, head_dim={self.head_dim}, dtype={self.dtype}, "
+            f"device={self.device})"
+        )
+
+    # ------------------------------------------------------------------ device-side updates
+    def slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """vLLM's slot mapping of ``positions (T,)`` through ``block_table (T, M)`` (one table
+        row per position): ``block_table[t, p // bs] * bs + p % bs`` int64, -1 where the entry
+        is -1 or past the table.  Device ops only, capturable."""
+        check_positions("positions", positions)
+        check_block_table("block_table", block_table, positions.shape[0])
+        bs, M = self.block_size, block_table.shape[1]
+        p = positions.long()
+        j = (p // bs).clamp(max=max(M - 1, 0))[:, None]
+        block = block_table.long().gather(1, j)[:, 0] if M else torch.full_like(p, -1)
+        ok = (p >= 0) & (p // bs < M) & (block >= 0)
+        return torch.where(ok, block * bs + p % bs, -1)
+
+    def check_slot_mapping(self, name: str, slot_mapping: torch.Tensor) -> None:
+        """Eager only (one host read; nothing while a CUDA graph is captured): every slot is
+        < num_blocks * block_size and the non-negative ones distinct."""
+        if _capturing(slot_mapping):
+            return
+        rows = self.num_blocks * self.block_size
+        used = slot_mapping[slot_mapping >= 0]
+        if used.numel() and (int(used.max()) >= rows or used.unique().numel() != used.numel()):
+            raise InputError(
+                f"{name}: expected distinct slots < num_blocks * block_size = {rows} (-1: none), "
+                f"got {[int(s) for s in slot_mapping.tolist()]}"
+            )
+
+    def write(self, kv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Row t of ``kv (T, Dh)`` with its position into pool row ``slot_mapping[t]`` (device
+        tensors, T each; slot -1 or a negative position writes nothing; the slots distinct).
+        One launch of ``torch.ops.dsv4mtp.kv_cache_write_out`` over the pool viewed as
+        N * bs rings of one row (the slot is the ring), moving T * (2 * Dh * itemsize + 4) bytes
+        plus the slots and positions, capturable."""
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 2 or kv.shape[1] != self.head_dim:
+            got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
+            raise InputError(f"kv: expected shape (T, {self.head_dim}), got {got}")
+        if kv.dtype != self.dtype or kv.device != self.device:
+            raise InputError(
+                f"kv: expected {self.dtype} on {self.device} (the cache's), got {kv.dtype} on "
+                f"{kv.device}"
+            )
+        T = kv.shape[0]
+        check_positions("positions", positions, T)
+        check_positions("slot_mapping", slot_mapping, T)
+        for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+            if t.device != self.device:
+                raise InputError(f"{name}: expected device {self.device}, got {t.device}")
+        self.check_slot_mapping("slot_mapping", slot_mapping)
+        if T:
+            self._write(kv, positions, slot_mapping)
+
+    def _write(self, kv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        rows = self.num_blocks * self.block_size
+        _write_out(
+            kv, positions, slot_mapping,
+            cache_kv=self.kv.view(rows, 1, self.head_dim), cache_pos=self.pos.view(rows, 1),
+        )  # fmt: skip
+
+    def reset(self, blocks: torch.Tensor | None = None) -> None:
+        """Empty every row (``blocks`` None) or the rows of ``blocks`` (a device tensor (n,) of
+        block indices, -1 entries ignored), e.g. blocks just handed to a sequence.  Device only,
+        capturable."""
+        if blocks is None:
+            self.pos.fill_(-1)
+            return
+        check_positions("blocks", blocks)
+        if blocks.device != self.device:
+            raise InputError(f"blocks: expected device {self.device}, got {blocks.device}")
+        if not _capturing(blocks) and blocks.numel() and int(blocks.max()) >= self.num_blocks:
+            raise InputError(
+                f"blocks: expected block indices < num_blocks={self.num_blocks} (-1: none), "
+                f"got {[int(b) for b in blocks.tolist()]}"
+            )
+        N = self.num_blocks
+        index = torch.where(blocks >= 0, blocks.long(), N)  # -1 -> the spare entry N
+        empty = torch.zeros(N + 1, dtype=torch.bool, device=self.device)
+        empty.index_fill_(0, index, True)
+        self.pos.masked_fill_(empty[:N, None], -1)
+
+
+def check_block_table(name: str, t: object, rows: int) -> None:
+    """A (rows, M) int32 / int64 tensor: a block table, one row per sequence or query."""
+    if (
+        not isinstance(t, torch.Tensor)
+        or t.dtype not in (torch.int32, torch.int64)
+        or t.dim() != 2
+        or t.shape[0] != rows
+    ):
+        what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise InputError(f"{name}: expected a ({rows}, M) int32 / int64 tensor, got {what}")
 
 
 def _capturing(t: torch.Tensor) -> bool:

@@ -156,3 +156,8 @@ __all__ = [
 from .lm_head import lm_head_argmax, lm_head_logits
 
 __all__ += ["lm_head_argmax", "lm_head_logits"]
+
+# --- decode attention over a paged KV cache (an engine's block table)
+from .attention import sink_attention_paged  # noqa: E402
+
+__all__ += ["sink_attention_paged"]

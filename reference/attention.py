@@ -244,6 +244,101 @@ def _check_rings(cache_pos: torch.Tensor, S: int, C: int, slots: torch.Tensor) -
         )
 
 
+def sink_attention_paged(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cache_kv: torch.Tensor,
+    cache_pos: torch.Tensor,
+    block_table: torch.Tensor,
+    attn_sink: torch.Tensor,
+    *,
+    window: int,
+    scale: float,
+    batch_invariant: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`sink_attention` of B queries, each against its block-table row of a paged cache.
+
+    q (B, H, Dh); q_pos (B,) int; cache_kv (N, bs, Dh) and cache_pos (N, bs) int: a pool of N
+    blocks of bs rows, -1 where empty, a row at offset o holding a position p with
+    ``p % bs == o``; block_table (B, M) int: query b's blocks, entry j the block of its positions
+    ``[j * bs, (j + 1) * bs)``, -1 for none (docs/semantics.md, "The paged cache").  Query b
+    sees position k, ``q_pos[b] - window < k <= q_pos[b]``, where the row of k's slot,
+    ``block_table[b, k // bs] * bs + k % bs``, holds k.  A query that sees nothing (a padding
+    row: all -1) returns 0.  ``batch_invariant`` changes nothing; ``out`` as in
+    :func:`sink_attention`.
+    """
+    check_dtype("q", q, FLOAT_DTYPES)
+    if q.dim() != 3:
+        raise InputError(f"q: expected shape (B, H, Dh), got {tuple(q.shape)}")
+    B, H, Dh = q.shape
+    check_positions("q_pos", q_pos, B)
+    check_dtype("cache_kv", cache_kv, FLOAT_DTYPES)
+    check_shape("cache_kv", cache_kv, (None, None, Dh))
+    N, bs = cache_kv.shape[:2]
+    check_dtype("attn_sink", attn_sink, FLOAT_DTYPES)
+    check_shape("attn_sink", attn_sink, (H,))
+    check_instance("batch_invariant", batch_invariant, bool)
+    check_int("window", window, 1)
+    _check_blocks(cache_pos, N, bs, block_table, B)
+    M = block_table.shape[1]
+    flat_kv, flat_pos = cache_kv.reshape(N * bs, Dh), cache_pos.reshape(N * bs).long()
+    outs = []
+    for b in range(B):
+        k = q_pos[b].long() - torch.arange(window - 1, -1, -1, device=q.device)  # (W,) ascending
+        k = k[k >= 0]
+        j = k // bs  # logical block of each position
+        block = torch.full_like(k, -1)
+        block[j < M] = block_table[b].long()[j[j < M]]
+        slot = block.clamp(min=0) * bs + k % bs  # (W',) the rows that would hold k
+        held = (block >= 0) & (flat_pos[slot] == k)
+        keys, key_pos = flat_kv[slot[held]], k[held]  # (n, Dh), (n,) in position order
+        rows = slice(b, b + 1)
+        outs.append(
+            sink_attention(
+                q[rows], q_pos[rows], keys, key_pos, attn_sink, window=window, scale=scale
+            )
+        )
+    o = torch.cat(outs) if outs else q.new_zeros(0, H, Dh)  # (B, H, Dh)
+    return _written(out, o)
+
+
+def _check_blocks(
+    cache_pos: torch.Tensor, N: int, bs: int, block_table: torch.Tensor, B: int
+) -> None:
+    """The paged layout: cache_pos (N, bs) int, each row -1 or a position p at offset p % bs;
+    block_table (B, M) int with entries in [-1, N)."""
+    if not isinstance(cache_pos, torch.Tensor) or cache_pos.dtype not in (torch.int32, torch.int64):
+        got = cache_pos.dtype if isinstance(cache_pos, torch.Tensor) else type(cache_pos).__name__
+        raise InputError(f"cache_pos: expected an int32 / int64 tensor, got {got}")
+    check_shape("cache_pos", cache_pos, (N, bs))
+    if (
+        not isinstance(block_table, torch.Tensor)
+        or block_table.dtype not in (torch.int32, torch.int64)
+        or block_table.dim() != 2
+        or block_table.shape[0] != B
+    ):
+        what = (
+            f"{block_table.dtype} {tuple(block_table.shape)}"
+            if isinstance(block_table, torch.Tensor)
+            else type(block_table).__name__
+        )
+        raise InputError(f"block_table: expected a ({B}, M) int32 / int64 tensor, got {what}")
+    if block_table.numel() and (int(block_table.min()) < -1 or int(block_table.max()) >= N):
+        raise InputError(
+            f"block_table: expected block indices in [-1, N={N}) (-1: no block), got "
+            f"{block_table.tolist()}"
+        )
+    offsets = torch.arange(bs, device=cache_pos.device)
+    bad = (cache_pos < -1) | ((cache_pos >= 0) & (cache_pos % bs != offsets))
+    if bool(bad.any()):
+        n, o = (int(v) for v in bad.nonzero()[0].tolist())
+        raise InputError(
+            f"cache_pos: expected -1 (empty) or a position p held at offset p % block_size "
+            f"(block_size={bs}), got {int(cache_pos[n, o])} at block {n}, offset {o}"
+        )
+
+
 def _check_offsets(name: str, cu: torch.Tensor, total: int) -> list[int]:
     """Prefix offsets (B+1,): start at 0, never decrease, end at ``total``."""
     bounds = [int(v) for v in cu.tolist()]

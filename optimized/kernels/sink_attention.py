@@ -1,7 +1,7 @@
 """Sliding-window MQA with per-head sinks (Triton): what ``sink_attention``,
-``sink_attention_varlen`` and ``sink_attention_cache`` run, and the ring write of
-``kv_cache_write``.  The math: docs/semantics.md, "Visibility and the sink softmax" and "The
-device ring cache".
+``sink_attention_varlen``, ``sink_attention_cache`` and ``sink_attention_paged`` run, and the
+ring write of ``kv_cache_write``.  The math: docs/semantics.md, "Visibility and the sink
+softmax", "The device ring cache" and "The paged cache".
 
 Shapes: q (Tq, H, Dh) and out (Tq, H, Dh) contiguous, kv (Tk, Dh) contiguous (one latent per
 token, the key and the value of every head), q_pos (Tq,) / k_pos (Tk,) int32 or int64,
@@ -47,6 +47,15 @@ the contiguous kernel gives it, so both round alike.  A padding row (slot < 0) l
 stores zeros.  The write (:func:`ring_write_kernel`): one program per new row, Dh values and one
 position stored, nothing for a negative slot or position.
 
+Paged cache (:func:`sink_attention_paged_kernel`).  The ring kernel with vLLM's slot in place
+of ``p % C``: query t's position p lives at row ``table[t, p // BS] * BS + p % BS`` of a pool
+of blocks of BS rows, kv (N, BS, Dh) and positions (N, BS), through the query's block-table row
+(-1: no block).  Step 1 loads the slots of the window's positions ``[q_pos - window + 1, q_pos]``
+(SCAN at a time) for the first one that holds its position; step 2 walks ``lo .. q_pos`` in the
+ring kernel's blocks and lanes, so the same stored keys give the ring kernel's bits, whatever
+blocks hold them.  Work is O(window), not O(table width): only the window's table entries are
+read.  A query whose table row is all -1 (padding) sees nothing and stores zeros.
+
 Bytes per call: q read once and out written once (2 * Tq * H * Dh * itemsize), plus each
 sequence's visible keys: decode at V4-Flash (Tq = 1, H 64, Dh 512, window 128) reads
 128 * 512 * 2 B = 128 KiB of keys per sequence from HBM, once for all 64 heads (the Dh / BLOCK_DV
@@ -69,6 +78,7 @@ __all__ = [
     "attention_schedule",
     "ring_write_triton",
     "sink_attention_cache_triton",
+    "sink_attention_paged_triton",
     "sink_attention_triton",
 ]
 
@@ -424,6 +434,140 @@ def _ring_block(
 
 
 @triton.jit
+def _paged_rows(p, ok, table, max_blocks, kpos_ptr, BS: tl.constexpr):
+    """The pool row of each position p (vLLM's slot: ``table[p // BS] * BS + p % BS``) and
+    whether that row holds p; lanes with ``ok`` False, a position past the table or a -1 entry
+    hold nothing and load nothing.  Rows are clamped to 0 where not held (masked pointers)."""
+    j = p // BS
+    listed = ok & (j < max_blocks)
+    block = tl.load(table + j, mask=listed, other=-1).to(tl.int64)
+    listed = listed & (block >= 0)
+    row = tl.where(listed, block * BS + p % BS, 0)
+    held = tl.load(kpos_ptr + row, mask=listed, other=-1).to(tl.int64)
+    return row, listed & (held == p)
+
+
+@triton.jit
+def sink_attention_paged_kernel(
+    q_ptr,
+    qpos_ptr,
+    kv_ptr,
+    kpos_ptr,
+    table_ptr,
+    sink_ptr,
+    out_ptr,
+    max_blocks,
+    window,
+    qk_scale,
+    H: tl.constexpr,
+    DH: tl.constexpr,
+    BS: tl.constexpr,
+    SCAN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """Query rows against a paged cache: row t attends, through its block-table row
+    ``table[t]`` (max_blocks entries, -1: none), to the positions k with
+    ``q_pos - window < k <= q_pos`` whose slot ``table[t, k // BS] * BS + k % BS`` of the pool
+    (kv (N * BS, DH), positions (N * BS,), -1 empty) holds k."""
+    N_DV: tl.constexpr = DH // BLOCK_DV
+    N_HB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
+    pid = tl.program_id(0)
+    dv = pid % N_DV
+    hb = (pid // N_DV) % N_HB
+    t = (pid // (N_DV * N_HB)).to(tl.int64)
+
+    # 1. the first held position of the window [first, hi), SCAN positions per load (a padding
+    #    row, its table row all -1, finds none: lo = hi and no block runs)
+    table = table_ptr + t * max_blocks
+    pos_t = tl.load(qpos_ptr + t).to(tl.int64)
+    hi = pos_t + 1
+    first = tl.maximum(hi - window, 0)
+    lo = hi
+    offs_s = tl.arange(0, SCAN).to(tl.int64)
+    if INTERP:
+        c0 = first
+        while c0 < hi:
+            p = c0 + offs_s
+            _, here = _paged_rows(p, p < hi, table, max_blocks, kpos_ptr, BS)
+            lo = tl.minimum(lo, tl.min(tl.where(here, p, hi), axis=0))
+            c0 += SCAN
+    else:
+        for c0 in range(first, hi, SCAN):
+            p = c0 + offs_s
+            _, here = _paged_rows(p, p < hi, table, max_blocks, kpos_ptr, BS)
+            lo = tl.minimum(lo, tl.min(tl.where(here, p, hi), axis=0))
+
+    # 2. online softmax over the positions [lo, hi), BLOCK_N at a time, lane i of a block at
+    #    position start + i: the ring kernel's blocks and lanes, so the same stored keys give
+    #    the same bits
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_rows = q_ptr + t * (H * DH) + offs_h[:, None] * DH  # (BLOCK_H, 1)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    if INTERP:
+        start = lo
+        while start < hi:
+            m_i, l_i, acc = _paged_block(
+                q_rows, kv_ptr, kpos_ptr, table, max_blocks, start, hi, h_ok, offs_d, offs_dv,
+                offs_n, m_i, l_i, acc, qk_scale, BS, DH, BLOCK_D, IEEE, INTERP,
+            )  # fmt: skip
+            start += BLOCK_N
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _paged_block(
+                q_rows, kv_ptr, kpos_ptr, table, max_blocks, start, hi, h_ok, offs_d, offs_dv,
+                offs_n, m_i, l_i, acc, qk_scale, BS, DH, BLOCK_D, IEEE, INTERP,
+            )  # fmt: skip
+
+    # 3. the sink (a row that saw nothing: acc = 0, so its output is 0 whatever its sink)
+    o = _with_sink(sink_ptr, offs_h, h_ok, m_i, l_i, acc)
+    _store_rows(out_ptr, t, o, offs_h, h_ok, offs_dv, H, DH, INTERP)
+
+
+@triton.jit
+def _paged_block(
+    q_rows,
+    kv_ptr,
+    kpos_ptr,
+    table,
+    max_blocks,
+    start,
+    hi,
+    h_ok,
+    offs_d,
+    offs_dv,
+    offs_n,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    BS: tl.constexpr,
+    DH: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """One online-softmax step over the positions [start, min(start + BLOCK_N, hi))."""
+    p = start + offs_n.to(tl.int64)  # (BLOCK_N,) >= 0: start >= the first visible position
+    row, held = _paged_rows(p, p < hi, table, max_blocks, kpos_ptr, BS)
+    k_rows = kv_ptr + row[:, None] * DH  # (BLOCK_N, 1)
+    return _rows_block(
+        q_rows, k_rows, held, h_ok, offs_d, offs_dv, m_i, l_i, acc, qk_scale, DH, BLOCK_D, IEEE,
+        INTERP,
+    )  # fmt: skip
+
+
+@triton.jit
 def ring_write_kernel(
     new_ptr, pos_ptr, slots_ptr, kv_ptr, kpos_ptr, C, DH: tl.constexpr, BLOCK_D: tl.constexpr
 ):
@@ -549,6 +693,60 @@ def sink_attention_cache_triton(
     launch(
         (B * per_row,), q, q_pos, cache_kv, cache_pos, slots, attn_sink, out, window,
         scale * _LOG2E,
+    )  # fmt: skip
+    return out
+
+
+def _paged_launch(
+    H: int, Dh: int, bs: int, window: int, ieee: bool, sched: AttentionSchedule
+) -> tuple[TritonLaunch, int]:
+    launch = triton_launch(
+        sink_attention_paged_kernel,
+        H=H,
+        DH=Dh,
+        BS=bs,
+        SCAN=min(256, next_pow2(window)),
+        BLOCK_H=sched.block_h,
+        BLOCK_N=sched.block_n,
+        BLOCK_D=sched.block_d,
+        BLOCK_DV=sched.block_dv,
+        IEEE=ieee,
+        INTERP=INTERPRET,
+        num_warps=sched.num_warps,
+        num_stages=sched.num_stages,
+    )
+    per_row = (Dh // sched.block_dv) * triton.cdiv(H, sched.block_h)
+    return launch, per_row
+
+
+_PAGED_LAUNCHES: dict[tuple[object, ...], tuple[TritonLaunch, int]] = {}
+
+
+def sink_attention_paged_triton(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cache_kv: torch.Tensor,
+    cache_pos: torch.Tensor,
+    block_table: torch.Tensor,
+    attn_sink: torch.Tensor,
+    out: torch.Tensor,
+    window: int,
+    scale: float,
+    sched: AttentionSchedule,
+) -> torch.Tensor:
+    """Launch :func:`sink_attention_paged_kernel`: one program per (row, head block, output
+    slice), as :func:`sink_attention_triton`'s grid."""
+    B, H, Dh = q.shape
+    if B == 0:
+        return out
+    key = (H, Dh, cache_kv.shape[1], window, q.dtype == torch.float32, sched)
+    entry = _PAGED_LAUNCHES.get(key)
+    if entry is None:
+        entry = _PAGED_LAUNCHES[key] = _paged_launch(*key)  # type: ignore[arg-type]
+    launch, per_row = entry
+    launch(
+        (B * per_row,), q, q_pos, cache_kv, cache_pos, block_table, attn_sink, out,
+        block_table.shape[1], window, scale * _LOG2E,
     )  # fmt: skip
     return out
 
