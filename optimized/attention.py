@@ -321,6 +321,66 @@ _ops_cache = torch.ops.dsv4mtp.sink_attention_cache.default
 _ops_cache_out = torch.ops.dsv4mtp.sink_attention_cache_out.default
 
 
+def _check_query_and_pool(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    cache_kv: torch.Tensor,
+    cache_pos: torch.Tensor,
+    units: tuple[str, str, str, str],
+) -> tuple[int, int, int]:
+    """The checks a decode over stored rows shares: q (B, H, Dh), its positions, the row store
+    ``cache_kv`` (A, R, Dh) in q's dtype and ``cache_pos`` (A, R) int.  ``units`` names A and R
+    in messages (("S", "rings", "C", "rows") or ("N", "blocks", "bs", "rows")).  -> (B, H, Dh)."""
+    check_kernel_dtype("q", q)
+    if q.dim() != 3:
+        raise InputError(f"q: expected shape (B, H, Dh), got {tuple(q.shape)}")
+    B, H, Dh = q.shape
+    if Dh % 16:
+        raise InputError(f"q: expected a head dim that is a multiple of 16, got Dh={Dh}")
+    check_positions("q_pos", q_pos, B)
+    check_kernel_dtype("cache_kv", cache_kv)
+    if cache_kv.dtype != q.dtype:
+        raise InputError(f"cache_kv: expected dtype {q.dtype} (as q), got {cache_kv.dtype}")
+    check_shape("cache_kv", cache_kv, (None, None, Dh))
+    A, R = cache_kv.shape[:2]
+    a, outer, r, inner = units
+    if A < 1 or R < 1:
+        raise InputError(
+            f"cache_kv: expected {a} >= 1 {outer} of {r} >= 1 {inner}, got {(A, R, Dh)}"
+        )
+    if not isinstance(cache_pos, torch.Tensor) or cache_pos.dtype not in (torch.int32, torch.int64):
+        got = cache_pos.dtype if isinstance(cache_pos, torch.Tensor) else type(cache_pos).__name__
+        raise InputError(f"cache_pos: expected an int32 / int64 tensor, got {got}")
+    check_shape("cache_pos", cache_pos, (A, R))
+    return B, H, Dh
+
+
+def _finish_pool_plan(
+    op: str,
+    q: torch.Tensor,
+    named: list[tuple[str, torch.Tensor]],
+    attn_sink: torch.Tensor,
+    window: int,
+    scale: float,
+    batch_invariant: bool,
+    out: torch.Tensor | None,
+    backend: str,
+    schedule: object,
+) -> tuple[str, list[int]]:
+    """The rest of such a plan: sinks, window, scale, flag, devices, backend, ``out``."""
+    B, H, Dh = q.shape
+    check_kernel_dtype("attn_sink", attn_sink)
+    check_shape("attn_sink", attn_sink, (H,))
+    check_int("window", window, 1)
+    check_number("scale", scale)
+    check_instance("batch_invariant", batch_invariant, bool)
+    dev = check_device([*named, ("attn_sink", attn_sink)])
+    choice = select(op, backend, Facts(dev, (q.dtype, attn_sink.dtype)))
+    if out is not None:
+        check_out("out", out, (B, H, Dh), q.dtype, dev)
+    return choice, _schedule_fields(schedule, H, Dh)
+
+
 def _cache_plan(
     q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -336,38 +396,14 @@ def _cache_plan(
     schedule: object,
 ) -> tuple[str, list[int]]:
     """Every metadata check of a sink_attention_cache call, then the backend and schedule."""
-    check_kernel_dtype("q", q)
-    if q.dim() != 3:
-        raise InputError(f"q: expected shape (B, H, Dh), got {tuple(q.shape)}")
-    B, H, Dh = q.shape
-    if Dh % 16:
-        raise InputError(f"q: expected a head dim that is a multiple of 16, got Dh={Dh}")
-    check_positions("q_pos", q_pos, B)
-    check_kernel_dtype("cache_kv", cache_kv)
-    if cache_kv.dtype != q.dtype:
-        raise InputError(f"cache_kv: expected dtype {q.dtype} (as q), got {cache_kv.dtype}")
-    check_shape("cache_kv", cache_kv, (None, None, Dh))
-    S, C = cache_kv.shape[:2]
-    if S < 1 or C < 1:
-        raise InputError(f"cache_kv: expected S >= 1 rings of C >= 1 rows, got {(S, C, Dh)}")
-    if not isinstance(cache_pos, torch.Tensor) or cache_pos.dtype not in (torch.int32, torch.int64):
-        got = cache_pos.dtype if isinstance(cache_pos, torch.Tensor) else type(cache_pos).__name__
-        raise InputError(f"cache_pos: expected an int32 / int64 tensor, got {got}")
-    check_shape("cache_pos", cache_pos, (S, C))
+    B, _, _ = _check_query_and_pool(q, q_pos, cache_kv, cache_pos, ("S", "rings", "C", "rows"))
     check_positions("slots", slots, B)
-    check_kernel_dtype("attn_sink", attn_sink)
-    check_shape("attn_sink", attn_sink, (H,))
-    check_int("window", window, 1)
-    check_number("scale", scale)
-    check_instance("batch_invariant", batch_invariant, bool)
-    dev = check_device(
-        [("q", q), ("q_pos", q_pos), ("cache_kv", cache_kv), ("cache_pos", cache_pos),
-         ("slots", slots), ("attn_sink", attn_sink)]
+    named = [("q", q), ("q_pos", q_pos), ("cache_kv", cache_kv), ("cache_pos", cache_pos),
+             ("slots", slots)]  # fmt: skip
+    return _finish_pool_plan(
+        "sink_attention_cache", q, named, attn_sink, window, scale, batch_invariant, out,
+        backend, schedule,
     )  # fmt: skip
-    choice = select("sink_attention_cache", backend, Facts(dev, (q.dtype, attn_sink.dtype)))
-    if out is not None:
-        check_out("out", out, (B, H, Dh), q.dtype, dev)
-    return choice, _schedule_fields(schedule, H, Dh)
 
 
 def _check_cache_values(cache_pos: torch.Tensor, slots: torch.Tensor) -> None:
@@ -509,38 +545,14 @@ def _paged_plan(
     schedule: object,
 ) -> tuple[str, list[int]]:
     """Every metadata check of a sink_attention_paged call, then the backend and schedule."""
-    check_kernel_dtype("q", q)
-    if q.dim() != 3:
-        raise InputError(f"q: expected shape (B, H, Dh), got {tuple(q.shape)}")
-    B, H, Dh = q.shape
-    if Dh % 16:
-        raise InputError(f"q: expected a head dim that is a multiple of 16, got Dh={Dh}")
-    check_positions("q_pos", q_pos, B)
-    check_kernel_dtype("cache_kv", cache_kv)
-    if cache_kv.dtype != q.dtype:
-        raise InputError(f"cache_kv: expected dtype {q.dtype} (as q), got {cache_kv.dtype}")
-    check_shape("cache_kv", cache_kv, (None, None, Dh))
-    N, bs = cache_kv.shape[:2]
-    if N < 1 or bs < 1:
-        raise InputError(f"cache_kv: expected N >= 1 blocks of bs >= 1 rows, got {(N, bs, Dh)}")
-    if not isinstance(cache_pos, torch.Tensor) or cache_pos.dtype not in (torch.int32, torch.int64):
-        got = cache_pos.dtype if isinstance(cache_pos, torch.Tensor) else type(cache_pos).__name__
-        raise InputError(f"cache_pos: expected an int32 / int64 tensor, got {got}")
-    check_shape("cache_pos", cache_pos, (N, bs))
+    B, _, _ = _check_query_and_pool(q, q_pos, cache_kv, cache_pos, ("N", "blocks", "bs", "rows"))
     check_block_table("block_table", block_table, B)
-    check_kernel_dtype("attn_sink", attn_sink)
-    check_shape("attn_sink", attn_sink, (H,))
-    check_int("window", window, 1)
-    check_number("scale", scale)
-    check_instance("batch_invariant", batch_invariant, bool)
-    dev = check_device(
-        [("q", q), ("q_pos", q_pos), ("cache_kv", cache_kv), ("cache_pos", cache_pos),
-         ("block_table", block_table), ("attn_sink", attn_sink)]
+    named = [("q", q), ("q_pos", q_pos), ("cache_kv", cache_kv), ("cache_pos", cache_pos),
+             ("block_table", block_table)]  # fmt: skip
+    return _finish_pool_plan(
+        "sink_attention_paged", q, named, attn_sink, window, scale, batch_invariant, out,
+        backend, schedule,
     )  # fmt: skip
-    choice = select("sink_attention_paged", backend, Facts(dev, (q.dtype, attn_sink.dtype)))
-    if out is not None:
-        check_out("out", out, (B, H, Dh), q.dtype, dev)
-    return choice, _schedule_fields(schedule, H, Dh)
 
 
 def _check_paged_values(cache_pos: torch.Tensor, block_table: torch.Tensor) -> None:
