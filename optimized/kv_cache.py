@@ -40,6 +40,22 @@ def ring_capacity(window: int, max_draft: int) -> int:
     return -(-(window + max_draft) // RING_ALIGN) * RING_ALIGN
 
 
+def _empty_rows(
+    config: DSV4Config, A: int, R: int, dtype: torch.dtype, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A store of A x R empty rows for ``config``'s attention: kv (A, R, head_dim) zeros in
+    ``dtype``, pos (A, R) int32 -1, and the sliding window; the constructors' shared checks."""
+    dt = check_dtype_arg("dtype", dtype, KERNEL_DTYPES)
+    dev = check_device_arg("device", device)
+    Dh, window = config.head_dim, config.sliding_window
+    if Dh % 16:
+        raise ConfigError(f"head_dim: expected a multiple of 16 (the kernels' tiles), got {Dh}")
+    if window < 1:
+        raise ConfigError(f"sliding_window: expected an int >= 1, got {window}")
+    kv = torch.zeros((A, R, Dh), dtype=dt, device=dev)
+    return kv, torch.full((A, R), -1, dtype=torch.int32, device=dev), window
+
+
 class DeviceKVCache:
     """The KV rows of one MTP layer for up to ``num_seqs`` sequences, preallocated on the device.
 
@@ -86,17 +102,8 @@ class DeviceKVCache:
         check_instance("config", config, DSV4Config)
         check_int("num_seqs", num_seqs, 1)
         check_int("max_draft", max_draft, 0)
-        dt = check_dtype_arg("dtype", dtype, KERNEL_DTYPES)
-        dev = check_device_arg("device", device)
-        Dh, window = config.head_dim, config.sliding_window
-        if Dh % 16:
-            raise ConfigError(f"head_dim: expected a multiple of 16 (the kernels' tiles), got {Dh}")
-        if window < 1:
-            raise ConfigError(f"sliding_window: expected an int >= 1, got {window}")
-        C = ring_capacity(window, max_draft)
-        kv = torch.zeros((num_seqs, C, Dh), dtype=dt, device=dev)
-        pos = torch.full((num_seqs, C), -1, dtype=torch.int32, device=dev)
-        self._init(kv, pos, window)
+        C = ring_capacity(config.sliding_window, max_draft)
+        self._init(*_empty_rows(config, num_seqs, C, dtype, device))
 
     @classmethod
     def from_tensors(cls, kv: torch.Tensor, pos: torch.Tensor, window: int) -> DeviceKVCache:
@@ -323,16 +330,7 @@ class PagedKVCache:
         check_instance("config", config, DSV4Config)
         check_int("num_blocks", num_blocks, 1)
         check_int("block_size", block_size, 1)
-        dt = check_dtype_arg("dtype", dtype, KERNEL_DTYPES)
-        dev = check_device_arg("device", device)
-        Dh, window = config.head_dim, config.sliding_window
-        if Dh % 16:
-            raise ConfigError(f"head_dim: expected a multiple of 16 (the kernels' tiles), got {Dh}")
-        if window < 1:
-            raise ConfigError(f"sliding_window: expected an int >= 1, got {window}")
-        kv = torch.zeros((num_blocks, block_size, Dh), dtype=dt, device=dev)
-        pos = torch.full((num_blocks, block_size), -1, dtype=torch.int32, device=dev)
-        self.kv, self.pos, self.window = kv, pos, window
+        self.kv, self.pos, self.window = _empty_rows(config, num_blocks, block_size, dtype, device)
 
     @classmethod
     def from_tensors(cls, kv: torch.Tensor, pos: torch.Tensor, window: int) -> PagedKVCache:
