@@ -357,7 +357,10 @@ class MTPLayer(MTPLayerAPI):
         memory pool once (a few hundred MB at V4-Flash for bucket 64: the logits and the MoE
         workspace).  ``logits=False``: the steps compute greedy ids only (:meth:`_greedy`, no
         (B, V) logits written), and ``draft`` uses them for drafts that need no logits (greedy
-        or forced, without ``return_logits``)."""
+        or forced, without ``return_logits``).  ``draft`` resets and uses slots 0..B-1 of these
+        caches (its caches are fresh per call, as the reference's): an engine that keeps its own
+        sequences in them drives :meth:`DecodeGraphs.step` itself, or gives ``draft`` its own
+        layer."""
         if self.device.type != "cuda":
             raise InputError(
                 f"capture_decode: CUDA graphs need a CUDA layer, this one is on {self.device}"
