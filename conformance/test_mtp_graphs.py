@@ -225,3 +225,33 @@ def test_fp8_head_switch(loaded, device) -> None:
     assert torch.equal(fp8._greedy(h, 0), fp8.compute_logits(h).argmax(-1))
     with pytest.raises(ConfigError, match="head_format"):
         OptLayer.from_loaded(loaded, device=device, head_format="mxfp4")
+
+
+@pytest.fixture(scope="module")
+def loaded_fp8(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt_fp8")
+    return load_mtp_checkpoint(make_synthetic_checkpoint(root / "fp8", CFG, expert_format="fp8"))
+
+
+@pytest.mark.parametrize("capture", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_graph_draft_under_the_official_preset(loaded_fp8, device, capture) -> None:
+    """FP8 experts with the ``official`` preset (act_quant, fp8_kv: the ring stores FP8-rounded
+    rows, mask_pos0, the official norm order): the draft through the device cache and the
+    decode steps gives the bits of the same layer's host loop (host KVCaches, one `_run` per
+    step at the same T: the ring decode reads the same keys in the same lanes as the host
+    path's, and a bucket equal to B adds no filler rows).  The host loop's distance to the
+    reference is test_mtp_optimized.py's (where this data would meet a routing near-tie: one
+    row's 2nd and 3rd expert scores 1.5e-3 apart in float64, which bf16 rounding flips)."""
+    opt = OptLayer.from_loaded(loaded_fp8, preset="official", dtype=BF16, device=device,
+                               max_num_tokens=32, max_batch=8)  # fmt: skip
+    ids, pos, prev, lens = prefix(6, [4, 7], device)
+    pos = pos - pos[0]  # the first sequence starts at position 0 (mask_pos0)
+    kw = dict(seq_lens=lens, num_tokens=3, return_logits=True)
+    want_ids, want = opt.draft(ids, pos, prev, **kw)
+    if capture:
+        opt.capture_decode(buckets=(1, 2, 4))
+    else:
+        opt.graphs = eager_graphs(opt, buckets=(1, 2, 4))
+    got_ids, got = opt.draft(ids, pos, prev, **kw)
+    assert torch.equal(got_ids, want_ids)
+    assert torch.equal(got, want)
