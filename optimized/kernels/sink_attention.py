@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -585,29 +586,36 @@ def ring_write_kernel(
     tl.store(kpos_ptr + row, p.to(kpos_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch(
-    H: int, Dh: int, varlen: bool, ieee: bool, sched: AttentionSchedule
-) -> tuple[TritonLaunch, int]:
-    launch = triton_launch(
-        sink_attention_kernel,
-        H=H,
-        DH=Dh,
-        VARLEN=varlen,
-        BLOCK_H=sched.block_h,
-        BLOCK_N=sched.block_n,
-        BLOCK_D=sched.block_d,
-        BLOCK_DV=sched.block_dv,
-        SEARCH=sched.search,
-        IEEE=ieee,
-        INTERP=INTERPRET,
-        num_warps=sched.num_warps,
-        num_stages=sched.num_stages,
-    )
-    per_row = (Dh // sched.block_dv) * triton.cdiv(H, sched.block_h)
-    return launch, per_row
-
-
+# One built launcher per (kernel, shape constants, dtype rule, schedule): the three attention
+# kernels share the head-block / output-slice grid and the schedule's tile constants.
 _LAUNCHES: dict[tuple[object, ...], tuple[TritonLaunch, int]] = {}
+
+
+def _launch_for(
+    kernel: Any, H: int, Dh: int, ieee: bool, sched: AttentionSchedule, **consts: Any
+) -> tuple[TritonLaunch, int]:
+    """(the launcher, programs per query row) of ``kernel`` with the schedule's tiles and
+    ``consts`` (the kernel's own constexprs)."""
+    key = (kernel, H, Dh, ieee, sched, tuple(sorted(consts.items())))
+    entry = _LAUNCHES.get(key)
+    if entry is None:
+        launch = triton_launch(
+            kernel,
+            H=H,
+            DH=Dh,
+            BLOCK_H=sched.block_h,
+            BLOCK_N=sched.block_n,
+            BLOCK_D=sched.block_d,
+            BLOCK_DV=sched.block_dv,
+            IEEE=ieee,
+            INTERP=INTERPRET,
+            num_warps=sched.num_warps,
+            num_stages=sched.num_stages,
+            **consts,
+        )
+        per_row = (Dh // sched.block_dv) * triton.cdiv(H, sched.block_h)
+        entry = _LAUNCHES[key] = (launch, per_row)
+    return entry
 
 
 def sink_attention_triton(
@@ -628,11 +636,10 @@ def sink_attention_triton(
     if Tq == 0:
         return out
     varlen = cu_q is not None
-    key = (H, Dh, varlen, q.dtype == torch.float32, sched)
-    entry = _LAUNCHES.get(key)
-    if entry is None:
-        entry = _LAUNCHES[key] = _launch(*key)  # type: ignore[arg-type]
-    launch, per_row = entry
+    launch, per_row = _launch_for(
+        sink_attention_kernel, H, Dh, q.dtype == torch.float32, sched, VARLEN=varlen,
+        SEARCH=sched.search,
+    )  # fmt: skip
     cq = cu_q if cu_q is not None else q_pos
     ck = cu_k if cu_k is not None else k_pos
     B = cu_q.shape[0] - 1 if cu_q is not None else 1
@@ -643,29 +650,6 @@ def sink_attention_triton(
     return out
 
 
-def _cache_launch(
-    H: int, Dh: int, C: int, ieee: bool, sched: AttentionSchedule
-) -> tuple[TritonLaunch, int]:
-    launch = triton_launch(
-        sink_attention_cache_kernel,
-        H=H,
-        DH=Dh,
-        C=C,
-        SCAN=min(256, next_pow2(C)),
-        BLOCK_H=sched.block_h,
-        BLOCK_N=sched.block_n,
-        BLOCK_D=sched.block_d,
-        BLOCK_DV=sched.block_dv,
-        IEEE=ieee,
-        INTERP=INTERPRET,
-        num_warps=sched.num_warps,
-        num_stages=sched.num_stages,
-    )
-    per_row = (Dh // sched.block_dv) * triton.cdiv(H, sched.block_h)
-    return launch, per_row
-
-
-_CACHE_LAUNCHES: dict[tuple[object, ...], tuple[TritonLaunch, int]] = {}
 
 
 def sink_attention_cache_triton(
@@ -685,11 +669,11 @@ def sink_attention_cache_triton(
     B, H, Dh = q.shape
     if B == 0:
         return out
-    key = (H, Dh, cache_kv.shape[1], q.dtype == torch.float32, sched)
-    entry = _CACHE_LAUNCHES.get(key)
-    if entry is None:
-        entry = _CACHE_LAUNCHES[key] = _cache_launch(*key)  # type: ignore[arg-type]
-    launch, per_row = entry
+    C = cache_kv.shape[1]
+    launch, per_row = _launch_for(
+        sink_attention_cache_kernel, H, Dh, q.dtype == torch.float32, sched, C=C,
+        SCAN=min(256, next_pow2(C)),
+    )  # fmt: skip
     launch(
         (B * per_row,), q, q_pos, cache_kv, cache_pos, slots, attn_sink, out, window,
         scale * _LOG2E,
@@ -697,29 +681,6 @@ def sink_attention_cache_triton(
     return out
 
 
-def _paged_launch(
-    H: int, Dh: int, bs: int, window: int, ieee: bool, sched: AttentionSchedule
-) -> tuple[TritonLaunch, int]:
-    launch = triton_launch(
-        sink_attention_paged_kernel,
-        H=H,
-        DH=Dh,
-        BS=bs,
-        SCAN=min(256, next_pow2(window)),
-        BLOCK_H=sched.block_h,
-        BLOCK_N=sched.block_n,
-        BLOCK_D=sched.block_d,
-        BLOCK_DV=sched.block_dv,
-        IEEE=ieee,
-        INTERP=INTERPRET,
-        num_warps=sched.num_warps,
-        num_stages=sched.num_stages,
-    )
-    per_row = (Dh // sched.block_dv) * triton.cdiv(H, sched.block_h)
-    return launch, per_row
-
-
-_PAGED_LAUNCHES: dict[tuple[object, ...], tuple[TritonLaunch, int]] = {}
 
 
 def sink_attention_paged_triton(
@@ -739,11 +700,10 @@ def sink_attention_paged_triton(
     B, H, Dh = q.shape
     if B == 0:
         return out
-    key = (H, Dh, cache_kv.shape[1], window, q.dtype == torch.float32, sched)
-    entry = _PAGED_LAUNCHES.get(key)
-    if entry is None:
-        entry = _PAGED_LAUNCHES[key] = _paged_launch(*key)  # type: ignore[arg-type]
-    launch, per_row = entry
+    launch, per_row = _launch_for(
+        sink_attention_paged_kernel, H, Dh, q.dtype == torch.float32, sched,
+        BS=cache_kv.shape[1], SCAN=min(256, next_pow2(window)),
+    )  # fmt: skip
     launch(
         (B * per_row,), q, q_pos, cache_kv, cache_pos, block_table, attn_sink, out,
         block_table.shape[1], window, scale * _LOG2E,
