@@ -56,7 +56,33 @@ def _empty_rows(
     return kv, torch.full((A, R), -1, dtype=torch.int32, device=dev), window
 
 
-class DeviceKVCache:
+class _RowStore:
+    """What both caches are: ``kv (A, R, Dh)`` rows, ``pos (A, R)`` int32 positions (-1 empty)
+    and the sliding ``window`` they serve (A x R: rings x capacity, or blocks x block size)."""
+
+    kv: torch.Tensor
+    pos: torch.Tensor
+    window: int
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.kv.shape[2])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held: ``A * R * (Dh * itemsize + 4)``."""
+        return self.kv.numel() * self.kv.element_size() + self.pos.numel() * 4
+
+
+class DeviceKVCache(_RowStore):
     """The KV rows of one MTP layer for up to ``num_seqs`` sequences, preallocated on the device.
 
     ``kv (num_seqs, C, Dh)`` in the layer dtype (bf16 / fp32): the rows exactly as attended
@@ -85,10 +111,6 @@ class DeviceKVCache:
     Integration point: an engine that owns its memory hands its own tensors to
     :meth:`from_tensors`; the layer then reads and writes them in place.
     """
-
-    kv: torch.Tensor
-    pos: torch.Tensor
-    window: int
 
     def __init__(
         self,
@@ -153,23 +175,6 @@ class DeviceKVCache:
     def max_draft(self) -> int:
         """Draft positions past the last kept one that a rollback can undo: C - window."""
         return self.capacity - self.window
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.kv.shape[2])
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.kv.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.kv.device
-
-    @property
-    def nbytes(self) -> int:
-        """Device bytes held: ``S * C * (Dh * itemsize + 4)``."""
-        return self.kv.numel() * self.kv.element_size() + self.pos.numel() * 4
 
     def __repr__(self) -> str:
         return (
@@ -285,7 +290,7 @@ class DeviceKVCache:
         return out
 
 
-class PagedKVCache:
+class PagedKVCache(_RowStore):
     """The KV rows of one MTP layer in an engine's block pool, addressed as vLLM addresses them.
 
     ``kv (num_blocks, block_size, Dh)`` in the layer dtype (the rows exactly as attended, as
@@ -313,10 +318,6 @@ class PagedKVCache:
     ``window`` is the layer's sliding window; a sequence needs ``ceil(window / bs) + 1`` blocks
     (plus its draft rows') listed to see its whole window.
     """
-
-    kv: torch.Tensor
-    pos: torch.Tensor
-    window: int
 
     def __init__(
         self,
@@ -370,23 +371,6 @@ class PagedKVCache:
     @property
     def block_size(self) -> int:
         return int(self.kv.shape[1])
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.kv.shape[2])
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.kv.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.kv.device
-
-    @property
-    def nbytes(self) -> int:
-        """Device bytes held: ``N * bs * (Dh * itemsize + 4)``."""
-        return self.kv.numel() * self.kv.element_size() + self.pos.numel() * 4
 
     def __repr__(self) -> str:
         return (

@@ -650,8 +650,6 @@ def sink_attention_triton(
     return out
 
 
-
-
 def sink_attention_cache_triton(
     q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -679,8 +677,6 @@ def sink_attention_cache_triton(
         scale * _LOG2E,
     )  # fmt: skip
     return out
-
-
 
 
 def sink_attention_paged_triton(
