@@ -16,8 +16,10 @@ experts, FP8 dense linears, bf16 embedding and head), loads it with
   scales, norms, mHC parameters), the routed experts the step's router actually selected
   (counted by re-running the router on the step's MoE input), the shared expert, the bf16 head,
   the embedding rows, each sequence's KV window and the activations in and out;
-* a per-op breakdown of the T 1 and T 64 replays (torch.profiler, CUDA time per kernel name);
-* peers in the same run: the reference layer on the GPU, eager (``--reference``), at T 1 and 8.
+* a per-op breakdown of the T 1 and T 64 replays and of each prefill (torch.profiler, CUDA time
+  per kernel name; launches per step and the time outside kernels);
+* peers in the same run: the reference layer on the GPU, eager (``--reference``) and with its
+  layer body under ``torch.compile`` (``--compile``), at T 1 and 8.
 
     python3 h200_mtp.py --out $OUT --commit <sha>      # on the GPU machine, from bench/
 
@@ -171,22 +173,33 @@ def count_experts(layer: MTPLayer, call: Callable[[], Any]) -> tuple[int, int]:
     return int(torch.unique(ids).numel()), int(ids.numel())
 
 
-def profile_replay(replay: Callable[[], Any], top: int = 14) -> list[dict[str, Any]]:
+def profile_replay(replay: Callable[[], Any], top: int = 14, reps: int = 5) -> dict[str, Any]:
+    """CUDA time per kernel name over ``reps`` calls of ``replay`` (torch.profiler), per call:
+    the ``top`` kernels, and every kernel's launches and time summed (``launches``,
+    ``kernel_us``): what the step's time spends outside kernels is its time minus
+    ``kernel_us`` (graph-node gaps, and idle SMs between dependent launches)."""
     from torch.profiler import ProfilerActivity, profile
 
     replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+        for _ in range(reps):
             replay()
         torch.cuda.synchronize()
     rows = []
     for e in prof.key_averages():
-        us = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / 5
+        us = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / reps
         if us > 0:
-            rows.append({"kernel": e.key[:90], "us_per_step": round(us, 2), "calls": e.count // 5})
+            rows.append(
+                {"kernel": e.key[:90], "us_per_step": round(us, 2), "calls": e.count / reps}
+            )
     rows.sort(key=lambda r: -r["us_per_step"])
-    return rows[:top]
+    return {
+        "top": rows[:top],
+        "launches": sum(r["calls"] for r in rows),
+        "kernel_us": round(sum(r["us_per_step"] for r in rows), 1),
+        "all": rows,
+    }
 
 
 # ------------------------------------------------------------------------------------- cells
@@ -262,12 +275,13 @@ def bench_prefill(layer: MTPLayer, cache: Any, fixed: dict[str, int], T: int,
     return {
         "kind": "prefill", "T": T, "us": us, "eager_us": us, "floor_us": floor,
         "ratio": us / floor, "bytes": by, "flops": fl, "distinct_experts": distinct,
-        "logits_finite": finite,
+        "logits_finite": finite, "profile": profile_replay(prefill, top=16, reps=2),
     }  # fmt: skip
 
 
-def bench_reference(ref: Any, T: int, g: torch.Generator) -> dict[str, Any]:
-    """The reference layer's eager step (T sequences of one row, no cache) + logits."""
+def bench_reference(ref: Any, T: int, g: torch.Generator, compiled: bool = False) -> dict[str, Any]:
+    """The reference layer's step (T sequences of one row, no cache) + logits, eager or with
+    its layer body compiled (``first_call_s``: the first call, compilation included)."""
     cfg = ref.config
     ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda", generator=g)
     pos = torch.zeros(T, dtype=torch.int64, device="cuda")
@@ -277,8 +291,15 @@ def bench_reference(ref: Any, T: int, g: torch.Generator) -> dict[str, Any]:
     def step() -> torch.Tensor:
         return ref.compute_logits(ref.forward(ids, pos, prev, seq_lens=lens))
 
+    name = "reference eager (empty cache)"
+    t0 = time.perf_counter()
+    if compiled:
+        # the reference's layer body under torch.compile (its host-side checks stay eager)
+        ref._run = torch.compile(ref._run, dynamic=False)
+        name = "reference under torch.compile (empty cache)"
     step()
-    row = {"peer": "reference eager (empty cache)", "T": T, "us": wall_ms(step, 3) * 1e3}
+    first_s = time.perf_counter() - t0
+    row = {"peer": name, "T": T, "us": wall_ms(step, 3) * 1e3, "first_call_s": first_s}
     print(row)
     return row
 
@@ -313,12 +334,21 @@ def markdown(result: dict[str, Any]) -> str:
             f"{r['flops'] / 1e9:.1f} | {r['distinct_experts']} |"
         )
     for p in result["peers"]:
-        out.append(f"\nPeer: {p['peer']}, T {p['T']}: {p['us']:.0f} us.")
-    for T, kernels in result["breakdown"].items():
-        out += ["", f"Per kernel, decode T {T} (torch.profiler over 5 replays):", "",
+        first = f" (first call {p['first_call_s']:.1f} s)" if "first_call_s" in p else ""
+        out.append(f"\nPeer: {p['peer']}, T {p['T']}: {p['us']:.0f} us{first}.")
+    steps = {r["T"]: r["us"] for r in rows if r.get("variant") == "greedy"}
+    profiles = [(f"decode T {T} (greedy, 5 replays)", steps.get(int(T)), prof)
+                for T, prof in result["breakdown"].items()]  # fmt: skip
+    profiles += [(f"prefill T {r['T']} (eager, 2 calls)", r["us"], r["profile"])
+                 for r in rows if "profile" in r]  # fmt: skip
+    for what, step_us, prof in profiles:
+        idle = f", {step_us - prof['kernel_us']:.0f} us outside kernels" if step_us else ""
+        out += ["", f"Per kernel, {what}: {prof['launches']:.0f} launches, "
+                f"{prof['kernel_us']:.0f} us in kernels{idle}:", "",
                 "| kernel | us / step | launches |", "|---|---|---|"]  # fmt: skip
         out += [
-            f"| `{k['kernel'][:70]}` | {k['us_per_step']:.1f} | {k['calls']} |" for k in kernels
+            f"| `{k['kernel'][:70]}` | {k['us_per_step']:.1f} | {k['calls']:g} |"
+            for k in prof["top"]
         ]
     return "\n".join(out) + "\n"
 
@@ -360,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--reference", action="store_true", help="time the reference layer too")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="the reference under torch.compile")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -441,23 +472,33 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(bench_prefill(layer, cache, fixed, T, g, bw, peak))
 
     # peer: the reference layer on the GPU, eager
-    peers = []
-    if args.reference:
+    peers: list[dict[str, Any]] = []
+    result = {"meta": meta, "rows": rows, "breakdown": breakdown, "peers": peers}
+    write(args.out, result)
+    if args.reference or args.compile:
         from dsv4mtp.reference import MTPLayer as RefLayer
 
         ref = RefLayer.from_checkpoint(ckdir, device="cuda", dtype=BF16)
-        peers = [bench_reference(ref, T, g) for T in (1, 8)]
+        for T in (1, 8) if args.reference else ():
+            peers.append(bench_reference(ref, T, g))
+            write(args.out, result)
+        # last: its compilation may be cut by the caller's time limit (the results so far
+        # are written already)
+        for T in (1, 8) if args.compile else ():
+            peers.append(bench_reference(ref, T, g, compiled=True))
+            write(args.out, result)
         del ref
-
-    result = {"meta": meta, "rows": rows, "breakdown": breakdown, "peers": peers}
-    with open(os.path.join(args.out, "mtp-h200.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    with open(os.path.join(args.out, "mtp-h200-table.md"), "w") as f:
-        f.write(markdown(result))
-    with open(os.path.join(args.out, "mtp-h200.svg"), "w") as f:
-        f.write(svg(rows))
-    print(json.dumps(breakdown, indent=1)[:4000])
+    print(json.dumps({T: b["top"] for T, b in breakdown.items()}, indent=1)[:4000])
     return 0
+
+
+def write(out: str, result: dict[str, Any]) -> None:
+    with open(os.path.join(out, "mtp-h200.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    with open(os.path.join(out, "mtp-h200-table.md"), "w") as f:
+        f.write(markdown(result))
+    with open(os.path.join(out, "mtp-h200.svg"), "w") as f:
+        f.write(svg(result["rows"]))
 
 
 if __name__ == "__main__":
