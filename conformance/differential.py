@@ -5,8 +5,8 @@ For a drawn :class:`~conformance.registry.Case` it runs
 1. the reference on the inputs promoted to float64: the oracle;
 2. the reference in the test dtype: the shapes and dtypes the op must return;
 3. the implementation under test, with its outputs preallocated and poisoned with NaN (or
-   the dtype's max for integers, True for flags) when the op takes ``out=``, so a kernel that skips an element
-   cannot pass by reading stale memory;
+   the dtype's max for integers, True for flags) when the op takes ``out=``, so a kernel that
+   skips an element cannot pass by reading stale memory;
 
 and compares each output with the oracle by ||out-ref||/||ref|| and scaled max-abs.  NaN never
 passes.  Each comparison is recorded so the session summary can print the worst error seen per
