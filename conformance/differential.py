@@ -5,8 +5,8 @@ For a drawn :class:`~conformance.registry.Case` it runs
 1. the reference on the inputs promoted to float64: the oracle;
 2. the reference in the test dtype: the shapes and dtypes the op must return;
 3. the implementation under test, with its outputs preallocated and poisoned with NaN (or
-   the dtype's max for integers) when the op takes ``out=``, so a kernel that skips an element
-   cannot pass by reading stale memory;
+   the dtype's max for integers, True for flags) when the op takes ``out=``, so a kernel that
+   skips an element cannot pass by reading stale memory;
 
 and compares each output with the oracle by ||out-ref||/||ref|| and scaled max-abs.  NaN never
 passes.  Each comparison is recorded so the session summary can print the worst error seen per
@@ -75,6 +75,8 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> ErrorReport:
 def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point():
         return torch.full_like(t, float("nan"))
+    if t.dtype == torch.bool:  # True: a flag left unwritten reads as the permissive answer
+        return torch.ones_like(t)
     return torch.full_like(t, torch.iinfo(t.dtype).max)
 
 

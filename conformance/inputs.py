@@ -200,6 +200,8 @@ def op_inputs(
         return lm_head_inputs(
             op, T, seed, D=D, dtype=dtype, device=device, magnitude=magnitude, zero_rows=zero_rows
         )
+    if op in GUARD_OPS:
+        return step_guard_inputs(T, seed, H=D, dtype=dtype, device=device, magnitude=magnitude)
     return mhc_inputs(op, T, n, D, dtype, device, seed, magnitude=magnitude, zero_rows=zero_rows)
 
 
@@ -222,6 +224,8 @@ def token_rows(op: str, args: tuple[torch.Tensor, ...], index: Any) -> tuple[tor
         return (args[0][index], args[1][index], args[2])
     if op == "kv_norm_rope":  # kv, kv_norm_weight, positions, freqs
         return (args[0][index], args[1], args[2][index], args[3])
+    if op in GUARD_OPS:  # ids, positions, prev_hidden, slots, real, vocab_size, max_positions
+        return (*(a[index] for a in args[:5]), *args[5:])
     return (args[0][index], *args[1:])
 
 
@@ -1011,3 +1015,62 @@ def paged_attention_inputs(
         q, q_pos, pool_kv.to(dtype), pool_pos.to(torch.int32), block_table.to(torch.int32), sink,
     )  # fmt: skip
     return args, {"window": W, "scale": Dh**-0.5}
+
+
+# ==================================================================================== step guard
+GUARD_OPS = ("step_guard",)
+OPS = (*OPS, *GUARD_OPS)
+__all__ += ["GUARD_OPS", "step_guard_inputs"]
+
+_INT64 = torch.iinfo(torch.int64)
+
+
+def step_guard_inputs(
+    T: int,
+    seed: int,
+    *,
+    H: int,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cuda",
+    vocab_size: int = 1000,
+    max_positions: int = 4096,
+    bad: float = 0.3,
+    filler: float = 0.25,
+    magnitude: float = 1.0,
+) -> Inputs:
+    """``(input_ids, positions, prev_hidden, slots, real, vocab_size, max_positions), {}`` of
+    one ``step_guard`` call over T rows.  In range: ids U[0, vocab_size), positions
+    U[0, max_positions), slots U[0, 64), prev_hidden (T, H) N(0, magnitude^2) in ``dtype`` with
+    the dtype's largest finite value (either sign) in one column of ~30 % of the rows (finite:
+    such a row stays ok).  Then each of the three defects hits a row with probability ``bad``,
+    independently (so some rows have two or three, and the reason's precedence counts): a NaN,
+    +inf or -inf in one column (in two columns for half of those rows); an id below 0 or at /
+    past vocab_size (-1, -vocab_size, int64 min, vocab_size, vocab_size + 7, int64 max); a
+    position likewise against max_positions.  ``real`` is False with probability ``filler``:
+    those rows carry defects as often, and must never be recorded."""
+    r = _Draw(device, seed)
+    dev = r.device
+    prev = r.normal(T, H, std=magnitude).to(dtype)
+    ids = (r.uniform(T) * vocab_size).long().clamp_max(vocab_size - 1)
+    positions = (r.uniform(T) * max_positions).long().clamp_max(max_positions - 1)
+    slots = (r.uniform(T) * 64).long()
+    real = r.uniform(T) >= filler
+    huge, defects, two = r.uniform(T) < 0.3, r.uniform(T, 3) < bad, r.uniform(T) < 0.5
+    cols = (r.uniform(T, 3) * H).long().clamp(0, max(H - 1, 0))  # (T, 3)
+    picks = (r.uniform(T, 4) * 6).long().clamp_max(5)  # (T, 4)
+    if H > 0:
+        big = torch.finfo(dtype).max
+        sign = torch.where(picks[:, 3] % 2 == 0, big, -big).to(dtype)
+        prev[huge, cols[huge, 2]] = sign[huge]
+        nonfinite = torch.tensor([float("nan"), float("inf"), -float("inf")], device=dev)
+        values = nonfinite[picks[:, :2] % 3].to(dtype)  # (T, 2)
+        first, second = defects[:, 0], defects[:, 0] & two
+        prev[first, cols[first, 0]] = values[first, 0]
+        prev[second, cols[second, 1]] = values[second, 1]
+
+    def out_of_range(limit: int) -> torch.Tensor:
+        return torch.tensor([-1, -limit, _INT64.min, limit, limit + 7, _INT64.max], device=dev)
+
+    ids = torch.where(defects[:, 1], out_of_range(vocab_size)[picks[:, 0]], ids)
+    positions = torch.where(defects[:, 2], out_of_range(max_positions)[picks[:, 1]], positions)
+    return (ids, positions, prev, slots, real, vocab_size, max_positions), {}

@@ -910,3 +910,60 @@ register(
         tolerances={(BF16, "math"): _ATTN_BF16, (FP32, "math"): _ATTN_FP32},
     )
 )
+
+
+# --------------------------------------------------------------------------- decode step guard
+# Inputs: conformance/inputs.py, step_guard_inputs: rows in range, rows with a non-finite
+# prev_hidden value (NaN, +-inf, in random columns), ids and positions out of range (negative,
+# at the limit, past it, the int64 extremes), several defects in one row, finite rows holding
+# the dtype's largest value, and filler rows (real False) that are bad too.  The strategy also
+# draws the fractions: no bad row, every row bad, all rows filler.  On CPU H up to 4100 (two
+# of the kernel's 4096-wide steps); on CUDA V4's hc_mult * D (16384, 28672) and small H.
+@st.composite
+def _guard_case(draw: Any, dtype: torch.dtype, device: str, max_tokens: int) -> Case:
+    from dsv4mtp.conformance.inputs import step_guard_inputs
+
+    if device == "cpu":
+        T = draw(_CPU_T)
+        H = draw(st.sampled_from([1, 3, 64, 300, 4100]))
+    else:
+        T = draw(st.one_of(st.sampled_from([0, 1, 8, 256]), st.integers(0, min(4096, max_tokens))))
+        H = draw(st.sampled_from([1, 300, 16384, 28672]))
+    bad = draw(st.sampled_from([0.0, 0.1, 0.3, 1.0]))
+    filler = draw(st.sampled_from([0.0, 0.25, 1.0]))
+    vocab_size = draw(st.sampled_from([1, 1000, 129280]))
+    max_positions = draw(st.sampled_from([1, 16, 1 << 20]))
+    magnitude = draw(st.sampled_from([1.0, 1e-3, 1e3]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    args, kw = step_guard_inputs(
+        T, seed, H=H, dtype=dtype, device=device, vocab_size=vocab_size,
+        max_positions=max_positions, bad=bad, filler=filler, magnitude=magnitude,
+    )  # fmt: skip
+    label = (
+        f"T={T} H={H} bad={bad} filler={filler} vocab={vocab_size} max_positions={max_positions} "
+        f"magnitude={magnitude:g} seed={seed}"
+    )
+    return Case(args, kw, label=label)
+
+
+def _guard_facts(case: Case) -> Facts:
+    prev = case.args[2]
+    return Facts(prev.device, (prev.dtype,))
+
+
+# Every output is a flag, an id or a row key: compared bitwise.  The entry below is the
+# registry's required tolerance and reads no output.
+_GUARD = Tolerance(1e-6, 1e-6, "bool / int64 outputs, compared exactly (no tolerance applies)")
+register(
+    OpPair(
+        name="step_guard",
+        concept="step_guard",
+        strategy=_guard_case,
+        build=partial(_build, "step_guard"),
+        facts=_guard_facts,
+        outputs=("ok", "ids", "positions", "slots", "record"),
+        exact=("ok", "ids", "positions", "slots", "record"),
+        reduced=("record",),
+        tolerances={(BF16, "math"): _GUARD, (FP32, "math"): _GUARD},
+    )
+)

@@ -129,6 +129,12 @@ class OpPair:
     exact: outputs compared bitwise after ``canonical`` (integer outputs).
     optimized_args: ``(args, kwargs) -> (args, kwargs)`` for the optimized op (reference
         arguments it takes in another form); the reference always gets the case as drawn.
+    reduced: outputs that summarize the whole batch instead of holding one row per token
+        (step_guard's record): ``out=`` lowers them (``min(out, result)``) rather than
+        overwriting them, so their poison (the dtype's max) is the identity and a poisoned
+        buffer comes back as the result.  The batch-invariance test leaves them out (they name
+        a row by its index in the batch) and the graph-replay test resets them to the poison
+        before each replay.
     cpu_D: the hidden size of the deterministic calls on CPU (the builder's D).
     cpu_examples: at most this many hypothesis examples per generated test on CPU (None: the
         profile's); the GPU tier always runs the profile's.
@@ -149,6 +155,7 @@ class OpPair:
     canonical: Canonical | None = None
     exact: tuple[str, ...] = ()
     optimized_args: ArgsMap | None = None
+    reduced: tuple[str, ...] = ()
     cpu_D: int = 64
     cpu_examples: int | None = None
 

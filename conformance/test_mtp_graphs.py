@@ -135,7 +135,7 @@ def test_padded_step_writes_only_its_rows(loaded, device) -> None:
 
 def test_bad_rows_are_poisoned_and_reported(loaded, device) -> None:
     """A non-finite prev_hidden row and an out-of-range id inside a step: their ids are -1, they
-    write no KV, the other row is unchanged, and check() raises the first one (then clears)."""
+    write no KV, the other row is unchanged, and check() raises the lowest one (then clears)."""
     _, opt = layers(loaded, device)
     cache, twin, slots, next_pos = _two_caches(opt, device)
     graph = DecodeGraphs(opt, cache, buckets=(4,), capture=False)
@@ -151,6 +151,28 @@ def test_bad_rows_are_poisoned_and_reported(loaded, device) -> None:
     assert torch.equal(hidden[0], clean[1][0])
     assert torch.equal(cache.pos[[2, 5]], before[[2, 5]])  # bad rows wrote nothing
     with pytest.raises(InputError, match=r"prev_hidden: non-finite value in row 1"):
+        graph.check()
+    graph.check()  # cleared
+
+
+def test_check_reports_the_lowest_bad_row_since_the_last_check(loaded, device) -> None:
+    """The record keeps the lowest-indexed bad row (and its reason) over the steps since the
+    last check(), not the first step's: row 2's bad id, then row 1's bad position, then row 2's
+    NaN (three steps at successive positions) report row 1's position, once."""
+    _, opt = layers(loaded, device)
+    cache, _, slots, next_pos = _two_caches(opt, device)
+    graph = DecodeGraphs(opt, cache, buckets=(4,), capture=False)
+    ids, pos, prev = _step_inputs(next_pos, device)
+    bad_id = ids.clone()
+    bad_id[2] = -1
+    graph.step(bad_id, pos, prev, slots)
+    bad_pos = pos + 1
+    bad_pos[1] = CFG.max_position_embeddings
+    graph.step(ids, bad_pos, prev, slots)
+    nan = prev.clone()
+    nan[2, 0] = float("nan")
+    graph.step(ids, pos + 2, nan, slots)
+    with pytest.raises(InputError, match=r"^positions: position outside .* in row 1 "):
         graph.check()
     graph.check()  # cleared
 

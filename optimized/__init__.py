@@ -45,3 +45,7 @@ from .attention import sink_attention_paged  # noqa: E402
 from .kv_cache import PagedKVCache  # noqa: E402
 
 __all__ += ["PagedKVCache", "sink_attention_paged"]
+
+from .step_guard import step_guard  # noqa: E402
+
+__all__ += ["step_guard"]

@@ -1325,3 +1325,112 @@ _KERNELS.update(
 
 
 _PAGED_LIB = _register(_PAGED_SCHEMAS)
+
+
+# ------------------------------------------------------------------------------ step guard
+# The decode step's input guard (optimized/step_guard.py validates; the kernel is
+# optimized/kernels/step_guard.py).  The functional variant takes the bad-input record and
+# returns a lowered copy; the ``_out`` variant lowers the caller's record in place (the form a
+# captured decode step runs, its record persisting across replays) and writes the four masked
+# outputs.
+if TYPE_CHECKING:
+    from .kernels.step_guard import step_guard_triton
+else:
+    step_guard_triton = triton_kernel("step_guard", "step_guard_triton")
+
+_GUARD_ARGS = "Tensor input_ids, Tensor positions, Tensor prev_hidden, Tensor slots, Tensor real"
+_GUARD_LIMITS = "int vocab_size, int max_positions"
+_GUARD_SCHEMAS: dict[str, str] = {
+    "step_guard": (
+        f"step_guard({_GUARD_ARGS}, Tensor record, {_GUARD_LIMITS}) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "step_guard_out": (
+        f"step_guard_out({_GUARD_ARGS}, {_GUARD_LIMITS}, *, Tensor(a!) ok, Tensor(b!) ids_out, "
+        "Tensor(c!) positions_out, Tensor(d!) slots_out, Tensor(e!) record) -> ()"
+    ),
+}
+SCHEMAS.update(_GUARD_SCHEMAS)
+OPS = tuple(SCHEMAS)
+
+
+def _step_guard_out(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    prev_hidden: torch.Tensor,
+    slots: torch.Tensor,
+    real: torch.Tensor,
+    vocab_size: int,
+    max_positions: int,
+    *,
+    ok: torch.Tensor,
+    ids_out: torch.Tensor,
+    positions_out: torch.Tensor,
+    slots_out: torch.Tensor,
+    record: torch.Tensor,
+) -> None:
+    if input_ids.shape[0] == 0:
+        return
+    # The kernel writes its outputs and the record through their base pointers: contiguous
+    # (a copy would leave the caller's tensors unwritten); optimized/step_guard.py checks it.
+    prev = prev_hidden if prev_hidden.stride(-1) == 1 else prev_hidden.contiguous()
+    step_guard_triton(
+        input_ids.contiguous(), positions.contiguous(), prev, slots.contiguous(),
+        real.contiguous(), vocab_size, max_positions, ok, ids_out, positions_out, slots_out,
+        record,
+    )  # fmt: skip
+
+
+def _guard_outputs(
+    input_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    B = input_ids.shape[0]
+    return (
+        input_ids.new_empty((B,), dtype=torch.bool),
+        input_ids.new_empty((B,)),
+        input_ids.new_empty((B,)),
+        input_ids.new_empty((B,)),
+    )
+
+
+def _step_guard_fake(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    prev_hidden: torch.Tensor,
+    slots: torch.Tensor,
+    real: torch.Tensor,
+    record: torch.Tensor,
+    vocab_size: int,
+    max_positions: int,
+) -> tuple[torch.Tensor, ...]:
+    return (*_guard_outputs(input_ids), torch.empty_like(record))
+
+
+def _step_guard(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    prev_hidden: torch.Tensor,
+    slots: torch.Tensor,
+    real: torch.Tensor,
+    record: torch.Tensor,
+    vocab_size: int,
+    max_positions: int,
+) -> tuple[torch.Tensor, ...]:
+    ok, ids, pos, slot = _guard_outputs(input_ids)
+    new = record.clone(memory_format=torch.contiguous_format)
+    _step_guard_out(
+        input_ids, positions, prev_hidden, slots, real, vocab_size, max_positions,
+        ok=ok, ids_out=ids, positions_out=pos, slots_out=slot, record=new,
+    )  # fmt: skip
+    return ok, ids, pos, slot, new
+
+
+_KERNELS.update(
+    {
+        "step_guard": (_step_guard, _step_guard_fake),
+        "step_guard_out": (_step_guard_out, _out_fake),
+    }
+)
+
+
+_GUARD_LIB = _register(_GUARD_SCHEMAS)

@@ -62,6 +62,7 @@ from .lm_head import HeadPack, lm_head_argmax, lm_head_logits, pack_head
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoEPack, moe, pack_moe
 from .norm import rms_norm
+from .step_guard import NO_BAD_ROW, step_guard
 
 __all__ = ["BUCKETS", "DecodeGraphs", "MTPLayer", "MTPLayerPack"]
 
@@ -500,9 +501,11 @@ class DecodeGraphs:
 
     Bad input inside a graph (a non-finite ``prev_hidden`` row, an id outside [0, vocab), a
     position outside [0, max_position_embeddings)): the row is treated as filler (no KV write,
-    no routed expert), its id is -1, and the first such row (of the first step that had one)
-    and its reason are recorded on the device; :meth:`check` reads them (one host sync) and
-    raises the :class:`InputError`.
+    no routed expert), its id is -1, and it is recorded on the device by :func:`step_guard`
+    (one launch at the head of the step, docs/semantics.md, "The decode step's input guard"):
+    the record holds ``row * 4 + reason`` of the lowest-indexed bad row among the steps since
+    the last :meth:`check`, which reads it (one host sync), clears it and raises the
+    :class:`InputError`.
     """
 
     _REASONS = ("", "prev_hidden: non-finite value", "input_ids: id outside [0, vocab_size)",
@@ -531,7 +534,8 @@ class DecodeGraphs:
         self.prev = torch.zeros(n, cfg.hc_dim, dtype=layer.dtype, device=dev)
         self.slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.real = torch.zeros(n, dtype=torch.bool, device=dev)
-        self.bad = torch.full((2,), -1, dtype=torch.int64, device=dev)  # (first bad row, reason)
+        # the step_guard record: row * 4 + reason of the lowest bad row, NO_BAD_ROW when none
+        self.bad = torch.full((1,), NO_BAD_ROW, dtype=torch.int64, device=dev)
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.captured = capture
@@ -551,7 +555,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[b] = self._body(b)
             self.graphs[b] = graph
-        self.bad.fill_(-1)
+        self.bad.fill_(NO_BAD_ROW)
 
     def _body(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The captured step at bucket b -> (ids (b,), hidden (b, nD), logits (b, V) fp32, or
@@ -560,25 +564,22 @@ class DecodeGraphs:
         ids, pos, prev, slots, real = (
             self.ids[:b], self.pos[:b], self.prev[:b], self.slots[:b], self.real[:b]
         )  # fmt: skip
-        finite = torch.isfinite(prev).all(-1)
-        ids_ok = (ids >= 0) & (ids < cfg.vocab_size)
-        pos_ok = (pos >= 0) & (pos < cfg.max_position_embeddings)
-        ok = real & finite & ids_ok & pos_ok
-        reason = torch.where(~finite, 1, torch.where(~ids_ok, 2, 3))
-        bad = real & ~ok
-        # no host read while capturing: a 0-d index tensor would be read, gather is not
-        row = torch.where(bad.any(), bad.to(torch.int32).argmax(), -1).view(1)
-        why = torch.where(row >= 0, reason.gather(0, row.clamp_min(0)), -1)
-        new = torch.cat([row, why])
-        self.bad.copy_(torch.where(self.bad[0] >= 0, self.bad, new))
+        # One launch: ok rows, their ids / positions / slots masked (0, 0, -1 where not ok),
+        # and self.bad lowered to the lowest bad real row's key.  Outputs from the graph's pool.
+        ok = torch.empty(b, dtype=torch.bool, device=ids.device)
+        ids_ok, pos_ok, slots_ok = (torch.empty_like(ids) for _ in range(3))
+        step_guard(
+            ids, pos, prev, slots, real, cfg.vocab_size, cfg.max_position_embeddings,
+            out=(ok, ids_ok, pos_ok, slots_ok, self.bad),
+        )  # fmt: skip
         hidden = L._run(
-            torch.where(ok, ids, 0),
-            torch.where(ok, pos, 0),
+            ids_ok,
+            pos_ok,
             prev,
             [1] * b,
             self.cache,
             self.spec_step,
-            attn_extra={"cache_slots": torch.where(ok, slots, -1)},
+            attn_extra={"cache_slots": slots_ok},
             moe_extra={"row_mask": ok},
         )  # fmt: skip  (b, nD)
         if self.logits:
@@ -638,9 +639,11 @@ class DecodeGraphs:
         return out[0][:B], out[1][:B], out[2][:B]
 
     def check(self) -> None:
-        """One host read of the bad-input record: raise its :class:`InputError` (and clear it)."""
-        row, reason = (int(v) for v in self.bad.tolist())
-        if row < 0:
+        """One host read of the bad-input record: raise the :class:`InputError` of the lowest
+        bad row since the last check (and clear the record)."""
+        key = int(self.bad.item())
+        if key == NO_BAD_ROW:
             return
-        self.bad.fill_(-1)
+        self.bad.fill_(NO_BAD_ROW)
+        row, reason = divmod(key, 4)
         raise InputError(f"{self._REASONS[reason]} in row {row} (inside a CUDA-graph decode step)")

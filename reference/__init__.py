@@ -161,3 +161,8 @@ __all__ += ["lm_head_argmax", "lm_head_logits"]
 from .attention import sink_attention_paged  # noqa: E402
 
 __all__ += ["sink_attention_paged"]
+
+# --- the decode step's input guard (the checks a captured step runs on the device)
+from .step_guard import step_guard  # noqa: E402
+
+__all__ += ["step_guard"]

@@ -1,0 +1,102 @@
+"""The decode step's input guard in one launch (docs/semantics.md, "The decode step's input
+guard").
+
+One program per row b of the step: it reads the row's prev_hidden (H values, in BLOCK_H pieces)
+and its id, position, slot and ``real`` flag, writes ``ok[b]`` and the masked id, position and
+slot, and, for a real row that is not ok, lowers the record to ``b * 4 + reason`` with an
+atomic min.  Min is order-independent, so the record does not depend on which program runs
+first; every other write belongs to one program, so the kernel is batch invariant.
+
+Shapes: ids, positions, slots (B,) int64; real and ok (B,) bool; prev_hidden (B, H) bf16 / fp32
+with unit stride along H (rows ``stride`` apart); record (1,) int64.  Bytes: B * H * itemsize
+read from prev_hidden, B * (3 * 8 + 1) read and B * (3 * 8 + 1) written, one 8-byte atomic per
+bad real row.  Grid (B,).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from ._launch import TritonLaunch, next_pow2, triton_launch
+from .moe_common import jit_loop_bounds
+
+__all__ = ["step_guard_triton"]
+
+# Elements of prev_hidden per loop step: 4096 fp32 over 4 warps is 32 per thread; V4-Pro's
+# hc_mult * D = 28672 takes 7 steps.
+_MAX_BLOCK_H = 4096
+
+
+@jit_loop_bounds("H")
+def step_guard_kernel(
+    ids_ptr,
+    pos_ptr,
+    prev_ptr,
+    slots_ptr,
+    real_ptr,
+    ok_ptr,
+    ids_out_ptr,
+    pos_out_ptr,
+    slots_out_ptr,
+    record_ptr,
+    H,
+    stride,
+    vocab_size,
+    max_positions,
+    BLOCK_H: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    row = prev_ptr + b * stride
+    # 1 where a value is NaN or +-inf (|x| < inf is false for both); masked lanes read 0
+    nonfinite = tl.zeros([BLOCK_H], dtype=tl.int32)
+    for h0 in range(0, H, BLOCK_H):
+        x = tl.load(row + h0 + offs, mask=h0 + offs < H, other=0.0).to(tl.float32)
+        nonfinite = nonfinite | (tl.abs(x) < float("inf")).to(tl.int32) ^ 1
+    finite = tl.max(nonfinite, 0) == 0
+    real = tl.load(real_ptr + b) != 0
+    token = tl.load(ids_ptr + b)
+    pos = tl.load(pos_ptr + b)
+    slot = tl.load(slots_ptr + b)
+    id_ok = (token >= 0) & (token < vocab_size)
+    pos_ok = (pos >= 0) & (pos < max_positions)
+    ok = real & finite & id_ok & pos_ok
+    tl.store(ok_ptr + b, ok)
+    tl.store(ids_out_ptr + b, tl.where(ok, token, 0))
+    tl.store(pos_out_ptr + b, tl.where(ok, pos, 0))
+    tl.store(slots_out_ptr + b, tl.where(ok, slot, -1))
+    reason = tl.where(finite, tl.where(id_ok, 3, 2), 1).to(tl.int64)
+    tl.atomic_min(record_ptr, b * 4 + reason, mask=real & (ok == 0))
+
+
+_LAUNCHES: dict[int, TritonLaunch] = {}
+
+
+def step_guard_triton(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    prev_hidden: torch.Tensor,
+    slots: torch.Tensor,
+    real: torch.Tensor,
+    vocab_size: int,
+    max_positions: int,
+    ok: torch.Tensor,
+    ids_out: torch.Tensor,
+    pos_out: torch.Tensor,
+    slots_out: torch.Tensor,
+    record: torch.Tensor,
+) -> None:
+    """Launch :func:`step_guard_kernel` (validated by the caller: 1-D tensors contiguous,
+    prev_hidden with unit stride along H; the outputs and the record written in place)."""
+    B, H = prev_hidden.shape
+    if B == 0:
+        return
+    block_h = min(_MAX_BLOCK_H, next_pow2(H))
+    launch = _LAUNCHES.get(block_h)
+    if launch is None:
+        launch = _LAUNCHES[block_h] = triton_launch(step_guard_kernel, BLOCK_H=block_h, num_warps=4)
+    launch(
+        (B,), input_ids, positions, prev_hidden, slots, real, ok, ids_out, pos_out, slots_out,
+        record, H, prev_hidden.stride(0), vocab_size, max_positions,
+    )  # fmt: skip
