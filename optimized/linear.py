@@ -142,7 +142,9 @@ def pack_linear(
     other floats widened to fp32.  ``groups``: split a 2-D weight's rows into that many groups
     (``wo_a``: G = o_groups; FP8 groups must be whole 128-row blocks).  ``device``: default the
     weight's own.  e4m3 NaN codes and non-finite block scales are an :class:`InputError`
-    (``check_finite_codes``: the kernels' decode has no NaN).
+    (``check_finite_codes``: the kernels' decode has no NaN).  The pack also owns its split-K
+    tile counters (:class:`LinearPack`, ``counters``: int32 zeros, 64 B per 64 output columns
+    per group).
     """
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise InputError("weight: pack_linear cannot run during CUDA-graph capture; pack before")

@@ -186,15 +186,17 @@ def linear_kernel(
         plane = tl.cast(R, tl.int64) * G * N
         tile_part = part_ptr + out_off  # (BLOCK_M, BLOCK_N) in plane 0
         tl.store(tile_part + s * plane, acc, mask=mask)
-        # Memory model (PTX, gpu scope).  Release: the barrier orders every thread's partial
-        # stores before the atomic, which one thread of the program performs with release
-        # semantics; release is cumulative, so those stores are visible at gpu scope to any
-        # program that acquires a later value of the counter.  The increments of one counter
-        # form one release sequence, so the program that reads SPLIT_K - 1 acquires all
-        # SPLIT_K - 1 earlier releases.  Acquire: the same atomic (acq_rel), then a barrier
-        # that orders every thread's loads after it, and ``.cg`` loads (L2, the coherence point;
-        # an L1 line of part could be stale from an earlier call).  One atomic per program, no
-        # waiting: no program depends on another being resident.
+        # Memory model (PTX, gpu scope).  Triton runs an atomic on a scalar pointer in one
+        # thread of the program (thread 0) and broadcasts its result through shared memory.
+        # Release: the barrier orders every thread's partial stores before that atomic, whose
+        # release is cumulative, so the stores are visible at gpu scope to any program that
+        # acquires a later value of the counter.  Each increment of a counter reads the one
+        # before it (one modification order of read-modify-writes), so the acq_rel increment
+        # that reads SPLIT_K - 1 synchronizes with all SPLIT_K - 1 earlier releases.  Acquire:
+        # that same atomic, then a barrier ordering every thread's loads after it, and ``.cg``
+        # loads (from L2, the coherence point: an L1 line of part can be stale, e.g. one shared
+        # with a neighbouring tile and read by that tile's reducer on the same SM).  One atomic
+        # per program and no waiting: no program depends on another being resident.
         tl.debug_barrier()
         tile = (pid_m * tl.num_programs(1) + pid_n) * G + g
         ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
