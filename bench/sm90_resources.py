@@ -34,7 +34,6 @@ from dsv4mtp.optimized.kernels.linear import (
     FMT_DENSE,
     FMT_FP8,
     linear_kernel,
-    linear_reduce_kernel,
     linear_schedule,
 )
 from dsv4mtp.optimized.kernels.mhc_collapse import (
@@ -147,10 +146,10 @@ _LINEARS = {
 
 def linear_lines() -> list[str]:
     """The dense-linear kernel at its default schedules (T 1, 64, 513 and batch-invariant), FP8
-    codes with bf16 x (and the bf16-weight variant once), plus the split-K reduce."""
+    codes with bf16 x (and the bf16-weight variant once); split schedules reduce in-kernel."""
     sig = dict(
-        x_ptr="*bf16", w_ptr="*u8", s_ptr="*fp32", y_ptr="*bf16", part_ptr="*fp32", R="i32",
-        G="i32", N="i32", K="i32", KB_PER_SPLIT="i32",
+        x_ptr="*bf16", w_ptr="*u8", s_ptr="*fp32", y_ptr="*bf16", part_ptr="*fp32",
+        count_ptr="*i32", R="i32", G="i32", N="i32", K="i32", KB_PER_SPLIT="i32",
     )  # fmt: skip
     lines = []
     seen: set[tuple[object, ...]] = set()
@@ -172,10 +171,6 @@ def linear_lines() -> list[str]:
                 what = "fp8 " if fmt == FMT_FP8 else "bf16"
                 tile = (sc.block_m, sc.block_n, sc.split_k, sc.num_warps, sc.num_stages)
                 lines.append(f"linear {what} {name:7s} T={rows:<3d} bi={bi!s:5s} {tile}: {line}")
-    rsig = dict(part_ptr="*fp32", y_ptr="*bf16", NUMEL="i32")
-    line = resources(linear_reduce_kernel, rsig, dict(SPLIT_K=16, BLOCK=1024, INTERP=False),
-                     num_warps=4)  # fmt: skip
-    lines.append(f"linear reduce split 16: {line}")
     return lines
 
 

@@ -107,8 +107,8 @@ def test_each_block_scale_lands_on_its_own_block(device: str) -> None:
 
 
 def test_ragged_k_split_and_the_reduce(device: str) -> None:
-    """A 2-way split of 5 K blocks (3 + 2) with the fp32 partials summed by the reduce kernel:
-    within tolerance, and equal to the unsplit sum up to fp32 reassociation."""
+    """A 2-way split of 5 K blocks (3 + 2) with the fp32 partials summed by each tile's last
+    split: within tolerance, and equal to the unsplit sum up to fp32 reassociation."""
     from dsv4mtp.optimized.kernels.linear import FMT_FP8, LinearSchedule, linear_triton
 
     qw = linear_weight(1, 192, 640, "fp8_e8m0", seed=7)
@@ -126,6 +126,80 @@ def test_ragged_k_split_and_the_reduce(device: str) -> None:
     assert torch.allclose(outs[0], outs[2], rtol=1e-5, atol=1e-6)
 
 
+def _in_split_order(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The reduce's arithmetic in torch: fp32 zeros plus the partials part[0], part[1], ... in
+    that order, then one rounding to ``dtype`` (round to nearest even)."""
+    total = torch.zeros_like(part[0])
+    for p in part:
+        total = total + p
+    return total.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
+def test_split_k_sums_the_partials_in_split_order_in_one_launch(
+    dtype: torch.dtype, device: str
+) -> None:
+    """Split-K without a second launch: every split stores its fp32 partial and counts itself on
+    its output tile; the last to arrive adds part[0..S-1] in split order and rounds once.  y is
+    bit for bit that in-order sum of the partials the kernel left in its workspace (the
+    arithmetic of a separate reduce launch), the pack's counters are zero again after each call,
+    and a second call (reusing them) gives the same bits.  S 2, 3 and 4 over 5 K blocks (ragged;
+    with S 4 the last split has no K block), 19 rows (two M blocks of 16), 3 N tiles."""
+    from dsv4mtp.optimized.kernels._launch import workspace
+    from dsv4mtp.optimized.kernels.linear import FMT_FP8, LinearSchedule, linear_triton
+
+    R, N, K = 19, 192, 640
+    qw = linear_weight(1, N, K, "fp8_f32", seed=17)
+    pack = opt.pack_linear(qw, device)
+    x = _x(R, 1, K, dtype=dtype, device=device, seed=18)
+    for split in (2, 3, 4):
+        sched = LinearSchedule(16, 64, split)
+        first = None
+        for _ in range(2):
+            y = torch.full((R, 1, N), float("nan"), dtype=dtype, device=device)
+            linear_triton(
+                x, pack.weight, pack.scale, y, fmt=FMT_FP8, sched=sched, counters=pack.counters
+            )
+            part = workspace("linear_part", (split * R * N,), FP32, x.device).view(split, R, 1, N)
+            assert torch.equal(y, _in_split_order(part, dtype)), f"split {split}"
+            assert not pack.counters.any(), f"split {split}: counters not reset"
+            if first is None:
+                first = y
+                _check("linear", y[:, 0].cpu(), x[:, 0].cpu(), qw)
+            else:
+                assert torch.equal(y, first), f"split {split}: a second call differs"
+
+
+def test_split_k_rows_past_the_counters_run_in_launches_of_whole_m_blocks(device: str) -> None:
+    """Counters for one M block's tiles: 130 rows (three M blocks of 64, the batch-invariant
+    schedule) run in three launches, bit for bit the one launch on the stream's counters (each
+    tile is computed alone), through the operator too; counters end zero.  Counters that are not
+    int32 are an InputError naming them."""
+    from dsv4mtp.optimized.kernels.linear import FMT_FP8, linear_schedule, linear_triton
+
+    R, N, K = 130, 128, 512
+    qw = linear_weight(1, N, K, "fp8_e8m0", seed=19)
+    pack = opt.pack_linear(qw, device)
+    x = _x(R, 1, K, device=device, seed=20)
+    sched = linear_schedule(R, N, K, 1, True)
+    assert (sched.block_m, sched.block_n, sched.split_k) == (64, 64, 2)
+    ys = []
+    for counters in (None, torch.zeros(2, dtype=torch.int32, device=device)):
+        y = torch.full((R, 1, N), float("nan"), dtype=BF16, device=device)
+        linear_triton(x, pack.weight, pack.scale, y, fmt=FMT_FP8, sched=sched, counters=counters)
+        ys.append(y)
+        assert counters is None or not counters.any()
+    assert torch.equal(ys[0], ys[1])
+    small = dataclasses.replace(pack, counters=torch.zeros(2, dtype=torch.int32, device=device))
+    got = opt.linear(x[:, 0], small, batch_invariant=True)
+    assert torch.equal(got, ys[0][:, 0]) and not small.counters.any()
+    assert torch.equal(opt.linear(x[:, 0], pack, batch_invariant=True), got)
+    args = (x[:, 0], pack.weight, pack.scale, pack.fmt, False, False)
+    bad = pack.counters.to(torch.int64)
+    with pytest.raises(InputError, match=r"^counters: expected a contiguous 1-D int32 tensor"):
+        torch.ops.dsv4mtp.linear.default(*args, counters=bad)
+
+
 def test_fused_wqa_wkv_rows_split_into_the_two_linears(device: str) -> None:
     """The fused wq_a + wkv weight (row_splits) gives both outputs from one product."""
     a, b = (
@@ -141,13 +215,16 @@ def test_fused_wqa_wkv_rows_split_into_the_two_linears(device: str) -> None:
 
 
 # ------------------------------------------------------------------------------ invariance
+@pytest.mark.parametrize("K", [384, 512])
 @pytest.mark.parametrize("op", ["linear", "grouped_linear"])
-def test_batch_invariant_rows_are_bitwise_the_same_alone(op: str, device: str) -> None:
+def test_batch_invariant_rows_are_bitwise_the_same_alone(op: str, K: int, device: str) -> None:
+    """67 rows (two M blocks of 64) against each row alone; K 384 has no K split, K 512 splits
+    K in two (4 K blocks), summed in the kernel by each tile's last split."""
     grouped = op == "grouped_linear"
-    qw = linear_weight(2 if grouped else 1, 128, 384, "fp8_f32", seed=11)
+    qw = linear_weight(2 if grouped else 1, 128, K, "fp8_f32", seed=11)
     pack = opt.pack_linear(qw, device, groups=2 if grouped else None)
     fn = opt.grouped_linear if grouped else opt.linear
-    x = _x(*((67, 2, 384) if grouped else (67, 384)), device=device, seed=12)
+    x = _x(*((67, 2, K) if grouped else (67, K)), device=device, seed=12)
     full = fn(x, pack, batch_invariant=True)
     for t in (0, 33, 66):
         alone = fn(x[t : t + 1], pack, batch_invariant=True)
@@ -232,14 +309,17 @@ def test_pack_refuses_nan_codes_and_scales_naming_the_tensor(fmt: str, device: s
 @pytest.mark.parametrize("op", ["linear", "grouped_linear"])
 @pytest.mark.parametrize("variant", ["", "_out"])
 def test_linear_opcheck(op: str, variant: str, device: str) -> None:
-    """Schema, fake kernel and AOT dispatch of the operators (torch.library.opcheck)."""
+    """Schema, fake kernel and AOT dispatch of the operators (torch.library.opcheck), on a
+    split-K schedule (K 512: 4 K blocks, 2 splits), so the written ``counters`` are used."""
     grouped = op == "grouped_linear"
-    qw = linear_weight(2 if grouped else 1, 128, 256, "fp8_e8m0", seed=15)
+    qw = linear_weight(2 if grouped else 1, 128, 512, "fp8_e8m0", seed=15)
     pack = opt.pack_linear(qw, device, groups=2 if grouped else None)
-    x = _x(*((3, 2, 256) if grouped else (3, 256)), device=device)
+    x = _x(*((3, 2, 512) if grouped else (3, 512)), device=device)
     args = (x, pack.weight, pack.scale, pack.fmt, False, False)
-    outs = {"out": x.new_empty((3, 2, 128) if grouped else (3, 128))} if variant else {}
-    torch.library.opcheck(getattr(torch.ops.dsv4mtp, op + variant).default, args, outs)
+    kw: dict[str, torch.Tensor] = {"counters": pack.counters}
+    if variant:
+        kw["out"] = x.new_empty((3, 2, 128) if grouped else (3, 128))
+    torch.library.opcheck(getattr(torch.ops.dsv4mtp, op + variant).default, args, kw)
 
 
 # ------------------------------------------------------------------------------ gpu tier

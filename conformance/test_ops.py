@@ -114,11 +114,13 @@ def test_every_operator_is_defined_with_its_schema() -> None:
         parsed = getattr(ns, name).default._schema
         assert str(parsed) == f"{NAMESPACE}::{schema}", name
         written = [a.name for a in parsed.arguments if a.alias_info and a.alias_info.is_write]
+        assert all(a.kwarg_only for a in parsed.arguments if a.name in written), name
         if name.endswith("_out"):
-            assert written and all(a.kwarg_only for a in parsed.arguments if a.name in written)
-            assert not parsed.returns, name
+            assert written and not parsed.returns, name
         else:
-            assert not written, name
+            # A functional op writes nothing but a caller-owned workspace that it leaves as it
+            # found it: the dense linears' split-K tile counters (zeros before and after).
+            assert set(written) <= {"counters"}, name
 
 
 def test_importing_twice_registers_once() -> None:

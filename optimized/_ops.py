@@ -813,10 +813,13 @@ _ATTN_LIB = _register(_ATTN_SCHEMAS)
 # ------------------------------------------------------------------------------ linear
 # The dense linears (optimized/linear.py validates and packs; the kernel is
 # optimized/kernels/linear.py).  A LinearPack travels flat: the (G, N, K) weight (uint8 e4m3
-# codes, or bf16 / fp32), its fp32 block scales (empty for a dense weight) and the format as a
-# string ("fp8", "bf16").  linear takes x (..., K) and a pack with G = 1; grouped_linear x
-# (T, G, K).  The schedule is the default of the row count, or with batch_invariant the
-# T-independent one (kernels/linear.py, linear_schedule).
+# codes, or bf16 / fp32), its fp32 block scales (empty for a dense weight), the format as a
+# string ("fp8", "bf16") and its int32 split-K tile counters (``counters``, kwarg-only and
+# written: the kernel counts each output tile's K splits there and its last split zeroes the
+# count again, so the tensor holds zeros before and after every call; empty for a dense weight
+# passed without a pack: the stream's zeroed counters are used).  linear takes x (..., K) and a
+# pack with G = 1; grouped_linear x (T, G, K).  The schedule is the default of the row count,
+# or with batch_invariant the T-independent one (kernels/linear.py, linear_schedule).
 if TYPE_CHECKING:
     from .kernels.linear import linear_schedule, linear_triton
 else:
@@ -827,10 +830,12 @@ _LINEAR_ARGS = (
     "Tensor x, Tensor weight, Tensor scale, str fmt, bool act_quant, bool batch_invariant"
 )
 _LINEAR_SCHEMAS: dict[str, str] = {
-    "linear": f"linear({_LINEAR_ARGS}) -> Tensor",
-    "linear_out": f"linear_out({_LINEAR_ARGS}, *, Tensor(a!) out) -> ()",
-    "grouped_linear": f"grouped_linear({_LINEAR_ARGS}) -> Tensor",
-    "grouped_linear_out": f"grouped_linear_out({_LINEAR_ARGS}, *, Tensor(a!) out) -> ()",
+    "linear": f"linear({_LINEAR_ARGS}, *, Tensor(a!) counters) -> Tensor",
+    "linear_out": f"linear_out({_LINEAR_ARGS}, *, Tensor(a!) out, Tensor(b!) counters) -> ()",
+    "grouped_linear": f"grouped_linear({_LINEAR_ARGS}, *, Tensor(a!) counters) -> Tensor",
+    "grouped_linear_out": (
+        f"grouped_linear_out({_LINEAR_ARGS}, *, Tensor(a!) out, Tensor(b!) counters) -> ()"
+    ),
 }
 SCHEMAS.update(_LINEAR_SCHEMAS)
 OPS = tuple(SCHEMAS)
@@ -846,10 +851,18 @@ def _linear_into(
     act_quant: bool,
     batch_invariant: bool,
     out: torch.Tensor,
+    counters: torch.Tensor,
 ) -> None:
     """x (R, G, K) rows into out (R, G, N) (both views of the caller's tensors)."""
     if fmt not in _LINEAR_FMT:
         raise InputError(f"fmt: expected one of {tuple(_LINEAR_FMT)}, got {fmt!r}")
+    if counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous():
+        raise InputError(
+            f"counters: expected a contiguous 1-D int32 tensor, got {counters.dtype} of shape "
+            f"{tuple(counters.shape)}"
+        )
+    if counters.device != x.device:
+        raise InputError(f"counters: expected device {x.device} (as x), got {counters.device}")
     R, G, K = x.shape
     if R == 0:
         return
@@ -858,8 +871,9 @@ def _linear_into(
         xin = _act_quant(xin.view(R * G, K)).view(R, G, K)
     sched = linear_schedule(R, weight.shape[1], K, G, batch_invariant)
     linear_triton(
-        xin, weight.contiguous(), scale.contiguous(), out, fmt=_LINEAR_FMT[fmt], sched=sched
-    )
+        xin, weight.contiguous(), scale.contiguous(), out, fmt=_LINEAR_FMT[fmt], sched=sched,
+        counters=counters if counters.numel() else None,
+    )  # fmt: skip
 
 
 def _linear_out(
@@ -871,14 +885,16 @@ def _linear_out(
     batch_invariant: bool,
     *,
     out: torch.Tensor,
+    counters: torch.Tensor,
 ) -> None:
     K, N = x.shape[-1], weight.shape[1]
     _linear_into(
-        x.reshape(-1, 1, K), weight, scale, fmt, act_quant, batch_invariant, out.view(-1, 1, N)
-    )
+        x.reshape(-1, 1, K), weight, scale, fmt, act_quant, batch_invariant, out.view(-1, 1, N),
+        counters,
+    )  # fmt: skip
 
 
-def _linear_fake(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
+def _linear_fake(x: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[1]))
 
 
@@ -891,16 +907,33 @@ def _grouped_linear_out(
     batch_invariant: bool,
     *,
     out: torch.Tensor,
+    counters: torch.Tensor,
 ) -> None:
-    _linear_into(x, weight, scale, fmt, act_quant, batch_invariant, out)
+    _linear_into(x, weight, scale, fmt, act_quant, batch_invariant, out, counters)
 
 
-def _grouped_linear_fake(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
+def _grouped_linear_fake(
+    x: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
     return x.new_empty((x.shape[0], x.shape[1], weight.shape[1]))
 
 
-_linear = _functional(_linear_out, _linear_fake)
-_grouped_linear = _functional(_grouped_linear_out, _grouped_linear_fake)
+def _with_counters(
+    out_kernel: Callable[..., None], like: Callable[..., torch.Tensor]
+) -> Callable[..., torch.Tensor]:
+    """The functional kernel of linear / grouped_linear (``_functional`` with the kwarg-only
+    ``counters`` passed through)."""
+
+    def kernel(*args: Any, counters: torch.Tensor) -> torch.Tensor:
+        out = like(*args)
+        out_kernel(*args, out=out, counters=counters)
+        return out
+
+    return kernel
+
+
+_linear = _with_counters(_linear_out, _linear_fake)
+_grouped_linear = _with_counters(_grouped_linear_out, _grouped_linear_fake)
 
 _KERNELS.update(
     {

@@ -48,6 +48,11 @@ _ops_grouped = torch.ops.dsv4mtp.grouped_linear.default
 _ops_grouped_out = torch.ops.dsv4mtp.grouped_linear_out.default
 
 _FP8_FORMATS = ("fp8_e8m0", "fp8_f32")
+# A pack's split-K tile counters (LinearPack.counters): the split schedules' output tiles are
+# 64 columns wide (kernels/linear.py, linear_schedule), decode calls have one M block and
+# batch-invariant calls one per 64 rows; counters for 16 M blocks cost 64 B per 64 columns.
+_COUNTER_TILE_N = 64
+_COUNTER_M_BLOCKS = 16
 
 
 @dataclass(frozen=True)
@@ -59,11 +64,22 @@ class LinearPack:
     fp32, kept for fp32 weights) and an empty ``scale``.  G = 1 for a plain linear;
     ``grouped``: built for :func:`grouped_linear` (G groups of N rows each).  ``row_splits``:
     the shards of a fused weight (``fused_wqa_wkv``: (Rq, Dh)), for slicing the output.
+
+    ``counters``: int32 zeros, one per 64-column output tile of each group for 16 M blocks
+    (``G * ceil(N/64) * 16``; empty for a dense weight viewed as a pack per call).  A split-K
+    call counts the arrivals of each tile's K splits there, and the last split of a tile sums
+    the partials and zeroes its count (kernels/linear.py): every call leaves them zero, so no
+    memset runs per call and a CUDA graph replays on them as they are.  Hence the one rule a
+    pack adds: calls on one pack are ordered (one stream, or streams synchronized between
+    them); two calls on one pack running at the same time on two streams would mix their
+    counts.  A call of more rows than 16 M blocks (``batch_invariant`` past 1024 rows) runs
+    in launches of 16 M blocks.
     """
 
     fmt: str
     weight: torch.Tensor
     scale: torch.Tensor
+    counters: torch.Tensor
     grouped: bool = False
     row_splits: tuple[int, ...] | None = None
     name: str = ""
@@ -126,7 +142,9 @@ def pack_linear(
     other floats widened to fp32.  ``groups``: split a 2-D weight's rows into that many groups
     (``wo_a``: G = o_groups; FP8 groups must be whole 128-row blocks).  ``device``: default the
     weight's own.  e4m3 NaN codes and non-finite block scales are an :class:`InputError`
-    (``check_finite_codes``: the kernels' decode has no NaN).
+    (``check_finite_codes``: the kernels' decode has no NaN).  The pack also owns its split-K
+    tile counters (:class:`LinearPack`, ``counters``: int32 zeros, 64 B per 64 output columns
+    per group).
     """
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise InputError("weight: pack_linear cannot run during CUDA-graph capture; pack before")
@@ -199,7 +217,12 @@ def pack_linear(
         s3 = torch.empty((0,), dtype=torch.float32, device=dev)
     else:
         s3 = s.to(dev).reshape(G, -(-n // FP8_BLOCK), s.shape[1]).contiguous()
-    return LinearPack(fmt, w3, s3, grouped=groups is not None, row_splits=row_splits, name=name)
+    counters = torch.zeros(
+        (G * -(-n // _COUNTER_TILE_N) * _COUNTER_M_BLOCKS,), dtype=torch.int32, device=dev
+    )
+    return LinearPack(
+        fmt, w3, s3, counters, grouped=groups is not None, row_splits=row_splits, name=name
+    )
 
 
 def _as_pack(weight: object, grouped: bool) -> LinearPack:
@@ -215,9 +238,10 @@ def _as_pack(weight: object, grouped: bool) -> LinearPack:
         check_ndim("weight", weight, 3 if grouped else 2)
         w = weight.contiguous()
         w3 = w if grouped else w[None]
-        return LinearPack(
-            "bf16", w3, torch.empty((0,), dtype=torch.float32, device=w.device), grouped
-        )
+        # No counters of its own: a split call takes the stream's zeroed ones (kernels/_sync.py).
+        scale = torch.empty((0,), dtype=torch.float32, device=w.device)
+        no_counters = torch.empty((0,), dtype=torch.int32, device=w.device)
+        return LinearPack("bf16", w3, scale, no_counters, grouped)
     if isinstance(weight, QuantizedWeight):
         raise InputError(
             "weight: a QuantizedWeight is packed once with dsv4mtp.optimized.pack_linear(weight)"
@@ -262,21 +286,25 @@ def linear(
     1x128 block with power-of-two scales (dsv4mtp/quant.py) by a first launch
     (``act_quant_triton``, into a scratch copy), then the same kernel runs on the rounded x
     (exact in bf16): the reference's quantize-dequantize-then-matmul.  Fuses the code decode and
-    the block scales into the GEMM; moves the codes once per 64-row block (N*K bytes: e_proj
-    16 MiB, wq_b 32 MiB, wo_b 32 MiB; one read at decode sizes) plus N*K/4096 bytes of scales,
-    x (R*K*itemsize, from L2 per N tile), y, and 2*S*R*N*4 bytes of fp32 partials when the
-    schedule splits K S ways (decode sizes).  Schedule: ``linear_schedule`` in
-    optimized/kernels/linear.py, by row count; ``batch_invariant=True`` takes one schedule for
-    every row count, so each row's bits do not depend on its batch.  ``out``: a contiguous
-    (..., N) tensor of x.dtype, written in place.
+    the block scales into the GEMM, and at decode sizes, where the schedule splits K S ways, the
+    split-K reduction too: one launch, whose last split per output tile adds the S fp32
+    partials in split order and rounds once (optimized/kernels/linear.py, module docstring),
+    counting splits on the pack's ``counters`` (zeros before and after the call; calls on one
+    pack must be stream-ordered, :class:`LinearPack`).  Moves the codes once per 64-row block
+    (N*K bytes: e_proj 16 MiB, wq_b 32 MiB, wo_b 32 MiB; one read at decode sizes) plus
+    N*K/4096 bytes of scales, x (R*K*itemsize, from L2 per N tile), y, and with a K split
+    2*S*R*N*4 bytes of fp32 partials (written once, read back from L2 once).  Schedule:
+    ``linear_schedule`` in optimized/kernels/linear.py, by row count; ``batch_invariant=True``
+    takes one schedule for every row count, so each row's bits do not depend on its batch.
+    ``out``: a contiguous (..., N) tensor of x.dtype, written in place.
     """
     pack, dev = _check_call(x, weight, False, act_quant, batch_invariant)
     select("linear", backend, Facts(dev, (x.dtype, pack.weight.dtype)))
     args = (x, pack.weight, pack.scale, pack.fmt, act_quant, batch_invariant)
     if out is None:
-        return _ops_linear(*args)
+        return _ops_linear(*args, counters=pack.counters)
     check_out("out", out, (*x.shape[:-1], pack.out_features), x.dtype, dev)
-    _ops_linear_out(*args, out=out)
+    _ops_linear_out(*args, out=out, counters=pack.counters)
     return out
 
 
@@ -296,13 +324,14 @@ def grouped_linear(
     (G, N, K) bf16 / fp32 tensor.  One launch for every group (the group is a grid axis), the
     schedule of :func:`linear` with G x the N tiles; ``act_quant`` as :func:`linear` (the
     official ``wo_a`` takes none: docs/semantics.md).  Moves the G*N*K codes once at decode
-    sizes (wo_a: 32 MiB), x and y.  ``out``: a contiguous (T, G, N) tensor of x.dtype.
+    sizes (wo_a: 32 MiB), x, y and the split-K partials as :func:`linear` (the reduction in the
+    same launch, on the pack's counters).  ``out``: a contiguous (T, G, N) tensor of x.dtype.
     """
     pack, dev = _check_call(x, weight, True, act_quant, batch_invariant)
     select("grouped_linear", backend, Facts(dev, (x.dtype, pack.weight.dtype)))
     args = (x, pack.weight, pack.scale, pack.fmt, act_quant, batch_invariant)
     if out is None:
-        return _ops_grouped(*args)
+        return _ops_grouped(*args, counters=pack.counters)
     check_out("out", out, (x.shape[0], pack.groups, pack.out_features), x.dtype, dev)
-    _ops_grouped_out(*args, out=out)
+    _ops_grouped_out(*args, out=out, counters=pack.counters)
     return out

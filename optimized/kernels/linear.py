@@ -15,15 +15,26 @@ decoded to bf16 in registers (kernels/decode.py, ``_e4m3_bf16``: PTX, about thre
 per weight), one tensor-core dot with a fresh fp32 accumulator, and that fp32 partial multiplied
 by the block's fp32 scale before it is added to the running sum (an fp32 scale is not exact in
 bf16, so it never touches the dot's operands; BLOCK_N divides 128, so one scale per tile and K
-block).  SPLIT_K == 1 rounds the sum once to y's dtype; SPLIT_K > 1 stores the fp32 partial at
-``part[s]`` and ``linear_reduce_kernel`` adds the SPLIT_K partials in the order 0..SPLIT_K-1,
-then rounds once.  No atomics: the result is deterministic, and a row's bits depend only on the
-schedule (BLOCK_M, BLOCK_N, SPLIT_K, warps), never on the other rows.
+block).  SPLIT_K == 1 rounds the sum once to y's dtype.  SPLIT_K > 1, in the same launch: each
+program stores its fp32 partial at ``part[s]`` and takes a ticket from its output tile's int32
+counter (one atomic add per program, acquire-release at gpu scope); the program that draws
+ticket SPLIT_K - 1, the tile's last split to finish, loads ``part[0..SPLIT_K-1]`` from L2, adds
+them to fp32 zeros in the order 0, 1, ..., SPLIT_K - 1, rounds once to y's dtype, writes y and
+sets the counter back to zero.  Which program reduces depends on timing, the arithmetic does
+not: the sum is always taken in split order, so the result is deterministic and a row's bits
+depend only on the schedule (BLOCK_M, BLOCK_N, SPLIT_K, warps), never on the other rows.  No
+program waits for another, so nothing depends on how many programs are resident.  The counters
+(one per M block, N tile and group) are zero before every launch and left zero after it: a
+pack's own (optimized/linear.py, ``LinearPack.counters``, zeroed once when packed: no memset
+per call, in a CUDA graph neither), or for a call without a pack's the stream's
+(kernels/_sync.py, ``counters``; fresh zeros while capturing).  Under the interpreter the
+programs run one after another and the tile's last program in grid order reduces.
 
 Bytes per call: the codes once per M block (N*K per group: wq_b 32 MiB, e_proj 16 MiB) plus
 scales (N*K/16384 * 4), x once per N tile (from L2 after the first), y once, and with a split
-2 * SPLIT_K * R * G * N * 4 bytes of fp32 partials.  Decode sizes (R <= 64, one M block) read
-the weight exactly once.
+2 * SPLIT_K * R * G * N * 4 bytes of fp32 partials (written by the splits, read back from L2 by
+the tile's last split) and one 4-byte atomic per program.  Decode sizes (R <= 64, one
+M block) read the weight exactly once.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import triton
 import triton.language as tl
 
 from ._launch import INTERPRET, cdiv, next_pow2, rne_bf16_if_interpreted, workspace
+from ._sync import counters as stream_counters
 from .decode import _e4m3_bf16
 from .moe_common import jit_loop_bounds
 
@@ -118,6 +130,7 @@ def linear_kernel(
     s_ptr,
     y_ptr,
     part_ptr,
+    count_ptr,
     R,
     G,
     N,
@@ -163,30 +176,40 @@ def linear_kernel(
             acc += _dot(x, tl.trans(w), USE_F32, INTERP)
     out_off = (rows[:, None].to(tl.int64) * G + g) * N + cols[None, :]
     mask = rm[:, None] & cm[None, :]
+    y_ty = y_ptr.dtype.element_ty
     if SPLIT_K == 1:
-        y_ty = y_ptr.dtype.element_ty
         acc = rne_bf16_if_interpreted(acc, y_ty, INTERP)
         tl.store(y_ptr + out_off, acc.to(y_ty), mask=mask)
     else:
-        tl.store(part_ptr + s.to(tl.int64) * R * G * N + out_off, acc, mask=mask)
-
-
-@triton.jit
-def linear_reduce_kernel(
-    part_ptr, y_ptr, NUMEL, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr
-):
-    """y = sum of the SPLIT_K fp32 partials in split order, rounded once to y's dtype."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < NUMEL
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + s * NUMEL + i, mask=m, other=0.0)
-    y_ty = y_ptr.dtype.element_ty
-    acc = rne_bf16_if_interpreted(acc, y_ty, INTERP)
-    tl.store(y_ptr + i, acc.to(y_ty), mask=m)
-
-
-_REDUCE_BLOCK = 1024
+        # Split s's fp32 partial goes to part[s] (SPLIT_K planes of R*G*N); the last of the tile's
+        # SPLIT_K programs to arrive sums the planes in split order (module docstring).
+        plane = tl.cast(R, tl.int64) * G * N
+        tile_part = part_ptr + out_off  # (BLOCK_M, BLOCK_N) in plane 0
+        tl.store(tile_part + s * plane, acc, mask=mask)
+        # Memory model (PTX, gpu scope).  Triton runs an atomic on a scalar pointer in one
+        # thread of the program (thread 0) and broadcasts its result through shared memory.
+        # Release: the barrier orders every thread's partial stores before that atomic, whose
+        # release is cumulative, so the stores are visible at gpu scope to any program that
+        # acquires a later value of the counter.  Each increment of a counter reads the one
+        # before it (one modification order of read-modify-writes), so the acq_rel increment
+        # that reads SPLIT_K - 1 synchronizes with all SPLIT_K - 1 earlier releases.  Acquire:
+        # that same atomic, then a barrier ordering every thread's loads after it, and ``.cg``
+        # loads (from L2, the coherence point: an L1 line of part can be stale, e.g. one shared
+        # with a neighbouring tile and read by that tile's reducer on the same SM).  One atomic
+        # per program and no waiting: no program depends on another being resident.
+        tl.debug_barrier()
+        tile = (pid_m * tl.num_programs(1) + pid_n) * G + g
+        ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            tl.debug_barrier()
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in tl.static_range(SPLIT_K):
+                total += tl.load(tile_part + j * plane, mask=mask, other=0.0, cache_modifier=".cg")
+            total = rne_bf16_if_interpreted(total, y_ty, INTERP)
+            tl.store(y_ptr + out_off, total.to(y_ty), mask=mask)
+            # Every program of the tile has incremented (ticket SPLIT_K - 1) and none touches
+            # the counter again in this launch; the next launch starts after this one ends.
+            tl.store(count_ptr + tile, 0)
 
 
 def linear_triton(
@@ -197,8 +220,14 @@ def linear_triton(
     *,
     fmt: int,
     sched: LinearSchedule,
+    counters: torch.Tensor | None = None,
 ) -> None:
-    """y (R, G, N) = x (R, G, K) @ w (G, N, K)^T per group (module doc); all contiguous."""
+    """y (R, G, N) = x (R, G, K) @ w (G, N, K)^T per group (module doc); all contiguous.
+
+    ``counters``: int32 zeros (left zeroed), one per (M block, N tile, group) output tile of a
+    split schedule; a pack's own (optimized/linear.py).  When it holds fewer tiles than the
+    call has, the rows run in launches of as many M blocks as it holds; None, or fewer than one
+    M block's tiles: the stream's zeroed counters (kernels/_sync.py, ``counters``)."""
     R, G, K = x.shape
     N = w.shape[1]
     if R == 0:
@@ -207,19 +236,25 @@ def linear_triton(
     split = sched.split_k
     per_split = cdiv(kb, split)
     use_f32 = INTERPRET or x.dtype == torch.float32 or w.dtype == torch.float32
-    if split > 1:
-        part = workspace("linear_part", (split * R * G * N,), torch.float32, x.device)
+    n_tiles = cdiv(N, sched.block_n)
+    m_blocks = cdiv(R, sched.block_m)
+    if split == 1:
+        chunk, count, part = m_blocks, y, y  # neither partials nor counters are touched
     else:
-        part = y
-    grid = (cdiv(R, sched.block_m), cdiv(N, sched.block_n), G * split)
-    linear_kernel[grid](
-        x, w, s if s.numel() else w, y, part, R, G, N, K, per_split,
-        FMT=fmt, BLOCK_M=sched.block_m, BLOCK_N=sched.block_n, BLOCK_K=BLOCK_K, SPLIT_K=split,
-        USE_F32=use_f32, INTERP=INTERPRET, num_warps=sched.num_warps,
-        num_stages=sched.num_stages,
-    )  # fmt: skip
-    if split > 1:
-        numel = R * G * N
-        linear_reduce_kernel[(cdiv(numel, _REDUCE_BLOCK),)](
-            part, y, numel, SPLIT_K=split, BLOCK=_REDUCE_BLOCK, INTERP=INTERPRET, num_warps=4
-        )
+        tiles = n_tiles * G  # per M block
+        if counters is None or counters.numel() < tiles:
+            counters = stream_counters(x.device, m_blocks * tiles)
+        chunk, count = min(m_blocks, counters.numel() // tiles), counters
+        rows = min(R, chunk * sched.block_m)
+        part = workspace("linear_part", (split * rows * G * N,), torch.float32, x.device)
+    step = chunk * sched.block_m
+    for r0 in range(0, R, step):
+        xc, yc = (x, y) if step >= R else (x[r0 : r0 + step], y[r0 : r0 + step])
+        rc = xc.shape[0]
+        grid = (cdiv(rc, sched.block_m), n_tiles, G * split)
+        linear_kernel[grid](
+            xc, w, s if s.numel() else w, yc, part, count, rc, G, N, K, per_split,
+            FMT=fmt, BLOCK_M=sched.block_m, BLOCK_N=sched.block_n, BLOCK_K=BLOCK_K,
+            SPLIT_K=split, USE_F32=use_f32, INTERP=INTERPRET, num_warps=sched.num_warps,
+            num_stages=sched.num_stages,
+        )  # fmt: skip
