@@ -4,8 +4,9 @@ the reference's order) against the reference layer, on synthetic checkpoints of 
 Both layers are built from the same loaded checkpoint (mxfp4 experts with the ``math`` preset,
 fp8 experts with ``official``), in bf16, and fed the same inputs: a prefill of two sequences
 with KV caches then decode steps (residual and logits compared at every step, each layer with its
-own caches); ``draft`` teacher-forced with the reference's greedy tokens (logits per step, top-1
-mismatches only at the reference's near-ties, counted) and free-running greedy; the dense
+own caches; rows at a router near-tie excused and counted, conformance/_routing.py); ``draft``
+teacher-forced with the reference's greedy tokens (logits per step, top-1 mismatches only at the
+reference's near-ties, counted) and free-running greedy; the dense
 constructor path; bad inputs (the reference's InputError) and the max_num_tokens / max_batch
 bounds.  Inputs are drawn on the CPU; the optimized layer lives on the suite's ``device`` (CUDA
 in the GPU tier, else the CPU, where the Triton kernels run in the interpreter) behind
@@ -20,6 +21,7 @@ import torch
 from dsv4mtp.checkpoint.load import load_mtp_checkpoint
 from dsv4mtp.checkpoint.synthetic import make_synthetic_checkpoint
 from dsv4mtp.config import DSV4Config
+from dsv4mtp.conformance._routing import Excuses, draft_steps_kept, routing_gaps
 from dsv4mtp.errors import ConfigError, InputError
 from dsv4mtp.optimized import MTPLayer as OptLayer
 from dsv4mtp.params import build_layer_params
@@ -126,12 +128,15 @@ def test_prefill_then_decode_matches_reference(loaded, fmt, preset, device) -> N
     pos = torch.cat([torch.arange(0, 6), torch.arange(20, 28)])
     lens = torch.tensor([6, 8])
     caches = {k: [L.new_kv_cache(), L.new_kv_cache()] for k, L in (("r", ref), ("o", opt))}
-    hr = ref.forward(ids, pos, prev, seq_lens=lens, kv_cache=caches["r"])
+    excuses = Excuses(preset)
+    with routing_gaps() as gaps:
+        hr = ref.forward(ids, pos, prev, seq_lens=lens, kv_cache=caches["r"])
     ho = opt.forward(ids, pos, prev, seq_lens=lens, kv_cache=caches["o"])
     last = torch.tensor([5, 13])
     for step in range(3):
         assert ho.shape == hr.shape and ho.dtype == BF16
-        assert rel_err(ho, hr) < TOL[preset], (step, rel_err(ho, hr))
+        keep = excuses.keep(gaps[-1])  # a router near-tie may pick another expert
+        assert rel_err(ho[keep], hr[keep]) < TOL[preset], (step, rel_err(ho[keep], hr[keep]))
         lr, lo = ref.compute_logits(hr), opt.compute_logits(hr)
         assert lo.dtype == lr.dtype == torch.float32
         assert rel_err(lo, lr) < TOL[preset]
@@ -140,9 +145,11 @@ def test_prefill_then_decode_matches_reference(loaded, fmt, preset, device) -> N
             assert rel_err(co.kv.cpu(), cr.kv) < TOL[preset]
         # the next step: both layers fed the reference's residual of each sequence's last row
         tok, pos, h = lr[last].argmax(-1), pos[last] + 1, hr[last]
-        hr = ref.forward(tok, pos, h, seq_lens=torch.tensor([1, 1]), kv_cache=caches["r"])
+        with routing_gaps() as gaps:
+            hr = ref.forward(tok, pos, h, seq_lens=torch.tensor([1, 1]), kv_cache=caches["r"])
         ho = opt.forward(tok, pos, h, seq_lens=torch.tensor([1, 1]), kv_cache=caches["o"])
         last = torch.tensor([0, 1])
+    excuses.check()
 
 
 def test_dense_constructor_matches_from_loaded(loaded, device) -> None:
@@ -172,7 +179,9 @@ def test_draft_teacher_forced_and_greedy(loaded, device) -> None:
     pos = torch.cat([torch.arange(2, 6), torch.arange(0, 6)])
     lens = torch.tensor([4, 6])
     k = 3
-    tr, lr = ref.draft(ids, pos, prev, seq_lens=lens, num_tokens=k, return_logits=True)
+    with routing_gaps() as gaps:
+        tr, lr = ref.draft(ids, pos, prev, seq_lens=lens, num_tokens=k, return_logits=True)
+    clear = draft_steps_kept(gaps, lens.cumsum(0) - 1, "math")
     to, lo = opt.draft(
         ids, pos, prev, seq_lens=lens, num_tokens=k, return_logits=True, forced_tokens=tr
     )
@@ -180,6 +189,8 @@ def test_draft_teacher_forced_and_greedy(loaded, device) -> None:
     near_ties, first_tie = 0, [k] * 2
     for b in range(2):
         for s in range(k):
+            if not clear[b, s]:
+                continue  # a router near-tie at or before this step (module _routing)
             assert rel_err(lo[b, s], lr[b, s]) < TOL["math"], (b, s)
             i, j = int(lr[b, s].argmax()), int(lo[b, s].argmax())
             if i != j:
@@ -192,7 +203,7 @@ def test_draft_teacher_forced_and_greedy(loaded, device) -> None:
     greedy = opt.draft(ids, pos, prev, seq_lens=lens, num_tokens=k)
     assert isinstance(greedy, torch.Tensor)
     for b in range(2):
-        n = first_tie[b]
+        n = min(first_tie[b], int(clear[b].long().sum()))
         assert torch.equal(greedy[b, :n], tr[b, :n]), b
     sampled = [
         opt.draft(
