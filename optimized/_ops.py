@@ -577,12 +577,13 @@ def _moe_route_out(
     *,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    row_mask: torch.Tensor | None = None,
 ) -> None:
     if x.shape[0] == 0:
         return
     route_triton(
         x.contiguous(), gate_weight.contiguous(), gate_bias.contiguous(), top_k, scaling,
-        weights, ids, batch_invariant,
+        weights, ids, batch_invariant, row_mask=row_mask,
     )  # fmt: skip
 
 
@@ -601,9 +602,13 @@ def _moe_route(
     top_k: int,
     scaling: float,
     batch_invariant: bool,
+    row_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     w, ids = _route_outputs(x, top_k)
-    _moe_route_out(x, gate_weight, gate_bias, top_k, scaling, batch_invariant, weights=w, ids=ids)
+    _moe_route_out(
+        x, gate_weight, gate_bias, top_k, scaling, batch_invariant, weights=w, ids=ids,
+        row_mask=row_mask,
+    )  # fmt: skip
     return w, ids
 
 
@@ -655,9 +660,9 @@ def _moe_out(
 ) -> None:
     if x.shape[0] == 0:
         return
-    weights, ids = _moe_route(x, gate_weight, gate_bias, top_k, scaling, batch_invariant)
-    if row_mask is not None:
-        ids.masked_fill_(~row_mask[:, None], -1)
+    weights, ids = _moe_route(
+        x, gate_weight, gate_bias, top_k, scaling, batch_invariant, row_mask
+    )  # padding rows (row_mask False) get ids -1 inside the top-k kernel
     sched = _moe_schedule(x.shape[0], batch_invariant, schedule)
     shared = _shared_expert(
         x, shared_w13, shared_s13, shared_w2, shared_s2, shared_fmt, shared_limit,

@@ -187,9 +187,11 @@ def route_topk_kernel(
     bias_ptr,
     w_out_ptr,
     id_out_ptr,
+    mask_ptr,
     T,
     E,
     scaling,
+    HAS_MASK: tl.constexpr,
     SPLIT: tl.constexpr,
     K: tl.constexpr,
     ROWS: tl.constexpr,
@@ -226,6 +228,9 @@ def route_topk_kernel(
         sel_id = tl.where(slots[None, :] == k, idx[:, None], sel_id)
         biased = tl.where(pick, float("-inf"), biased)
     sel_w = sel_w / total[:, None] * scaling
+    if HAS_MASK:  # padding rows (mask False) route to no expert: id -1, here, not in a 2nd launch
+        real = tl.load(mask_ptr + rows, mask=rm, other=0) != 0
+        sel_id = tl.where(real[:, None], sel_id, -1)
     out = rows[:, None] * K + slots[None, :]
     om = rm[:, None] & (slots[None, :] < K)
     tl.store(w_out_ptr + out, sel_w, mask=om)
@@ -237,7 +242,14 @@ _Plan = tuple[tuple[int, int, int], TritonLaunch, tuple[int], TritonLaunch, torc
 
 
 def _plan(
-    device: torch.device, T: int, D: int, E: int, K: int, dot_f32: bool, s: RouteSchedule
+    device: torch.device,
+    T: int,
+    D: int,
+    E: int,
+    K: int,
+    dot_f32: bool,
+    s: RouteSchedule,
+    masked: bool = False,
 ) -> _Plan:
     """Everything of a call but its tensors and scalars; kept per (shapes, stream) by
     :func:`~._launch.plan`."""
@@ -252,7 +264,7 @@ def _plan(
     )  # fmt: skip
     rows = s.topk_rows
     topk = triton_launch(
-        route_topk_kernel, SPLIT=split, K=K, ROWS=rows, BLOCK_E=next_pow2(E),
+        route_topk_kernel, HAS_MASK=masked, SPLIT=split, K=K, ROWS=rows, BLOCK_E=next_pow2(E),
         BLOCK_K=next_pow2(K), num_warps=4,
     )  # fmt: skip
     (part,) = workspaces("moe_route", device, split * T * E)  # (split, T, E), written first
@@ -270,10 +282,13 @@ def route_triton(
     ids_out: torch.Tensor,
     batch_invariant: bool = False,
     schedule: RouteSchedule | None = None,
+    row_mask: torch.Tensor | None = None,
 ) -> None:
     """x (T, D) contiguous, gate_weight (E, D) contiguous, gate_bias (E,) -> weights_out (T, K)
     fp32, ids_out (T, K) int32 (both contiguous, written in place).  ``schedule`` None: the
-    default of :func:`route_config` for this T (``batch_invariant``: the T-independent one)."""
+    default of :func:`route_config` for this T (``batch_invariant``: the T-independent one).
+    ``row_mask`` (T,) bool: rows where it is False get ids -1 (padding rows of a CUDA-graph
+    bucket: no expert reads them); their weights are computed as for any row."""
     T, D = x.shape
     E = gate_weight.shape[0]
     if T == 0:
@@ -281,8 +296,10 @@ def route_triton(
     s = schedule if schedule is not None else route_config(T, D, E, batch_invariant)
     # bf16 x bf16 runs on the tensor cores; anything fp32 in fp32
     dot_f32 = x.dtype != torch.bfloat16 or gate_weight.dtype != torch.bfloat16
+    masked = row_mask is not None
     grid, logits, tgrid, topk, part, d_split = plan(
-        _plan, x.device, T, D, E, int(top_k), dot_f32, s
+        _plan, x.device, T, D, E, int(top_k), dot_f32, s, masked
     )
     logits(grid, x, gate_weight, part, T, E, D, d_split)
-    topk(tgrid, part, gate_bias, weights_out, ids_out, T, E, float(scaling))
+    mask = row_mask.contiguous().view(torch.uint8) if row_mask is not None else ids_out
+    topk(tgrid, part, gate_bias, weights_out, ids_out, mask, T, E, float(scaling))
