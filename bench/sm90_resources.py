@@ -197,12 +197,15 @@ def pre_fma_lines(tiles: list[list[int]] | None = None) -> list[str]:
         cfgs = [PreFmaConfig(*t) for t in tiles] if tiles else [pre_fma_config(4, D)]
         for cfg in cfgs:
             _, mix, apply = pre_fma_launches(cfg, 4, D, 20)
-            for what, launch, sig in (("mix", mix, mix_sig), ("apply", apply, apply_sig)):
+            _, fused_mix, _ = pre_fma_launches(cfg, 4, D, 20, True)  # hc_post_pre's mix
+            for what, launch, sig in (
+                ("mix", mix, mix_sig), ("apply", apply, apply_sig), ("post+mix", fused_mix, mix_sig)
+            ):  # fmt: skip
                 meta = dict(launch.meta)
                 warps = meta.pop("num_warps")
                 line = resources(launch.jit, sig, meta, num_warps=warps)
                 tile = tuple(dataclasses.astuple(cfg))
-                lines.append(f"hc_pre fma D={D} {what:5s} {tile}: {line}")
+                lines.append(f"hc_pre fma D={D} {what:8s} {tile}: {line}")
     return lines
 
 
@@ -263,6 +266,9 @@ def main() -> None:
                   FUSE_POST=False, INTERP=False)  # fmt: skip
     line = resources(mhc_head_fma_kernel, head_sig, consts, num_warps=4)
     print(f"hc_head fma (4 x 256, 4 warps): {line}", flush=True)
+    consts = {**consts, "DO_APPLY": False, "FUSE_POST": True}
+    line = resources(mhc_head_fma_kernel, head_sig, consts, num_warps=4)
+    print(f"hc_post_head fused mix (4 x 256, 4 warps): {line}", flush=True)
     for line in pre_fma_lines() + rope_lines() + attention_lines():
         print(line, flush=True)
 
