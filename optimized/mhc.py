@@ -543,7 +543,6 @@ def _hc_post_pre_plan(
         x, fn, scale, base, rms_norm_eps, hc_eps, sinkhorn_iters, batch_invariant, None, "auto",
         None,
     )  # fmt: skip
-    check_device([("x", x), ("fn", fn)])
     facts = Facts(
         dev, (a.dtype, x.dtype), n=n, D=D, eps=(rms_norm_eps, hc_eps),
         T=None if batch_invariant else T,

@@ -31,6 +31,12 @@ that waited for its own block's partials with the tile in registers (6.0 / 6.1 /
 assumed all S programs of a block resident at once, which another stream's work can break.
 ``one_launch=True`` keeps the ticketed form (tested, and hang-tested, like the collapse).
 
+hc_post_head (:func:`mhc_post_head_fma`): the two-launch form with the layer's last hc_post folded
+into the mix (``FUSE_POST``): each mix program forms its (BLOCK_T, n, BLOCK_D) tile of the new
+streams from the MoE output, the old streams and their post / comb gates, stores it and mixes it
+from registers; the apply reads the stored streams.  One launch and one read of the new streams
+fewer than hc_post followed by hc_head.
+
 Arithmetic: fp32 throughout, exact fp32 products in the mix.  Tile sizes depend on n and D
 only: a token's result does not depend on its batch.
 

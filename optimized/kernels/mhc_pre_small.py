@@ -32,6 +32,15 @@ Schedule: two launches, no program waits on another.
     over the slots; the gates and the Sinkhorn then follow the op order of the collapse's
     ``_reduce_gates``.
 
+hc_post_pre (:func:`mhc_post_pre_fma`): the same two launches with the previous sublayer's
+hc_post folded into the mix (``FUSE_POST``): each mix program forms its (BLOCK_T, BLOCK_D) tiles
+of the new streams from the sublayer output, the old streams and their post / comb gates, the
+programs of row group 0 store them, and all mix them from registers; the apply reads the stored
+streams.  One launch and one read of the new streams fewer than hc_post followed by hc_pre, at
+the cost of the sublayer output tile and n + n*n gate values per mix program (130 registers
+against 125 at the default tile: 3 programs per SM instead of 4, no spills;
+bench/sm90_resources.py --pre-fma).
+
 Latency: in every phase all independent loads are issued before the first layout conversion or
 reduction, whose barrier would otherwise make each later load wait for the ones before it (one
 memory round trip per stream or per tile instead of one per phase; checked in the sm_90 SASS).
