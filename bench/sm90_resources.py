@@ -179,7 +179,10 @@ def pre_fma_lines(tiles: list[list[int]] | None = None) -> list[str]:
     20 Sinkhorn iterations: the mix and the reduce + apply launch, at the default schedule or
     at each PreFmaConfig 7-tuple of ``tiles``."""
     f32 = "*fp32"
-    mix_sig = dict(x_ptr="*bf16", fn_ptr=f32, part_ptr=f32, sq_ptr=f32, T="i32")
+    mix_sig = dict(
+        x_ptr="*bf16", fn_ptr=f32, part_ptr=f32, sq_ptr=f32, a_ptr="*bf16", post_in_ptr=f32,
+        comb_in_ptr=f32, xnew_ptr="*bf16", T="i32",
+    )  # fmt: skip
     apply_sig = dict(
         x_ptr="*bf16", scale_ptr=f32, base_ptr=f32, part_ptr=f32, sq_ptr=f32, out_ptr="*bf16",
         post_ptr=f32, comb_ptr=f32, T="i32", rms_eps="fp32", hc_eps="fp32", post_mult="fp32",
@@ -189,12 +192,15 @@ def pre_fma_lines(tiles: list[list[int]] | None = None) -> list[str]:
         cfgs = [PreFmaConfig(*t) for t in tiles] if tiles else [pre_fma_config(4, D)]
         for cfg in cfgs:
             _, mix, apply = pre_fma_launches(cfg, 4, D, 20)
-            for what, launch, sig in (("mix", mix, mix_sig), ("apply", apply, apply_sig)):
+            _, fused_mix, _ = pre_fma_launches(cfg, 4, D, 20, True)  # hc_post_pre's mix
+            for what, launch, sig in (
+                ("mix", mix, mix_sig), ("apply", apply, apply_sig), ("post+mix", fused_mix, mix_sig)
+            ):  # fmt: skip
                 meta = dict(launch.meta)
                 warps = meta.pop("num_warps")
                 line = resources(launch.jit, sig, meta, num_warps=warps)
                 tile = tuple(dataclasses.astuple(cfg))
-                lines.append(f"hc_pre fma D={D} {what:5s} {tile}: {line}")
+                lines.append(f"hc_pre fma D={D} {what:8s} {tile}: {line}")
     return lines
 
 
@@ -248,12 +254,16 @@ def main() -> None:
     print(f"mix producer M=24 {tuple(dataclasses.astuple(mc))}: {line}", flush=True)
     head_sig = dict(
         x_ptr="*bf16", fn_ptr=f32, scale_ptr=f32, base_ptr=f32, part_ptr=f32, sq_ptr=f32,
-        count_ptr="*i32", out_ptr="*bf16", T="i32", D="i32", rms_eps="fp32", hc_eps="fp32",
+        count_ptr="*i32", out_ptr="*bf16", f_ptr="*bf16", post_in_ptr=f32, comb_in_ptr=f32,
+        xnew_ptr="*bf16", T="i32", D="i32", rms_eps="fp32", hc_eps="fp32",
     )  # fmt: skip
     consts = dict(S=16, N=4, NP=4, MP=16, BLOCK_T=4, BLOCK_D=256, DO_MIX=True, DO_APPLY=True,
-                  INTERP=False)  # fmt: skip
+                  FUSE_POST=False, INTERP=False)  # fmt: skip
     line = resources(mhc_head_fma_kernel, head_sig, consts, num_warps=4)
     print(f"hc_head fma (4 x 256, 4 warps): {line}", flush=True)
+    consts = {**consts, "DO_APPLY": False, "FUSE_POST": True}
+    line = resources(mhc_head_fma_kernel, head_sig, consts, num_warps=4)
+    print(f"hc_post_head fused mix (4 x 256, 4 warps): {line}", flush=True)
     for line in pre_fma_lines() + rope_lines() + attention_lines():
         print(line, flush=True)
 

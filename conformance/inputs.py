@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 EPS = 1e-6
-MHC_OPS = ("hc_pre", "hc_post", "hc_head")
+MHC_OPS = ("hc_pre", "hc_post", "hc_head", "hc_post_pre", "hc_post_head")
 MOE_OPS = ("route", "fused_experts", "moe")
 ATTENTION_OPS = ("sink_attention", "sink_attention_varlen")
 LINEAR_OPS = ("linear", "grouped_linear")
@@ -128,7 +128,16 @@ def mhc_inputs(
     zero_rows: float = 0.0,
 ) -> Inputs:
     """hc_pre / hc_head ``(x, fn, scale, base)``, hc_post ``(f, residual, post, comb)``;
-    streams (T, n, D) and f (T, D) in ``dtype``, parameters fp32; kwargs as V4 calls them."""
+    streams (T, n, D) and f (T, D) in ``dtype``, parameters fp32; kwargs as V4 calls them.
+    The fused pairs hc_post_pre / hc_post_head: hc_post's four tensors at ``seed``, then
+    hc_pre's / hc_head's parameters and kwargs as drawn at ``seed + 1``."""
+    if op in ("hc_post_pre", "hc_post_head"):
+        post_args, _ = mhc_inputs(
+            "hc_post", T, n, D, dtype, device, seed, magnitude=magnitude, zero_rows=zero_rows
+        )
+        second = "hc_pre" if op == "hc_post_pre" else "hc_head"
+        (_, *params), kw = mhc_inputs(second, 0, n, D, dtype, device, seed + 1)
+        return (*post_args, *params), kw
     r = _Draw(device, seed)
     x = r.normal(T, n, D) * magnitude
     if op == "hc_pre":
@@ -208,8 +217,8 @@ def op_inputs(
 def token_rows(op: str, args: tuple[torch.Tensor, ...], index: Any) -> tuple[torch.Tensor, ...]:
     """The same call restricted to tokens ``index`` (a slice or index tensor); per-token
     arguments are indexed along dim 0, parameters are shared and left alone."""
-    if op == "hc_post":
-        return tuple(a[index] for a in args)
+    if op in ("hc_post", "hc_post_pre", "hc_post_head"):  # f, residual, post, comb; parameters
+        return (*(a[index] for a in args[:4]), *args[4:])
     if op == "fused_experts":  # x, experts, topk_ids, topk_weights
         return (args[0][index], args[1], args[2][index], args[3][index])
     if op == "sink_attention":  # q, q_pos, kv, k_pos, attn_sink: the queries only

@@ -179,6 +179,44 @@ register(
 )
 
 
+def _fused_facts(case: Case) -> Facts:
+    """hc_post_pre / hc_post_head: the sublayer output and the streams, the two eps."""
+    f, x = case.args[:2]
+    _, n, D = x.shape
+    eps = (case.kwargs["rms_norm_eps"], case.kwargs["hc_eps"])
+    return Facts(x.device, (f.dtype, x.dtype), n=n, D=D, eps=eps)
+
+
+# The fused pairs compute hc_post then hc_pre / hc_head.  x_new is hc_post's output (one
+# rounding: within hc_post's bounds, which the looser hc_pre / hc_head bounds contain); the
+# second op reads x_new rounded to x.dtype where the float64 oracle reads it exact, an input
+# error of half an ulp per element (2^-9 in bf16, 2^-24 in fp32) that the weighted sum and the
+# mix carry through at most at that size: the second op's own rounding plus this one stays
+# within hc_pre's / hc_head's bf16 bound (6e-3 / 1.6e-2 allow about three half ulps), and in
+# fp32 it is far below the mix's ~1e-3 bound.  So hc_pre's / hc_head's tolerances serve.
+for _name in ("hc_post_pre", "hc_post_head"):
+    register(
+        OpPair(
+            name=_name,
+            concept="mhc",
+            strategy=_streams_case(_name),
+            build=partial(_build, _name),
+            facts=_fused_facts,
+            outputs=(
+                ("x_new", "layer_input", "post", "comb")
+                if _name == "hc_post_pre"
+                else ("x_new", "head_input")
+            ),
+            tolerances={
+                (BF16, "math"): replace(
+                    _BF16_OUT, why=_BF16_OUT.why + "; x_new rounded to bf16 before the second op"
+                ),
+                (FP32, "math"): _TF32_MIX,
+            },
+        )
+    )
+
+
 # --------------------------------------------------------------------------- MoE
 # Inputs: conformance/inputs.py, moe_inputs (shapes, formats, skews, magnitudes there).  On CPU
 # the tiny shape (E 8, top-2, I 128, D 256) with few examples: the Triton kernels run in the

@@ -359,6 +359,10 @@ _REPEAT = _MOCK + textwrap.dedent(
         "op hc_pre": lambda: _ops._hc_pre(x, fp, s3, bp, E, E, 3, 2.0, "triton", [], []),
         "op hc_head fma": lambda: _ops._hc_head(x, fh, s1, bh, E, E, "triton_fma", []),
         "op hc_head mma": lambda: _ops._hc_head(x, fh, s1, bh, E, E, "triton_mma", []),
+        "op hc_post_pre fma": lambda: _ops._hc_post_pre(
+            x2, x, pm, cm, fp, s3, bp, E, E, 3, 2.0, "triton_fma", "triton", "triton_fma"),
+        "op hc_post_head fma": lambda: _ops._hc_post_head(
+            x2, x, pm, cm, fh, s1, bh, E, E, "triton_fma", "triton", "triton_fma"),
     }
 
     def same(a, b, fresh):

@@ -673,3 +673,132 @@ def test_optimized_mix_producer_is_exact_to_fp32_accumulation(
     assert err < 3e-5, f"mix error {err:.2e} of |x| @ |fn|"
     sq_want = (x.double() ** 2).sum(1)
     assert float(((sq.double().sum(0) - sq_want).abs() / sq_want).max()) < 1e-5
+
+
+# ------------------------------------------------------------------------------ fused pairs
+# hc_post_pre / hc_post_head: the generated contract judges them against the float64 composition;
+# here the fused kernels are held to the bits of the optimized composition they replace.
+_SECOND = {"hc_post_pre": "hc_pre", "hc_post_head": "hc_head"}
+_FUSED_SHAPES = (
+    [(1, 4096), (8, 4096), (64, 4096), (33, 7168)]
+    if torch.cuda.is_available()
+    else [(1, 64), (5, 48), (19, 96)]
+)
+
+
+def _composed(op: str, args, kw, post_backend: str, second_backend: str):
+    """hc_post then hc_pre / hc_head, as two optimized ops with the given backends."""
+    f, x, post, comb, *params = args
+    x_new = opt.hc_post(f, x, post, comb, backend=post_backend)  # type: ignore[arg-type]
+    return (x_new, *_call(_SECOND[op], (x_new, *params), kw, backend=second_backend))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [4, 3])
+@pytest.mark.parametrize("op", ["hc_post_pre", "hc_post_head"])
+def test_optimized_fused_pair_is_bitwise_the_composition(
+    op: str, n: int, dtype: torch.dtype, device: str
+) -> None:
+    """Backend "triton_fma" gives the bits of hc_post (Triton; on CUDA in bf16 at n = 4 FlashInfer's
+    mhc_post too, which runs the same FMA chain) followed by the second op's "triton_fma":
+    the same op order, hc_post's result rounded once and mixed from registers; "composed" gives
+    those of the two ops' "auto" choices."""
+    for T, D in _FUSED_SHAPES:
+        args, kw = _opt_inputs(op, T, n, D, dtype, device, seed=T + n)
+        fused = _call(op, args, kw, backend="triton_fma")
+        post_backends = ["triton"]
+        if device == "cuda" and dtype == torch.bfloat16 and n == 4:
+            post_backends.append("flashinfer")
+        for pb in post_backends:
+            want = _composed(op, args, kw, pb, "triton_fma")
+            for i, (g, w) in enumerate(zip(fused, want, strict=True)):
+                assert torch.equal(g, w), f"{op} output {i} T={T} D={D}: not hc_post({pb}) + fma"
+        composed = _call(op, args, kw, backend="composed")
+        for i, (g, w) in enumerate(zip(composed, _composed(op, args, kw, "auto", "auto"),
+                                       strict=True)):  # fmt: skip
+            assert torch.equal(g, w), f"{op} composed output {i} T={T} D={D}"
+
+
+def test_optimized_fused_pairs_fuse_where_the_small_batch_kernels_run() -> None:
+    """auto: "triton_fma" wherever the second op's auto runs its small-batch kernel (and at
+    every T under batch_invariant), "composed" elsewhere."""
+    from dsv4mtp.optimized import _dispatch as d
+
+    cpu = torch.device("cpu")
+    for T in (1, 64, 65, 512, 4096):
+        for D in (4096, 7168):
+            facts = d.Facts(cpu, (torch.bfloat16,) * 2, n=4, D=D, eps=(EPS, EPS), T=T)
+            pre = d.select("hc_pre", "auto", facts)
+            head = d.select("hc_head", "auto", facts)
+            assert d.select("hc_post_pre", "auto", facts) == (
+                "triton_fma" if pre == "triton_fma" else "composed"
+            )
+            assert d.select("hc_post_head", "auto", facts) == (
+                "triton_fma" if head == "triton_fma" else "composed"
+            )
+    invariant = d.Facts(cpu, (torch.bfloat16,) * 2, n=4, D=4096, eps=(EPS, EPS))
+    assert d.select("hc_post_pre", "auto", invariant) == "triton_fma"
+    assert d.select("hc_post_head", "auto", invariant) == "triton_fma"
+
+
+@pytest.mark.parametrize("op", ["hc_post_pre", "hc_post_head"])
+@pytest.mark.parametrize("backend", ["triton_fma", "composed"])
+@pytest.mark.parametrize("variant", ["", "_out"])
+def test_optimized_fused_operators_pass_opcheck(
+    op: str, backend: str, variant: str, device: str
+) -> None:
+    """The operators behind the fused pairs: schema, fake kernel and AOT dispatch."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    args, _ = _opt_inputs(op, 5, 4, 32, dtype, device, seed=0)
+    x = args[1]
+    T, n, D = x.shape
+    post_backend = "flashinfer" if device == "cuda" else "triton"
+    eps = (EPS, EPS)
+    if op == "hc_post_pre":
+        call = (*args, *eps, 3, 2.0, backend, post_backend, "triton_fma")
+        outs = dict(
+            x_out=torch.empty_like(x), layer_input=x.new_empty((T, D)),
+            post_out=x.new_empty((T, n), dtype=torch.float32),
+            comb_out=x.new_empty((T, n, n), dtype=torch.float32),
+        )  # fmt: skip
+    else:
+        call = (*args, *eps, backend, post_backend, "triton_fma")
+        outs = dict(x_out=torch.empty_like(x), head_input=x.new_empty((T, D)))
+    operator = getattr(torch.ops.dsv4mtp, op + variant).default
+    torch.library.opcheck(operator, call, outs if variant else {})
+
+
+def test_optimized_fused_pairs_reject_bad_input(device: str) -> None:
+    args, kw = _opt_inputs("hc_post_pre", 2, 4, 64, torch.float32, device, seed=0)
+    a, x, post, comb, fn, scale, base = args
+    with pytest.raises(InputError, match="out: expected a 4-tuple"):
+        opt.hc_post_pre(*args, **kw, out=(torch.empty_like(x),))
+    with pytest.raises(InputError, match=r"out\[0\]: expected shape \(2, 4, 64\)"):
+        outs = (torch.empty(2, 3, 64), torch.empty(2, 64), torch.empty(2, 4), torch.empty(2, 4, 4))
+        opt.hc_post_pre(*args, **kw, out=tuple(o.to(device) for o in outs))  # type: ignore[arg-type]
+    with pytest.raises(InputError, match=r"comb: expected shape \(2, 4, 4\)"):
+        opt.hc_post_pre(a, x, post, comb[:, :3], fn, scale, base, **kw)
+    with pytest.raises(InputError, match="backend"):
+        opt.hc_post_pre(*args, **kw, backend="triton")  # type: ignore[arg-type]
+    hargs, hkw = _opt_inputs("hc_post_head", 2, 4, 64, torch.float32, device, seed=0)
+    with pytest.raises(InputError, match=r"head_fn: expected shape \(4, 256\)"):
+        opt.hc_post_head(*hargs[:4], hargs[4][:, :-1], *hargs[5:], **hkw)
+    with pytest.raises(InputError, match="out: expected a 2-tuple"):
+        opt.hc_post_head(*hargs, **hkw, out=hargs[1])  # type: ignore[arg-type]
+
+
+def test_reference_fused_pairs_are_the_composition() -> None:
+    """The reference pairs are hc_post followed by hc_pre / hc_head, nothing else."""
+    from dsv4mtp.reference import hc_post_head, hc_post_pre
+
+    for op, fused in (("hc_post_pre", hc_post_pre), ("hc_post_head", hc_post_head)):
+        args, kw = op_inputs(op, 6, 32, 7, n=4, dtype=F64, device="cpu")
+        f, x, post, comb, *params = args
+        x_new = hc_post(f, x, post, comb)
+        second = (
+            hc_pre(x_new, *params, **kw) if op == "hc_post_pre" else hc_head(x_new, *params, **kw)
+        )
+        want = (x_new, *(second if isinstance(second, tuple) else (second,)))
+        got = fused(*args, **kw)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple, overload
 
 import torch
 
@@ -145,7 +145,12 @@ def _describe(t: object) -> str:
 # ---------------------------------------------------------------------- the ops a layer composes
 class LayerOps(NamedTuple):
     """The ops an implementation's layer runs, each with the op pairs' one signature: the
-    reference's (float64-exact PyTorch) or the optimized ones (Triton kernels)."""
+    reference's (float64-exact PyTorch) or the optimized ones (Triton kernels).
+
+    ``hc_post_pre`` (the attention sublayer's hc_post, then the MoE sublayer's hc_pre) and
+    ``hc_post_head`` (the layer's last hc_post, then hc_head) are the op pairs the layer runs
+    back to back: the reference's are the plain compositions of its ops, the optimized ones
+    fuse where it pays."""
 
     rms_norm: Callable[..., torch.Tensor]
     linear: Callable[..., torch.Tensor]
@@ -153,6 +158,8 @@ class LayerOps(NamedTuple):
     hc_post: Callable[..., torch.Tensor]
     attention: Callable[..., torch.Tensor]
     moe: Callable[..., torch.Tensor]
+    hc_post_pre: Callable[..., Any]
+    hc_post_head: Callable[..., Any]
 
 
 # ---------------------------------------------------------------------- the checked API
@@ -178,6 +185,7 @@ class MTPLayerAPI:
     #: the ops this implementation composes (set by each subclass)
     ops: ClassVar[LayerOps]
 
+    @overload
     def _run(
         self,
         input_ids: torch.Tensor,
@@ -189,16 +197,50 @@ class MTPLayerAPI:
         *,
         attn_extra: dict[str, Any] | None = None,
         moe_extra: dict[str, Any] | None = None,
-    ) -> torch.Tensor:
+        head: Literal[False] = False,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        lens: list[int],
+        caches: Sequence[KVCache] | Any,
+        spec_step: int,
+        *,
+        attn_extra: dict[str, Any] | None = None,
+        moe_extra: dict[str, Any] | None = None,
+        head: Literal[True],
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        lens: list[int],
+        caches: Sequence[KVCache] | Any,
+        spec_step: int,
+        *,
+        attn_extra: dict[str, Any] | None = None,
+        moe_extra: dict[str, Any] | None = None,
+        head: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` on checked arguments: the layer's order (docs/semantics.md, "The MTP
         layer end to end") over the implementation's :attr:`ops`.  ``attn_extra`` /
         ``moe_extra``: keyword arguments an implementation adds to its own attention / MoE op
-        (the optimized layer's device KV cache slots and padding-row mask)."""
+        (the optimized layer's device KV cache slots and padding-row mask).  ``head=True``
+        returns ``(hidden (T, nD), head_input (T, D))``, head_input = hc_head of the output
+        with the layer's ``hc_head_*`` (what ``compute_logits`` normalizes next), from the
+        ``hc_post_head`` pair."""
         cfg, sem, o = self.config, self.semantics, self.ops
         p = self.layers[spec_step % len(self.layers)]
         T, n, D, eps = input_ids.shape[0], cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps
         if T == 0:
-            return prev_hidden.new_zeros(0, n * D)
+            empty = prev_hidden.new_zeros(0, n * D)
+            return (empty, prev_hidden.new_zeros(0, D)) if head else empty
         hc: dict[str, Any] = dict(
             rms_norm_eps=eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters
         )
@@ -229,10 +271,12 @@ class MTPLayerAPI:
             norm_order=sem.norm_order,
             **(attn_extra or {}),
         )
-        x = o.hc_post(a, x, post, comb)  # (T, n, D)
+        # attention's hc_post, then the MoE sublayer's hc_pre, as one op pair
+        x, f_in, post, comb = o.hc_post_pre(
+            a, x, post, comb, p.hc_ffn_fn, p.hc_ffn_scale, p.hc_ffn_base, **hc
+        )  # (T, n, D), (T, D), (T, n), (T, n, n)
 
         # MoE sublayer
-        f_in, post, comb = o.hc_pre(x, p.hc_ffn_fn, p.hc_ffn_scale, p.hc_ffn_base, **hc)
         f = o.moe(
             o.rms_norm(f_in, p.ffn_norm, eps, order=sem.norm_order),
             p.ffn,
@@ -241,12 +285,21 @@ class MTPLayerAPI:
             act_quant=sem.act_quant,
             **(moe_extra or {}),
         )
-        x = o.hc_post(f, x, post, comb)
-        return x.reshape(T, n * D)
+        if not head:
+            return o.hc_post(f, x, post, comb).reshape(T, n * D)
+        # the last hc_post, then hc_head, as one op pair
+        x, y = o.hc_post_head(
+            f, x, post, comb, p.hc_head_fn, p.hc_head_scale, p.hc_head_base,
+            rms_norm_eps=eps, hc_eps=cfg.hc_eps,
+        )  # fmt: skip
+        return x.reshape(T, n * D), y  # (T, nD), (T, D)
 
     # ------------------------------------------------------------------ to implement
-    def _logits(self, hidden: torch.Tensor, spec_step: int) -> torch.Tensor:
-        """:meth:`compute_logits` on a checked ``hidden``."""
+    def _logits(
+        self, hidden: torch.Tensor, spec_step: int, head_input: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """:meth:`compute_logits` on a checked ``hidden``; ``head_input`` (T, D): hc_head of
+        ``hidden`` when the caller has it (``_run(head=True)``), else computed here."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ caches
@@ -534,10 +587,13 @@ class MTPLayerAPI:
         for k in range(num_tokens):
             layer = k % num_layers
             # Every argument, forced token and fed position was checked above.
-            hidden = self._run(ids, pos, prev, step_lens, caches[layer], k)
-            if k == 0:
+            if k == 0:  # the prompt rows: the head reads only the last of each sequence
+                hidden = self._run(ids, pos, prev, step_lens, caches[layer], k)
                 hidden, pos = hidden[last], pos[last]
-            logits = self._logits(hidden, k)  # (B, V)
+                logits = self._logits(hidden, k)  # (B, V)
+            else:  # one row per sequence: the layer's last hc_post and hc_head as one pair
+                hidden, y = self._run(ids, pos, prev, step_lens, caches[layer], k, head=True)
+                logits = self._logits(hidden, k, y)
             token = self._pick(logits, k, greedy, temperature, generator, forced_tokens)
             drafted.append(token)
             step_logits.append(logits)

@@ -19,13 +19,14 @@ from .attention import (
 )
 from .kv_cache import DeviceKVCache
 from .linear import LinearPack, grouped_linear, linear, pack_linear
-from .mhc import CollapseSchedule, hc_head, hc_post, hc_pre
+from .mhc import CollapseSchedule, hc_head, hc_post, hc_post_head, hc_post_pre, hc_pre
 from .moe import MoEPack, fused_experts, moe, pack_moe, route
 from .mtp import MTPLayer, MTPLayerPack
 from .norm import rms_norm
 from .rope import apply_rope, kv_norm_rope, q_head_norm_rope
 
-__all__ += ["CollapseSchedule", "hc_head", "hc_post", "hc_pre", "rms_norm"]
+__all__ += ["CollapseSchedule", "hc_head", "hc_post", "hc_post_head", "hc_post_pre", "hc_pre"]
+__all__ += ["rms_norm"]
 
 __all__ += ["MoEPack", "fused_experts", "moe", "pack_moe", "route"]
 

@@ -11,7 +11,7 @@ read T.  ``auto`` may read T through an op's ``by_T`` rule, and only when the ca
 ``batch_invariant=False``: the op then puts T in its Facts; with ``batch_invariant=True`` Facts
 carry ``T=None`` and every choice is the same for every batch size, so a token's bits do not
 depend on its batch.  ``hc_head`` (:data:`HEAD_MMA_MIN_T`) and ``hc_pre`` (:data:`PRE_FMA_MAX_T`)
-have ``by_T`` rules.
+have ``by_T`` rules, and so do the fused pairs ``hc_post_head`` / ``hc_post_pre`` built on them.
 """
 
 from __future__ import annotations
@@ -174,6 +174,19 @@ def _pre_by_T(facts: Facts) -> str | None:
     return None
 
 
+# The fused pairs hc_post_pre / hc_post_head (optimized/mhc.py) take "triton_fma" (hc_post folded
+# into the small-batch hc_pre / hc_head kernels) where those kernels are the ops' own choice, and
+# "composed" (hc_post, then hc_pre / hc_head, each choosing its own backend) where they are not:
+# fusion pays only where it removes a launch from the small-T critical path.
+def _post_pre_by_T(facts: Facts) -> str | None:
+    pick = _pre_by_T(facts)
+    return None if pick is None else ("triton_fma" if pick == "triton_fma" else "composed")
+
+
+def _post_head_by_T(facts: Facts) -> str | None:
+    return "composed" if _head_by_T(facts) is not None else None
+
+
 # The auto orders are measured on the H200 (bench/results/mhc-h200.md, norm-h200.md).  hc_pre:
 # the one-pass Triton collapse beat the producer + FlashInfer pair at every measured T and D
 # (T 4096: 88 vs 173 us at D 4096, 177 vs 232 us at D 7168).  hc_head: the FMA kernel is ~2x
@@ -206,6 +219,18 @@ TABLES: dict[str, OpTable] = {
         (Backend("triton_fma", _always), Backend("triton_mma", _always)),
         auto=("triton_fma",),
         by_T=_head_by_T,
+    ),
+    "hc_post_pre": OpTable(
+        "hc_post_pre",
+        (Backend("triton_fma", _always), Backend("composed", _always)),
+        auto=("triton_fma",),
+        by_T=_post_pre_by_T,
+    ),
+    "hc_post_head": OpTable(
+        "hc_post_head",
+        (Backend("triton_fma", _always), Backend("composed", _always)),
+        auto=("triton_fma",),
+        by_T=_post_head_by_T,
     ),
 }
 

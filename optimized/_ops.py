@@ -2,7 +2,8 @@
 
 ``torch.ops.dsv4mtp.<op>`` (functional: allocates and returns its outputs) and
 ``torch.ops.dsv4mtp.<op>_out`` (writes keyword-only ``out`` tensors, declared mutated in the
-schema, returns nothing) for ``rms_norm``, ``hc_pre``, ``hc_post`` and ``hc_head``.  Schemas carry
+schema, returns nothing) for ``rms_norm``, ``hc_pre``, ``hc_post``, ``hc_head`` and the fused pairs
+``hc_post_pre`` / ``hc_post_head``.  Schemas carry
 tensors and plain scalars only: the backend is the name the public function already chose (never
 "auto"), and a hc_pre / hc_head schedule travels as two int lists (:func:`schedule_fields`; empty
 means the measured default).  The operators trust their arguments: the public functions in
@@ -35,10 +36,10 @@ from .kernels._launch import triton_kernel, workspace
 
 if TYPE_CHECKING:
     from .kernels.mhc_collapse import CollapseConfig, mhc_collapse
-    from .kernels.mhc_head import mhc_head_fma
+    from .kernels.mhc_head import mhc_head_fma, mhc_post_head_fma
     from .kernels.mhc_mix import MixConfig, mhc_mix_splitk, mix_config
     from .kernels.mhc_post import mhc_post_triton
-    from .kernels.mhc_pre_small import mhc_pre_fma
+    from .kernels.mhc_pre_small import mhc_post_pre_fma, mhc_pre_fma
     from .kernels.rms_norm import rms_norm_triton
 else:
     # Imported on the first call that needs them: triton is optional (the `gpu` extra).
@@ -50,6 +51,8 @@ else:
     mix_config = triton_kernel("mhc_mix", "mix_config")
     mhc_post_triton = triton_kernel("mhc_post", "mhc_post_triton")
     mhc_pre_fma = triton_kernel("mhc_pre_small", "mhc_pre_fma")
+    mhc_post_pre_fma = triton_kernel("mhc_pre_small", "mhc_post_pre_fma")
+    mhc_post_head_fma = triton_kernel("mhc_head", "mhc_post_head_fma")
     rms_norm_triton = triton_kernel("rms_norm", "rms_norm_triton")
 
 __all__ = ["NAMESPACE", "OPS", "SCHEMAS", "schedule_fields"]
@@ -66,6 +69,17 @@ _HEAD_ARGS = (
 )
 _NORM_ARGS = "Tensor x, Tensor? weight, float eps, str order, str backend"
 _POST_ARGS = "Tensor f, Tensor residual, Tensor post, Tensor comb, str backend"
+# The fused pairs: the backend ("triton_fma": one kernel pair; "composed": the two ops) and the
+# two ops' own backends, which "composed" runs (chosen by the public function).
+_POST_PRE_ARGS = (
+    "Tensor a, Tensor x, Tensor post, Tensor comb, Tensor fn, Tensor scale, Tensor base, "
+    "float rms_norm_eps, float hc_eps, int sinkhorn_iters, float post_mult, str backend, "
+    "str post_backend, str pre_backend"
+)
+_POST_HEAD_ARGS = (
+    "Tensor f, Tensor x, Tensor post, Tensor comb, Tensor fn, Tensor scale, Tensor base, "
+    "float rms_norm_eps, float hc_eps, str backend, str post_backend, str head_backend"
+)
 
 SCHEMAS: dict[str, str] = {
     "rms_norm": f"rms_norm({_NORM_ARGS}) -> Tensor",
@@ -79,6 +93,15 @@ SCHEMAS: dict[str, str] = {
     "hc_post_out": f"hc_post_out({_POST_ARGS}, *, Tensor(a!) out) -> ()",
     "hc_head": f"hc_head({_HEAD_ARGS}) -> Tensor",
     "hc_head_out": f"hc_head_out({_HEAD_ARGS}, *, Tensor(a!) out) -> ()",
+    "hc_post_pre": f"hc_post_pre({_POST_PRE_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)",
+    "hc_post_pre_out": (
+        f"hc_post_pre_out({_POST_PRE_ARGS}, *, Tensor(a!) x_out, Tensor(b!) layer_input, "
+        "Tensor(c!) post_out, Tensor(d!) comb_out) -> ()"
+    ),
+    "hc_post_head": f"hc_post_head({_POST_HEAD_ARGS}) -> (Tensor, Tensor)",
+    "hc_post_head_out": (
+        f"hc_post_head_out({_POST_HEAD_ARGS}, *, Tensor(a!) x_out, Tensor(b!) head_input) -> ()"
+    ),
 }
 OPS: tuple[str, ...] = tuple(SCHEMAS)
 
@@ -346,6 +369,109 @@ def _hc_head_fake(x: torch.Tensor, *args: Any) -> torch.Tensor:
     return x.new_empty((x.shape[0], x.shape[2]))
 
 
+# ------------------------------------------------------------------------------ hc_post_pre
+def _hc_post_pre_out(
+    a: torch.Tensor,
+    x: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    rms_norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    post_mult: float,
+    backend: str,
+    post_backend: str,
+    pre_backend: str,
+    *,
+    x_out: torch.Tensor,
+    layer_input: torch.Tensor,
+    post_out: torch.Tensor,
+    comb_out: torch.Tensor,
+) -> None:
+    if x.shape[0] == 0:
+        return
+    if backend == "composed":
+        _hc_post_out(a, x, post, comb, post_backend, out=x_out)
+        _hc_pre_out(
+            x_out, fn, scale, base, rms_norm_eps, hc_eps, sinkhorn_iters, post_mult, pre_backend,
+            NO_SCHEDULE, NO_SCHEDULE, layer_input=layer_input, post=post_out, comb=comb_out,
+        )  # fmt: skip
+    elif backend == "triton_fma":
+        x, fn, scale32, base32 = _collapse_inputs(x, fn, scale, base)
+        mhc_post_pre_fma(
+            a.contiguous(), x, _f32(post), _f32(comb), fn, scale32, base32, x_out, layer_input,
+            post_out, comb_out, rms_norm_eps=rms_norm_eps, hc_eps=hc_eps, post_mult=post_mult,
+            sinkhorn_iters=sinkhorn_iters,
+        )  # fmt: skip
+    else:
+        raise _unknown("hc_post_pre", backend, ("triton_fma", "composed"))
+
+
+def _post_pre_outputs(
+    a: torch.Tensor, x: torch.Tensor, *args: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (x.new_empty(x.shape), *_pre_outputs(x))
+
+
+def _hc_post_pre(
+    *args: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    xo, li, post, comb = _post_pre_outputs(*args)
+    _hc_post_pre_out(*args, x_out=xo, layer_input=li, post_out=post, comb_out=comb)
+    return xo, li, post, comb
+
+
+# ------------------------------------------------------------------------------ hc_post_head
+def _hc_post_head_out(
+    f: torch.Tensor,
+    x: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    rms_norm_eps: float,
+    hc_eps: float,
+    backend: str,
+    post_backend: str,
+    head_backend: str,
+    *,
+    x_out: torch.Tensor,
+    head_input: torch.Tensor,
+) -> None:
+    if x.shape[0] == 0:
+        return
+    if backend == "composed":
+        _hc_post_out(f, x, post, comb, post_backend, out=x_out)
+        _hc_head_out(
+            x_out, fn, scale, base, rms_norm_eps, hc_eps, head_backend, NO_SCHEDULE,
+            out=head_input,
+        )  # fmt: skip
+    elif backend == "triton_fma":
+        x, fn, scale32, base32 = _collapse_inputs(x, fn, scale, base)
+        mhc_post_head_fma(
+            f.contiguous(), x, _f32(post), _f32(comb), fn, scale32, base32, x_out, head_input,
+            rms_norm_eps=rms_norm_eps, hc_eps=hc_eps,
+        )  # fmt: skip
+    else:
+        raise _unknown("hc_post_head", backend, ("triton_fma", "composed"))
+
+
+def _post_head_outputs(
+    f: torch.Tensor, x: torch.Tensor, *args: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape), x.new_empty((x.shape[0], x.shape[2]))
+
+
+def _hc_post_head(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    xo, y = _post_head_outputs(*args)
+    _hc_post_head_out(*args, x_out=xo, head_input=y)
+    return xo, y
+
+
 def _out_fake(*args: Any, **kwargs: Any) -> None:
     return None
 
@@ -377,6 +503,10 @@ _KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "hc_post_out": (_hc_post_out, _out_fake),
     "hc_head": (_hc_head, _hc_head_fake),
     "hc_head_out": (_hc_head_out, _out_fake),
+    "hc_post_pre": (_hc_post_pre, _post_pre_outputs),
+    "hc_post_pre_out": (_hc_post_pre_out, _out_fake),
+    "hc_post_head": (_hc_post_head, _post_head_outputs),
+    "hc_post_head_out": (_hc_post_head_out, _out_fake),
 }
 
 

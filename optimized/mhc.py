@@ -27,6 +27,9 @@ every choice independent of T, so a token's result does not depend on its batch)
 * ``hc_post`` - n = 4, bf16 f and residual, CUDA: FlashInfer ``mhc_post``; otherwise Triton.
 * ``hc_head`` - ``HEAD_AUTO_BACKEND``: the small-batch FMA kernel (kernels/mhc_head.py)
   or the Triton collapse (no FlashInfer kernel exists for it on sm_90).
+* ``hc_post_pre`` / ``hc_post_head`` - hc_post followed by hc_pre / hc_head, fused where it
+  pays: "triton_fma" folds hc_post into the mix launch of the small-batch kernel wherever
+  hc_pre's / hc_head's "auto" would run that kernel; "composed" (the two operators) elsewhere.
 
 FlashInfer conventions handled here: its pre kernel returns ``(post (..., 4, 1), comb,
 layer_input)`` and defaults ``mhc_post_mult_value`` to 1.0 (V4 uses 2.0); we call its kernels
@@ -58,12 +61,16 @@ __all__ = [
     "CollapseSchedule",
     "hc_head",
     "hc_post",
+    "hc_post_head",
+    "hc_post_pre",
     "hc_pre",
 ]
 
 PreBackend = Literal["auto", "triton", "triton_fma", "flashinfer", "flashinfer_prenorm"]
 PostBackend = Literal["auto", "flashinfer", "triton"]
 HeadBackend = Literal["auto", "triton_fma", "triton_mma"]
+PostPreBackend = Literal["auto", "triton_fma", "composed"]
+PostHeadBackend = Literal["auto", "triton_fma", "composed"]
 
 # What "auto" runs; the measurements behind each order are with the tables in _dispatch.py.
 PRE_AUTO_BACKEND: PreBackend = TABLES["hc_pre"].auto[0]  # type: ignore[assignment]
@@ -99,6 +106,10 @@ _ops_hc_post = torch.ops.dsv4mtp.hc_post.default
 _ops_hc_post_out = torch.ops.dsv4mtp.hc_post_out.default
 _ops_hc_head = torch.ops.dsv4mtp.hc_head.default
 _ops_hc_head_out = torch.ops.dsv4mtp.hc_head_out.default
+_ops_hc_post_pre = torch.ops.dsv4mtp.hc_post_pre.default
+_ops_hc_post_pre_out = torch.ops.dsv4mtp.hc_post_pre_out.default
+_ops_hc_post_head = torch.ops.dsv4mtp.hc_post_head.default
+_ops_hc_post_head_out = torch.ops.dsv4mtp.hc_post_head_out.default
 
 
 def _check_streams(x: torch.Tensor) -> tuple[int, int, int]:
@@ -109,13 +120,20 @@ def _check_streams(x: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _check_params(
-    fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, rows: int, nD: int, n_scales: int
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    rows: int,
+    nD: int,
+    n_scales: int,
+    prefix: str = "",
 ) -> None:
+    """fn (rows, nD), scale (n_scales,), base (rows,), named ``prefix + name``."""
     for name, t in (("fn", fn), ("scale", scale), ("base", base)):
-        check_kernel_dtype(name, t)
-    check_shape("fn", fn, (rows, nD))
-    check_shape("scale", scale, (n_scales,))
-    check_shape("base", base, (rows,))
+        check_kernel_dtype(prefix + name, t)
+    check_shape(prefix + "fn", fn, (rows, nD))
+    check_shape(prefix + "scale", scale, (n_scales,))
+    check_shape(prefix + "base", base, (rows,))
 
 
 # ----------------------------------------------------------------------------------- hc_pre
@@ -401,3 +419,238 @@ def _hc_head_plan(
     if out is not None:
         check_out("out", out, (T, D), x.dtype, dev)
     return choice, collapse
+
+
+# ---------------------------------------------------------------------- fused: hc_post_pre
+def _check_post_args(
+    f_name: str, f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> tuple[int, int, int]:
+    """The hc_post half of a fused pair: x (T, n, D) the streams, ``f_name`` (T, D) the
+    sublayer output, post (T, n), comb (T, n, n), kernel dtypes -> (T, n, D)."""
+    T, n, D = _check_streams(x)
+    for name, t in ((f_name, f), ("post", post), ("comb", comb)):
+        check_kernel_dtype(name, t)
+    check_shape(f_name, f, (T, D))
+    check_shape("post", post, (T, n))
+    check_shape("comb", comb, (T, n, n))
+    return T, n, D
+
+
+def _check_outs(out: Any, shapes: Sequence[tuple[tuple[int, ...], torch.dtype]], what: str,
+                dev: torch.device) -> None:  # fmt: skip
+    if not isinstance(out, (tuple, list)) or len(out) != len(shapes):
+        raise InputError(f"out: expected a {len(shapes)}-tuple ({what})")
+    for i, (o, (s, dt)) in enumerate(zip(out, shapes, strict=True)):
+        check_out(f"out[{i}]", o, s, dt, dev)
+
+
+def hc_post_pre(
+    a: torch.Tensor,
+    x: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    *,
+    rms_norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    post_mult: float = 2.0,
+    batch_invariant: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    backend: PostPreBackend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hc_post of one sublayer, then hc_pre of the next: ``(x_new, layer_input, post_new,
+    comb_new)`` with ``x_new = hc_post(a, x, post, comb)`` and ``(layer_input, post_new,
+    comb_new) = hc_pre(x_new, fn, scale, base, ...)``.
+
+    a: (T, D) the sublayer output; x: (T, n, D) the streams that entered its hc_pre; post (T, n),
+    comb (T, n, n) its gates; fn (M, n*D), M = (2+n)*n; scale (3,); base (M,).  x_new (T, n, D)
+    in x.dtype, layer_input (T, D) in x.dtype, post_new (T, n) and comb_new (T, n, n) fp32.
+    ``out``: a 4-tuple of contiguous tensors of exactly those shapes and dtypes (out[0] must not
+    overlap x).
+    Fused where it pays: backend "triton_fma" runs hc_post inside the mix launch of hc_pre's
+    small-batch kernel (kernels/mhc_pre_small.py, ``mhc_post_pre_fma``): each mix program forms
+    its tile of x_new from a, x, post and comb, the first row group stores it, and the mix reads
+    it from registers; two launches instead of three, and x_new is not read back for the mix.
+    Its bits are hc_post's Triton kernel (the op order of FlashInfer's ``mhc_post`` too)
+    followed by hc_pre's "triton_fma".  "composed" calls the hc_post and hc_pre operators, each
+    with its own "auto" choice.  "auto": "triton_fma" where hc_pre's "auto" would run
+    "triton_fma" (T <= ``_dispatch.PRE_FMA_MAX_T``, and at every T under
+    ``batch_invariant=True``), "composed" above.
+    Bytes (fused): a (T*D) and x (T*n*D) read once from HBM, x_new (T*n*D) written once and
+    re-read from L2 by the weighted sum, fn (M*n*D*4) once per 16-token block, layer_input /
+    post_new / comb_new written once.
+    """
+    key: tuple[object, ...] | None = None
+    plan: tuple[Any, ...] | None = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = (
+                "hc_post_pre",
+                *[(t.__class__, t.dtype, t.shape, t.device)
+                  for t in (a, x, post, comb, fn, scale, base)],
+                rms_norm_eps.__class__, rms_norm_eps, hc_eps.__class__, hc_eps,
+                sinkhorn_iters.__class__, sinkhorn_iters, post_mult.__class__, post_mult,
+                batch_invariant.__class__, batch_invariant, backend,
+                None if out is None else _outs_key(out),
+            )  # fmt: skip
+            plan = PLANS.get(key)
+        except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
+            key = None
+    if plan is None:
+        plan = _hc_post_pre_plan(
+            a, x, post, comb, fn, scale, base, rms_norm_eps, hc_eps, sinkhorn_iters,
+            batch_invariant, out, backend,
+        )  # fmt: skip
+        if key is not None:
+            remember(key, plan)
+    choice, post_choice, pre_choice = plan
+    args = (
+        a, x, post, comb, fn, scale, base, float(rms_norm_eps), float(hc_eps), sinkhorn_iters,
+        float(post_mult), choice, post_choice, pre_choice,
+    )  # fmt: skip
+    if out is None:
+        return _ops_hc_post_pre(*args)  # type: ignore[no-any-return]
+    xo, li, po, co = out
+    _ops_hc_post_pre_out(*args, x_out=xo, layer_input=li, post_out=po, comb_out=co)
+    return xo, li, po, co
+
+
+def _hc_post_pre_plan(
+    a: torch.Tensor,
+    x: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    rms_norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    batch_invariant: bool,
+    out: Any,
+    backend: str,
+) -> tuple[str, str, str]:
+    """Every check of hc_post_pre's arguments, then (its backend, hc_post's, hc_pre's)."""
+    check_instance("batch_invariant", batch_invariant, bool)
+    T, n, D = _check_post_args("a", a, x, post, comb)
+    dev = check_device([("x", x), ("a", a), ("post", post), ("comb", comb)])
+    post_choice = select("hc_post", "auto", Facts(dev, (a.dtype, x.dtype), n=n, D=D))
+    # hc_pre's checks and choice, on x's shape and dtype (x_new's)
+    pre_choice, _, _ = _hc_pre_plan(
+        x, fn, scale, base, rms_norm_eps, hc_eps, sinkhorn_iters, batch_invariant, None, "auto",
+        None,
+    )  # fmt: skip
+    facts = Facts(
+        dev, (a.dtype, x.dtype), n=n, D=D, eps=(rms_norm_eps, hc_eps),
+        T=None if batch_invariant else T,
+    )  # fmt: skip
+    choice = select("hc_post_pre", backend, facts)
+    if out is not None:
+        f32 = torch.float32
+        shapes = (((T, n, D), x.dtype), ((T, D), x.dtype), ((T, n), f32), ((T, n, n), f32))
+        _check_outs(out, shapes, "x_new, layer_input, post, comb", dev)
+    return choice, post_choice, pre_choice
+
+
+# ---------------------------------------------------------------------- fused: hc_post_head
+def hc_post_head(
+    f: torch.Tensor,
+    x: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    head_fn: torch.Tensor,
+    head_scale: torch.Tensor,
+    head_base: torch.Tensor,
+    *,
+    rms_norm_eps: float,
+    hc_eps: float,
+    batch_invariant: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    backend: PostHeadBackend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's last hc_post, then hc_head: ``(x_new, head_input)`` with ``x_new =
+    hc_post(f, x, post, comb)`` and ``head_input = hc_head(x_new, head_fn, head_scale,
+    head_base, ...)``.
+
+    f: (T, D) the MoE output; x: (T, n, D); post (T, n), comb (T, n, n); head_fn (n, n*D);
+    head_scale (1,); head_base (n,).  x_new (T, n, D) and head_input (T, D) in x.dtype.
+    ``out``: a 2-tuple of contiguous tensors of those shapes and dtype (out[0] must not overlap
+    x).
+    Fused where it pays: backend "triton_fma" runs hc_post inside the mix launch of hc_head's
+    small-batch kernel (kernels/mhc_head.py, ``mhc_post_head_fma``): each mix program forms its
+    (4 tokens, n, 256 columns) tile of x_new, stores it and mixes it from registers; two launches
+    instead of three.  Its bits are hc_post's Triton kernel followed by hc_head's "triton_fma".
+    "composed" calls the hc_post and hc_head operators, each with its own "auto" choice.
+    "auto": "triton_fma" where hc_head's "auto" runs "triton_fma" (T < ``_dispatch.
+    HEAD_MMA_MIN_T``, and at every T under ``batch_invariant=True``), "composed" above.
+    Bytes (fused): f (T*D) and x (T*n*D) read once, x_new written once and re-read from L2 by
+    the weighted sum, head_fn once per 4-token block (L2), head_input written once.
+    """
+    key: tuple[object, ...] | None = None
+    plan: tuple[Any, ...] | None = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = (
+                "hc_post_head",
+                *[(t.__class__, t.dtype, t.shape, t.device)
+                  for t in (f, x, post, comb, head_fn, head_scale, head_base)],
+                rms_norm_eps.__class__, rms_norm_eps, hc_eps.__class__, hc_eps,
+                batch_invariant.__class__, batch_invariant, backend,
+                None if out is None else _outs_key(out),
+            )  # fmt: skip
+            plan = PLANS.get(key)
+        except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
+            key = None
+    if plan is None:
+        plan = _hc_post_head_plan(
+            f, x, post, comb, head_fn, head_scale, head_base, rms_norm_eps, hc_eps,
+            batch_invariant, out, backend,
+        )  # fmt: skip
+        if key is not None:
+            remember(key, plan)
+    choice, post_choice, head_choice = plan
+    args = (
+        f, x, post, comb, head_fn, head_scale, head_base, float(rms_norm_eps), float(hc_eps),
+        choice, post_choice, head_choice,
+    )  # fmt: skip
+    if out is None:
+        return _ops_hc_post_head(*args)  # type: ignore[no-any-return]
+    xo, y = out
+    _ops_hc_post_head_out(*args, x_out=xo, head_input=y)
+    return xo, y
+
+
+def _hc_post_head_plan(
+    f: torch.Tensor,
+    x: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    rms_norm_eps: float,
+    hc_eps: float,
+    batch_invariant: bool,
+    out: Any,
+    backend: str,
+) -> tuple[str, str, str]:
+    """Every check of hc_post_head's arguments, then (its backend, hc_post's, hc_head's)."""
+    check_instance("batch_invariant", batch_invariant, bool)
+    T, n, D = _check_post_args("f", f, x, post, comb)
+    _check_params(fn, scale, base, n, n * D, 1, prefix="head_")  # named as the arguments
+    dev = check_device([("x", x), ("f", f), ("post", post), ("comb", comb)])
+    post_choice = select("hc_post", "auto", Facts(dev, (f.dtype, x.dtype), n=n, D=D))
+    head_choice, _ = _hc_head_plan(
+        x, fn, scale, base, rms_norm_eps, hc_eps, batch_invariant, None, "auto", None
+    )
+    facts = Facts(
+        dev, (f.dtype, x.dtype), n=n, D=D, eps=(rms_norm_eps, hc_eps),
+        T=None if batch_invariant else T,
+    )  # fmt: skip
+    choice = select("hc_post_head", backend, facts)
+    if out is not None:
+        _check_outs(out, (((T, n, D), x.dtype), ((T, D), x.dtype)), "x_new, head_input", dev)
+    return choice, post_choice, head_choice

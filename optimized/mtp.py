@@ -59,7 +59,7 @@ from .kernels._launch import check_device
 from .kv_cache import DeviceKVCache
 from .linear import LinearPack, linear, pack_linear
 from .lm_head import HeadPack, lm_head_argmax, lm_head_logits, pack_head
-from .mhc import hc_head, hc_post, hc_pre
+from .mhc import hc_head, hc_post, hc_post_head, hc_post_pre, hc_pre
 from .moe import MoEPack, moe, pack_moe
 from .norm import rms_norm
 from .step_guard import NO_BAD_ROW, step_guard
@@ -151,7 +151,7 @@ class MTPLayer(MTPLayerAPI):
 
     ops = LayerOps(
         rms_norm=rms_norm, linear=linear, hc_pre=hc_pre, hc_post=hc_post, attention=attention,
-        moe=moe,
+        moe=moe, hc_post_pre=hc_post_pre, hc_post_head=hc_post_head,
     )  # fmt: skip
 
     def __init__(
@@ -432,24 +432,32 @@ class MTPLayer(MTPLayerAPI):
         tokens = torch.stack(drafted, dim=1)  # (B, num_tokens)
         return tokens, torch.stack(step_logits, dim=1) if return_logits else None
 
-    def _head_input(self, hidden: torch.Tensor, spec_step: int) -> torch.Tensor:
+    def _head_input(
+        self, hidden: torch.Tensor, spec_step: int, head_input: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """hidden (T, nD) -> the rows the LM head reads (T, D): ``hc_head`` with the layer's
-        ``hc_head_*``, then its ``norm`` (both the optimized ops)."""
+        ``hc_head_*`` (or ``head_input``, its result from ``_run(head=True)``'s fused
+        ``hc_post_head``), then its ``norm`` (both the optimized ops)."""
         cfg = self.config
         p = self.layers[spec_step % len(self.layers)]
         T = hidden.shape[0]
-        y = hc_head(
-            hidden.view(T, cfg.hc_mult, cfg.hidden_size),
-            p.hc_head_fn,
-            p.hc_head_scale,
-            p.hc_head_base,
-            rms_norm_eps=cfg.rms_norm_eps,
-            hc_eps=cfg.hc_eps,
-        )  # (T, D)
+        y = head_input
+        if y is None:
+            y = hc_head(
+                hidden.view(T, cfg.hc_mult, cfg.hidden_size),
+                p.hc_head_fn,
+                p.hc_head_scale,
+                p.hc_head_base,
+                rms_norm_eps=cfg.rms_norm_eps,
+                hc_eps=cfg.hc_eps,
+            )  # (T, D)
         return rms_norm(y, p.norm, cfg.rms_norm_eps, order=self.semantics.norm_order)
 
-    def _logits(self, hidden: torch.Tensor, spec_step: int) -> torch.Tensor:
-        """:meth:`compute_logits` on a checked ``hidden`` -> (T, V) fp32.
+    def _logits(
+        self, hidden: torch.Tensor, spec_step: int, head_input: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """:meth:`compute_logits` on a checked ``hidden`` -> (T, V) fp32 (``head_input``: see
+        :meth:`_head_input`).
 
         :meth:`_head_input`, then :func:`lm_head_logits`: for the bf16 head one cuBLAS GEMM
         accumulated and written in fp32 (it reads the head once, V*D*2 bytes, 1.06 GB at
@@ -458,17 +466,19 @@ class MTPLayer(MTPLayerAPI):
         differ only in fp32 summation order (conformance/test_mtp_optimized.py declares the
         tolerance).
         """
-        y = self._head_input(hidden, spec_step)
+        y = self._head_input(hidden, spec_step, head_input)
         return lm_head_logits(y, self.heads[spec_step % len(self.heads)])
 
-    def _greedy(self, hidden: torch.Tensor, spec_step: int) -> torch.Tensor:
+    def _greedy(
+        self, hidden: torch.Tensor, spec_step: int, head_input: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Greedy ids (T,), torch.argmax's tie and NaN rules.  bf16 head: :func:`lm_head_argmax`,
         without the (T, V) logits (H200, V4-Flash head: 243 / 244 / 266 us at T 1 / 8 / 64
         against cuBLAS logits + argmax 282 / 286 / 330 us, bench/results/head-h200.json).  FP8
         head: its logits from the FP8 linear kernel, then torch.argmax, which measured faster
         than the argmax kernel's FP8 decode (152 / 156 / 319 us + the argmax against 222 / 240 /
-        469 us)."""
-        y = self._head_input(hidden, spec_step)
+        469 us).  ``head_input``: see :meth:`_head_input`."""
+        y = self._head_input(hidden, spec_step, head_input)
         head = self.heads[spec_step % len(self.heads)]
         if head.format == "fp8":
             return lm_head_logits(y, head).argmax(-1)
@@ -572,7 +582,7 @@ class DecodeGraphs:
             ids, pos, prev, slots, real, cfg.vocab_size, cfg.max_position_embeddings,
             out=(ok, ids_ok, pos_ok, slots_ok, self.bad),
         )  # fmt: skip
-        hidden = L._run(
+        hidden, y = L._run(
             ids_ok,
             pos_ok,
             prev,
@@ -581,13 +591,14 @@ class DecodeGraphs:
             self.spec_step,
             attn_extra={"cache_slots": slots_ok},
             moe_extra={"row_mask": ok},
-        )  # fmt: skip  (b, nD)
+            head=True,
+        )  # fmt: skip  (b, nD), hc_head's (b, D) from the fused hc_post_head
         if self.logits:
-            logits = L._logits(hidden, self.spec_step)  # (b, V) fp32
+            logits = L._logits(hidden, self.spec_step, y)  # (b, V) fp32
             tokens = logits.argmax(-1)
         else:
             logits = hidden.new_empty(b, 0, dtype=torch.float32)  # none computed
-            tokens = L._greedy(hidden, self.spec_step)
+            tokens = L._greedy(hidden, self.spec_step, y)
         return torch.where(ok, tokens, -1), hidden, logits
 
     def bucket(self, B: int) -> int:

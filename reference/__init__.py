@@ -36,7 +36,7 @@ from dsv4mtp.formats import (
 
 # --- the ops of the oracle
 from .norm import rms_norm
-from .mhc import hc_head, hc_post, hc_pre, sinkhorn
+from .mhc import hc_head, hc_post, hc_post_head, hc_post_pre, hc_pre, sinkhorn
 from .rope import apply_rope, rope_frequencies
 from .linear import grouped_linear, linear
 from .quant_sim import fp8_block_roundtrip
@@ -126,6 +126,8 @@ __all__ = [
     "grouped_linear",
     "hc_head",
     "hc_post",
+    "hc_post_head",
+    "hc_post_pre",
     "hc_pre",
     "inspect_checkpoint",
     "kv_norm_rope",

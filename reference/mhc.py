@@ -26,7 +26,7 @@ from dsv4mtp.errors import InputError
 
 from .linear import rowwise_matmul
 
-__all__ = ["hc_head", "hc_post", "hc_pre", "sinkhorn"]
+__all__ = ["hc_head", "hc_post", "hc_post_head", "hc_post_pre", "hc_pre", "sinkhorn"]
 
 
 def _rms_factor(xf: torch.Tensor, eps: float) -> torch.Tensor:
@@ -172,3 +172,59 @@ def hc_head(
     gate = torch.sigmoid(mix * scale.to(cd)[0] + base.to(cd)) + hc_eps  # (T, n)
     y = (gate[:, :, None] * xf.view(T, n, D)).sum(dim=1)  # (T, D)
     return y.to(x.dtype)
+
+
+def hc_post_pre(
+    a: torch.Tensor,
+    x: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    *,
+    rms_norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    post_mult: float = 2.0,
+    batch_invariant: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hc_post of one sublayer, then hc_pre of the next (what the layer runs between them).
+
+    a: (T, D) sublayer output; x: (T, n, D) the streams; post (T, n), comb (T, n, n) its gates;
+    fn, scale, base: the next sublayer's hc_pre parameters.  Returns ``(x_new (T, n, D),
+    layer_input (T, D), post_new (T, n), comb_new (T, n, n))``: the composition of
+    :func:`hc_post` and :func:`hc_pre`, nothing more.
+    """
+    x_new = hc_post(a, x, post, comb, batch_invariant=batch_invariant)  # (T, n, D)
+    layer_input, post_new, comb_new = hc_pre(
+        x_new, fn, scale, base, rms_norm_eps=rms_norm_eps, hc_eps=hc_eps,
+        sinkhorn_iters=sinkhorn_iters, post_mult=post_mult, batch_invariant=batch_invariant,
+    )  # fmt: skip
+    return x_new, layer_input, post_new, comb_new
+
+
+def hc_post_head(
+    f: torch.Tensor,
+    x: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    head_fn: torch.Tensor,
+    head_scale: torch.Tensor,
+    head_base: torch.Tensor,
+    *,
+    rms_norm_eps: float,
+    hc_eps: float,
+    batch_invariant: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's last hc_post, then hc_head: ``(x_new (T, n, D), head_input (T, D))``.
+
+    f: (T, D) the MoE output; x: (T, n, D); post (T, n), comb (T, n, n); head_fn (n, n*D),
+    head_scale (1,), head_base (n,).  The composition of :func:`hc_post` and :func:`hc_head`.
+    """
+    x_new = hc_post(f, x, post, comb, batch_invariant=batch_invariant)  # (T, n, D)
+    head_input = hc_head(
+        x_new, head_fn, head_scale, head_base, rms_norm_eps=rms_norm_eps, hc_eps=hc_eps,
+        batch_invariant=batch_invariant,
+    )  # fmt: skip
+    return x_new, head_input  # (T, n, D), (T, D)

@@ -35,7 +35,7 @@ from dsv4mtp.semantics import PRESETS, Semantics, resolve_semantics
 
 from .attention import attention
 from .linear import linear
-from .mhc import hc_head, hc_post, hc_pre
+from .mhc import hc_head, hc_post, hc_post_head, hc_post_pre, hc_pre
 from .moe import moe
 from .norm import rms_norm
 
@@ -56,7 +56,7 @@ class MTPLayer(MTPLayerAPI):
 
     ops = LayerOps(
         rms_norm=rms_norm, linear=linear, hc_pre=hc_pre, hc_post=hc_post, attention=attention,
-        moe=moe,
+        moe=moe, hc_post_pre=hc_post_pre, hc_post_head=hc_post_head,
     )  # fmt: skip
 
     def __init__(
@@ -111,22 +111,27 @@ class MTPLayer(MTPLayerAPI):
         checkpoint = load_checked(path, preset, dtype, device, switches)
         return cls.from_loaded(checkpoint, preset=preset, dtype=dtype, device=device, **switches)
 
-    def _logits(self, hidden: torch.Tensor, spec_step: int) -> torch.Tensor:
+    def _logits(
+        self, hidden: torch.Tensor, spec_step: int, head_input: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """:meth:`compute_logits` on a checked ``hidden``: the shared head in fp32 as the
         official ``ParallelHead`` (float64 when the layer runs in float64, so the oracle stays
-        exact), in vocab chunks to bound temporary memory."""
+        exact), in vocab chunks to bound temporary memory.  ``head_input``: hc_head of
+        ``hidden`` from ``_run(head=True)`` (the same function), else computed here."""
         cfg = self.config
         p = self.layers[spec_step % len(self.layers)]
         T = hidden.shape[0]
         cd = compute_dtype(self.dtype)
-        y = hc_head(
-            hidden.view(T, cfg.hc_mult, cfg.hidden_size),
-            p.hc_head_fn,
-            p.hc_head_scale,
-            p.hc_head_base,
-            rms_norm_eps=cfg.rms_norm_eps,
-            hc_eps=cfg.hc_eps,
-        )  # (T, D)
+        y = head_input
+        if y is None:
+            y = hc_head(
+                hidden.view(T, cfg.hc_mult, cfg.hidden_size),
+                p.hc_head_fn,
+                p.hc_head_scale,
+                p.hc_head_base,
+                rms_norm_eps=cfg.rms_norm_eps,
+                hc_eps=cfg.hc_eps,
+            )  # (T, D)
         y = rms_norm(y, p.norm, cfg.rms_norm_eps, order=self.semantics.norm_order).to(cd)
         chunk = 16384
         parts = [y @ p.head[v : v + chunk].to(cd).T for v in range(0, cfg.vocab_size, chunk)]

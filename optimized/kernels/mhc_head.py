@@ -31,6 +31,12 @@ that waited for its own block's partials with the tile in registers (6.0 / 6.1 /
 assumed all S programs of a block resident at once, which another stream's work can break.
 ``one_launch=True`` keeps the ticketed form (tested, and hang-tested, like the collapse).
 
+hc_post_head (:func:`mhc_post_head_fma`): the two-launch form with the layer's last hc_post folded
+into the mix (``FUSE_POST``): each mix program forms its (BLOCK_T, n, BLOCK_D) tile of the new
+streams from the MoE output, the old streams and their post / comb gates, stores it and mixes it
+from registers; the apply reads the stored streams.  One launch and one read of the new streams
+fewer than hc_post followed by hc_head.
+
 Arithmetic: fp32 throughout, exact fp32 products in the mix.  Tile sizes depend on n and D
 only: a token's result does not depend on its batch.
 
@@ -68,20 +74,27 @@ from ._sync import (
     wait_until,
 )
 
-__all__ = ["mhc_head_fma"]
+__all__ = ["mhc_head_fma", "mhc_post_head_fma"]
 
 
 @triton.jit(do_not_specialize=["T"])
 def mhc_head_fma_kernel(
     x_ptr, fn_ptr, scale_ptr, base_ptr, part_ptr, sq_ptr, count_ptr, out_ptr,
+    f_ptr, post_in_ptr, comb_in_ptr, xnew_ptr,
     T, D, rms_eps, hc_eps,
     S: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    DO_MIX: tl.constexpr, DO_APPLY: tl.constexpr, INTERP: tl.constexpr,
+    DO_MIX: tl.constexpr, DO_APPLY: tl.constexpr, FUSE_POST: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     """Grid ((blocks + 1) * S,) for the one-launch form (DO_MIX and DO_APPLY; roles by ticket,
     see _sync.py), else (blocks * S,) with one phase per launch; ``q * S + s`` = (block q,
-    slice s)."""
+    slice s).
+
+    ``FUSE_POST`` (mix-only launch): the tile is first formed by hc_post from the sublayer
+    output f (T, D), the residual x (T, n, D) and ``post`` (T, n) / ``comb`` (T, n, n) fp32,
+    in mhc_post_kernel's op order (kernels/mhc_post.py), rounded to x's dtype and stored to
+    xnew_ptr (T, n, D); the mix reads the rounded tile from registers and the apply launch is
+    given xnew_ptr as its x.  Otherwise the extra pointers are not read."""
     blocks = tl.cdiv(T, BLOCK_T)
     if DO_MIX and DO_APPLY:
         # Ticket q*S + s mixes block q, then applies block q-1, mixed by lower tickets.
@@ -105,7 +118,30 @@ def mhc_head_fma_kernel(
         t = q * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)
         t_ok = t < T
         t3 = t.to(tl.int64)[:, None, None]
-        x = tl.load(x_ptr + t3 * K + j3 * D + d3, mask=(t3 < T) & (j3 < N) & (d3 < D), other=0.0)
+        x_ok = (t3 < T) & (j3 < N) & (d3 < D)
+        if FUSE_POST:
+            # hc_post per element: post[k] * f, then one FMA per source j = 0..n-1 (all loads
+            # first: see mhc_pre_small's mix kernel), one rounding to x's dtype.
+            f = tl.load(f_ptr + t3 * D + d3, mask=(t3 < T) & (d3 < D), other=0.0)  # (BT, 1, BD)
+            pk = tl.load(post_in_ptr + t3 * N + j3, mask=(t3 < T) & (j3 < N), other=0.0)
+            rs = ()  # type: tuple[tl.tensor, ...]
+            cs = ()  # type: tuple[tl.tensor, ...]
+            for jsrc in tl.static_range(N):
+                rs = rs + (  # noqa: RUF005  (BT, 1, BD): source stream jsrc
+                    tl.load(x_ptr + t3 * K + jsrc * D + d3, mask=(t3 < T) & (d3 < D), other=0.0),
+                )
+                cs = cs + (  # noqa: RUF005  (BT, NP, 1): comb[t, jsrc, k]
+                    tl.load(comb_in_ptr + t3 * (N * N) + jsrc * N + j3, mask=(t3 < T) & (j3 < N),
+                            other=0.0),
+                )  # fmt: skip
+            acc = pk.to(tl.float32) * f.to(tl.float32)  # (BT, NP, BD)
+            for jsrc in tl.static_range(N):
+                acc = tl.fma(cs[jsrc].to(tl.float32), rs[jsrc].to(tl.float32), acc)
+            x_ty = xnew_ptr.dtype.element_ty
+            x = rne_bf16_if_interpreted(acc, x_ty, INTERP).to(x_ty)
+            tl.store(xnew_ptr + t3 * K + j3 * D + d3, x, mask=x_ok)
+        else:
+            x = tl.load(x_ptr + t3 * K + j3 * D + d3, mask=x_ok, other=0.0)
         xf = x.to(tl.float32)  # (BT, NP, BD)
         sq = tl.sum(tl.sum(xf * xf, axis=2), axis=1)  # (BT,)
         part = tl.zeros((BLOCK_T, MP), dtype=tl.float32)
@@ -160,8 +196,11 @@ def mhc_head_fma_kernel(
 
 
 @functools.cache
-def _launches(n: int, D: int, one_launch: bool) -> tuple[int, int, int, tuple[TritonLaunch, ...]]:
-    """(block_t, S, MP, the launches) for one (n, D, form); built once."""
+def _launches(
+    n: int, D: int, one_launch: bool, fuse_post: bool = False
+) -> tuple[int, int, int, tuple[TritonLaunch, ...]]:
+    """(block_t, S, MP, the launches) for one (n, D, form); built once.  ``fuse_post``: the
+    two-launch form with hc_post in the mix (the apply launch is the plain one)."""
     NP = next_pow2(n)
     # 4 tokens x 256 columns x 4 warps: the fastest of six tiles tried on the H200 at T 1 and
     # T 4096, both D (bench/results/mhc-h200.md, "How the schedules were picked").  The
@@ -177,7 +216,9 @@ def _launches(n: int, D: int, one_launch: bool) -> tuple[int, int, int, tuple[Tr
                 num_warps=4)  # fmt: skip
     phases = [(True, True)] if one_launch else [(True, False), (False, True)]
     launches = tuple(
-        triton_launch(mhc_head_fma_kernel, **meta, DO_MIX=mix, DO_APPLY=apply)
+        triton_launch(
+            mhc_head_fma_kernel, **meta, DO_MIX=mix, DO_APPLY=apply, FUSE_POST=fuse_post and mix
+        )
         for mix, apply in phases
     )
     return block_t, S, MP, launches
@@ -187,10 +228,12 @@ def _launches(n: int, D: int, one_launch: bool) -> tuple[int, int, int, tuple[Tr
 _Plan = tuple[tuple[int], tuple[TritonLaunch, ...], torch.Tensor, torch.Tensor, int]
 
 
-def _plan(device: torch.device, T: int, n: int, D: int, one_launch: bool) -> _Plan:
+def _plan(
+    device: torch.device, T: int, n: int, D: int, one_launch: bool, fuse_post: bool = False
+) -> _Plan:
     """Everything of a call but its tensors and scalars; kept per (shapes, stream) by
     :func:`~._launch.plan`."""
-    block_t, S, MP, launches = _launches(n, D, one_launch)
+    block_t, S, MP, launches = _launches(n, D, one_launch, fuse_post)
     blocks = cdiv(T, block_t)
     part, sq = workspaces("mhc_head_fma", device, S * T * MP, S * T)  # (S, T, MP), (S, T)
     # One launch: one extra block of programs, which only apply (see the kernel).
@@ -221,5 +264,36 @@ def mhc_head_fma(
     # Asked per call, not kept in the plan: _sync.counters owns the rule (fresh on the CPU and
     # while capturing, the stream's zeroed buffer otherwise).
     count = counters(dev, counts) if counts else sq
-    args = (x, fn, scale, base, part, sq, count, out, T, D, float(rms_norm_eps), float(hc_eps))
+    # no hc_post: its four pointers (after out) are not read
+    args = (x, fn, scale, base, part, sq, count, out, x, x, x, x, T, D, float(rms_norm_eps),
+            float(hc_eps))  # fmt: skip
     launch_each(launches, grid, args)
+
+
+def mhc_post_head_fma(
+    f: torch.Tensor,
+    x: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    x_out: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    rms_norm_eps: float,
+    hc_eps: float,
+) -> None:
+    """hc_post (f, x, post, comb) into ``x_out`` (T, n, D), then hc_head of it into ``out``
+    (T, D): the two launches of :func:`mhc_head_fma`, the mix forming each tile of x_out from
+    f (T, D), x, post (T, n) and comb (T, n, n) fp32 (``FUSE_POST``), the apply reading x_out.
+    Bitwise hc_post's Triton kernel followed by :func:`mhc_head_fma`.  x_out must not overlap
+    x.  Extra bytes over mhc_head_fma: f (T*D) and post / comb read, x_out (T*n*D) written
+    once; the separate hc_post launch and its x_out re-read are what it saves."""
+    T, n, D = x.shape
+    if T == 0:
+        return
+    grid, (mix, apply), part, sq, _ = plan(_plan, x.device, T, n, D, False, True)
+    eps = (float(rms_norm_eps), float(hc_eps))
+    mix(grid, x, fn, scale, base, part, sq, sq, out, f, post, comb, x_out, T, D, *eps)
+    apply(grid, x_out, fn, scale, base, part, sq, sq, out, x_out, x_out, x_out, x_out, T, D, *eps)

@@ -32,6 +32,15 @@ Schedule: two launches, no program waits on another.
     over the slots; the gates and the Sinkhorn then follow the op order of the collapse's
     ``_reduce_gates``.
 
+hc_post_pre (:func:`mhc_post_pre_fma`): the same two launches with the previous sublayer's
+hc_post folded into the mix (``FUSE_POST``): each mix program forms its (BLOCK_T, BLOCK_D) tiles
+of the new streams from the sublayer output, the old streams and their post / comb gates, the
+programs of row group 0 store them, and all mix them from registers; the apply reads the stored
+streams.  One launch and one read of the new streams fewer than hc_post followed by hc_pre, at
+the cost of the sublayer output tile and n + n*n gate values per mix program (130 registers
+against 125 at the default tile: 3 programs per SM instead of 4, no spills;
+bench/sm90_resources.py --pre-fma).
+
 Latency: in every phase all independent loads are issued before the first layout conversion or
 reduction, whose barrier would otherwise make each later load wait for the ones before it (one
 memory round trip per stream or per tile instead of one per phase; checked in the sm_90 SASS).
@@ -69,16 +78,57 @@ from ._launch import (
     workspaces,
 )
 
-__all__ = ["PreFmaConfig", "mhc_pre_fma", "pre_fma_config"]
+__all__ = ["PreFmaConfig", "mhc_post_pre_fma", "mhc_pre_fma", "pre_fma_config"]
+
+
+@triton.jit
+def _post_tiles(
+    xs, a_ptr, post_ptr, comb_ptr, xnew_ptr, t64, t_ok, d, x_ok, store, D: tl.constexpr,
+    N: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """hc_post of the (BT, BD) tiles ``xs`` (one per source stream) -> the n destination tiles
+    of x_new, rounded to x's dtype (the tuple the mix reads), stored to ``xnew_ptr`` when
+    ``store``.  Per element, fp32, mhc_post_kernel's order: ``post[k] * a``, then one FMA per
+    source j = 0..n-1, one rounding.  All loads first (see the mix kernel)."""
+    K = N * D
+    a = tl.load(a_ptr + t64[:, None] * D + d[None, :], mask=x_ok, other=0.0).to(tl.float32)
+    ps = ()  # type: tuple[tl.tensor, ...]
+    cs = ()  # type: tuple[tl.tensor, ...]
+    for k in tl.static_range(N):
+        ps = ps + (tl.load(post_ptr + t64 * N + k, mask=t_ok, other=0.0),)  # noqa: RUF005  (BT,)
+        for j in tl.static_range(N):
+            cs = cs + (  # noqa: RUF005  (BT,): comb[t, j, k], source j, destination k
+                tl.load(comb_ptr + t64 * (N * N) + j * N + k, mask=t_ok, other=0.0),
+            )
+    x_ty = xnew_ptr.dtype.element_ty
+    out = ()  # type: tuple[tl.tensor, ...]
+    for k in tl.static_range(N):
+        acc = ps[k][:, None] * a  # (BT, BD)
+        for j in tl.static_range(N):
+            acc = tl.fma(cs[k * N + j][:, None], xs[j].to(tl.float32), acc)
+        y = rne_bf16_if_interpreted(acc, x_ty, INTERP).to(x_ty)
+        if store:
+            tl.store(xnew_ptr + t64[:, None] * K + k * D + d[None, :], y, mask=x_ok)
+        out = out + (y,)  # noqa: RUF005
+    return out
 
 
 @triton.jit(do_not_specialize=["T"])
 def mhc_pre_mix_kernel(
-    x_ptr, fn_ptr, part_ptr, sq_ptr, T,
+    x_ptr, fn_ptr, part_ptr, sq_ptr, a_ptr, post_in_ptr, comb_in_ptr, xnew_ptr, T,
     D: tl.constexpr, N: tl.constexpr, M: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FUSE_POST: tl.constexpr,
+    INTERP: tl.constexpr,
 ):  # fmt: skip
-    """Grid (blocks * S * G,): program (q * S + s) * G + r = token block q, slice s, rows r."""
+    """Grid (blocks * S * G,): program (q * S + s) * G + r = token block q, slice s, rows r.
+
+    ``FUSE_POST``: the streams are first formed by hc_post from the previous sublayer's output
+    ``a`` (T, D), the residual x (T, n, D) and its ``post`` (T, n) / ``comb`` (T, n, n) (fp32):
+    ``x_new[:, k] = post[:, k] * a + sum_j comb[:, j, k] * x[:, j]`` in mhc_post_kernel's op
+    order (kernels/mhc_post.py), rounded to x's dtype; the programs of rows r = 0 store their
+    tile of x_new (xnew_ptr) and every program mixes the rounded tile from its registers, so
+    its bits are those of hc_post followed by this kernel on x_new.  Otherwise the extra
+    pointers are not read."""
     pid = tl.program_id(0)
     r = pid % G
     s = (pid // G) % S
@@ -105,6 +155,11 @@ def mhc_pre_mix_kernel(
     for j in tl.static_range(N):
         xs = xs + (tl.load(x_ptrs + j * D, mask=x_ok, other=0.0),)  # noqa: RUF005  (BT, BD)
         ws = ws + (tl.load(w_ptrs + j * D, mask=w_ok, other=0.0),)  # noqa: RUF005  (R, BD)
+    if FUSE_POST:
+        xs = _post_tiles(
+            xs, a_ptr, post_in_ptr, comb_in_ptr, xnew_ptr, t64, t_ok, d, x_ok, r == 0, D, N,
+            INTERP,
+        )  # fmt: skip
     for j in tl.static_range(N):
         xj = xs[j].to(tl.float32)
         wj = ws[j].to(tl.float32)
@@ -289,14 +344,14 @@ def pre_fma_config(n: int, D: int) -> PreFmaConfig:
 
 @functools.cache
 def _launches(
-    cfg: PreFmaConfig, n: int, D: int, sinkhorn_iters: int
+    cfg: PreFmaConfig, n: int, D: int, sinkhorn_iters: int, fuse_post: bool = False
 ) -> tuple[tuple[int, int, int], TritonLaunch, TritonLaunch]:
     """((S, G, SA), mix launch, apply launch) of one schedule and shape."""
     M = (2 + n) * n
     S, G, SA = cdiv(D, cfg.block_d), cdiv(M, cfg.rows), cdiv(D, cfg.block_da)
     mix = triton_launch(
         mhc_pre_mix_kernel, D=D, N=n, M=M, S=S, G=G, ROWS=cfg.rows, BLOCK_T=cfg.block_t,
-        BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+        BLOCK_D=cfg.block_d, FUSE_POST=fuse_post, INTERP=INTERPRET, num_warps=cfg.num_warps,
     )  # fmt: skip
     apply = triton_launch(
         mhc_pre_apply_kernel, D=D, N=n, NP=next_pow2(n), M=M, S=S, SP=next_pow2(S),
@@ -311,12 +366,18 @@ _Plan = tuple[tuple[int], tuple[int], TritonLaunch, TritonLaunch, torch.Tensor, 
 
 
 def _plan(
-    device: torch.device, T: int, n: int, D: int, sinkhorn_iters: int, cfg: PreFmaConfig | None
+    device: torch.device,
+    T: int,
+    n: int,
+    D: int,
+    sinkhorn_iters: int,
+    cfg: PreFmaConfig | None,
+    fuse_post: bool = False,
 ) -> _Plan:
     """Everything of a call but its tensors and scalars; kept per (shapes, stream) by
     :func:`~._launch.plan`."""
     cfg = cfg or pre_fma_config(n, D)
-    (S, G, SA), mix, apply = _launches(cfg, n, D, sinkhorn_iters)
+    (S, G, SA), mix, apply = _launches(cfg, n, D, sinkhorn_iters, fuse_post)
     M = (2 + n) * n
     # (S, T, M), (S, T): written by the mix before the second launch reads them.
     part, sq = workspaces("mhc_pre_fma", device, S * T * M, S * T)
@@ -352,8 +413,48 @@ def mhc_pre_fma(
     mix_grid, apply_grid, mix, apply, part, sq = plan(
         _plan, x.device, T, n, D, int(sinkhorn_iters), cfg
     )
-    mix(mix_grid, x, fn, part, sq, T)
+    mix(mix_grid, x, fn, part, sq, x, x, x, x, T)  # no hc_post: its pointers are not read
     apply(
         apply_grid, x, scale, base, part, sq, out, post, comb, T, float(rms_norm_eps),
+        float(hc_eps), float(post_mult),
+    )  # fmt: skip
+
+
+def mhc_post_pre_fma(
+    a: torch.Tensor,
+    x: torch.Tensor,
+    post_in: torch.Tensor,
+    comb_in: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    x_out: torch.Tensor,
+    out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    *,
+    rms_norm_eps: float,
+    hc_eps: float,
+    post_mult: float,
+    sinkhorn_iters: int,
+) -> None:
+    """hc_post (a, x, post_in, comb_in) into ``x_out`` (T, n, D), then hc_pre of it into
+    ``out`` (T, D), ``post`` (T, n), ``comb`` (T, n, n): the same two launches as
+    :func:`mhc_pre_fma`, the mix forming x_out from a (T, D), x (T, n, D), post_in (T, n) and
+    comb_in (T, n, n) fp32 (``FUSE_POST`` in :func:`mhc_pre_mix_kernel`), the apply reading
+    x_out.  Bitwise hc_post's Triton kernel followed by :func:`mhc_pre_fma` (default
+    schedule).  x_out must not overlap x (programs of other row groups still read x while the
+    first stores x_out).  Extra bytes over mhc_pre_fma: a (T*D) and post / comb read, x_out
+    (T*n*D) written once; the separate hc_post launch and its x_out re-read are what it saves.
+    """
+    T, n, D = x.shape
+    if T == 0:
+        return
+    mix_grid, apply_grid, mix, apply, part, sq = plan(
+        _plan, x.device, T, n, D, int(sinkhorn_iters), None, True
+    )
+    mix(mix_grid, x, fn, part, sq, a, post_in, comb_in, x_out, T)
+    apply(
+        apply_grid, x_out, scale, base, part, sq, out, post, comb, T, float(rms_norm_eps),
         float(hc_eps), float(post_mult),
     )  # fmt: skip
