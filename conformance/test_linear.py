@@ -458,19 +458,21 @@ def test_pack_refuses_nan_codes_and_scales_naming_the_tensor(fmt: str, device: s
 
 
 # ------------------------------------------------------------------------------ operators
+@pytest.mark.parametrize("rows", [3, 256])
 @pytest.mark.parametrize("op", ["linear", "grouped_linear"])
 @pytest.mark.parametrize("variant", ["", "_out"])
-def test_linear_opcheck(op: str, variant: str, device: str) -> None:
-    """Schema, fake kernel and AOT dispatch of the operators (torch.library.opcheck), on a
-    split-K schedule (K 512: 4 K blocks, 2 splits), so the written ``counters`` are used."""
+def test_linear_opcheck(op: str, variant: str, rows: int, device: str) -> None:
+    """Schema, fake kernel and AOT dispatch of the operators (torch.library.opcheck): 3 rows on
+    a split-K schedule (K 512: 4 K blocks, 2 splits), so the written ``counters`` are used; 256
+    rows with the format "fp8_exact" on the dequantize + cuBLAS path."""
     grouped = op == "grouped_linear"
     qw = linear_weight(2 if grouped else 1, 128, 512, "fp8_e8m0", seed=15)
     pack = opt.pack_linear(qw, device, groups=2 if grouped else None)
-    x = _x(*((3, 2, 512) if grouped else (3, 512)), device=device)
-    args = (x, pack.weight, pack.scale, pack.fmt, False, False)
+    x = _x(*((rows, 2, 512) if grouped else (rows, 512)), device=device)
+    args = (x, pack.weight, pack.scale, pack.op_fmt if rows > 3 else "fp8", False, False)
     kw: dict[str, torch.Tensor] = {"counters": pack.counters}
     if variant:
-        kw["out"] = x.new_empty((3, 2, 128) if grouped else (3, 128))
+        kw["out"] = x.new_empty((rows, 2, 128) if grouped else (rows, 128))
     torch.library.opcheck(getattr(torch.ops.dsv4mtp, op + variant).default, args, kw)
 
 
