@@ -23,6 +23,9 @@ from dsv4mtp.conformance.differential import compare
 from dsv4mtp.conformance.inputs import LINEAR_SHAPES, linear_weight
 from dsv4mtp.conformance.registry import pairs_for
 from dsv4mtp.errors import InputError
+from dsv4mtp.formats import decode_e8m0
+from dsv4mtp.quant import ACT_QUANT_BLOCK
+from dsv4mtp.reference.quant_sim import fp8_block_roundtrip
 
 BF16, FP32 = torch.bfloat16, torch.float32
 _PAIRS = {p.name: p for p in pairs_for("linear")}
@@ -214,6 +217,155 @@ def test_fused_wqa_wkv_rows_split_into_the_two_linears(device: str) -> None:
     _check("linear", kv.cpu(), x.cpu(), b)
 
 
+# ------------------------------------------------------------------------------ prefill path
+def _fp8_values(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """codes (G, N, K) uint8 times their (G, ceil(N/128), ceil(K/128)) block scales, in fp32."""
+    N, K = codes.shape[1:]
+    full = scale.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :N, :K]
+    return codes.view(torch.float8_e4m3fn).to(FP32) * full
+
+
+def test_dequant_kernel_is_the_exact_weight(device: str) -> None:
+    """The prefill path's Triton dequant: every one of the 254 finite e4m3 codes (each byte but
+    the NaNs 0x7F, 0xFF, in every scale block) times power-of-two scales from 2^-100 to 2^100
+    is written as exactly ``code * scale`` (the fp32 product, which bf16 holds exactly: 4
+    significant bits); with fp32 scales, the product rounded once to bf16, as the core's
+    dequantization.  Ragged N 200 and K 300 (partial 128x128 blocks), 2 groups."""
+    from dsv4mtp.optimized.kernels.linear import dequant_bf16_triton
+
+    G, N, K = 2, 200, 300
+    finite = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
+    g = torch.Generator().manual_seed(21)
+    codes = finite[torch.randint(0, 254, (G, N, K), generator=g)]
+    codes[:, :, :254] = finite  # every code in every (group, row): every block sees all of them
+    exps = torch.tensor([[[-100, 100, -7], [3, 0, -60]], [[99, -99, 1], [-1, 50, -13]]])
+    pow2 = torch.exp2(exps.to(FP32))
+    f32 = pow2 * torch.rand(exps.shape, generator=g, dtype=FP32).add(0.5)  # not powers of two
+    for scale in (pow2, f32):
+        out = torch.full((G, N, K), float("nan"), dtype=BF16, device=device)
+        dequant_bf16_triton(codes.to(device), scale.to(device), out)
+        want = _fp8_values(codes, scale)
+        assert torch.equal(out.cpu(), want.to(BF16))
+        if scale is pow2:
+            assert torch.equal(out.cpu().to(FP32), want)  # exact: no rounding at all
+
+
+def test_pack_decides_once_whether_the_weight_is_exact_in_bf16(device: str) -> None:
+    """``exact_bf16`` (and the operators' format "fp8_exact"): e8m0 scales in range; fp32
+    scales only when each is a power of two from 2^-100 to 2^100; never for bf16 weights."""
+    e8m0 = linear_weight(1, 256, 256, "fp8_e8m0", seed=22)
+    assert opt.pack_linear(e8m0, device).exact_bf16
+    assert opt.pack_linear(e8m0, device).op_fmt == "fp8_exact"
+    f32 = linear_weight(1, 256, 256, "fp8_f32", seed=22)
+    assert not opt.pack_linear(f32, device).exact_bf16
+    assert opt.pack_linear(f32, device).op_fmt == "fp8"
+    assert not opt.pack_linear(linear_weight(1, 128, 256, "bf16", seed=22), device).exact_bf16
+    assert e8m0.scale is not None
+    for exp, exact in ((100, True), (-100, True), (101, False), (-101, False)):
+        scale = e8m0.scale.clone()
+        scale[1, 0] = 127 + exp
+        qw = dataclasses.replace(e8m0, scale=scale)
+        assert opt.pack_linear(qw, device).exact_bf16 == exact, exp
+        fp32_scale = decode_e8m0(scale, dtype=FP32)
+        pow2 = QuantizedWeight("fp8_f32", e8m0.data, fp32_scale, e8m0.shape)
+        assert opt.pack_linear(pow2, device).exact_bf16 == exact, exp
+    half = QuantizedWeight("fp8_f32", e8m0.data, torch.full((2, 2), 0.75), e8m0.shape)
+    assert not opt.pack_linear(half, device).exact_bf16
+
+
+def test_dequant_mm_selection() -> None:
+    """The prefill path needs all four: DEQUANT_MM_MIN_ROWS rows or more, an exact-bf16 pack,
+    bf16 x, not batch-invariant.  fp32 x, fp32 (non-power-of-two) scales and batch-invariant
+    calls keep the Triton kernel at any row count."""
+    from dsv4mtp.optimized.kernels.linear import DEQUANT_MM_MIN_ROWS, dequant_mm_selected
+
+    assert DEQUANT_MM_MIN_ROWS == 256
+    assert dequant_mm_selected(256, True, BF16, False)
+    assert dequant_mm_selected(65536, True, BF16, False)
+    assert not dequant_mm_selected(255, True, BF16, False)
+    assert not dequant_mm_selected(4096, False, BF16, False)  # fp8_f32 scales / bf16 weight
+    assert not dequant_mm_selected(4096, True, FP32, False)
+    assert not dequant_mm_selected(4096, True, BF16, True)
+
+
+def _summation_order_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """How far two correct bf16 results of x (R, K) @ w (N, K)^T may lie apart when both sum the
+    exact products in fp32 (in different orders) and round once to bf16: each fp32 sum is off by
+    at most K * 2^-24 * sum_k |x w| from the exact one (float64 here), and the two roundings to
+    nearest apart by at most one bf16 ulp (2^-7 relative, added by the caller)."""
+    return x.abs().double() @ w.abs().double().T * (x.shape[-1] * 2.0**-23)
+
+
+def _agree_to_summation_order(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> None:
+    a, b = got.double(), want.double()
+    assert not torch.isnan(a).any()
+    assert bool((a - b).abs().le(2.0**-7 * torch.maximum(a.abs(), b.abs()) + bound).all())
+
+
+@pytest.mark.parametrize("act_quant", [False, True], ids=["math", "official"])
+def test_prefill_path_matches_the_reference_and_the_kernel(act_quant: bool, device: str) -> None:
+    """bf16 x with 256 and 300 rows on an e8m0 pack (the dequantize + cuBLAS path): within the
+    declared tolerance against the float64 oracle, and within the fp32 summation-order bound of
+    the Triton kernel on the same pack (the operator with format "fp8" runs the kernel at any
+    row count).  ``act_quant`` rounds x first, the same rounding in both."""
+    qw = linear_weight(1, 192, 384, "fp8_e8m0", seed=23)
+    pack = opt.pack_linear(qw, device)
+    assert pack.exact_bf16
+    w = pack.dequantize(BF16)
+    for rows in (256, 300):
+        x = _x(rows, 384, device=device, seed=rows)
+        got = opt.linear(x, pack, act_quant=act_quant)
+        _check("linear", got.cpu(), x.cpu(), qw, act_quant=act_quant)
+        args = (x, pack.weight, pack.scale, "fp8", act_quant, False)
+        kernel = torch.ops.dsv4mtp.linear.default(*args, counters=pack.counters)
+        xq = fp8_block_roundtrip(x, ACT_QUANT_BLOCK) if act_quant else x
+        _agree_to_summation_order(got, kernel, _summation_order_bound(xq, w))
+        out = torch.full_like(got, float("nan"))
+        assert opt.linear(x, pack, act_quant=act_quant, out=out) is out
+        assert torch.equal(out, got)
+
+
+def test_grouped_prefill_path_matches_the_reference_and_the_kernel(device: str) -> None:
+    """grouped_linear with 256 rows of 3 groups on an e8m0 pack: ``torch.bmm`` over the groups
+    writing the strided (T, G, N) output; against the oracle and the kernel, as the plain op."""
+    qw = linear_weight(3, 128, 256, "fp8_e8m0", seed=24)
+    pack = opt.pack_linear(qw, device, groups=3)
+    assert pack.exact_bf16
+    x = _x(256, 3, 256, device=device, seed=25)
+    got = opt.grouped_linear(x, pack)
+    _check("grouped_linear", got.cpu(), x.cpu(), qw)
+    args = (x, pack.weight, pack.scale, "fp8", False, False)
+    kernel = torch.ops.dsv4mtp.grouped_linear.default(*args, counters=pack.counters)
+    w = pack.dequantize(BF16)
+    for g in range(3):
+        _agree_to_summation_order(got[:, g], kernel[:, g], _summation_order_bound(x[:, g], w[g]))
+    out = torch.full_like(got, float("nan"))
+    opt.grouped_linear(x, pack, out=out)
+    assert torch.equal(out, got)
+
+
+def test_fp32_reduction_clears_and_restores_the_cublas_flag() -> None:
+    """The cuBLAS GEMM runs with bf16 reduced-precision reductions off (a second rounding of the
+    split-K partials) and the process-wide flag is back as it was afterwards, also when the
+    block raises.  Only the flag is touched: no CUDA device is needed."""
+    from dsv4mtp.optimized.kernels.linear import _fp32_reduction
+
+    get = torch._C._get_cublas_allow_bf16_reduced_precision_reduction
+    matmul = torch.backends.cuda.matmul
+    saved = get()
+    try:
+        for before in ((True, True), (False, True), (False, False)):  # torch's valid pairs
+            matmul.allow_bf16_reduced_precision_reduction = before
+            with _fp32_reduction(torch.device("cuda")):
+                assert get() == (False, before[1])
+            assert get() == before
+            with pytest.raises(RuntimeError), _fp32_reduction(torch.device("cuda")):
+                raise RuntimeError
+            assert get() == before
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = saved
+
+
 # ------------------------------------------------------------------------------ invariance
 @pytest.mark.parametrize("K", [384, 512])
 @pytest.mark.parametrize("op", ["linear", "grouped_linear"])
@@ -306,19 +458,21 @@ def test_pack_refuses_nan_codes_and_scales_naming_the_tensor(fmt: str, device: s
 
 
 # ------------------------------------------------------------------------------ operators
+@pytest.mark.parametrize("rows", [3, 256])
 @pytest.mark.parametrize("op", ["linear", "grouped_linear"])
 @pytest.mark.parametrize("variant", ["", "_out"])
-def test_linear_opcheck(op: str, variant: str, device: str) -> None:
-    """Schema, fake kernel and AOT dispatch of the operators (torch.library.opcheck), on a
-    split-K schedule (K 512: 4 K blocks, 2 splits), so the written ``counters`` are used."""
+def test_linear_opcheck(op: str, variant: str, rows: int, device: str) -> None:
+    """Schema, fake kernel and AOT dispatch of the operators (torch.library.opcheck): 3 rows on
+    a split-K schedule (K 512: 4 K blocks, 2 splits), so the written ``counters`` are used; 256
+    rows with the format "fp8_exact" on the dequantize + cuBLAS path."""
     grouped = op == "grouped_linear"
     qw = linear_weight(2 if grouped else 1, 128, 512, "fp8_e8m0", seed=15)
     pack = opt.pack_linear(qw, device, groups=2 if grouped else None)
-    x = _x(*((3, 2, 512) if grouped else (3, 512)), device=device)
-    args = (x, pack.weight, pack.scale, pack.fmt, False, False)
+    x = _x(*((rows, 2, 512) if grouped else (rows, 512)), device=device)
+    args = (x, pack.weight, pack.scale, pack.op_fmt if rows > 3 else "fp8", False, False)
     kw: dict[str, torch.Tensor] = {"counters": pack.counters}
     if variant:
-        kw["out"] = x.new_empty((3, 2, 128) if grouped else (3, 128))
+        kw["out"] = x.new_empty((rows, 2, 128) if grouped else (rows, 128))
     torch.library.opcheck(getattr(torch.ops.dsv4mtp, op + variant).default, args, kw)
 
 
@@ -345,3 +499,45 @@ def test_flash_linears_on_the_gpu(shape: str, per_token: int, fmt: str) -> None:
             _check(op, fn(x, pack, act_quant=act_quant), x, qw, act_quant=act_quant)
         full = fn(x, pack, batch_invariant=True)
         assert torch.equal(full[-1:], fn(x[-1:], pack, batch_invariant=True))
+
+
+_PREFILL = ["e_proj", "wqa_wkv", "wq_b", "wo_b", "wo_a"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", _PREFILL)
+def test_flash_prefill_path_on_the_gpu(shape: str) -> None:
+    """V4-Flash's e8m0 linears at 256 and 1024 rows (the dequantize + cuBLAS path): within the
+    fp32 summation-order bound of the Triton kernel (format "fp8"), the cuBLAS reduced-precision
+    flag as it was after the call, and a CUDA graph of the call (its workspace and cuBLAS
+    captured) replays it."""
+    G, N, K = LINEAR_SHAPES[shape]
+    qw = linear_weight(max(G, 1), N, K, "fp8_e8m0", seed=26, device="cuda")
+    pack = opt.pack_linear(qw, "cuda", groups=G or None)
+    assert pack.exact_bf16
+    fn = opt.grouped_linear if G else opt.linear
+    op = torch.ops.dsv4mtp.grouped_linear.default if G else torch.ops.dsv4mtp.linear.default
+    w = pack.dequantize(BF16)
+    flag = torch._C._get_cublas_allow_bf16_reduced_precision_reduction()
+    for rows in (256, 1024):
+        x = _x(*((rows, G, K) if G else (rows, K)), device="cuda", seed=rows)
+        got = fn(x, pack)
+        assert torch._C._get_cublas_allow_bf16_reduced_precision_reduction() == flag
+        kernel = op(x, pack.weight, pack.scale, "fp8", False, False, counters=pack.counters)
+        for g in range(max(G, 1)):
+            xs, ws = (x[:, g], w[g]) if G else (x, w)
+            gs, ks = (got[:, g], kernel[:, g]) if G else (got, kernel)
+            _agree_to_summation_order(gs, ks, _summation_order_bound(xs, ws))
+        out = torch.full_like(got, float("nan"))
+        fn(x, pack, out=out)  # warm-up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(x, pack, out=out)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        # cuBLAS may pick another algorithm on the capture stream: same math, so the bound
+        for g in range(max(G, 1)):
+            xs, ws = (x[:, g], w[g]) if G else (x, w)
+            os_, gs = (out[:, g], got[:, g]) if G else (out, got)
+            _agree_to_summation_order(os_, gs, _summation_order_bound(xs, ws))

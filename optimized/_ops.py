@@ -954,10 +954,22 @@ _ATTN_LIB = _register(_ATTN_SCHEMAS)
 # count again, so the tensor holds zeros before and after every call; empty for a dense weight
 # passed without a pack: the stream's zeroed counters are used).  linear takes x (..., K) and a
 # pack with G = 1; grouped_linear x (T, G, K).  The schedule is the default of the row count,
-# or with batch_invariant the T-independent one (kernels/linear.py, linear_schedule).
+# or with batch_invariant the T-independent one (kernels/linear.py, linear_schedule).  The format
+# "fp8_exact" is "fp8" whose every code x scale product is exact in bf16 (power-of-two scales,
+# decided once by pack_linear: LinearPack.exact_bf16); with bf16 x, not batch-invariant, from
+# DEQUANT_MM_MIN_ROWS rows on, such a call dequantizes the weight to bf16 and runs one cuBLAS
+# GEMM (kernels/linear.py, dequant_mm_selected, linear_dequant_mm); everything else runs the
+# Triton kernel, which computes the same math for "fp8" and "fp8_exact".
 if TYPE_CHECKING:
-    from .kernels.linear import linear_schedule, linear_triton
+    from .kernels.linear import (
+        dequant_mm_selected,
+        linear_dequant_mm,
+        linear_schedule,
+        linear_triton,
+    )
 else:
+    dequant_mm_selected = triton_kernel("linear", "dequant_mm_selected")
+    linear_dequant_mm = triton_kernel("linear", "linear_dequant_mm")
     linear_schedule = triton_kernel("linear", "linear_schedule")
     linear_triton = triton_kernel("linear", "linear_triton")
 
@@ -976,6 +988,8 @@ SCHEMAS.update(_LINEAR_SCHEMAS)
 OPS = tuple(SCHEMAS)
 
 _LINEAR_FMT = {"bf16": 0, "fp8": 1}
+_FP8_EXACT = "fp8_exact"  # linear / grouped_linear only (the LM head packs its own formats)
+_LINEAR_OP_FMT = {**_LINEAR_FMT, _FP8_EXACT: 1}
 
 
 def _linear_into(
@@ -989,8 +1003,10 @@ def _linear_into(
     counters: torch.Tensor,
 ) -> None:
     """x (R, G, K) rows into out (R, G, N) (both views of the caller's tensors)."""
-    if fmt not in _LINEAR_FMT:
-        raise InputError(f"fmt: expected one of {tuple(_LINEAR_FMT)}, got {fmt!r}")
+    if fmt not in _LINEAR_OP_FMT:
+        raise InputError(f"fmt: expected one of {tuple(_LINEAR_OP_FMT)}, got {fmt!r}")
+    if _LINEAR_OP_FMT[fmt] == 1 and weight.dtype != torch.uint8:
+        raise InputError(f"weight: format {fmt!r} takes uint8 e4m3 codes, got {weight.dtype}")
     if counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous():
         raise InputError(
             f"counters: expected a contiguous 1-D int32 tensor, got {counters.dtype} of shape "
@@ -1004,9 +1020,13 @@ def _linear_into(
     xin = x.contiguous()
     if act_quant:
         xin = _act_quant(xin.view(R * G, K)).view(R, G, K)
+    w, s = weight.contiguous(), scale.contiguous()
+    if dequant_mm_selected(R, fmt == _FP8_EXACT, x.dtype, batch_invariant):
+        linear_dequant_mm(xin, w, s, out)
+        return
     sched = linear_schedule(R, weight.shape[1], K, G, batch_invariant)
     linear_triton(
-        xin, weight.contiguous(), scale.contiguous(), out, fmt=_LINEAR_FMT[fmt], sched=sched,
+        xin, w, s, out, fmt=_LINEAR_OP_FMT[fmt], sched=sched,
         counters=counters if counters.numel() else None,
     )  # fmt: skip
 

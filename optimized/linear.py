@@ -8,6 +8,9 @@ layer multiplies by the weight dequantized once into the activation dtype, while
 multiplies by the e4m3 codes (exact in bf16) and applies the fp32 128x128 block scale to the
 fp32 partial of each 128-wide K block.  With power-of-two (e8m0) scales, V4-Flash's, both are the
 same weight; with fp32 scales the kernel skips the weight's bf16 rounding (2^-9 per element).
+At prefill sizes (bf16 x, ``DEQUANT_MM_MIN_ROWS`` rows or more, not batch-invariant) a pack whose
+scales are powers of two (``LinearPack.exact_bf16``) is instead dequantized to the exact bf16
+weight and multiplied by cuBLAS: the same math, fp32 sums in another order.
 
 Public functions: :func:`pack_linear` (a helper, once per weight) builds a :class:`LinearPack`;
 :func:`linear` and :func:`grouped_linear` are the ops, each a ``torch.ops.dsv4mtp`` operator
@@ -53,6 +56,11 @@ _FP8_FORMATS = ("fp8_e8m0", "fp8_f32")
 # batch-invariant calls one per 64 rows; counters for 16 M blocks cost 64 B per 64 columns.
 _COUNTER_TILE_N = 64
 _COUNTER_M_BLOCKS = 16
+# An FP8 pack is exact in bf16 when every block scale is 2^e with |e| <= 100: a nonzero e4m3
+# value has at most 4 significant bits and a magnitude from 2^-9 to 448, so a nonzero
+# code x scale lies in [2^-109, 448 * 2^100], inside bf16's normal range (2^-126 to ~2^128):
+# the product keeps its 4 bits, never subnormal, never overflowing.
+_EXACT_SCALE_LOG2 = 100
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,11 @@ class LinearPack:
     them); two calls on one pack running at the same time on two streams would mix their
     counts.  A call of more rows than 16 M blocks (``batch_invariant`` past 1024 rows) runs
     in launches of 16 M blocks.
+
+    ``exact_bf16``: an "fp8" pack whose every block scale is a power of two between 2^-100 and
+    2^100 (checked once by :func:`pack_linear`), so each code x scale is exact in bf16: the
+    bf16 weight is the weight, and prefill-sized calls take the dequantize + cuBLAS path
+    (optimized/kernels/linear.py, module doc; ``op_fmt`` names the format to the operators).
     """
 
     fmt: str
@@ -83,6 +96,7 @@ class LinearPack:
     grouped: bool = False
     row_splits: tuple[int, ...] | None = None
     name: str = ""
+    exact_bf16: bool = False
 
     @property
     def groups(self) -> int:
@@ -100,6 +114,12 @@ class LinearPack:
     @property
     def device(self) -> torch.device:
         return self.weight.device
+
+    @property
+    def op_fmt(self) -> str:
+        """The format as the operators take it (optimized/_ops.py): ``fmt``, or "fp8_exact" for
+        an FP8 pack whose products are exact in bf16 (``exact_bf16``)."""
+        return "fp8_exact" if self.exact_bf16 else self.fmt
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The dense weight in ``dtype``: (N, K), or (G, N, K) for a grouped pack; the core's
@@ -119,6 +139,14 @@ def _fp8_scale(scale: torch.Tensor) -> torch.Tensor:
     if scale.dtype == torch.float32:
         return scale
     return formats.decode_e8m0(scale, dtype=torch.float32)
+
+
+def _exact_in_bf16(scale: torch.Tensor) -> bool:
+    """Every fp32 block scale 2^e with |e| <= _EXACT_SCALE_LOG2 (frexp: 2^e = 0.5 * 2^(e+1));
+    one host sync, at pack time."""
+    mantissa, exponent = torch.frexp(scale)
+    ok = (mantissa == 0.5) & ((exponent - 1).abs() <= _EXACT_SCALE_LOG2)
+    return bool(ok.all())
 
 
 def _dense_weight(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -144,7 +172,10 @@ def pack_linear(
     weight's own.  e4m3 NaN codes and non-finite block scales are an :class:`InputError`
     (``check_finite_codes``: the kernels' decode has no NaN).  The pack also owns its split-K
     tile counters (:class:`LinearPack`, ``counters``: int32 zeros, 64 B per 64 output columns
-    per group).
+    per group).  ``exact_bf16`` is decided here, once: True for FP8 with every block scale a
+    power of two in [2^-100, 2^100] (V4-Flash's e8m0 scales; an ``fp8_f32`` weight too when its
+    scales happen to be such powers), which lets prefill-sized calls run on the
+    bf16-dequantized weight (:func:`linear`).
     """
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise InputError("weight: pack_linear cannot run during CUDA-graph capture; pack before")
@@ -220,9 +251,11 @@ def pack_linear(
     counters = torch.zeros(
         (G * -(-n // _COUNTER_TILE_N) * _COUNTER_M_BLOCKS,), dtype=torch.int32, device=dev
     )
+    exact = fmt == "fp8" and _exact_in_bf16(s3)
     return LinearPack(
-        fmt, w3, s3, counters, grouped=groups is not None, row_splits=row_splits, name=name
-    )
+        fmt, w3, s3, counters, grouped=groups is not None, row_splits=row_splits, name=name,
+        exact_bf16=exact,
+    )  # fmt: skip
 
 
 def _as_pack(weight: object, grouped: bool) -> LinearPack:
@@ -297,10 +330,22 @@ def linear(
     ``linear_schedule`` in optimized/kernels/linear.py, by row count; ``batch_invariant=True``
     takes one schedule for every row count, so each row's bits do not depend on its batch.
     ``out``: a contiguous (..., N) tensor of x.dtype, written in place.
+
+    Prefill path (optimized/kernels/linear.py, ``dequant_mm_selected``): with a pack whose
+    block scales are powers of two (``LinearPack.exact_bf16``), bf16 x, at least
+    ``DEQUANT_MM_MIN_ROWS`` (256) rows and ``batch_invariant=False``, a Triton pass first
+    dequantizes the weight into a bf16 workspace (N*K code bytes in, 2*N*K out: exact, as an
+    e4m3 code times a power of two only moves its exponent), then one cuBLAS GEMM
+    (``torch.mm``; fp32 accumulation, fp32 split-K reductions, one rounding to bf16) reads it
+    (2*N*K) with x (after the ``act_quant`` rounding, itself exact in bf16) and writes y.  Why:
+    the fused kernel reaches ~300 TFLOP/s at prefill sizes, cuBLAS 700-830 on the H200, which
+    repays the ~3*N*K bytes of the dequant (~12 us for 4096 x 4096) from a few hundred rows.
+    Same math as the kernel, fp32 sums of exact products in another order.  fp32 x, other
+    scales, batch-invariant calls and fewer rows keep the kernel.
     """
     pack, dev = _check_call(x, weight, False, act_quant, batch_invariant)
     select("linear", backend, Facts(dev, (x.dtype, pack.weight.dtype)))
-    args = (x, pack.weight, pack.scale, pack.fmt, act_quant, batch_invariant)
+    args = (x, pack.weight, pack.scale, pack.op_fmt, act_quant, batch_invariant)
     if out is None:
         return _ops_linear(*args, counters=pack.counters)
     check_out("out", out, (*x.shape[:-1], pack.out_features), x.dtype, dev)
@@ -326,10 +371,15 @@ def grouped_linear(
     official ``wo_a`` takes none: docs/semantics.md).  Moves the G*N*K codes once at decode
     sizes (wo_a: 32 MiB), x, y and the split-K partials as :func:`linear` (the reduction in the
     same launch, on the pack's counters).  ``out``: a contiguous (T, G, N) tensor of x.dtype.
+
+    Prefill path as :func:`linear` (same conditions, T >= 256): the G*N*K weight dequantized
+    to bf16 (wo_a: 32 MiB of codes in, 64 MiB out), then one ``torch.bmm`` batched over the
+    groups on strided views of x and y (x[:, g] rows G*K apart, y[:, g] G*N apart: cuBLAS
+    takes the leading dimensions as they are, nothing is copied).
     """
     pack, dev = _check_call(x, weight, True, act_quant, batch_invariant)
     select("grouped_linear", backend, Facts(dev, (x.dtype, pack.weight.dtype)))
-    args = (x, pack.weight, pack.scale, pack.fmt, act_quant, batch_invariant)
+    args = (x, pack.weight, pack.scale, pack.op_fmt, act_quant, batch_invariant)
     if out is None:
         return _ops_grouped(*args, counters=pack.counters)
     check_out("out", out, (x.shape[0], pack.groups, pack.out_features), x.dtype, dev)

@@ -30,6 +30,21 @@ per call, in a CUDA graph neither), or for a call without a pack's the stream's
 (kernels/_sync.py, ``counters``; fresh zeros while capturing).  Under the interpreter the
 programs run one after another and the tile's last program in grid order reduces.
 
+``dequant_kernel`` + ``linear_dequant_mm`` (the prefill path, FP8 packs whose every code x
+scale product is exact in bf16, bf16 x, ``DEQUANT_MM_MIN_ROWS`` rows or more, not
+batch-invariant: :func:`dequant_mm_selected`): the Triton kernel above reaches about 300 TFLOP/s
+at prefill sizes whatever its tiles, cuBLAS bf16 on the same weight 700-830.  So the weight is
+dequantized once per call into a bf16 workspace (grid (K tiles, N tiles, G), one 64 x 128 tile of
+one 128x128 scale block per program: decode, times the block's fp32 scale, one bf16 store) and
+one cuBLAS GEMM (``torch.mm``, ``torch.bmm`` over the groups of wo_a) multiplies x by it with
+fp32 accumulation, rounding once to bf16.  With a power-of-two scale the product of an e4m3 code
+(4 significant bits) and the scale only moves the exponent, so the bf16 weight is the exact
+weight and the GEMM computes the math of the kernel above (fp32 sums of exact products, in
+another order).  The dequant moves N*K bytes of codes in and 2*N*K of bf16 out, and the GEMM
+reads those 2*N*K back: the dequant alone is 3*N*K bytes (4096 x 4096: 48 MiB, ~12 us at
+4 TB/s), which the GEMM's ~2.7x speed repays from a few hundred rows on (e_proj at 512 rows:
+59 us in the kernel, 24 us in cuBLAS).
+
 Bytes per call: the codes once per M block (N*K per group: wq_b 32 MiB, e_proj 16 MiB) plus
 scales (N*K/16384 * 4), x once per N tile (from L2 after the first), y once, and with a split
 2 * SPLIT_K * R * G * N * 4 bytes of fp32 partials (written by the splits, read back from L2 by
@@ -39,22 +54,35 @@ M block) read the weight exactly once.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, cdiv, next_pow2, rne_bf16_if_interpreted, workspace
+from ._launch import (
+    INTERPRET,
+    cdiv,
+    next_pow2,
+    rne_bf16_if_interpreted,
+    triton_launch,
+    workspace,
+)
 from ._sync import counters as stream_counters
 from .decode import _e4m3_bf16
 from .moe_common import jit_loop_bounds
 
 __all__ = [
     "DECODE_MAX_ROWS",
+    "DEQUANT_MM_MIN_ROWS",
     "FMT_DENSE",
     "FMT_FP8",
     "LinearSchedule",
+    "dequant_bf16_triton",
+    "dequant_mm_selected",
+    "linear_dequant_mm",
     "linear_schedule",
     "linear_triton",
 ]
@@ -63,6 +91,16 @@ FMT_DENSE, FMT_FP8 = 0, 1
 BLOCK_K = 128  # one FP8 scale block along K
 SMS = 132  # H200 streaming multiprocessors
 DECODE_MAX_ROWS = 64  # up to here one M block holds every row: the split-K decode schedule
+# From here on an exact-bf16 FP8 pack with bf16 x takes the dequantize + cuBLAS path (module
+# doc).  Measured on the H200 (V4-Flash linears, bench/diag/linear_sweep.py): the Triton kernel
+# runs at 260-310 TFLOP/s at prefill sizes, cuBLAS bf16 on the dequantized weight at 710-830
+# (e_proj at 512 rows: 59 us against 24 us; wo_b at 4096 rows: 928 against 332).  The dequant
+# costs about N*K*(1 + 2) bytes and the GEMM reads the 2*N*K bf16 weight back, ~12 us for a
+# 4096 x 4096 weight at 4 TB/s, which the GEMM's saving covers from a few hundred rows.  Decode
+# buckets (<= 64 rows, captured in CUDA graphs) never reach it.
+DEQUANT_MM_MIN_ROWS = 256
+# bf16 dequant tiles: one 64 x 128 slice of a 128x128 scale block per program (one scale each).
+_DEQ_BLOCK_N, _DEQ_BLOCK_K = 64, 128
 
 
 @dataclass(frozen=True)
@@ -258,3 +296,116 @@ def linear_triton(
             SPLIT_K=split, USE_F32=use_f32, INTERP=INTERPRET, num_warps=sched.num_warps,
             num_stages=sched.num_stages,
         )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ prefill path
+def dequant_mm_selected(
+    rows: int, exact_bf16: bool, x_dtype: torch.dtype, batch_invariant: bool
+) -> bool:
+    """Whether a call takes the dequantize + cuBLAS path (module doc) instead of ``linear_kernel``:
+    ``rows`` (R, per group) at least :data:`DEQUANT_MM_MIN_ROWS`, an FP8 pack whose every
+    code x scale is exact in bf16 (``exact_bf16``: power-of-two scales, decided once by
+    ``pack_linear``; with any other scale the bf16 weight would be rounded, where the kernel
+    applies the fp32 scale to fp32 partials), bf16 x (fp32 x keeps the kernel's fp32 dot), and
+    not ``batch_invariant`` (cuBLAS picks its algorithm, and so its summation order, by the row
+    count: batch-invariant calls keep the kernel's fixed schedule)."""
+    return (
+        exact_bf16
+        and not batch_invariant
+        and x_dtype == torch.bfloat16
+        and rows >= DEQUANT_MM_MIN_ROWS
+    )
+
+
+@triton.jit
+def dequant_kernel(
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    N,
+    K,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """Program (k, n, g): codes [n*BLOCK_N, +BLOCK_N) x [k*BLOCK_K, +BLOCK_K) of group g, decoded
+    to bf16 (exact), times their block's fp32 scale in fp32, rounded once to bf16 (exact when the
+    scale is a power of two in range; otherwise the correctly rounded product, as the core's
+    dequantization).  BLOCK_N and BLOCK_K divide 128: one scale per program."""
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    off = (g * N + rows[:, None]) * K + cols[None, :]  # (BLOCK_N, BLOCK_K)
+    codes = tl.load(w_ptr + off, mask=mask, other=0)
+    KB = tl.cdiv(K, 128)
+    scale = tl.load(
+        s_ptr + (g * tl.cdiv(N, 128) + (pid_n * BLOCK_N) // 128) * KB + (pid_k * BLOCK_K) // 128
+    )
+    w = _e4m3_bf16(codes, INTERP).to(tl.float32) * scale
+    w = rne_bf16_if_interpreted(w, tl.bfloat16, INTERP)
+    tl.store(out_ptr + off, w.to(tl.bfloat16), mask=mask)
+
+
+def dequant_bf16_triton(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> None:
+    """out (G, N, K) bf16 = e4m3 codes w (G, N, K) uint8 times their fp32 128x128 block scales
+    s (G, ceil(N/128), ceil(K/128)); all contiguous.  One pass: N*K bytes in, 2*N*K out."""
+    G, N, K = w.shape
+    if w.numel() == 0:
+        return
+    launch = triton_launch(
+        dequant_kernel, BLOCK_N=_DEQ_BLOCK_N, BLOCK_K=_DEQ_BLOCK_K, INTERP=INTERPRET, num_warps=4
+    )
+    launch((cdiv(K, _DEQ_BLOCK_K), cdiv(N, _DEQ_BLOCK_N), G), w, s, out, N, K)
+
+
+@contextlib.contextmanager
+def _fp32_reduction(device: torch.device) -> Iterator[None]:
+    """cuBLAS bf16 GEMMs with every reduction in fp32 for the duration of the block.
+
+    ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` (True by default) lets
+    cuBLAS reduce split-K partials in bf16, a second rounding of each partial that the kernel
+    never makes.  The flag is process-global and read by torch when it calls cuBLAS, so it is
+    cleared here (reduced precision off, split-K as it was) and restored after, whatever it
+    was: nothing is set globally past the call.  A cuBLAS call of another host thread that
+    falls inside the window gets fp32 reductions too, i.e. only more accurate ones.  The getter
+    returns the setting in the form its setter takes (a bool, or (reduced, split_k) in torch
+    versions that split the two)."""
+    if device.type != "cuda":  # CPU GEMMs (the interpreter tier) accumulate bf16 in fp32
+        yield
+        return
+    prev = torch._C._get_cublas_allow_bf16_reduced_precision_reduction()
+    split = isinstance(prev, tuple)
+    if not (prev[0] if split else prev):
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    matmul.allow_bf16_reduced_precision_reduction = (False, prev[1]) if split else False
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = prev
+
+
+def linear_dequant_mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torch.Tensor) -> None:
+    """y (R, G, N) = x (R, G, K) @ W_g^T per group, W the FP8 weight w (G, N, K) uint8 with fp32
+    block scales s dequantized to bf16 (module doc, the prefill path); x and y bf16, all
+    contiguous.  The weight goes to a workspace of G*N*K bf16 (kept per shape and stream,
+    kernels/_launch.py; V4-Flash's five weight shapes keep about 240 MiB: e_proj and h_proj
+    share 32 MiB, wq_b, wo_a and wo_b 64 MiB each, wq_a + wkv 12), then one cuBLAS GEMM with fp32 accumulation and fp32 reductions writes
+    y once: ``torch.mm`` for G = 1; for G > 1 ``torch.bmm`` batched over the groups on strided
+    views (x^T (G, R, K) with row stride G*K, y^T (G, R, N) with row stride G*N: cuBLAS takes
+    both leading dimensions as they are, so neither is copied)."""
+    R, G, K = x.shape
+    N = w.shape[1]
+    if R == 0:
+        return
+    wb = workspace("linear_weight_bf16", (G, N, K), torch.bfloat16, x.device)
+    dequant_bf16_triton(w, s, wb)
+    with _fp32_reduction(x.device):
+        if G == 1:
+            torch.mm(x.view(R, K), wb[0].T, out=y.view(R, N))
+        else:
+            torch.bmm(x.transpose(0, 1), wb.transpose(1, 2), out=y.transpose(0, 1))
