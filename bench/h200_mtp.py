@@ -444,7 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     fp8 = DecodeGraphs(layer, cache, buckets=DECODE_T, logits=False)
     fp8_heads, layer.heads = layer.heads, bf16_heads
     fill_cache(layer, cache, max(DECODE_T), W - 1, g)
-    breakdown = {}
+    breakdown: dict[int, Any] = {}
+    peers: list[dict[str, Any]] = []
+    result = {"meta": meta, "rows": rows, "breakdown": breakdown, "peers": peers}
     for T in DECODE_T:
         inputs = (
             torch.randint(0, cfg.vocab_size, (T,), device="cuda", generator=g),
@@ -463,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         layer.heads = bf16_heads
         if T in (1, 64):
             breakdown[T] = profile_replay(greedy.graphs[T].replay)
+        write(args.out, result)  # what is measured so far survives a later failure or time limit
     for gr in (graphs[0], greedy, fp8):
         gr.check()
 
@@ -470,11 +473,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_prefill:
         for T in PREFILL_T:
             rows.append(bench_prefill(layer, cache, fixed, T, g, bw, peak))
+            write(args.out, result)
 
-    # peer: the reference layer on the GPU, eager
-    peers: list[dict[str, Any]] = []
-    result = {"meta": meta, "rows": rows, "breakdown": breakdown, "peers": peers}
-    write(args.out, result)
+    # peers: the reference layer on the GPU
     if args.reference or args.compile:
         from dsv4mtp.reference import MTPLayer as RefLayer
 
