@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -256,6 +257,49 @@ def remember(key: tuple[object, ...], plan: tuple[object, ...]) -> None:
     if len(PLANS) >= _MAX_PLANS:
         PLANS.clear()
     PLANS[key] = plan
+
+
+def _out_part(out: Any) -> object:
+    """What check_out reads from an ``out`` tensor, or from each tensor of an ``out`` tuple."""
+    if out is None:
+        return None
+    if isinstance(out, torch.Tensor):
+        return (out.__class__, out.shape, out.dtype, out.device, out.is_contiguous())
+    if isinstance(out, (tuple, list)):
+        return (out.__class__, *[_out_part(o) for o in out])
+    return (out.__class__,)  # refused by the checks, so never cached
+
+
+def signature(name: str, *parts: Any, out: Any = None) -> tuple[object, ...] | None:
+    """A call's plan key: ``name``, each tensor's class, dtype, shape and device, each other
+    argument's class and value, and ``out`` as check_out reads it.  None while torch.compile
+    traces (the checks then run every time and become its guards)."""
+    if torch.compiler.is_compiling():
+        return None
+    key = tuple(
+        (p.__class__, p.dtype, p.shape, p.device) if isinstance(p, torch.Tensor)
+        else (p.__class__, p)
+        for p in parts
+    )  # fmt: skip
+    return (name, *key, _out_part(out))
+
+
+def planned(
+    key: tuple[object, ...] | None, build: Callable[[], tuple[Any, ...]]
+) -> tuple[Any, ...]:
+    """The plan of a call: from the cache under ``key``, else ``build()`` (every check and the
+    choice; it raises for a refused call, which is then not cached), remembered."""
+    plan = None
+    if key is not None:
+        try:
+            plan = PLANS.get(key)
+        except TypeError:  # an unhashable argument: the checks say what
+            key = None
+    if plan is None:
+        plan = build()
+        if key is not None:
+            remember(key, plan)
+    return plan
 
 
 def clear_plans() -> None:

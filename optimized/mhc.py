@@ -48,7 +48,7 @@ from dsv4mtp.checks import check_eps, check_instance, check_ndim, check_shape
 from dsv4mtp.errors import InputError
 
 from . import _ops
-from ._dispatch import PLANS, TABLES, Facts, remember, select
+from ._dispatch import TABLES, Facts, planned, select, signature
 from .kernels._launch import check_device, check_kernel_dtype, check_out
 
 if TYPE_CHECKING:
@@ -169,31 +169,16 @@ def hc_pre(
     """
     # The plan of this call signature (optimized/_dispatch.py, "plans"): the checks run once
     # per signature.  While torch.compile traces, they run every time and become its guards.
-    key: tuple[object, ...] | None = None
-    plan: tuple[Any, ...] | None = None
-    if not torch.compiler.is_compiling():
-        try:
-            key = (
-                "hc_pre",
-                x.__class__, x.dtype, x.shape, x.device,
-                fn.__class__, fn.dtype, fn.shape, fn.device,
-                scale.__class__, scale.dtype, scale.shape, scale.device,
-                base.__class__, base.dtype, base.shape, base.device,
-                rms_norm_eps.__class__, rms_norm_eps, hc_eps.__class__, hc_eps,
-                sinkhorn_iters.__class__, sinkhorn_iters, post_mult.__class__, post_mult,
-                batch_invariant.__class__, batch_invariant, backend, schedule,
-                None if out is None else _outs_key(out),
-            )  # fmt: skip
-            plan = PLANS.get(key)
-        except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
-            key = None
-    if plan is None:
-        plan = _hc_pre_plan(
+    plan = planned(
+        signature(
+            "hc_pre", x, fn, scale, base, rms_norm_eps, hc_eps, sinkhorn_iters, post_mult,
+            batch_invariant, backend, schedule, out=out,
+        ),
+        lambda: _hc_pre_plan(
             x, fn, scale, base, rms_norm_eps, hc_eps, sinkhorn_iters, batch_invariant, out,
             backend, schedule,
-        )  # fmt: skip
-        if key is not None:
-            remember(key, plan)
+        ),
+    )  # fmt: skip
     choice, collapse, mix = plan
     args = (
         x, fn, scale, base, float(rms_norm_eps), float(hc_eps), sinkhorn_iters, float(post_mult),
@@ -204,19 +189,6 @@ def hc_pre(
     li, post, comb = out
     _ops_hc_pre_out(*args, layer_input=li, post=post, comb=comb)
     return li, post, comb
-
-
-def _outs_key(out: Any) -> tuple[object, ...]:
-    """What check_out reads from each tensor of an ``out`` tuple (or list)."""
-    return (out.__class__, *[(o.__class__, o.shape, o.dtype, o.device, o.is_contiguous())
-                             for o in out])  # fmt: skip
-
-
-def _out_key(o: torch.Tensor | None) -> tuple[object, ...] | None:
-    """What check_out reads from one ``out`` tensor."""
-    if o is None:
-        return None
-    return (o.__class__, o.shape, o.dtype, o.device, o.is_contiguous())
 
 
 def _hc_pre_plan(
@@ -282,25 +254,10 @@ def hc_post(
     """
     # The plan of this call signature (optimized/_dispatch.py, "plans"): the checks run once
     # per signature.  While torch.compile traces, they run every time and become its guards.
-    key: tuple[object, ...] | None = None
-    plan: tuple[Any, ...] | None = None
-    if not torch.compiler.is_compiling():
-        try:
-            key = (
-                "hc_post",
-                f.__class__, f.dtype, f.shape, f.device,
-                residual.__class__, residual.dtype, residual.shape, residual.device,
-                post.__class__, post.dtype, post.shape, post.device,
-                comb.__class__, comb.dtype, comb.shape, comb.device,
-                batch_invariant.__class__, batch_invariant, backend, _out_key(out),
-            )  # fmt: skip
-            plan = PLANS.get(key)
-        except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
-            key = None
-    if plan is None:
-        plan = _hc_post_plan(f, residual, post, comb, batch_invariant, out, backend)
-        if key is not None:
-            remember(key, plan)
+    plan = planned(
+        signature("hc_post", f, residual, post, comb, batch_invariant, backend, out=out),
+        lambda: _hc_post_plan(f, residual, post, comb, batch_invariant, out, backend),
+    )
     (choice,) = plan
     if out is None:
         return _ops_hc_post(f, residual, post, comb, choice)  # type: ignore[no-any-return]
@@ -360,28 +317,15 @@ def hc_head(
     """
     # The plan of this call signature (optimized/_dispatch.py, "plans"): the checks run once
     # per signature.  While torch.compile traces, they run every time and become its guards.
-    key: tuple[object, ...] | None = None
-    plan: tuple[Any, ...] | None = None
-    if not torch.compiler.is_compiling():
-        try:
-            key = (
-                "hc_head",
-                x.__class__, x.dtype, x.shape, x.device,
-                fn.__class__, fn.dtype, fn.shape, fn.device,
-                scale.__class__, scale.dtype, scale.shape, scale.device,
-                base.__class__, base.dtype, base.shape, base.device,
-                rms_norm_eps.__class__, rms_norm_eps, hc_eps.__class__, hc_eps,
-                batch_invariant.__class__, batch_invariant, backend, schedule, _out_key(out),
-            )  # fmt: skip
-            plan = PLANS.get(key)
-        except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
-            key = None
-    if plan is None:
-        plan = _hc_head_plan(
+    plan = planned(
+        signature(
+            "hc_head", x, fn, scale, base, rms_norm_eps, hc_eps, batch_invariant, backend,
+            schedule, out=out,
+        ),
+        lambda: _hc_head_plan(
             x, fn, scale, base, rms_norm_eps, hc_eps, batch_invariant, out, backend, schedule
-        )
-        if key is not None:
-            remember(key, plan)
+        ),
+    )  # fmt: skip
     choice, collapse = plan
     args = (x, fn, scale, base, float(rms_norm_eps), float(hc_eps), choice, collapse)
     if out is None:
@@ -483,29 +427,16 @@ def hc_post_pre(
     re-read from L2 by the weighted sum, fn (M*n*D*4) once per 16-token block, layer_input /
     post_new / comb_new written once.
     """
-    key: tuple[object, ...] | None = None
-    plan: tuple[Any, ...] | None = None
-    if not torch.compiler.is_compiling():
-        try:
-            key = (
-                "hc_post_pre",
-                *[(t.__class__, t.dtype, t.shape, t.device)
-                  for t in (a, x, post, comb, fn, scale, base)],
-                rms_norm_eps.__class__, rms_norm_eps, hc_eps.__class__, hc_eps,
-                sinkhorn_iters.__class__, sinkhorn_iters, post_mult.__class__, post_mult,
-                batch_invariant.__class__, batch_invariant, backend,
-                None if out is None else _outs_key(out),
-            )  # fmt: skip
-            plan = PLANS.get(key)
-        except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
-            key = None
-    if plan is None:
-        plan = _hc_post_pre_plan(
+    plan = planned(
+        signature(
+            "hc_post_pre", a, x, post, comb, fn, scale, base, rms_norm_eps, hc_eps,
+            sinkhorn_iters, post_mult, batch_invariant, backend, out=out,
+        ),
+        lambda: _hc_post_pre_plan(
             a, x, post, comb, fn, scale, base, rms_norm_eps, hc_eps, sinkhorn_iters,
             batch_invariant, out, backend,
-        )  # fmt: skip
-        if key is not None:
-            remember(key, plan)
+        ),
+    )  # fmt: skip
     choice, post_choice, pre_choice = plan
     args = (
         a, x, post, comb, fn, scale, base, float(rms_norm_eps), float(hc_eps), sinkhorn_iters,
@@ -589,28 +520,16 @@ def hc_post_head(
     Bytes (fused): f (T*D) and x (T*n*D) read once, x_new written once and re-read from L2 by
     the weighted sum, head_fn once per 4-token block (L2), head_input written once.
     """
-    key: tuple[object, ...] | None = None
-    plan: tuple[Any, ...] | None = None
-    if not torch.compiler.is_compiling():
-        try:
-            key = (
-                "hc_post_head",
-                *[(t.__class__, t.dtype, t.shape, t.device)
-                  for t in (f, x, post, comb, head_fn, head_scale, head_base)],
-                rms_norm_eps.__class__, rms_norm_eps, hc_eps.__class__, hc_eps,
-                batch_invariant.__class__, batch_invariant, backend,
-                None if out is None else _outs_key(out),
-            )  # fmt: skip
-            plan = PLANS.get(key)
-        except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
-            key = None
-    if plan is None:
-        plan = _hc_post_head_plan(
+    plan = planned(
+        signature(
+            "hc_post_head", f, x, post, comb, head_fn, head_scale, head_base, rms_norm_eps,
+            hc_eps, batch_invariant, backend, out=out,
+        ),
+        lambda: _hc_post_head_plan(
             f, x, post, comb, head_fn, head_scale, head_base, rms_norm_eps, hc_eps,
             batch_invariant, out, backend,
-        )  # fmt: skip
-        if key is not None:
-            remember(key, plan)
+        ),
+    )  # fmt: skip
     choice, post_choice, head_choice = plan
     args = (
         f, x, post, comb, head_fn, head_scale, head_base, float(rms_norm_eps), float(hc_eps),

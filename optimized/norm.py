@@ -8,7 +8,7 @@ bench/results/norm-h200.md).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -17,7 +17,7 @@ from dsv4mtp.errors import InputError
 from dsv4mtp.semantics import NormOrder
 
 from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
-from ._dispatch import PLANS, Facts, remember, select
+from ._dispatch import Facts, planned, select, signature
 from .kernels._launch import check_device, check_kernel_dtype, check_out
 
 # The operators (optimized/_ops.py), looked up once: rms_norm validates and chooses the backend,
@@ -51,26 +51,10 @@ def rms_norm(
     """
     # The plan of this call signature (optimized/_dispatch.py, "plans"): the checks run once
     # per signature.  While torch.compile traces, they run every time and become its guards.
-    key: tuple[object, ...] | None = None
-    plan: tuple[Any, ...] | None = None
-    if not torch.compiler.is_compiling():
-        try:
-            key = (
-                "rms_norm",
-                x.__class__, x.dtype, x.shape, x.device,
-                None if weight is None
-                else (weight.__class__, weight.dtype, weight.shape, weight.device),
-                eps.__class__, eps, order, batch_invariant.__class__, batch_invariant, backend,
-                None if out is None
-                else (out.__class__, out.shape, out.dtype, out.device, out.is_contiguous()),
-            )  # fmt: skip
-            plan = PLANS.get(key)
-        except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
-            key = None
-    if plan is None:
-        plan = _rms_norm_plan(x, weight, eps, order, batch_invariant, out, backend)
-        if key is not None:
-            remember(key, plan)
+    plan = planned(
+        signature("rms_norm", x, weight, eps, order, batch_invariant, backend, out=out),
+        lambda: _rms_norm_plan(x, weight, eps, order, batch_invariant, out, backend),
+    )
     (choice,) = plan
     if out is None:
         return _ops_rms_norm(x, weight, float(eps), order, choice)  # type: ignore[no-any-return]

@@ -12,7 +12,8 @@ optimized/_dispatch.py).  Every schedule is batch invariant (rows are independen
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 
@@ -21,7 +22,7 @@ from dsv4mtp.errors import InputError
 from dsv4mtp.semantics import NormOrder
 
 from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
-from ._dispatch import PLANS, Facts, remember, select
+from ._dispatch import Facts, planned, select, signature
 from .kernels._launch import check_device, check_kernel_dtype, check_out
 
 __all__ = ["apply_rope", "kv_norm_rope", "q_head_norm_rope"]
@@ -36,36 +37,9 @@ _ops_kv = torch.ops.dsv4mtp.kv_norm_rope.default
 _ops_kv_out = torch.ops.dsv4mtp.kv_norm_rope_out.default
 
 
-def _key(t: Any) -> tuple[object, ...]:
-    return (t.__class__, t.dtype, t.shape, t.device)
-
-
-def _out_key(out: Any) -> tuple[object, ...] | None:
-    if not isinstance(out, torch.Tensor):  # None, or refused by the checks (never cached)
-        return (out.__class__,)
-    return (out.__class__, out.shape, out.dtype, out.device, out.is_contiguous())
-
-
-def _planned(key: tuple[object, ...] | None, build: Any) -> str:
-    """The chosen backend of a call: from the plan cache under ``key``, else ``build()`` (every
-    check), remembered.  While torch.compile traces, the checks run every time (its guards)."""
-    plan = None
-    if key is not None:
-        try:
-            plan = PLANS.get(key)
-        except TypeError:  # an unhashable argument: the checks say what
-            key = None
-    if plan is None:
-        plan = (build(),)
-        if key is not None:
-            remember(key, plan)
-    return str(plan[0])
-
-
-def _signature(*parts: Any) -> tuple[object, ...] | None:
-    if torch.compiler.is_compiling():
-        return None
-    return tuple(_key(p) if isinstance(p, torch.Tensor) else (p.__class__, p) for p in parts)
+def _planned(key: tuple[object, ...] | None, build: Callable[[], str]) -> str:
+    """The chosen backend of a call, through the plan cache (optimized/_dispatch.py, "plans")."""
+    return str(planned(key, lambda: (build(),))[0])
 
 
 def _check_rope_args(
@@ -125,8 +99,8 @@ def apply_rope(
             check_out("out", out, tuple(x.shape), x.dtype, dev)
         return "triton"
 
-    key = _signature("apply_rope", x, positions, freqs, inverse, batch_invariant, backend)
-    choice = _planned(key and (*key, _out_key(out)), build)
+    key = signature("apply_rope", x, positions, freqs, inverse, batch_invariant, backend, out=out)
+    choice = _planned(key, build)
     if out is None:
         return _ops_rope(x, positions, freqs, inverse, choice)  # type: ignore[no-any-return]
     _ops_rope_out(x, positions, freqs, inverse, choice, out=out)
@@ -172,9 +146,9 @@ def q_head_norm_rope(
             check_out("out", out, tuple(q.shape), q.dtype, dev)
         return "triton"
 
-    key = _signature("q_head_norm_rope", q, positions, freqs, eps, rope_dim, batch_invariant,
-                     backend)  # fmt: skip
-    choice = _planned(key and (*key, _out_key(out)), build)
+    key = signature("q_head_norm_rope", q, positions, freqs, eps, rope_dim, batch_invariant,
+                    backend, out=out)  # fmt: skip
+    choice = _planned(key, build)
     if out is None:
         return _ops_q(q, positions, freqs, float(eps), choice)  # type: ignore[no-any-return]
     _ops_q_out(q, positions, freqs, float(eps), choice, out=out)
@@ -232,9 +206,9 @@ def kv_norm_rope(
             check_out("out", out, tuple(kv.shape), kv.dtype, dev)
         return "triton"
 
-    key = _signature("kv_norm_rope", kv, kv_norm_weight, positions, freqs, eps, rope_dim, fp8_kv,
-                     norm_order, batch_invariant, backend)  # fmt: skip
-    choice = _planned(key and (*key, _out_key(out)), build)
+    key = signature("kv_norm_rope", kv, kv_norm_weight, positions, freqs, eps, rope_dim, fp8_kv,
+                    norm_order, batch_invariant, backend, out=out)  # fmt: skip
+    choice = _planned(key, build)
     args = (kv, kv_norm_weight, positions, freqs, float(eps), fp8_kv, norm_order, choice)
     if out is None:
         return _ops_kv(*args)  # type: ignore[no-any-return]
