@@ -900,10 +900,10 @@ class _RingIndex(NamedTuple):
     live: torch.Tensor  # (B,) bool: a sequence with a ring (slot >= 0) and rows
     ring: torch.Tensor  # (B,) int64 the slot, clamped into [0, S)
     bad: torch.Tensor  # () bool: some slot or position fails the checks
-    order: torch.Tensor | None  # (B, C) int64 ring rows by position, the visible ones first
-    key_pos: torch.Tensor | None  # (B, C) int64 their positions (_FAR past the visible)
-    seen: torch.Tensor | None  # (B,) int64 visible cached rows per sequence (0 unless live)
-    cu_k: torch.Tensor | None  # (B+1,) int64 key offsets: each live sequence's seen + new rows
+    order: torch.Tensor  # (B, C) int64 ring rows by position, the visible ones first
+    key_pos: torch.Tensor  # (B, C) int64 their positions (_FAR past the visible)
+    seen: torch.Tensor  # (B,) int64 visible cached rows per sequence (0 unless live)
+    cu_k: torch.Tensor  # (B+1,) int64 key offsets: each live sequence's seen + new rows
 
 
 def _ring_index(
@@ -911,13 +911,12 @@ def _ring_index(
     lens: list[int],
     cache: DeviceKVCache,
     slots: torch.Tensor,
-    prefill: bool,
 ) -> _RingIndex:
     """The facts :func:`_check_ring_sequences` tests, as device tensors (no host read): slots
     < S and distinct among the non-negative ones, and, in each sequence with a ring, positions
-    in [0, 2^31), rising, and past the ring's newest row.  ``prefill``: also each ring's rows
-    visible to its sequence's first row (``p >= 0`` and ``p > first - window``) in position
-    order, and the key offsets of the varlen launch."""
+    in [0, 2^31), rising, and past the ring's newest row; and each ring's rows visible to its
+    sequence's first row (``p >= 0`` and ``p > first - window``) in position order, and the key
+    offsets of the prefill's varlen launch."""
     T, dev = positions.shape[0], positions.device
     S, W = cache.num_seqs, cache.window
     n, starts, seq = _rows_of(lens, T, dev)
@@ -939,8 +938,6 @@ def _ring_index(
             (live & (newest >= 0) & (first <= newest)).any(),
         ]
     ).any()
-    if not prefill:
-        return _RingIndex(n, starts, seq, live, ring, bad, None, None, None, None)
     rings = cache.pos[ring].long()  # (B, C)
     visible = (rings >= 0) & (rings > first[:, None] - W) & live[:, None]
     key_pos, order = torch.where(visible, rings, _FAR).sort(dim=1, stable=True)
@@ -961,7 +958,6 @@ class _RingPlan(NamedTuple):
 
 def _ring_plan(index: _RingIndex) -> tuple[bool, _RingPlan]:
     """(bad, the plan) with one host read of a few scalars."""
-    assert index.cu_k is not None and index.seen is not None and index.key_pos is not None
     C = index.key_pos.shape[1]
     j = torch.arange(1, C, device=index.seen.device)
     twice = ((index.key_pos[:, 1:] == index.key_pos[:, :-1]) & (j < index.seen[:, None])).any()
@@ -981,26 +977,26 @@ def _check_ring_sequences(
     slots: torch.Tensor,
     prefill: bool = False,
 ) -> _RingPlan | None:
-    """The reference's position checks against a ring cache, on the device with one host read
-    of a few scalars: slots < S and distinct (negative: padding, unchecked), positions in
-    [0, 2^31) increasing within each sequence and past its ring's newest row.  The message,
-    only on failure, from the positions, slots and rings read on the host.  ``prefill``: the
-    same read also brings the sizes of the prefill's keys (-> its plan)."""
-    index = _ring_index(positions, lens, cache, slots, prefill)
-    if prefill:
-        bad, plan = _ring_plan(index)
-    else:
-        bad, plan = bool(index.bad), None
+    """The reference's position checks against a ring cache: slots < S and distinct (negative:
+    padding, unchecked), positions in [0, 2^31) increasing within each sequence and past its
+    ring's newest row.  A decode (T = B rows) reads its few hundred ints at once and checks on
+    the host (three ops; the device form would launch some twenty); a ``prefill`` checks on the
+    device with one host read of a few scalars, T-independent, which also sizes its keys (->
+    its plan), and reads the values for the message only on failure."""
+    if not prefill:
+        _ring_sequences_host(positions, lens, cache, slots)
+        return None
+    bad, plan = _ring_plan(_ring_index(positions, lens, cache, slots))
     if bad:
-        _ring_sequences_error(positions, lens, cache, slots)
+        _ring_sequences_host(positions, lens, cache, slots)
     return plan
 
 
-def _ring_sequences_error(
+def _ring_sequences_host(
     positions: torch.Tensor, lens: list[int], cache: DeviceKVCache, slots: torch.Tensor
 ) -> None:
-    """The failure path of :func:`_check_ring_sequences`: its InputError, from the positions,
-    the slots and each ring's newest position read on the host."""
+    """:func:`_check_ring_sequences` on the host, from the positions, the slots and each ring's
+    newest position read at once: a decode's check, and a prefill's on failure (its message)."""
     newest = cache.pos.max(dim=1).values.long()  # (S,), -1 for an empty ring
     host = torch.cat([positions.long(), slots.long(), newest]).tolist()
     T, B = positions.shape[0], slots.shape[0]
@@ -1161,8 +1157,6 @@ def _ring_keys(
     the ring it is written to (T,) int32: its sequence's slot for the last C positions of a
     live sequence (the earlier ones would be overwritten in the same call), -1 otherwise."""
     index, Tk = plan.rows, plan.keys
-    assert index.order is not None and index.key_pos is not None
-    assert index.seen is not None and index.cu_k is not None
     (T, Dh), C, dev = kv.shape, cache.capacity, kv.device
     # One spare row past the Tk keys: the destination of the rows that are no key.
     keys = kv.new_empty((Tk + 1, Dh))
@@ -1201,8 +1195,7 @@ def _ring_prefill(
     ``plan``: from the call's checks (their one host read also sized the keys), or None (the
     checks were skipped) for one host read here.  No other host read or sync."""
     if plan is None:
-        _, plan = _ring_plan(_ring_index(positions, lens, cache, slots, True))
-    assert plan.rows.cu_k is not None
+        _, plan = _ring_plan(_ring_index(positions, lens, cache, slots))
     W, Dh = cache.window, q.shape[2]
     keys, key_pos, owners = _ring_keys(kv, positions, cache, plan)
     cu_q = torch.cat([plan.rows.n.new_zeros(1), plan.rows.n.cumsum(0)]).to(torch.int32)
