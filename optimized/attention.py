@@ -1509,18 +1509,12 @@ def _host_cache_core(
         k_lens = [int(k.shape[0]) for k, _ in parts]
     cu_q = _device_ints(bounds, dev, torch.int32)
     cu_k = _device_ints([0, *itertools.accumulate(k_lens)], dev, torch.int32)
-    o = sink_attention_varlen(
-        q,
-        positions,
-        keys.contiguous(),
-        key_pos,
-        attn_sink,
-        cu_q,
-        cu_k,
-        window=W,
-        scale=Dh**-0.5,
-        batch_invariant=bi,
-    )  # fmt: skip  (T, H, Dh)
+    # Without caches the keys are the rows whose positions _check_sequences has checked: the
+    # launch need not read them again (a host sync); cached rows come from the caller's objects.
+    o = _call(
+        "sink_attention_varlen", q, positions, keys.contiguous(), key_pos, attn_sink,
+        (cu_q, cu_k), W, Dh**-0.5, bi, None, "auto", None, check_values=kv_cache is not None,
+    )  # fmt: skip
     if kv_cache is not None:
         for b in range(len(lens)):
             rows = slice(bounds[b], bounds[b + 1])
