@@ -14,6 +14,7 @@ the Triton kernels run in the interpreter) through :func:`opt_attention` below.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -298,3 +299,45 @@ def test_signature_extends_the_reference() -> None:
     n = len(sig) - len(extra)
     assert sig[:n] == [(p.name, p.kind, p.default) for p in ref.values()]
     assert sig[n:] == [(name, inspect.Parameter.KEYWORD_ONLY, None) for name in extra]
+
+
+def test_sequence_checks_on_the_device_refuse_what_the_host_checks_refuse(device: str) -> None:
+    """Random varlen calls without a cache or with host caches, positions valid or broken one
+    way (falling within a sequence, a sequence starting at or before its cache's last
+    position): the check (a device flag, one host read) raises exactly the host check's
+    message, or nothing."""
+    attn = importlib.import_module("dsv4mtp.optimized.attention")
+    g = torch.Generator().manual_seed(51)
+    broken = 0
+    for case in range(40):
+        B = int(torch.randint(1, 5, (1,), generator=g))
+        lens = [int(n) for n in torch.randint(0, 9, (B,), generator=g)]
+        caches: list[KVCache] | None = None
+        pos: list[int] = []
+        if case % 2:
+            caches = [KVCache(W) for _ in range(B)]
+            for c in caches[: B - 1]:  # the last one empty
+                last = int(torch.randint(0, 30, (1,), generator=g))
+                c.append(torch.zeros(1, 16), torch.tensor([last]))
+        for b, n in enumerate(lens):
+            held = caches[b].last_position if caches is not None else None
+            start = (held if held is not None else -5) + int(torch.randint(1, 4, (1,), generator=g))
+            pos += [start + int(d) for d in torch.randint(1, 3, (n,), generator=g).cumsum(0) - 1]
+        positions = torch.tensor(pos, dtype=torch.int64, device=device)
+        T = len(pos)
+        if T and case % 3 == 1:
+            t = int(torch.randint(0, T, (1,), generator=g))
+            positions[t] -= int(torch.randint(1, 40, (1,), generator=g))
+        want = "ok"
+        try:
+            attn._sequences_error(positions, lens, caches)
+        except InputError as e:
+            want = str(e)
+        if want == "ok":
+            attn._check_sequences(positions, lens, caches)
+        else:
+            with pytest.raises(InputError) as info:
+                attn._check_sequences(positions, lens, caches)
+            assert str(info.value) == want, case
+            broken += 1
+    assert 3 < broken < 40

@@ -14,6 +14,9 @@ errors; the operators (opcheck); and (gpu) a captured decode step replayed on ne
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -527,3 +530,147 @@ def test_captured_rollback_and_write_replay_as_eager() -> None:
         eager.write(rows, torch.tensor(pos, device=dev), _slots(slots, dev))
         torch.cuda.synchronize()
         assert torch.equal(graphed.pos, eager.pos) and torch.equal(graphed.kv, eager.kv), slots
+
+
+# ------------------------------------------------- the ring prefill's device-built bookkeeping
+_attn = importlib.import_module("dsv4mtp.optimized.attention")
+
+
+def _random_rings(g: torch.Generator, S: int, device: str) -> tuple[DeviceKVCache, list[int]]:
+    """S rings of random rows at valid places (gaps, wraparound, some empty): -> (the cache,
+    each ring's newest position, -1 for an empty one)."""
+    cache = DeviceKVCache(CFG, num_seqs=S, dtype=BF16, device=device)
+    C, newest = cache.capacity, []
+    for s in range(S):
+        if float(torch.rand(1, generator=g)) < 0.25:
+            newest.append(-1)
+            continue
+        last = int(torch.randint(0, 90, (1,), generator=g))
+        keep = torch.rand(C, generator=g) < 0.7
+        ps = [
+            p
+            for i, p in enumerate(range(last - C + 1, last + 1))
+            if p >= 0 and (keep[i] or p == last)
+        ]
+        rows = torch.randn(len(ps), Dh, generator=g).to(BF16).to(device)
+        cache.write(rows, torch.tensor(ps, device=device), torch.full((len(ps),), s, device=device))
+        newest.append(last)
+    return cache, newest
+
+
+def _random_ring_call(
+    g: torch.Generator, device: str
+) -> tuple[DeviceKVCache, list[int], torch.Tensor, torch.Tensor]:
+    """A valid prefill against random rings: (cache, lens, positions, slots); lengths 0 to 40
+    (past the ring's C = 32), distinct slots, some sequences padding (slot -1, any positions)."""
+    S = 6
+    cache, newest = _random_rings(g, S, device)
+    B = int(torch.randint(1, S + 1, (1,), generator=g))
+    slots = torch.randperm(S, generator=g)[:B]
+    slots[torch.rand(B, generator=g) < 0.25] = -1
+    lens = [int(n) for n in torch.randint(0, 41, (B,), generator=g)]
+    lens[int(torch.randint(0, B, (1,), generator=g))] = max(lens[0], 2)  # some prefill
+    pos: list[int] = []
+    for b, n in enumerate(lens):
+        if slots[b] < 0:  # padding: unchecked, any positions
+            pos += [int(p) for p in torch.randint(-5, 50, (n,), generator=g)]
+            continue
+        start = newest[int(slots[b])] + 1 + int(torch.randint(0, 20, (1,), generator=g))
+        steps = torch.randint(1, 4, (n,), generator=g).cumsum(0) - 1
+        pos += [start + int(d) for d in steps]
+    return cache, lens, torch.tensor(pos, device=device), slots.to(device)
+
+
+def _host_ring_keys(
+    kv: torch.Tensor, positions: torch.Tensor, lens: list[int], cache: DeviceKVCache,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, list[int], list[int], list[int]]:  # fmt: skip
+    """The ring prefill's keys built row by row on the host: each live sequence's ring rows
+    with p >= 0 and p > first - window in position order, then its new rows; the rows written
+    (its slot for positions > last - C, else -1).  -> (keys, their positions, cu_k, owners)."""
+    C, W = cache.capacity, cache.window
+    slot, pos, rings = slots.tolist(), positions.tolist(), cache.pos.tolist()
+    keys, key_pos, cu_k, owners = [], [], [0], [-1] * len(pos)
+    start = 0
+    for b, n in enumerate(lens):
+        rows = range(start, start + n)
+        start += n
+        if slot[b] < 0 or n == 0:
+            cu_k.append(cu_k[-1])
+            continue
+        first, last = pos[rows[0]], pos[rows[-1]]
+        seen = sorted((p, r) for r, p in enumerate(rings[slot[b]]) if p >= 0 and p > first - W)
+        keys += [cache.kv[slot[b], r] for _, r in seen] + [kv[t] for t in rows]
+        key_pos += [p for p, _ in seen] + [pos[t] for t in rows]
+        cu_k.append(cu_k[-1] + len(seen) + n)
+        for t in rows:
+            owners[t] = slot[b] if pos[t] > last - C else -1
+    return (torch.stack(keys) if keys else kv[:0]), key_pos, cu_k, owners
+
+
+def test_ring_prefill_keys_are_the_host_construction(device: str) -> None:
+    """The device-built keys of a ring prefill (one host read of a few sizes) on random varlen
+    calls: the same rows in the same places, the same positions, offsets and written rows as
+    the row-by-row host construction."""
+    g = torch.Generator().manual_seed(31)
+    for case in range(40):
+        cache, lens, pos, slots = _random_ring_call(g, device)
+        kv = torch.randn(pos.shape[0], Dh, generator=g).to(BF16).to(device)
+        plan = _attn._check_ring_sequences(pos, lens, cache, slots, True)
+        assert plan is not None and plan.trusted
+        keys, key_pos, owners = _attn._ring_keys(kv, pos, cache, plan)
+        want_keys, want_pos, want_cu, want_owners = _host_ring_keys(kv, pos, lens, cache, slots)
+        assert torch.equal(keys.cpu(), want_keys.cpu()), case
+        assert key_pos.tolist() == want_pos, case
+        assert plan.rows.cu_k.tolist() == want_cu and plan.keys == want_cu[-1], case
+        assert owners.dtype == torch.int32 and owners.tolist() == want_owners, case
+
+
+def _outcome(fn: Any, *args: object) -> str:
+    try:
+        fn(*args)
+    except InputError as e:
+        return str(e)
+    return "ok"
+
+
+def test_ring_checks_on_the_device_flag_what_the_host_checks_refuse(device: str) -> None:
+    """Random calls, valid or broken one way (a slot repeated or >= S, positions falling,
+    negative, >= 2^31 or not past the ring's newest row): the device flag is set exactly when
+    the host checks refuse the call, and a prefill's check raises the host checks' message."""
+    g = torch.Generator().manual_seed(32)
+    broken = 0
+    for case in range(60):
+        cache, lens, pos, slots = _random_ring_call(g, device)
+        live = [b for b, s in enumerate(slots.tolist()) if s >= 0 and lens[b]]
+        kind = case % 7
+        bounds = [0, *itertools.accumulate(lens)]
+        if kind == 1 and slots.shape[0] > 1:
+            slots[1] = slots[0] if slots[0] >= 0 else 0
+        elif kind == 2:
+            slots[0] = cache.num_seqs + int(torch.randint(0, 3, (1,), generator=g))
+        elif live and kind in (3, 4, 5, 6):
+            b = live[int(torch.randint(0, len(live), (1,), generator=g))]
+            t = bounds[b] + int(torch.randint(0, lens[b], (1,), generator=g))
+            pos[t] = {3: pos[t] - 3, 4: -1, 5: 2**31, 6: 0}[kind]
+        index = _attn._ring_index(pos, lens, cache, slots)
+        want = _outcome(_attn._ring_sequences_host, pos, lens, cache, slots)
+        assert bool(index.bad) == (want != "ok"), (case, want)
+        assert _outcome(_attn._check_ring_sequences, pos, lens, cache, slots, True) == want, case
+        broken += want != "ok"
+    assert 20 < broken < 60
+
+
+def test_ring_prefill_over_a_repeated_position_raises_the_varlen_check(device: str) -> None:
+    """A ring (an engine's tensors) holding one position in two rows: the prefill's keys would
+    repeat it, so its launch checks them and raises the varlen op's message, as it did when
+    every prefill launch checked its keys."""
+    pack = pack_attention(layer_params(BF16), device)
+    cache = DeviceKVCache(CFG, num_seqs=1, dtype=BF16, device=device)
+    cache.pos[0, 3], cache.pos[0, 4] = 3, 3
+    x = torch.zeros(2, D, dtype=BF16, device=device)
+    pos = torch.tensor([5, 6], device=device)
+    with pytest.raises(InputError, match=r"^k_pos: expected strictly increasing positions within"):
+        opt_attention(
+            x, pos, pack, CFG, seq_lens=[2], kv_cache=cache, cache_slots=_slots([0], device)
+        )

@@ -16,6 +16,9 @@ typed errors; opcheck; and (gpu) a captured decode step replayed on new inputs.
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 import pytest
 import torch
 
@@ -513,3 +516,76 @@ def test_captured_decode_step_replays_as_eager() -> None:
         torch.cuda.synchronize()
         assert torch.equal(out, want), f"step {step}"
         assert torch.equal(graphed.pos, eager.pos) and torch.equal(graphed.kv, eager.kv)
+
+
+# -------------------------------------------------- the prefill checks, on the device, one read
+_attn = importlib.import_module("dsv4mtp.optimized.attention")
+
+
+def _random_paged_call(g: torch.Generator, device: str) -> tuple[object, ...]:
+    """A valid paged prefill: (cache, lens, positions, block_table, slot_mapping); sequences of
+    0 to 12 rows with gapped positions, one padding sequence (table row -1, slots -1, any
+    positions), some rows not written (slot -1), a few pool rows already holding positions."""
+    cache = PagedKVCache(CFG, num_blocks=40, block_size=BS, dtype=BF16, device=device)
+    B = int(torch.randint(1, 5, (1,), generator=g))
+    lens = [int(n) for n in torch.randint(0, 13, (B,), generator=g)]
+    pos: list[int] = []
+    for n in lens:
+        start = int(torch.randint(0, 10, (1,), generator=g))
+        pos += [start + int(d) for d in torch.randint(1, 3, (n,), generator=g).cumsum(0)]
+    padding = int(torch.randint(0, B + 2, (1,), generator=g))  # B, B+1: none
+    seqs = [-1 if b == padding else b for b in range(B)]
+    engine = _Engine(cache, B, 10, int(torch.randint(0, 100, (1,), generator=g)))
+    table, slot_mapping = engine.rows(seqs, pos, lens)
+    positions = torch.tensor(pos, device=device)
+    if padding < B:  # a padding sequence's positions are unchecked
+        start = sum(lens[:padding])
+        positions[start : start + lens[padding]] = torch.randint(
+            -9, 9, (lens[padding],), generator=g
+        ).to(device)
+    slot_mapping[torch.rand(len(pos), generator=g).to(device) < 0.2] = -1
+    for n in engine.free[:3]:  # rows an earlier call left
+        cache.pos[n, 1] = 4 * int(torch.randint(0, 9, (1,), generator=g)) + 1
+    return cache, lens, positions, table, slot_mapping
+
+
+def test_paged_checks_on_the_device_refuse_what_the_host_checks_refuse(device: str) -> None:
+    """Random paged prefills, valid or broken one way (a table entry < -1 or >= N, a pool row
+    at the wrong offset, positions negative, >= 2^31 or falling, a slot not its position's, two
+    rows on one slot): the call raises exactly the host checks' message, or nothing."""
+    g = torch.Generator().manual_seed(41)
+    broken = 0
+    for case in range(60):
+        cache, lens, pos, table, slot_mapping = _random_paged_call(g, device)
+        assert isinstance(cache, PagedKVCache)
+        kind, T = case % 8, pos.shape[0]
+        t = int(torch.randint(0, max(T, 1), (1,), generator=g))
+        if kind == 1:
+            table[0, 0] = -2 if case % 16 == 1 else cache.num_blocks
+        elif kind == 2:
+            cache.pos[5, 2] = 5
+        elif T and kind in (3, 4, 5):
+            pos[t] = {3: -1, 4: 2**31, 5: pos[t] - 2}[kind]
+        elif T and kind == 6:
+            slot_mapping[t] = slot_mapping[t] + 1 if slot_mapping[t] >= 0 else 7
+        elif T > 1 and kind == 7:
+            slot_mapping[t], slot_mapping[(t + 1) % T] = 3, 3
+        args = (pos, lens, cache, table, slot_mapping)
+        want = _outcome(_attn._paged_sequences_error, *args)
+        assert _outcome(_attn._check_paged_sequences, *args) == want, case
+        broken += want != "ok"
+    assert 20 < broken < 60
+    # two sequences on one block, each row at its position's slot: the slots repeat
+    cache = PagedKVCache(CFG, num_blocks=4, block_size=BS, dtype=BF16, device=device)
+    table = torch.tensor([[2, -1], [2, -1]], dtype=torch.int32, device=device)
+    args = (torch.tensor([1, 1], device=device), [1, 1], cache, table, _slots([9, 9], device))
+    with pytest.raises(InputError, match=r"^slot_mapping: expected distinct slots"):
+        _attn._check_paged_sequences(*args)
+
+
+def _outcome(fn: Any, *args: object) -> str:
+    try:
+        fn(*args)
+    except InputError as e:
+        return str(e)
+    return "ok"

@@ -345,31 +345,43 @@ class MTPLayerAPI:
         ):
             if t.device != self.device:
                 raise InputError(f"{name}: expected device {self.device}, got {t.device}")
-        # A NaN / inf row would flow silently into argmax (token 0) or the KL of compare.
-        check_finite_at("prev_hidden", prev_hidden)
-        if T and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
-            bad = input_ids[(input_ids < 0) | (input_ids >= cfg.vocab_size)][0]
-            raise InputError(
-                f"input_ids: expected ids in [0, vocab_size={cfg.vocab_size}), got {int(bad)}"
-            )
-        if T and int(positions.min()) < 0:
-            raise InputError(
-                f"positions: expected non-negative positions, got {int(positions.min())}"
-            )
-        if T and int(positions.max()) >= cfg.max_position_embeddings:
-            raise InputError(
-                f"positions: expected positions < max_position_embeddings="
-                f"{cfg.max_position_embeddings}, got {int(positions.max())}"
-            )
+        # The value checks read the device once: prev_hidden finite (a NaN / inf row would flow
+        # silently into argmax (token 0) or the KL of compare), the ids' and the positions'
+        # ranges and the lengths, as a few scalars; a message is built only on failure.
+        lens_ok = (
+            isinstance(seq_lens, torch.Tensor)
+            and seq_lens.dtype == torch.int64
+            and seq_lens.dim() == 1
+        )
+        parts = []
+        if T:
+            parts = [torch.isfinite(prev_hidden).all().long().view(1)]
+            parts += [v.view(1) for v in (*torch.aminmax(input_ids), *torch.aminmax(positions))]
+        lens_here = lens_ok and seq_lens.device == self.device
+        if lens_here:
+            parts.append(seq_lens)
+        host = [int(v) for v in torch.cat(parts).tolist()] if parts else []
+        if T:
+            finite, id_lo, id_hi, pos_lo, pos_hi = host[:5]
+            if not finite:
+                check_finite_at("prev_hidden", prev_hidden)
+            if id_lo < 0 or id_hi >= cfg.vocab_size:
+                bad = input_ids[(input_ids < 0) | (input_ids >= cfg.vocab_size)][0]
+                raise InputError(
+                    f"input_ids: expected ids in [0, vocab_size={cfg.vocab_size}), got {int(bad)}"
+                )
+            if pos_lo < 0:
+                raise InputError(f"positions: expected non-negative positions, got {pos_lo}")
+            if pos_hi >= cfg.max_position_embeddings:
+                raise InputError(
+                    f"positions: expected positions < max_position_embeddings="
+                    f"{cfg.max_position_embeddings}, got {pos_hi}"
+                )
         if seq_lens is None:
             return [T]
-        if (
-            not isinstance(seq_lens, torch.Tensor)
-            or seq_lens.dtype != torch.int64
-            or seq_lens.dim() != 1
-        ):
+        if not lens_ok:
             raise InputError(f"seq_lens: expected a 1-D int64 tensor, got {_describe(seq_lens)}")
-        lens = [int(n) for n in seq_lens.tolist()]
+        lens = host[5 if T else 0 :] if lens_here else [int(n) for n in seq_lens.tolist()]
         if any(n < 0 for n in lens) or sum(lens) != T:
             raise InputError(
                 f"seq_lens: expected non-negative lengths summing to T={T}, got {lens}"

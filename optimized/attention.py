@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -207,6 +207,8 @@ def _call(
     out: torch.Tensor | None,
     backend: str,
     schedule: object,
+    *,
+    check_values: bool = True,
 ) -> torch.Tensor:
     # The plan of this call signature (optimized/_dispatch.py, "plans"): the metadata checks run
     # once per signature.  While torch.compile traces, they run every time and become its guards.
@@ -234,7 +236,8 @@ def _call(
         if key is not None:
             remember(key, plan)
     choice, fields = plan
-    _check_values(q, kv, k_pos, offsets)
+    if check_values:
+        _check_values(q, kv, k_pos, offsets)
     tail = (int(window), float(scale), choice, fields)
     if offsets is None:
         if out is None:
@@ -812,11 +815,58 @@ def _attention_pack(params: object, device: torch.device) -> AttentionPack:
     )  # fmt: skip
 
 
+def _device_ints(
+    values: list[int], dev: torch.device, dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
+    """Host ints as a tensor on ``dev`` without a sync: a plain copy to a CUDA device waits for
+    the stream's queued kernels (PyTorch synchronizes a blocking host-to-device copy), so the
+    values go through pinned memory with a non-blocking copy."""
+    t = torch.tensor(values, dtype=dtype)
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
+def _rows_of(
+    lens: list[int], T: int, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(n (B,), starts (B,), seq (T,)) int64 on ``dev``: each sequence's length and first row,
+    each row's sequence; one host-to-device copy, no sync."""
+    n = _device_ints(lens, dev)
+    starts = n.cumsum(0) - n
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), n, output_size=T)
+    return n, starts, seq
+
+
+def _rising_in(pos: torch.Tensor, seq: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """() bool: some row of ``rows`` (T,) bool is not past the one before it in its sequence."""
+    return (rows[1:] & (seq[1:] == seq[:-1]) & (pos[1:] <= pos[:-1])).any()
+
+
 def _check_sequences(
     positions: torch.Tensor, lens: list[int], kv_cache: Sequence[KVCache] | None
 ) -> None:
-    """The reference's checks, with one host read of the positions: strictly increasing within
-    each sequence and past its cache's last position."""
+    """The reference's checks, with one host read of a flag: strictly increasing within each
+    sequence and past its cache's last position (the flag computed on the device; the message,
+    only on failure, from the positions read on the host)."""
+    T, dev = positions.shape[0], positions.device
+    n, starts, seq = _rows_of(lens, T, dev)
+    pos = positions.long()
+    bad = _rising_in(pos, seq, torch.ones_like(seq, dtype=torch.bool))
+    if kv_cache is not None and T:
+        # each cache's last position, a floor below every position for none (one host read
+        # per cache, as the reference's check)
+        lasts = [c.last_position for c in kv_cache]
+        floor = _device_ints([-(2**62) if v is None else v for v in lasts], dev)
+        bad = bad | ((n > 0) & (pos[starts.clamp(max=T - 1)] <= floor)).any()
+    if bool(bad):
+        _sequences_error(positions, lens, kv_cache)
+
+
+def _sequences_error(
+    positions: torch.Tensor, lens: list[int], kv_cache: Sequence[KVCache] | None
+) -> None:
+    """The failure path of :func:`_check_sequences`: the first bad sequence's InputError."""
     pos = [int(p) for p in positions.tolist()]
     start = 0
     for b, n in enumerate(lens):
@@ -836,13 +886,117 @@ def _check_sequences(
             )
 
 
+_FAR = 2**62  # a sort key past every int32 position
+
+
+class _RingIndex(NamedTuple):
+    """The device tensors of a call against a ring cache, built before its first launch: what
+    its checks read and, for a prefill, where its keys come from (docs/semantics.md, "The
+    device ring cache").  B sequences, T rows, C rows per ring."""
+
+    n: torch.Tensor  # (B,) int64 rows per sequence
+    starts: torch.Tensor  # (B,) int64 first row of each sequence
+    seq: torch.Tensor  # (T,) int64 each row's sequence
+    live: torch.Tensor  # (B,) bool: a sequence with a ring (slot >= 0) and rows
+    ring: torch.Tensor  # (B,) int64 the slot, clamped into [0, S)
+    bad: torch.Tensor  # () bool: some slot or position fails the checks
+    order: torch.Tensor  # (B, C) int64 ring rows by position, the visible ones first
+    key_pos: torch.Tensor  # (B, C) int64 their positions (_FAR past the visible)
+    seen: torch.Tensor  # (B,) int64 visible cached rows per sequence (0 unless live)
+    cu_k: torch.Tensor  # (B+1,) int64 key offsets: each live sequence's seen + new rows
+
+
+def _ring_index(
+    positions: torch.Tensor,
+    lens: list[int],
+    cache: DeviceKVCache,
+    slots: torch.Tensor,
+) -> _RingIndex:
+    """The facts :func:`_check_ring_sequences` tests, as device tensors (no host read): slots
+    < S and distinct among the non-negative ones, and, in each sequence with a ring, positions
+    in [0, 2^31), rising, and past the ring's newest row; and each ring's rows visible to its
+    sequence's first row (``p >= 0`` and ``p > first - window``) in position order, and the key
+    offsets of the prefill's varlen launch."""
+    T, dev = positions.shape[0], positions.device
+    S, W = cache.num_seqs, cache.window
+    n, starts, seq = _rows_of(lens, T, dev)
+    pos, slot = positions.long(), slots.long()
+    used = slot >= 0
+    ring = slot.clamp(0, S - 1)
+    newest = cache.pos.max(dim=1).values.long()[ring]  # (B,), -1 for an empty ring
+    B = slot.shape[0]
+    distinct = torch.where(used, slot, -1 - torch.arange(B, device=dev)).sort().values
+    live = used & (n > 0)
+    first = pos[starts.clamp(max=T - 1)] if T else n  # (B,): meaningful where live
+    in_ring = used[seq]  # (T,) rows of a sequence with a ring
+    bad = torch.stack(
+        [
+            (used & (slot >= S)).any(),
+            (distinct[1:] == distinct[:-1]).any(),
+            (in_ring & ((pos < 0) | (pos >= 2**31))).any(),
+            _rising_in(pos, seq, in_ring),
+            (live & (newest >= 0) & (first <= newest)).any(),
+        ]
+    ).any()
+    rings = cache.pos[ring].long()  # (B, C)
+    visible = (rings >= 0) & (rings > first[:, None] - W) & live[:, None]
+    key_pos, order = torch.where(visible, rings, _FAR).sort(dim=1, stable=True)
+    seen = visible.sum(dim=1)
+    k_lens = torch.where(live, seen + n, 0)
+    cu_k = torch.cat([k_lens.new_zeros(1), k_lens.cumsum(0)])
+    return _RingIndex(n, starts, seq, live, ring, bad, order, key_pos, seen, cu_k)
+
+
+class _RingPlan(NamedTuple):
+    """A ring prefill's index with the host ints its launch needs (one host read)."""
+
+    rows: _RingIndex
+    keys: int  # rows of the varlen launch's keys
+    cached: int  # of them from the rings
+    trusted: bool  # the visible ring rows hold distinct positions (else the launch checks)
+
+
+def _ring_plan(index: _RingIndex) -> tuple[bool, _RingPlan]:
+    """(bad, the plan) with one host read of a few scalars."""
+    C = index.key_pos.shape[1]
+    j = torch.arange(1, C, device=index.seen.device)
+    twice = ((index.key_pos[:, 1:] == index.key_pos[:, :-1]) & (j < index.seen[:, None])).any()
+    bad, dup, keys, cached = (
+        int(v)
+        for v in torch.stack(
+            [index.bad.long(), twice.long(), index.cu_k[-1], index.seen.sum()]
+        ).tolist()
+    )
+    return bool(bad), _RingPlan(index, keys, cached, not dup)
+
+
 def _check_ring_sequences(
+    positions: torch.Tensor,
+    lens: list[int],
+    cache: DeviceKVCache,
+    slots: torch.Tensor,
+    prefill: bool = False,
+) -> _RingPlan | None:
+    """The reference's position checks against a ring cache: slots < S and distinct (negative:
+    padding, unchecked), positions in [0, 2^31) increasing within each sequence and past its
+    ring's newest row.  A decode (T = B rows) reads its few hundred ints at once and checks on
+    the host (three ops; the device form would launch some twenty); a ``prefill`` checks on the
+    device with one host read of a few scalars, T-independent, which also sizes its keys (->
+    its plan), and reads the values for the message only on failure."""
+    if not prefill:
+        _ring_sequences_host(positions, lens, cache, slots)
+        return None
+    bad, plan = _ring_plan(_ring_index(positions, lens, cache, slots))
+    if bad:
+        _ring_sequences_host(positions, lens, cache, slots)
+    return plan
+
+
+def _ring_sequences_host(
     positions: torch.Tensor, lens: list[int], cache: DeviceKVCache, slots: torch.Tensor
 ) -> None:
-    """The reference's position checks against a ring cache, with one host read of the
-    positions, the slots and each ring's newest position: slots < S and distinct (negative:
-    padding, unchecked), positions in [0, 2^31) increasing within each sequence and past its
-    ring's newest row."""
+    """:func:`_check_ring_sequences` on the host, from the positions, the slots and each ring's
+    newest position read at once: a decode's check, and a prefill's on failure (its message)."""
     newest = cache.pos.max(dim=1).values.long()  # (S,), -1 for an empty ring
     host = torch.cat([positions.long(), slots.long(), newest]).tolist()
     T, B = positions.shape[0], slots.shape[0]
@@ -915,17 +1069,50 @@ def _check_paged_sequences(
     block_table: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """The reference's position checks and the paged layout, with one host read of the
-    positions, the slot mapping and the slots the table gives them: table entries in [-1, N)
+    """The reference's position checks and the paged layout, on the device with one host read
+    of a flag (the message, only on failure, from the values read on the host): table entries
+    in [-1, N)
     and the pool rows at their offsets (as sink_attention_paged checks), positions in
     [0, 2^31) increasing within each sequence (a padding sequence, its table row all -1,
     unchecked), each slot -1 or its position's vLLM slot (a row written elsewhere would be
     seen by no query; a padding sequence's slots are then -1), the written slots distinct."""
+    T, dev = positions.shape[0], positions.device
+    N, bs = cache.pos.shape
+    _, _, seq = _rows_of(lens, T, dev)
+    want = cache.slots(block_table[seq], positions.clamp(min=0))  # (T,)
+    pos, slot = positions.long(), slot_mapping.long()
+    held = cache.pos
+    checked = ~(block_table < 0).all(dim=1)[seq]  # (T,): rows of a sequence with blocks
+    written = slot >= 0
+    distinct = torch.where(written, slot, -1 - torch.arange(T, device=dev)).sort().values
+    bad = torch.stack(
+        [
+            ((block_table < -1) | (block_table >= N)).any(),
+            ((held < -1) | ((held >= 0) & (held % bs != torch.arange(bs, device=dev)))).any(),
+            (checked & ((pos < 0) | (pos >= 2**31))).any(),
+            _rising_in(pos, seq, checked),
+            ((slot != -1) & (slot != want)).any(),
+            (distinct[1:] == distinct[:-1]).any(),
+        ]
+    ).any()
+    if bool(bad):
+        _paged_sequences_error(positions, lens, cache, block_table, slot_mapping)
+
+
+def _paged_sequences_error(
+    positions: torch.Tensor,
+    lens: list[int],
+    cache: PagedKVCache,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """The failure path of :func:`_check_paged_sequences`: its InputError, from the positions,
+    the slot mapping and the slots the table gives them read on the host."""
     _check_paged_values(cache.pos, block_table)
     T = positions.shape[0]
     seq = torch.repeat_interleave(
         torch.arange(len(lens), device=positions.device),
-        torch.tensor(lens, device=positions.device),
+        _device_ints(lens, positions.device),
         output_size=T,
     )
     want = cache.slots(block_table[seq], positions.clamp(min=0))  # (T,)
@@ -961,6 +1148,37 @@ def _check_paged_sequences(
         raise InputError(f"slot_mapping: expected distinct slots (-1: none), got {slot}")
 
 
+def _ring_keys(
+    kv: torch.Tensor, positions: torch.Tensor, cache: DeviceKVCache, plan: _RingPlan
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys of a ring prefill's varlen launch, built with device indices only: each live
+    sequence's visible ring rows in position order, then its new rows (a padding sequence has
+    none).  -> keys (Tk, Dh) in kv's dtype, their positions (Tk,) int64 and, per row of ``kv``,
+    the ring it is written to (T,) int32: its sequence's slot for the last C positions of a
+    live sequence (the earlier ones would be overwritten in the same call), -1 otherwise."""
+    index, Tk = plan.rows, plan.keys
+    (T, Dh), C, dev = kv.shape, cache.capacity, kv.device
+    # One spare row past the Tk keys: the destination of the rows that are no key.
+    keys = kv.new_empty((Tk + 1, Dh))
+    key_pos = torch.empty(Tk + 1, dtype=torch.int64, device=dev)
+    first_key = index.cu_k[:-1]  # (B,)
+    if plan.cached:
+        j = torch.arange(C, device=dev)
+        dst = torch.where(j < index.seen[:, None], first_key[:, None] + j, Tk).flatten()
+        keys[dst] = cache.kv.view(-1, Dh)[(index.ring[:, None] * C + index.order).flatten()]
+        key_pos[dst] = index.key_pos.flatten()
+    s = index.seq  # (T,)
+    live = index.live[s]
+    rank = torch.arange(T, device=dev) - index.starts[s]  # row within its sequence
+    dst = torch.where(live, first_key[s] + index.seen[s] + rank, Tk)
+    pos = positions.long()
+    keys[dst] = kv
+    key_pos[dst] = pos
+    last = pos[(index.starts + index.n - 1).clamp(min=0)]  # (B,): meaningful where live
+    owners = torch.where(live & (pos > last[s] - C), index.ring[s], -1).to(torch.int32)
+    return keys[:Tk], key_pos[:Tk], owners
+
+
 def _ring_prefill(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -970,63 +1188,26 @@ def _ring_prefill(
     slots: torch.Tensor,
     attn_sink: torch.Tensor,
     batch_invariant: bool,
+    plan: _RingPlan | None,
 ) -> torch.Tensor:
-    """Eager prefill against a ring cache, with one host read (the slots, the positions and
-    the rings' positions): each sequence's visible cached rows in position order, then its
-    new rows, as the keys of one varlen launch; then the new rows written (only the last C of
-    a sequence: the earlier ones would be overwritten in the same call)."""
-    W, C, dev = cache.window, cache.capacity, q.device
-    T, B, Dh = q.shape[0], len(lens), q.shape[2]
-    rings = cache.pos[slots.long().clamp(min=0)].long()  # (B, C)
-    host = torch.cat([slots.long(), positions.long(), rings.flatten()]).tolist()
-    slot, pos, ring_pos = host[:B], host[B : B + T], host[B + T :]
-    bounds = [0, *itertools.accumulate(lens)]
-    cached_src: list[int] = []  # rows of cache.kv viewed (S * C, Dh)
-    cached_dst: list[int] = []  # their rows among the keys
-    new_dst: list[int] = []  # the keys' rows of q's rows 0 .. T-1, in order (-1: none)
-    key_pos: list[int] = []
-    k_lens: list[int] = []
-    written: list[int] = []  # q's rows written to their rings
-    for b, n in enumerate(lens):
-        if slot[b] < 0 or n == 0:  # padding: reads and writes nothing, its output is zero
-            new_dst += [-1] * n
-            k_lens.append(0)
-            continue
-        first, last = pos[bounds[b]], pos[bounds[b + 1] - 1]
-        ring = ring_pos[b * C : (b + 1) * C]
-        seen = sorted((p, r) for r, p in enumerate(ring) if p >= 0 and p > first - W)
-        cached_src += [slot[b] * C + r for _, r in seen]
-        cached_dst += range(len(key_pos), len(key_pos) + len(seen))
-        key_pos += [p for p, _ in seen]
-        new_dst += range(len(key_pos), len(key_pos) + n)
-        key_pos += pos[bounds[b] : bounds[b + 1]]
-        k_lens.append(len(seen) + n)
-        written += [t for t in range(bounds[b], bounds[b + 1]) if pos[t] > last - C]
-    keys = kv.new_empty((len(key_pos), Dh))
-    if cached_src:
-        src = torch.tensor(cached_src, device=dev)
-        keys[torch.tensor(cached_dst, device=dev)] = cache.kv.view(-1, Dh)[src]
-    mine = [t for t in range(T) if new_dst[t] >= 0]
-    if mine:
-        rows = torch.tensor(mine, device=dev)
-        keys[torch.tensor([new_dst[t] for t in mine], device=dev)] = kv[rows]
-    o = sink_attention_varlen(
-        q,
-        positions,
-        keys,
-        torch.tensor(key_pos, dtype=torch.int64, device=dev),
-        attn_sink,
-        torch.tensor(bounds, dtype=torch.int32, device=dev),
-        torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32, device=dev),
-        window=W,
-        scale=Dh**-0.5,
-        batch_invariant=batch_invariant,
-    )  # fmt: skip  (T, H, Dh)
-    if written:
-        rows = torch.tensor(written, device=dev)
-        seq_of = [b for b, n in enumerate(lens) for _ in range(n)]
-        owners = torch.tensor([slot[seq_of[t]] for t in written], dtype=torch.int32, device=dev)
-        _write_out(kv[rows], positions[rows], owners, cache_kv=cache.kv, cache_pos=cache.pos)
+    """Eager prefill against a ring cache: each sequence's visible cached rows in position
+    order, then its new rows, as the keys of one varlen launch; then the new rows written.
+    ``plan``: from the call's checks (their one host read also sized the keys), or None (the
+    checks were skipped) for one host read here.  No other host read or sync."""
+    if plan is None:
+        _, plan = _ring_plan(_ring_index(positions, lens, cache, slots))
+    W, Dh = cache.window, q.shape[2]
+    keys, key_pos, owners = _ring_keys(kv, positions, cache, plan)
+    cu_q = torch.cat([plan.rows.n.new_zeros(1), plan.rows.n.cumsum(0)]).to(torch.int32)
+    # the keys rise within each sequence by construction: the launch checks them only where
+    # the rings' visible rows repeat a position
+    offsets = (cu_q, plan.rows.cu_k.to(torch.int32))
+    tail = (W, Dh**-0.5, batch_invariant, None, "auto", None)
+    o = _call(
+        "sink_attention_varlen", q, positions, keys, key_pos, attn_sink, offsets, *tail,
+        check_values=not plan.trusted,
+    )  # fmt: skip
+    _write_out(kv, positions, owners, cache_kv=cache.kv, cache_pos=cache.pos)
     return o
 
 
@@ -1130,12 +1311,15 @@ def attention(
     ``slot_mapping=`` (T,) instead of ``cache_slots``).  During capture the host checks below
     are skipped: check positions and slots eagerly first.
 
-    Validation as the reference's, with one host read of the positions (and, with a
-    :class:`DeviceKVCache`, of the slots and each ring's newest position: slots < num_seqs and
-    distinct, positions in [0, 2^31) and past their ring's newest row; with a
-    :class:`PagedKVCache`, of the block table and slot mapping: entries in [-1, N), each slot -1
-    or its position's vLLM slot, distinct) before any cache is touched.  ``out`` (T, D) in
-    x.dtype, contiguous, receives the result (the wo_b GEMM writes it).
+    Validation as the reference's, before any cache is touched: the positions rise within each
+    sequence (and, with a :class:`DeviceKVCache`, slots < num_seqs and distinct, positions in
+    [0, 2^31) and past their ring's newest row; with a :class:`PagedKVCache`, table entries in
+    [-1, N), each slot -1 or its position's vLLM slot, distinct).  The checks run on the device
+    with one host read of a few scalars, T-independent (for a ring prefill the same read sizes
+    its keys; host :class:`KVCache` s add a read of each one's last position); the message, only
+    when a check fails, from the values read on the host.  The index tensors of a prefill are
+    built on the device.  ``out`` (T, D) in x.dtype, contiguous, receives the result (the wo_b
+    GEMM writes it).
     """
     check_instance("config", config, DSV4Config)
     check_instance("batch_invariant", batch_invariant, bool)
@@ -1207,10 +1391,11 @@ def attention(
             f"params: expected wo_a of {G} groups of {config.o_lora_rank} rows, got "
             f"{pack.wo_a.groups} of {pack.wo_a.out_features}"
         )
+    ring_plan: _RingPlan | None = None  # a ring prefill's keys, sized by its checks' host read
     if not capturing and not torch.compiler.is_compiling():
         if ring is not None:
             assert cache_slots is not None
-            _check_ring_sequences(positions, lens, ring, cache_slots)
+            ring_plan = _check_ring_sequences(positions, lens, ring, cache_slots, not decode)
         elif paged is not None:
             assert block_table is not None and slot_mapping is not None
             _check_paged_sequences(positions, lens, paged, block_table, slot_mapping)
@@ -1271,14 +1456,15 @@ def attention(
         )  # fmt: skip  (T, H, Dh)
     elif ring is not None:
         assert cache_slots is not None
-        o = _ring_prefill(q, kv, positions, lens, ring, cache_slots, pack.attn_sink, bi)
+        o = _ring_prefill(
+            q, kv, positions, lens, ring, cache_slots, pack.attn_sink, bi, ring_plan
+        )  # fmt: skip
     elif paged is not None:
         # write every new row at its slot, then attend each row through its sequence's table
         assert block_table is not None and slot_mapping is not None
         table = block_table
         if not decode:  # one table row per query row (lens are host ints: eager only)
-            repeats = torch.tensor(lens, device=dev)
-            table = block_table.repeat_interleave(repeats, dim=0, output_size=T)
+            table = block_table.repeat_interleave(_device_ints(lens, dev), dim=0, output_size=T)
         paged._write(kv, positions, slot_mapping)
         o = _paged_call(
             q, positions, paged.kv, paged.pos, table, pack.attn_sink, W, Dh**-0.5, bi, None,
@@ -1321,20 +1507,14 @@ def _host_cache_core(
         keys = torch.cat([k for k, _ in parts]) if parts else kv
         key_pos = torch.cat([p.to(positions.dtype) for _, p in parts]) if parts else positions
         k_lens = [int(k.shape[0]) for k, _ in parts]
-    cu_q = torch.tensor(bounds, dtype=torch.int32, device=dev)
-    cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32, device=dev)
-    o = sink_attention_varlen(
-        q,
-        positions,
-        keys.contiguous(),
-        key_pos,
-        attn_sink,
-        cu_q,
-        cu_k,
-        window=W,
-        scale=Dh**-0.5,
-        batch_invariant=bi,
-    )  # fmt: skip  (T, H, Dh)
+    cu_q = _device_ints(bounds, dev, torch.int32)
+    cu_k = _device_ints([0, *itertools.accumulate(k_lens)], dev, torch.int32)
+    # Without caches the keys are the rows whose positions _check_sequences has checked: the
+    # launch need not read them again (a host sync); cached rows come from the caller's objects.
+    o = _call(
+        "sink_attention_varlen", q, positions, keys.contiguous(), key_pos, attn_sink,
+        (cu_q, cu_k), W, Dh**-0.5, bi, None, "auto", None, check_values=kv_cache is not None,
+    )  # fmt: skip
     if kv_cache is not None:
         for b in range(len(lens)):
             rows = slice(bounds[b], bounds[b + 1])
