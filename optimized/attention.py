@@ -48,7 +48,7 @@ from dsv4mtp.semantics import NormOrder, RopeMode
 from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
 from ._dispatch import PLANS, Facts, remember, select
 from ._packs import packed_once
-from .kernels._launch import check_device, check_kernel_dtype, check_out
+from .kernels._launch import check_device, check_kernel_dtype, check_out, device_ints
 from .kv_cache import DeviceKVCache, PagedKVCache, check_block_table
 from .linear import LinearPack, grouped_linear, linear, pack_linear
 from .norm import rms_norm
@@ -815,24 +815,12 @@ def _attention_pack(params: object, device: torch.device) -> AttentionPack:
     )  # fmt: skip
 
 
-def _device_ints(
-    values: list[int], dev: torch.device, dtype: torch.dtype = torch.int64
-) -> torch.Tensor:
-    """Host ints as a tensor on ``dev`` without a sync: a plain copy to a CUDA device waits for
-    the stream's queued kernels (PyTorch synchronizes a blocking host-to-device copy), so the
-    values go through pinned memory with a non-blocking copy."""
-    t = torch.tensor(values, dtype=dtype)
-    if dev.type != "cuda":
-        return t.to(dev)
-    return t.pin_memory().to(dev, non_blocking=True)
-
-
 def _rows_of(
     lens: list[int], T: int, dev: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(n (B,), starts (B,), seq (T,)) int64 on ``dev``: each sequence's length and first row,
     each row's sequence; one host-to-device copy, no sync."""
-    n = _device_ints(lens, dev)
+    n = device_ints(lens, dev)
     starts = n.cumsum(0) - n
     seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), n, output_size=T)
     return n, starts, seq
@@ -857,7 +845,7 @@ def _check_sequences(
         # each cache's last position, a floor below every position for none (one host read
         # per cache, as the reference's check)
         lasts = [c.last_position for c in kv_cache]
-        floor = _device_ints([-(2**62) if v is None else v for v in lasts], dev)
+        floor = device_ints([-(2**62) if v is None else v for v in lasts], dev)
         bad = bad | ((n > 0) & (pos[starts.clamp(max=T - 1)] <= floor)).any()
     if bool(bad):
         _sequences_error(positions, lens, kv_cache)
@@ -1112,7 +1100,7 @@ def _paged_sequences_error(
     T = positions.shape[0]
     seq = torch.repeat_interleave(
         torch.arange(len(lens), device=positions.device),
-        _device_ints(lens, positions.device),
+        device_ints(lens, positions.device),
         output_size=T,
     )
     want = cache.slots(block_table[seq], positions.clamp(min=0))  # (T,)
@@ -1464,7 +1452,7 @@ def attention(
         assert block_table is not None and slot_mapping is not None
         table = block_table
         if not decode:  # one table row per query row (lens are host ints: eager only)
-            table = block_table.repeat_interleave(_device_ints(lens, dev), dim=0, output_size=T)
+            table = block_table.repeat_interleave(device_ints(lens, dev), dim=0, output_size=T)
         paged._write(kv, positions, slot_mapping)
         o = _paged_call(
             q, positions, paged.kv, paged.pos, table, pack.attn_sink, W, Dh**-0.5, bi, None,
@@ -1507,8 +1495,8 @@ def _host_cache_core(
         keys = torch.cat([k for k, _ in parts]) if parts else kv
         key_pos = torch.cat([p.to(positions.dtype) for _, p in parts]) if parts else positions
         k_lens = [int(k.shape[0]) for k, _ in parts]
-    cu_q = _device_ints(bounds, dev, torch.int32)
-    cu_k = _device_ints([0, *itertools.accumulate(k_lens)], dev, torch.int32)
+    cu_q = device_ints(bounds, dev, torch.int32)
+    cu_k = device_ints([0, *itertools.accumulate(k_lens)], dev, torch.int32)
     # Without caches the keys are the rows whose positions _check_sequences has checked: the
     # launch need not read them again (a host sync); cached rows come from the caller's objects.
     o = _call(

@@ -55,7 +55,7 @@ from dsv4mtp.params import MTPLayerParams, build_layer_params
 from dsv4mtp.semantics import Semantics
 
 from .attention import AttentionPack, attention, pack_attention, pack_attention_weights
-from .kernels._launch import check_device
+from .kernels._launch import check_device, device_ints
 from .kv_cache import DeviceKVCache
 from .linear import LinearPack, linear, pack_linear
 from .lm_head import HeadPack, lm_head_argmax, lm_head_logits, pack_head
@@ -409,7 +409,7 @@ class MTPLayer(MTPLayerAPI):
             input_ids, positions, prev_hidden, lens, graphs[0].cache, 0,
             attn_extra={"cache_slots": slots},
         )  # fmt: skip
-        last = torch.tensor(lens, device=self.device).cumsum(0) - 1  # (B,) last row per sequence
+        last = device_ints(lens, self.device).cumsum(0) - 1  # (B,) last row per sequence
         hidden, pos = hidden[last], positions[last]
         logits = self._logits(hidden, 0)  # (B, V)
         token = self._pick(logits, 0, greedy, temperature, generator, forced_tokens)

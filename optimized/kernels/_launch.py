@@ -39,6 +39,7 @@ __all__ = [
     "check_device",
     "check_kernel_dtype",
     "check_out",
+    "device_ints",
     "flashinfer_mhc",
     "flashinfer_norm",
     "launch_each",
@@ -494,3 +495,16 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def device_ints(
+    values: list[int], dev: torch.device, dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
+    """Host ints as a tensor on ``dev`` without a sync: a plain copy to a CUDA device waits for
+    the stream's queued kernels (PyTorch synchronizes a blocking host-to-device copy), so the
+    values go through pinned memory with a non-blocking copy (the caching host allocator keeps
+    the pinned buffer until the copy has run)."""
+    t = torch.tensor(values, dtype=dtype)
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
