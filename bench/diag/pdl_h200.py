@@ -135,7 +135,7 @@ def main() -> None:
         mb = N * K * 2 / 1e6
         print(
             f"| gemv {N}x{K} bf16 | pdl={pdl} early={early} prefetch={pre} | {us / chain_n:.2f}"
-            f" ({mb / us:.2f} TB/s) | {bool(torch.equal(out, ref))} |"
+            f" ({mb / (us / chain_n):.2f} TB/s) | {bool(torch.equal(out, ref))} |"
         )
 
 
