@@ -23,6 +23,7 @@ from dsv4mtp.checkpoint.synthetic import make_synthetic_checkpoint
 from dsv4mtp.config import DSV4Config
 from dsv4mtp.conformance._routing import Excuses, draft_steps_kept, routing_gaps
 from dsv4mtp.errors import ConfigError, InputError
+from dsv4mtp.layer import LayerOps
 from dsv4mtp.optimized import MTPLayer as OptLayer
 from dsv4mtp.params import build_layer_params
 from dsv4mtp.reference import MTPLayer as RefLayer
@@ -281,3 +282,78 @@ def test_bounds_and_construction_errors(loaded, device) -> None:
         OptLayer.from_loaded(ck, device=device, fp8kv=True)
     with pytest.raises(ConfigError, match="layers"):
         OptLayer(ck.config, [], ck.embed_tokens)
+
+
+# ------------------------------------------------------------------ batch-invariant mode
+@pytest.mark.parametrize(("fmt", "preset"), CASES)
+def test_batch_invariant_layer_rows_do_not_depend_on_the_batch(loaded, fmt, preset, device):
+    """``batch_invariant=True``: every op runs its T-independent schedule, so a sequence's rows
+    (residual, logits, greedy ids, drafted tokens) are bit for bit the same whether it is run
+    alone or with other sequences around it; the default mode may pick schedules by T."""
+    ck = loaded[fmt]
+    opt = OnDevice(
+        OptLayer.from_loaded(
+            ck, preset=preset, dtype=BF16, device=device, max_num_tokens=32, max_batch=4,
+            batch_invariant=True,
+        )
+    )  # fmt: skip
+    assert opt.batch_invariant and not pair(loaded, fmt, preset, device)[1].batch_invariant
+    ids, _, prev = inputs(13, seed=7)
+    pos = torch.cat([torch.arange(3, 8), torch.arange(0, 6), torch.arange(9, 11)])
+    lens = torch.tensor([5, 6, 2])
+    together = opt.forward(ids, pos, prev, seq_lens=lens)
+    for b, (lo, hi) in enumerate([(0, 5), (5, 11), (11, 13)]):
+        alone = opt.forward(ids[lo:hi], pos[lo:hi], prev[lo:hi])
+        assert torch.equal(alone, together[lo:hi]), b
+        assert torch.equal(opt.compute_logits(alone), opt.compute_logits(together)[lo:hi]), b
+    drafts = opt.draft(ids, pos, prev, seq_lens=lens, num_tokens=2)
+    second = opt.draft(ids[5:11], pos[5:11], prev[5:11], num_tokens=2)
+    assert torch.equal(drafts[1:2], second)
+
+
+def test_batch_invariant_layer_passes_the_switch_to_every_op(loaded, device, monkeypatch):
+    """The switch reaches every op the layer and its head call (on the CPU the interpreter's
+    dots are row-independent in either mode, so only this catches a dropped switch there)."""
+    import dsv4mtp.optimized.mtp as opt_mtp
+
+    seen: list[tuple[str, object]] = []
+
+    def recording(name, fn):
+        def call(*args, **kwargs):
+            seen.append((name, kwargs.get("batch_invariant")))
+            return fn(*args, **kwargs)
+
+        return call
+
+    layer = OptLayer.from_loaded(
+        loaded["mxfp4"], dtype=BF16, device=device, max_num_tokens=32, batch_invariant=True
+    )
+    fields = zip(LayerOps._fields, OptLayer.ops, strict=True)
+    layer.ops = LayerOps(*[recording(n, f) for n, f in fields])  # type: ignore[misc]
+    for name in ("hc_head", "rms_norm", "lm_head_logits", "lm_head_argmax", "step_guard"):
+        monkeypatch.setattr(opt_mtp, name, recording(name, getattr(opt_mtp, name)))
+    ids, pos, prev = inputs(4, seed=9)
+    hidden = OnDevice(layer).forward(ids, pos, prev)
+    OnDevice(layer).compute_logits(hidden)
+    OnDevice(layer).draft(ids, pos, prev, num_tokens=2)
+    step = opt_mtp.DecodeGraphs(layer, layer.new_device_cache(), buckets=(2,), capture=False,
+                                logits=False)  # fmt: skip
+    step.step(*(t.to(layer.device) for t in (ids[:2], pos[:2] + 40, prev[:2])),
+              torch.arange(2, device=layer.device))  # fmt: skip
+    names = {n for n, _ in seen}
+    assert {"rms_norm", "linear", "hc_pre", "hc_post", "hc_post_pre", "hc_post_head", "attention",
+            "moe", "hc_head", "lm_head_logits", "lm_head_argmax", "step_guard"} <= names, names  # fmt: skip
+    assert all(bi is True for _, bi in seen), [n for n, bi in seen if bi is not True]
+
+
+def test_batch_invariant_switch_is_checked_and_the_reference_takes_it(loaded, device) -> None:
+    ck = loaded["mxfp4"]
+    with pytest.raises(ConfigError, match="batch_invariant"):
+        OptLayer.from_loaded(ck, device=device, batch_invariant=1)
+    with pytest.raises(ConfigError, match="batch_invariant"):
+        RefLayer.from_loaded(ck, batch_invariant="yes")
+    ref = RefLayer.from_loaded(ck, dtype=BF16, batch_invariant=True)
+    ids, pos, prev = inputs(4, seed=8)
+    assert ref.batch_invariant
+    plain = RefLayer.from_loaded(ck, dtype=BF16)
+    assert torch.equal(ref.forward(ids, pos, prev), plain.forward(ids, pos, prev))

@@ -35,6 +35,7 @@ from dsv4mtp.semantics import PRESETS, Semantics, resolve_semantics
 __all__ = [
     "LayerOps",
     "MTPLayerAPI",
+    "check_batch_invariant",
     "check_layer_args",
     "check_loaded",
     "load_checked",
@@ -78,6 +79,13 @@ def check_layer_args(
             f"embed: expected shape {(config.vocab_size, config.hidden_size)}, got {tuple(embed.shape)}"
         )
     return semantics or PRESETS["math"]
+
+
+def check_batch_invariant(v: object) -> bool:
+    """The layer's ``batch_invariant`` switch: a bool (a ConfigError otherwise)."""
+    if not isinstance(v, bool):
+        raise ConfigError(f"batch_invariant: expected a bool, got {type(v).__name__}")
+    return v
 
 
 def check_loaded(
@@ -184,6 +192,9 @@ class MTPLayerAPI:
     # ------------------------------------------------------------------ the layer
     #: the ops this implementation composes (set by each subclass)
     ops: ClassVar[LayerOps]
+    #: every op runs its T-independent schedule (each op's ``batch_invariant``): a row's bits
+    #: then do not depend on the other rows of the call, at some cost in speed
+    batch_invariant: bool = False
 
     @overload
     def _run(
@@ -241,25 +252,26 @@ class MTPLayerAPI:
         if T == 0:
             empty = prev_hidden.new_zeros(0, n * D)
             return (empty, prev_hidden.new_zeros(0, D)) if head else empty
+        bi = {"batch_invariant": self.batch_invariant}  # every op's schedule switch
         hc: dict[str, Any] = dict(
-            rms_norm_eps=eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters
+            rms_norm_eps=eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters, **bi
         )
         q_dense = sem.act_quant and p.dense_quantized
 
         e = self.embed[input_ids]  # (T, D)
         if sem.mask_pos0:
             e = torch.where(positions[:, None] == 0, torch.zeros_like(e), e)
-        e = o.rms_norm(e, p.enorm, eps, order=sem.norm_order)
-        h = o.rms_norm(prev_hidden.view(T, n, D), p.hnorm, eps, order=sem.norm_order)  # per stream
+        e = o.rms_norm(e, p.enorm, eps, order=sem.norm_order, **bi)
+        h = o.rms_norm(prev_hidden.view(T, n, D), p.hnorm, eps, order=sem.norm_order, **bi)
         x = (
-            o.linear(h, p.h_proj, act_quant=q_dense)
-            + o.linear(e, p.e_proj, act_quant=q_dense)[:, None, :]
+            o.linear(h, p.h_proj, act_quant=q_dense, **bi)  # per stream
+            + o.linear(e, p.e_proj, act_quant=q_dense, **bi)[:, None, :]
         )
 
         # attention sublayer: hc_pre -> attn_norm -> attention -> hc_post (the MoE one alike)
         a_in, post, comb = o.hc_pre(x, p.hc_attn_fn, p.hc_attn_scale, p.hc_attn_base, **hc)
         a = o.attention(
-            o.rms_norm(a_in, p.attn_norm, eps, order=sem.norm_order),
+            o.rms_norm(a_in, p.attn_norm, eps, order=sem.norm_order, **bi),
             positions,
             p.attn,
             cfg,
@@ -269,6 +281,7 @@ class MTPLayerAPI:
             fp8_kv=sem.fp8_kv,
             act_quant=q_dense,
             norm_order=sem.norm_order,
+            **bi,
             **(attn_extra or {}),
         )
         # attention's hc_post, then the MoE sublayer's hc_pre, as one op pair
@@ -278,19 +291,20 @@ class MTPLayerAPI:
 
         # MoE sublayer
         f = o.moe(
-            o.rms_norm(f_in, p.ffn_norm, eps, order=sem.norm_order),
+            o.rms_norm(f_in, p.ffn_norm, eps, order=sem.norm_order, **bi),
             p.ffn,
             cfg,
             shared_clamp=sem.shared_clamp,
             act_quant=sem.act_quant,
+            **bi,
             **(moe_extra or {}),
         )
         if not head:
-            return o.hc_post(f, x, post, comb).reshape(T, n * D)
+            return o.hc_post(f, x, post, comb, **bi).reshape(T, n * D)
         # the last hc_post, then hc_head, as one op pair
         x, y = o.hc_post_head(
             f, x, post, comb, p.hc_head_fn, p.hc_head_scale, p.hc_head_base,
-            rms_norm_eps=eps, hc_eps=cfg.hc_eps,
+            rms_norm_eps=eps, hc_eps=cfg.hc_eps, **bi,
         )  # fmt: skip
         return x.reshape(T, n * D), y  # (T, nD), (T, D)
 

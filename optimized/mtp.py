@@ -46,6 +46,7 @@ from dsv4mtp.kv_cache import KVCache
 from dsv4mtp.layer import (
     LayerOps,
     MTPLayerAPI,
+    check_batch_invariant,
     check_layer_args,
     check_loaded,
     load_checked,
@@ -167,7 +168,9 @@ class MTPLayer(MTPLayerAPI):
         max_num_tokens: int = 8192,
         max_batch: int = 256,
         head_format: str = "bf16",
+        batch_invariant: bool = False,
     ) -> None:
+        self.batch_invariant = check_batch_invariant(batch_invariant)
         self.semantics = check_layer_args(
             config, layers, (MTPLayerParams, MTPLayerPack), embed, semantics, dtype, _DTYPES
         )
@@ -219,6 +222,7 @@ class MTPLayer(MTPLayerAPI):
         max_num_tokens: int = 8192,
         max_batch: int = 256,
         head_format: str = "bf16",
+        batch_invariant: bool = False,
         **switches: Any,
     ) -> MTPLayer:
         """From :func:`load_mtp_checkpoint`'s result, packed once: the dense linears and the
@@ -243,6 +247,7 @@ class MTPLayer(MTPLayerAPI):
             max_num_tokens=max_num_tokens,
             max_batch=max_batch,
             head_format=head_format,
+            batch_invariant=batch_invariant,
         )
 
     @classmethod
@@ -256,11 +261,13 @@ class MTPLayer(MTPLayerAPI):
         max_num_tokens: int = 8192,
         max_batch: int = 256,
         head_format: str = "bf16",
+        batch_invariant: bool = False,
         **switches: Any,
     ) -> MTPLayer:
         """Load ``mtp.*`` (+ the shared embedding and head) from a checkpoint directory."""
         _check_bound("max_num_tokens", max_num_tokens)
         _check_bound("max_batch", max_batch)
+        check_batch_invariant(batch_invariant)
         checkpoint = load_checked(path, preset, dtype, device, switches, _DTYPES)
         return cls.from_loaded(
             checkpoint,
@@ -270,6 +277,7 @@ class MTPLayer(MTPLayerAPI):
             max_num_tokens=max_num_tokens,
             max_batch=max_batch,
             head_format=head_format,
+            batch_invariant=batch_invariant,
             **switches,
         )
 
@@ -450,8 +458,12 @@ class MTPLayer(MTPLayerAPI):
                 p.hc_head_base,
                 rms_norm_eps=cfg.rms_norm_eps,
                 hc_eps=cfg.hc_eps,
+                batch_invariant=self.batch_invariant,
             )  # (T, D)
-        return rms_norm(y, p.norm, cfg.rms_norm_eps, order=self.semantics.norm_order)
+        return rms_norm(
+            y, p.norm, cfg.rms_norm_eps, order=self.semantics.norm_order,
+            batch_invariant=self.batch_invariant,
+        )  # fmt: skip
 
     def _logits(
         self, hidden: torch.Tensor, spec_step: int, head_input: torch.Tensor | None = None
@@ -467,7 +479,9 @@ class MTPLayer(MTPLayerAPI):
         tolerance).
         """
         y = self._head_input(hidden, spec_step, head_input)
-        return lm_head_logits(y, self.heads[spec_step % len(self.heads)])
+        return lm_head_logits(
+            y, self.heads[spec_step % len(self.heads)], batch_invariant=self.batch_invariant
+        )
 
     def _greedy(
         self, hidden: torch.Tensor, spec_step: int, head_input: torch.Tensor | None = None
@@ -481,8 +495,8 @@ class MTPLayer(MTPLayerAPI):
         y = self._head_input(hidden, spec_step, head_input)
         head = self.heads[spec_step % len(self.heads)]
         if head.format == "fp8":
-            return lm_head_logits(y, head).argmax(-1)
-        return lm_head_argmax(y, head)
+            return lm_head_logits(y, head, batch_invariant=self.batch_invariant).argmax(-1)
+        return lm_head_argmax(y, head, batch_invariant=self.batch_invariant)
 
 
 def _check_bound(name: str, v: object) -> int:
@@ -580,7 +594,7 @@ class DecodeGraphs:
         ids_ok, pos_ok, slots_ok = (torch.empty_like(ids) for _ in range(3))
         step_guard(
             ids, pos, prev, slots, real, cfg.vocab_size, cfg.max_position_embeddings,
-            out=(ok, ids_ok, pos_ok, slots_ok, self.bad),
+            batch_invariant=L.batch_invariant, out=(ok, ids_ok, pos_ok, slots_ok, self.bad),
         )  # fmt: skip
         hidden, y = L._run(
             ids_ok,

@@ -25,6 +25,7 @@ from dsv4mtp.config import DSV4Config
 from dsv4mtp.layer import (
     LayerOps,
     MTPLayerAPI,
+    check_batch_invariant,
     check_layer_args,
     check_loaded,
     load_checked,
@@ -68,8 +69,10 @@ class MTPLayer(MTPLayerAPI):
         semantics: Semantics | None = None,
         dtype: torch.dtype = torch.bfloat16,
         info: dict[str, Any] | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         self.semantics = check_layer_args(config, layers, MTPLayerParams, embed, semantics, dtype)
+        self.batch_invariant = check_batch_invariant(batch_invariant)
         self.config = config
         self.layers = list(layers)
         self.embed = embed.to(dtype)
@@ -86,6 +89,7 @@ class MTPLayer(MTPLayerAPI):
         preset: str = "math",
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
+        batch_invariant: bool = False,
         **switches: Any,
     ) -> MTPLayer:
         """From :func:`load_mtp_checkpoint`'s result: dense weights are dequantized once into
@@ -95,7 +99,10 @@ class MTPLayer(MTPLayerAPI):
         layers = [build_layer_params(w, dtype, device, cache) for w in checkpoint.layers]
         embed = checkpoint.embed_tokens.to(device=device, dtype=dtype)
         info = loaded_info(checkpoint, preset)
-        return cls(checkpoint.config, layers, embed, semantics=semantics, dtype=dtype, info=info)
+        return cls(
+            checkpoint.config, layers, embed, semantics=semantics, dtype=dtype, info=info,
+            batch_invariant=batch_invariant,
+        )  # fmt: skip
 
     @classmethod
     def from_checkpoint(
@@ -105,11 +112,16 @@ class MTPLayer(MTPLayerAPI):
         preset: str = "math",
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
+        batch_invariant: bool = False,
         **switches: Any,
     ) -> MTPLayer:
         """Load ``mtp.*`` (+ the shared embedding and head) from a checkpoint directory."""
+        check_batch_invariant(batch_invariant)
         checkpoint = load_checked(path, preset, dtype, device, switches)
-        return cls.from_loaded(checkpoint, preset=preset, dtype=dtype, device=device, **switches)
+        return cls.from_loaded(
+            checkpoint, preset=preset, dtype=dtype, device=device,
+            batch_invariant=batch_invariant, **switches,
+        )  # fmt: skip
 
     def _logits(
         self, hidden: torch.Tensor, spec_step: int, head_input: torch.Tensor | None = None
@@ -131,8 +143,12 @@ class MTPLayer(MTPLayerAPI):
                 p.hc_head_base,
                 rms_norm_eps=cfg.rms_norm_eps,
                 hc_eps=cfg.hc_eps,
+                batch_invariant=self.batch_invariant,
             )  # (T, D)
-        y = rms_norm(y, p.norm, cfg.rms_norm_eps, order=self.semantics.norm_order).to(cd)
+        y = rms_norm(
+            y, p.norm, cfg.rms_norm_eps, order=self.semantics.norm_order,
+            batch_invariant=self.batch_invariant,
+        ).to(cd)  # fmt: skip
         chunk = 16384
         parts = [y @ p.head[v : v + chunk].to(cd).T for v in range(0, cfg.vocab_size, chunk)]
         return torch.cat(parts, dim=1)  # (T, V)
