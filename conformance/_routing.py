@@ -25,12 +25,12 @@ import torch.nn.functional as F
 # the module, not the package's ``moe`` function of the same name
 reference_moe = importlib.import_module("dsv4mtp.reference.moe")
 
-#: A near-tie at the layer level, per preset: the score error the layer's declared residual
-#: tolerance allows.  Scores are sqrt(softplus(logit)) of O(1) logits (slope <= 1/2); the MoE
-#: input differs by <= ~5e-3 rel. under ``math`` (measured residual error 4.5e-3) and
-#: <= ~2.5e-2 under ``official`` (e4m3 activations), so a logit moves by about that much of
-#: its O(1) size; the bounds are 2x that.
-LAYER_TIE = {"math": 1e-2, "official": 5e-2}
+#: A near-tie at the layer level, per preset: twice the largest change of a gap (two scores'
+#: errors) measured between the two layers' MoE inputs.  Measured (tiny config, 48 rows, the
+#: optimized layer's MoE input against the reference's, scores in float64): the MoE input differs
+#: by <= 3.7e-3 rel. under ``math`` and <= 6.2e-3 under ``official`` (e4m3 activations), one
+#: score by <= 2.8e-3 / 4.6e-3, so a gap by <= 5.5e-3 / 9.2e-3.
+LAYER_TIE = {"math": 1e-2, "official": 2e-2}
 
 #: The largest fraction of compared rows (or draft steps) a test may excuse.
 MAX_EXCUSED = 0.5
