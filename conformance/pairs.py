@@ -194,11 +194,14 @@ def _fused_facts(case: Case) -> Facts:
 # mix carry through at most at that size: the second op's own rounding plus this one stays
 # within hc_pre's / hc_head's bf16 bound (6e-3 / 1.6e-2 allow about three half ulps), and in
 # fp32 it is far below the mix's ~1e-3 bound.  So hc_pre's / hc_head's tolerances serve.
+# On the CPU 12 examples per test: each pair is also checked bitwise against the composition of
+# the two ops (test_mhc.py), whose own contract tests draw the profile's full count.
 for _name in ("hc_post_pre", "hc_post_head"):
     register(
         OpPair(
             name=_name,
             concept="mhc",
+            cpu_examples=12,
             strategy=_streams_case(_name),
             build=partial(_build, _name),
             facts=_fused_facts,

@@ -1,13 +1,13 @@
 """The optimized layer against the reference on a random checkpoint of the real shapes.
 
-``make_fullsize_checkpoint`` writes a random checkpoint (V4-Flash's shapes on a CUDA device, the
-tiny config on the CPU, where the same flow runs with the Triton kernels interpreted): MXFP4
-experts under the ``math`` preset and FP8 experts under ``official``.  Both layers load it and
-are compared on
+GPU tier (README shard 6; the CPU tier runs the same flows at the tiny config in
+test_mtp_optimized.py and test_mtp_graphs.py).  ``make_fullsize_checkpoint`` writes a random
+checkpoint of V4-Flash's shapes on the GPU, MXFP4 experts under the ``math`` preset and FP8
+experts under ``official``; both layers load it and are compared on
 
 * a prefill of two sequences (residual rows, and the logits of the same residual);
 * a teacher-forced draft of three tokens (the reference's greedy picks fed to both), through
-  the captured decode graphs on CUDA, against the reference's host loop: logits per step.
+  the captured decode graphs, against the reference's host loop: logits per step.
 
 Rows, and draft steps from a sequence's first near-tie on, where the reference's router has a
 near-tie are excused and counted (conformance/_routing.py).  Tolerances: test_mtp_optimized.py's
@@ -28,14 +28,13 @@ from dsv4mtp.reference import MTPLayer as RefLayer
 
 BF16 = torch.bfloat16
 CASES = [("mxfp4", "math"), ("fp8", "official")]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def layers(tmp_path_factory):
-    """(fmt, preset) -> (reference, optimized), both on the suite's device (the ``device``
-    fixture's rule), built once per format."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    config = "flash" if device == "cuda" else "tiny"
+    """(fmt, preset) -> (reference, optimized), both on CUDA, built once per format."""
+    device, config = "cuda", "flash"
     out = {}
     for fmt, preset in CASES:
         path = tmp_path_factory.mktemp(f"fullsize-{fmt}")
@@ -62,7 +61,7 @@ def _inputs(cfg, lens: list[int], device: str, seed: int):
 @pytest.mark.parametrize(("fmt", "preset"), CASES)
 def test_prefill_matches_the_reference(layers, fmt, preset, device) -> None:
     ref, opt = layers[fmt, preset]
-    ids, pos, prev, lens = _inputs(opt.config, [24, 40] if device == "cuda" else [6, 10], device, 1)
+    ids, pos, prev, lens = _inputs(opt.config, [24, 40], device, seed=1)
     excuses = Excuses(preset)
     with routing_gaps() as gaps:
         hr = ref.forward(ids, pos, prev, seq_lens=lens)
@@ -76,9 +75,9 @@ def test_prefill_matches_the_reference(layers, fmt, preset, device) -> None:
 @pytest.mark.parametrize(("fmt", "preset"), CASES)
 def test_graph_draft_matches_the_reference(layers, fmt, preset, device) -> None:
     ref, opt = layers[fmt, preset]
-    if device == "cuda" and not opt.graphs:
+    if not opt.graphs:
         opt.capture_decode(buckets=(2,))
-    ids, pos, prev, lens = _inputs(opt.config, [9, 16] if device == "cuda" else [4, 6], device, 2)
+    ids, pos, prev, lens = _inputs(opt.config, [9, 16], device, seed=2)
     k = 3
     with routing_gaps() as gaps:
         tr, lr = ref.draft(ids, pos, prev, seq_lens=lens, num_tokens=k, return_logits=True)
