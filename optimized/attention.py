@@ -46,7 +46,7 @@ from dsv4mtp.rope import rope_frequencies
 from dsv4mtp.semantics import NormOrder, RopeMode
 
 from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
-from ._dispatch import PLANS, Facts, remember, select
+from ._dispatch import Facts, planned, select, signature
 from ._packs import packed_once
 from .kernels._launch import check_device, check_kernel_dtype, check_out, device_ints
 from .kv_cache import DeviceKVCache, PagedKVCache, check_block_table
@@ -71,10 +71,6 @@ _ops_attn = torch.ops.dsv4mtp.sink_attention.default
 _ops_attn_out = torch.ops.dsv4mtp.sink_attention_out.default
 _ops_varlen = torch.ops.dsv4mtp.sink_attention_varlen.default
 _ops_varlen_out = torch.ops.dsv4mtp.sink_attention_varlen_out.default
-
-
-def _tensor_key(t: Any) -> tuple[object, ...]:
-    return (t.__class__, t.dtype, t.shape, t.device)
 
 
 def _schedule_fields(schedule: object, H: int, Dh: int) -> list[int]:
@@ -212,29 +208,17 @@ def _call(
 ) -> torch.Tensor:
     # The plan of this call signature (optimized/_dispatch.py, "plans"): the metadata checks run
     # once per signature.  While torch.compile traces, they run every time and become its guards.
-    key: tuple[object, ...] | None = None
-    plan: tuple[Any, ...] | None = None
-    if not torch.compiler.is_compiling():
-        try:
-            key = (
-                op, _tensor_key(q), _tensor_key(q_pos), _tensor_key(kv), _tensor_key(k_pos),
-                _tensor_key(attn_sink),
-                None if offsets is None else (_tensor_key(offsets[0]), _tensor_key(offsets[1])),
-                window.__class__, window, scale.__class__, scale,
-                batch_invariant.__class__, batch_invariant, backend, schedule,
-                None if out is None
-                else (out.__class__, out.shape, out.dtype, out.device, out.is_contiguous()),
-            )  # fmt: skip
-            plan = PLANS.get(key)
-        except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
-            key = None
-    if plan is None:
-        plan = _plan(
+    offs = (None, None) if offsets is None else offsets
+    plan = planned(
+        signature(
+            op, q, q_pos, kv, k_pos, attn_sink, *offs, window, scale, batch_invariant, backend,
+            schedule, out=out,
+        ),
+        lambda: _plan(
             op, q, q_pos, kv, k_pos, attn_sink, offsets, window, scale, batch_invariant, out,
             backend, schedule,
-        )  # fmt: skip
-        if key is not None:
-            remember(key, plan)
+        ),
+    )  # fmt: skip
     choice, fields = plan
     if check_values:
         _check_values(q, kv, k_pos, offsets)
@@ -409,6 +393,13 @@ def _cache_plan(
     )  # fmt: skip
 
 
+def _bad_pool_rows(cache_pos: torch.Tensor) -> torch.Tensor:
+    """(S, C) bool: rows of a ring (or of a paged block of C rows) that hold neither -1 (empty)
+    nor a position p >= 0 at its own row p % C."""
+    rows = torch.arange(cache_pos.shape[1], device=cache_pos.device)
+    return (cache_pos < -1) | ((cache_pos >= 0) & (cache_pos % cache_pos.shape[1] != rows))
+
+
 def _check_cache_values(cache_pos: torch.Tensor, slots: torch.Tensor) -> None:
     """The slot indices and the ring layout, on the device with one host read (eager only)."""
     if torch.compiler.is_compiling():
@@ -416,8 +407,7 @@ def _check_cache_values(cache_pos: torch.Tensor, slots: torch.Tensor) -> None:
     if cache_pos.is_cuda and torch.cuda.is_current_stream_capturing():
         return
     S, C = cache_pos.shape
-    rows = torch.arange(C, device=cache_pos.device)
-    bad_row = (cache_pos < -1) | ((cache_pos >= 0) & (cache_pos % C != rows))  # (S, C)
+    bad_row = _bad_pool_rows(cache_pos)  # (S, C)
     ok = torch.stack([~bad_row.any(), (slots < S).all()])
     if bool(ok.all()):
         return
@@ -496,28 +486,16 @@ def _cache_call(
 ) -> torch.Tensor:
     """sink_attention_cache through the plan cache; ``check_values`` False for a caller that
     keeps the ring layout itself (the sublayer: its rows are written by kv_cache_write)."""
-    key: tuple[object, ...] | None = None
-    plan: tuple[Any, ...] | None = None
-    if not torch.compiler.is_compiling():
-        try:
-            key = (
-                "sink_attention_cache", _tensor_key(q), _tensor_key(q_pos),
-                _tensor_key(cache_kv), _tensor_key(cache_pos), _tensor_key(slots),
-                _tensor_key(attn_sink), window.__class__, window, scale.__class__, scale,
-                batch_invariant.__class__, batch_invariant, backend, schedule,
-                None if out is None
-                else (out.__class__, out.shape, out.dtype, out.device, out.is_contiguous()),
-            )  # fmt: skip
-            plan = PLANS.get(key)
-        except (AttributeError, TypeError):
-            key = None
-    if plan is None:
-        plan = _cache_plan(
-            q, q_pos, cache_kv, cache_pos, slots, attn_sink, window, scale, batch_invariant, out,
-            backend, schedule,
-        )  # fmt: skip
-        if key is not None:
-            remember(key, plan)
+    plan = planned(
+        signature(
+            "sink_attention_cache", q, q_pos, cache_kv, cache_pos, slots, attn_sink, window, scale,
+            batch_invariant, backend, schedule, out=out,
+        ),
+        lambda: _cache_plan(
+            q, q_pos, cache_kv, cache_pos, slots, attn_sink, window, scale, batch_invariant,
+            out, backend, schedule,
+        ),
+    )  # fmt: skip
     choice, fields = plan
     if check_values:
         _check_cache_values(cache_pos, slots)
@@ -565,8 +543,7 @@ def _check_paged_values(cache_pos: torch.Tensor, block_table: torch.Tensor) -> N
     if cache_pos.is_cuda and torch.cuda.is_current_stream_capturing():
         return
     N, bs = cache_pos.shape
-    offsets = torch.arange(bs, device=cache_pos.device)
-    bad_row = (cache_pos < -1) | ((cache_pos >= 0) & (cache_pos % bs != offsets))  # (N, bs)
+    bad_row = _bad_pool_rows(cache_pos)  # (N, bs)
     bad_entry = (block_table < -1) | (block_table >= N)
     ok = torch.stack([~bad_entry.any(), ~bad_row.any()])
     if bool(ok.all()):
@@ -648,28 +625,16 @@ def _paged_call(
 ) -> torch.Tensor:
     """sink_attention_paged through the plan cache; ``check_values`` False for a caller that
     checked the table and pool itself (the sublayer)."""
-    key: tuple[object, ...] | None = None
-    plan: tuple[Any, ...] | None = None
-    if not torch.compiler.is_compiling():
-        try:
-            key = (
-                "sink_attention_paged", _tensor_key(q), _tensor_key(q_pos),
-                _tensor_key(cache_kv), _tensor_key(cache_pos), _tensor_key(block_table),
-                _tensor_key(attn_sink), window.__class__, window, scale.__class__, scale,
-                batch_invariant.__class__, batch_invariant, backend, schedule,
-                None if out is None
-                else (out.__class__, out.shape, out.dtype, out.device, out.is_contiguous()),
-            )  # fmt: skip
-            plan = PLANS.get(key)
-        except (AttributeError, TypeError):
-            key = None
-    if plan is None:
-        plan = _paged_plan(
-            q, q_pos, cache_kv, cache_pos, block_table, attn_sink, window, scale,
-            batch_invariant, out, backend, schedule,
-        )  # fmt: skip
-        if key is not None:
-            remember(key, plan)
+    plan = planned(
+        signature(
+            "sink_attention_paged", q, q_pos, cache_kv, cache_pos, block_table, attn_sink, window, scale,
+            batch_invariant, backend, schedule, out=out,
+        ),
+        lambda: _paged_plan(
+            q, q_pos, cache_kv, cache_pos, block_table, attn_sink, window, scale, batch_invariant,
+            out, backend, schedule,
+        ),
+    )  # fmt: skip
     choice, fields = plan
     if check_values:
         _check_paged_values(cache_pos, block_table)
