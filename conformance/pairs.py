@@ -483,8 +483,10 @@ for _op in ("sink_attention", "sink_attention_varlen"):
 # small on CPU, flash / pro on CUDA with up to 1024 queries (the reference gathers each query's
 # ring on its own).
 @st.composite
-def _cache_case(draw: Any, dtype: torch.dtype, device: str, max_tokens: int) -> Case:
-    from dsv4mtp.conformance.inputs import cache_attention_inputs
+def _pool_case(draw: Any, inputs: str, dtype: torch.dtype, device: str, max_tokens: int) -> Case:
+    """T decode queries against a device pool (``inputs``: the conformance.inputs builder of
+    the ring cache or the paged pool)."""
+    from dsv4mtp.conformance import inputs as builders
 
     shape = draw(_attention_shape(device))
     cap = 12 if device == "cpu" else min(1024, max_tokens)
@@ -493,7 +495,7 @@ def _cache_case(draw: Any, dtype: torch.dtype, device: str, max_tokens: int) -> 
     magnitude = draw(st.sampled_from([1.0, 0.1, 4.0]))
     pad = draw(st.sampled_from([0.0, 0.3]))
     seed = draw(st.integers(0, 2**31 - 1))
-    args, kw = cache_attention_inputs(
+    args, kw = getattr(builders, inputs)(
         T, seed, shape=shape, dtype=dtype, device=device, gap=gap, magnitude=magnitude, pad=pad
     )
     label = f"{shape} T={T} gap={gap} magnitude={magnitude:g} pad={pad} seed={seed}"
@@ -513,7 +515,7 @@ register(
     OpPair(
         name="sink_attention_cache",
         concept="attention",
-        strategy=_cache_case,
+        strategy=partial(_pool_case, "cache_attention_inputs"),
         build=partial(_build, "sink_attention_cache"),
         facts=_cache_facts,
         cpu_examples=12,
@@ -915,29 +917,13 @@ register(
 
 
 # --------------------------------------------------------------------------- paged-cache attention
-# Inputs: conformance/inputs.py, paged_attention_inputs (T queries against one block pool through
-# scattered block tables: blocks left out (-1), rows of rejected drafts and of a block's earlier
-# owner, the dtype's max in every row no query may read, padding rows, shared sequences).
+# Inputs: _pool_case (above) with conformance/inputs.py's paged_attention_inputs (T queries
+# against one block pool through scattered block tables: blocks left out (-1), rows of rejected
+# drafts and of a block's earlier owner, the dtype's max in every row no query may read, padding
+# rows, shared sequences).
 # Shapes as the attention core's: tiny / small on CPU, flash / pro on CUDA with up to 1024
 # queries.
-@st.composite
-def _paged_case(draw: Any, dtype: torch.dtype, device: str, max_tokens: int) -> Case:
-    from dsv4mtp.conformance.inputs import paged_attention_inputs
-
-    shape = draw(_attention_shape(device))
-    cap = 12 if device == "cpu" else min(1024, max_tokens)
-    T = draw(st.one_of(st.sampled_from([0, 1, 4]), st.integers(0, cap)))
-    gap = draw(st.sampled_from([0.0, 0.25, 0.9]))
-    magnitude = draw(st.sampled_from([1.0, 0.1, 4.0]))
-    pad = draw(st.sampled_from([0.0, 0.3]))
-    seed = draw(st.integers(0, 2**31 - 1))
-    args, kw = paged_attention_inputs(
-        T, seed, shape=shape, dtype=dtype, device=device, gap=gap, magnitude=magnitude, pad=pad
-    )
-    label = f"{shape} T={T} gap={gap} magnitude={magnitude:g} pad={pad} seed={seed}"
-    return Case(args, kw, label=label)
-
-
+#
 # The attention core's tolerances, declared above: the paged kernel runs the ring kernel's
 # blocks and lanes over the same visible keys (kernels/sink_attention.py, _rows_block), so it
 # has the same two bf16 roundings (P, the output) and the same fp32 summation-order and exp2
@@ -946,7 +932,7 @@ register(
     OpPair(
         name="sink_attention_paged",
         concept="attention",
-        strategy=_paged_case,
+        strategy=partial(_pool_case, "paged_attention_inputs"),
         build=partial(_build, "sink_attention_paged"),
         facts=_cache_facts,
         cpu_examples=12,
