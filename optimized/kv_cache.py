@@ -56,6 +56,26 @@ def _empty_rows(
     return kv, torch.full((A, R), -1, dtype=torch.int32, device=dev), window
 
 
+def _check_store_tensors(kv: object, pos: object, layout: str) -> tuple[int, int, int]:
+    """An engine's store: ``kv`` (A, B, Dh) bf16 / fp32 and ``pos`` (A, B) int32, contiguous,
+    on kv's device (``layout`` names the dims in the messages) -> (A, B, Dh)."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 3 or kv.dtype not in KERNEL_DTYPES:
+        got = f"{kv.dtype} {tuple(kv.shape)}" if isinstance(kv, torch.Tensor) else type(kv)
+        raise InputError(f"kv: expected a {layout} bfloat16 / float32 tensor, got {got}")
+    A, B, Dh = kv.shape
+    if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int32:
+        got = f"{pos.dtype}" if isinstance(pos, torch.Tensor) else type(pos).__name__
+        raise InputError(f"pos: expected an int32 tensor, got {got}")
+    if tuple(pos.shape) != (A, B):
+        raise InputError(f"pos: expected shape ({A}, {B}) (as kv), got {tuple(pos.shape)}")
+    if pos.device != kv.device:
+        raise InputError(f"pos: expected device {kv.device} (as kv), got {pos.device}")
+    for name, t in (("kv", kv), ("pos", pos)):
+        if not t.is_contiguous():
+            raise InputError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+    return A, B, Dh
+
+
 class _RowStore:
     """What both caches are: ``kv (A, R, Dh)`` rows, ``pos (A, R)`` int32 positions (-1 empty)
     and the sliding ``window`` they serve (A x R: rings x capacity, or blocks x block size)."""
@@ -134,20 +154,7 @@ class DeviceKVCache(_RowStore):
         Dh a multiple of 16, ``C >= window`` (``C >= window + max_draft`` for the rollback
         guarantee); ``pos`` -1 in empty rows and p in row ``p % C`` otherwise."""
         check_int("window", window, 1)
-        if not isinstance(kv, torch.Tensor) or kv.dim() != 3 or kv.dtype not in KERNEL_DTYPES:
-            got = f"{kv.dtype} {tuple(kv.shape)}" if isinstance(kv, torch.Tensor) else type(kv)
-            raise InputError(f"kv: expected a (S, C, Dh) bfloat16 / float32 tensor, got {got}")
-        S, C, Dh = kv.shape
-        if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int32:
-            got = f"{pos.dtype}" if isinstance(pos, torch.Tensor) else type(pos).__name__
-            raise InputError(f"pos: expected an int32 tensor, got {got}")
-        if tuple(pos.shape) != (S, C):
-            raise InputError(f"pos: expected shape ({S}, {C}) (as kv), got {tuple(pos.shape)}")
-        if pos.device != kv.device:
-            raise InputError(f"pos: expected device {kv.device} (as kv), got {pos.device}")
-        for name, t in (("kv", kv), ("pos", pos)):
-            if not t.is_contiguous():
-                raise InputError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+        S, C, Dh = _check_store_tensors(kv, pos, "(S, C, Dh)")
         if S < 1 or Dh < 16 or Dh % 16:
             raise InputError(
                 f"kv: expected S >= 1 sequences and Dh a multiple of 16, got {tuple(kv.shape)}"
@@ -340,20 +347,7 @@ class PagedKVCache(_RowStore):
         device, Dh a multiple of 16; ``pos`` -1 in empty rows and a position p with
         ``p % bs`` its offset otherwise."""
         check_int("window", window, 1)
-        if not isinstance(kv, torch.Tensor) or kv.dim() != 3 or kv.dtype not in KERNEL_DTYPES:
-            got = f"{kv.dtype} {tuple(kv.shape)}" if isinstance(kv, torch.Tensor) else type(kv)
-            raise InputError(f"kv: expected a (N, bs, Dh) bfloat16 / float32 tensor, got {got}")
-        N, bs, Dh = kv.shape
-        if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int32:
-            got = f"{pos.dtype}" if isinstance(pos, torch.Tensor) else type(pos).__name__
-            raise InputError(f"pos: expected an int32 tensor, got {got}")
-        if tuple(pos.shape) != (N, bs):
-            raise InputError(f"pos: expected shape ({N}, {bs}) (as kv), got {tuple(pos.shape)}")
-        if pos.device != kv.device:
-            raise InputError(f"pos: expected device {kv.device} (as kv), got {pos.device}")
-        for name, t in (("kv", kv), ("pos", pos)):
-            if not t.is_contiguous():
-                raise InputError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+        N, bs, Dh = _check_store_tensors(kv, pos, "(N, bs, Dh)")
         if N < 1 or bs < 1 or Dh < 16 or Dh % 16:
             raise InputError(
                 f"kv: expected N >= 1 blocks of bs >= 1 rows and Dh a multiple of 16, got "
