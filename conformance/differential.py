@@ -34,12 +34,19 @@ class ErrorReport:
     max_abs: float  # max|out-ref| / max(max|ref|, 1e-30)
     nan: int
 
-    def within(self, tol: Tolerance) -> bool:
-        return self.nan == 0 and self.rel <= tol.rel and self.max_abs <= tol.max_abs
+    def within(self, tol: Tolerance, own: ErrorReport | None = None) -> bool:
+        """Within ``tol``; with ``own`` (the reference-in-dtype's report on the same case) and
+        ``tol.own_factor`` set, bounds of ``own_factor`` times ``own``'s errors pass too."""
+        rel, max_abs = tol.rel, tol.max_abs
+        if own is not None and tol.own_factor > 0 and own.nan == 0:
+            rel = max(rel, tol.own_factor * own.rel)
+            max_abs = max(max_abs, tol.own_factor * own.max_abs)
+        return self.nan == 0 and self.rel <= rel and self.max_abs <= max_abs
 
 
-# (op, dtype, preset, output) -> [examples, worst rel, worst scaled max-abs]
-SUMMARY: dict[tuple[str, str, str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+# (op, dtype, preset, output) -> [examples, worst rel, worst scaled max-abs, examples that
+# passed only through Tolerance.own_factor]
+SUMMARY: dict[tuple[str, str, str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0])
 
 
 def to_float64(obj: Any) -> Any:
@@ -126,7 +133,10 @@ def check_pair(
                 f"{pair.name}.{name}: result was not written into the provided out= buffer"
             )
     note = ""
+    mine = expected  # the reference in dtype, judged like the output when tol.own_factor is set
     if pair.canonical is not None:
+        if tol.own_factor > 0:
+            mine = pair.canonical(case, expected, oracle)[0]
         got, oracle, note = pair.canonical(case, got, oracle)
     label = f"{case.label}; {note}" if note else case.label
     reports: dict[str, ErrorReport] = {}
@@ -142,14 +152,23 @@ def check_pair(
             continue
         rep = compare(g, o)
         reports[name] = rep
+        own = compare(mine[i], o) if tol.own_factor > 0 else None
         entry = SUMMARY[(pair.name, dt, preset, name)]
         entry[0] += 1
         entry[1] = max(entry[1], rep.rel)
         entry[2] = max(entry[2], rep.max_abs)
-        if not rep.within(tol):
+        if own is not None and rep.within(tol, own) and not rep.within(tol):
+            entry[3] += 1
+        if not rep.within(tol, own):
+            own_note = (
+                f"; the reference in {dt}: rel={own.rel:.3e}, max_abs={own.max_abs:.3e} "
+                f"(x{tol.own_factor:g} also passes)"
+                if own is not None
+                else ""
+            )
             failures.append(
                 f"{name}: rel={rep.rel:.3e} (tol {tol.rel:.1e}), max_abs={rep.max_abs:.3e} "
-                f"(tol {tol.max_abs:.1e}), non-finite={rep.nan}"
+                f"(tol {tol.max_abs:.1e}), non-finite={rep.nan}{own_note}"
             )
     via = "" if impl is not None else "".join(f" {k}={v}" for k, v in (extra or {}).items())
     assert not failures, (

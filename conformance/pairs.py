@@ -140,11 +140,16 @@ def _post_facts(case: Case) -> Facts:
 # per product, ~1e-3 on the mix), which moves gates by < 1e-3 relative.
 _BF16_OUT = Tolerance(6e-3, 1.6e-2, "bf16 output (2^-9 per rounding) + TF32 gate mix (~1e-3)")
 _TF32_MIX = Tolerance(3e-3, 6e-3, "fp32 outputs behind a TF32 mix GEMM: ~1e-3 relative on the mix")
+# hc_pre and hc_head run their mix and Sinkhorn kernels under the interpreter at ~0.3-0.8 s a
+# case: 20 drawn cases per test on the CPU (the GPU tier draws the profile's 40), beside the
+# fixed-shape and property tests of test_mhc.py.
+_MHC_CPU_EXAMPLES = 20
 
 register(
     OpPair(
         name="hc_pre",
         concept="mhc",
+        cpu_examples=_MHC_CPU_EXAMPLES,
         strategy=_streams_case("hc_pre"),
         build=partial(_build, "hc_pre"),
         facts=_streams_facts,
@@ -171,6 +176,7 @@ register(
     OpPair(
         name="hc_head",
         concept="mhc",
+        cpu_examples=_MHC_CPU_EXAMPLES,
         strategy=_streams_case("hc_head"),
         build=partial(_build, "hc_head"),
         facts=_streams_facts,
@@ -195,7 +201,7 @@ def _fused_facts(case: Case) -> Facts:
 # within hc_pre's / hc_head's bf16 bound (6e-3 / 1.6e-2 allow about three half ulps), and in
 # fp32 it is far below the mix's ~1e-3 bound.  So hc_pre's / hc_head's tolerances serve.
 # On the CPU 12 examples per test: each pair is also checked bitwise against the composition of
-# the two ops (test_mhc.py), whose own contract tests draw the profile's full count.
+# the two ops (test_mhc.py), whose own contract tests draw more.
 for _name in ("hc_post_pre", "hc_post_head"):
     register(
         OpPair(
@@ -373,12 +379,20 @@ _EXPERTS_MATH = Tolerance(
 # side of an e4m3 rounding boundary and move by one e4m3 step (6-12 % of the element).  Each
 # flip feeds a whole output row through w2, so it shows up as norm error, not elementwise
 # (step_flips stays 0): rel ~ sqrt(3 %) x 9 % ~ 1.6e-2.  Measured for the reference in bf16:
-# rel <= 2.4e-2, scaled max-abs <= 8.9e-2 (bf16 experts: no act_quant, as math).
+# rel <= 2.4e-2, scaled max-abs <= 8.9e-2 at T 33 (bf16 experts: no act_quant, as math).  With
+# few rows the flip count is a small random sample and the error heavy-tailed: over 2377 CPU-tier
+# draws (tiny, T <= 12, every quantized format and skew) the reference in bf16 itself reached
+# rel 1.3e-2 / 4.0e-2 / 6.5e-2 / 7.3e-2 (median / p99 / p99.9 / max), scaled max-abs 0.11.  So
+# an output also passes within 2x the reference-in-bf16's own errors on the same case
+# (own_factor; registry docstring): the Triton kernel under the interpreter matched the
+# reference in bf16 within 0.1 % of rel on 600 such draws, 550 of them bitwise.
 _EXPERTS_OFFICIAL = Tolerance(
     5e-2,
     0.2,
     "e4m3 flips of the hidden activation before w2 (~3 % of elements by one e4m3 step, "
-    "spread over the row by w2): ~2x the reference-in-bf16's own error",
+    "spread over the row by w2): ~2x the reference-in-bf16's typical error, or 2x its own "
+    "error on the case",
+    own_factor=2.0,
 )
 
 register(

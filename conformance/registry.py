@@ -30,6 +30,14 @@ by exactly one e4m3 step of the upstream value (never more) and be few: their co
 by ``Tolerance.step_flips`` times the number of elements, a bound the pair justifies in ``why``
 from the upstream error and the density of rounding boundaries it crosses.  A flip larger than
 one step, or more flips than that, fails.
+
+Where the quantizer sits inside the op (the MoE's hidden activation before ``w2``), a flip moves
+a whole output row through the next product and no element shows it.  The norm error is then a
+sum over few random flips, heavy-tailed when few rows and experts contribute (the CPU tier's
+T <= 12), so a fixed bound that admits the tail would hide real bugs elsewhere.  Such a pair sets
+``Tolerance.own_factor``: an output passes within the declared bounds, or within ``own_factor``
+times the errors of the reference itself run in the test dtype on the same case (which flips
+the same density of boundaries; the criterion FlashAttention's tests use).
 """
 
 from __future__ import annotations
@@ -71,12 +79,16 @@ class Tolerance:
     why: the reason for the numbers; shown in failure messages and the closing report.
     step_flips: act_quant presets only (module docstring): the largest fraction of elements
         allowed to differ by exactly one e4m3 step of their quantized upstream value.
+    own_factor: act_quant presets only, for flips no output element shows (module docstring):
+        an output also passes when its rel and scaled max-abs errors are within this many times
+        those of the reference run in the test dtype on the same case.  0: off.
     """
 
     rel: float
     max_abs: float
     why: str
     step_flips: float = 0.0
+    own_factor: float = 0.0
 
 
 @dataclass

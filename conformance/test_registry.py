@@ -194,6 +194,10 @@ def test_every_pair_declares_a_reasoned_tolerance() -> None:
             )
             if not PRESETS[preset].act_quant:
                 assert tol.step_flips == 0, f"{pair.name}/{preset}: e4m3 flips without act_quant"
+                assert tol.own_factor == 0, f"{pair.name}/{preset}: own_factor without act_quant"
+            assert tol.own_factor == 0 or 1 <= tol.own_factor <= 4, (
+                f"{pair.name}/{dtype}/{preset}: own_factor {tol.own_factor} outside [1, 4]"
+            )
 
 
 def test_builder_is_the_one_behind_each_pair() -> None:
@@ -257,3 +261,22 @@ def test_impl_option_typo_is_a_usage_error(spec: str, message: str, tmp_path: Pa
     log = out.stdout[-2000:] + out.stderr[-2000:]
     assert out.returncode == pytest.ExitCode.USAGE_ERROR, log
     assert f"--impl {spec!r}: {message}" in out.stderr, log
+
+
+@pytest.mark.parametrize(
+    ("op", "dtype", "preset"),
+    [(name, dt, preset) for name, pair in REGISTRY.items() for dt, preset in pair.tolerances],
+    ids=lambda v: str(v).removeprefix("torch."),
+)
+def test_the_reference_in_dtype_stays_within_the_declared_tolerance(
+    op: str, dtype: torch.dtype, preset: str
+) -> None:
+    """A tolerance is no tighter than the reference's own error in the test dtype, over 40
+    derandomized draws of the pair's CPU strategy (conformance/tails.py; run it with more draws
+    to calibrate).  Pairs with ``own_factor`` are heavy-tailed by design and checked at 3x."""
+    from dsv4mtp.conformance.tails import own_error_tail
+
+    pair = REGISTRY[op]
+    tail = own_error_tail(pair, dtype, preset, 40, derandomize=True)
+    bound = 3.0 if pair.tolerance(dtype, preset).own_factor else 1.0
+    assert tail.draws > 0 and tail.ratio <= bound, tail
