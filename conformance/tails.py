@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dsv4mtp.conformance.pairs  # noqa: F401  (declares the pairs)
-from dsv4mtp.conformance.differential import compare, to_float64
+from dsv4mtp.conformance.differential import _as_tuple, compare, to_float64
 from dsv4mtp.conformance.registry import REGISTRY, Case, OpPair
 
 __all__ = ["Tail", "own_error_tail"]
@@ -52,10 +52,6 @@ class Tail:
     label: str = ""
 
 
-def _tuple(out: Any) -> tuple[torch.Tensor, ...]:
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-
-
 def own_error_tail(
     pair: OpPair, dtype: torch.dtype, preset: str, n: int, *, derandomize: bool = False
 ) -> Tail:
@@ -72,8 +68,8 @@ def own_error_tail(
     def draw(data: Any) -> None:
         drawn = data.draw(pair.strategy(dtype, "cpu", _CPU_MAX_TOKENS))
         case = Case(drawn.args, {**drawn.kwargs, **pair.preset_kwargs(preset)}, drawn.label)
-        oracle = _tuple(ref(*to_float64(case.args), **to_float64(case.kwargs)))
-        mine = _tuple(ref(*case.args, **case.kwargs))
+        oracle = _as_tuple(ref(*to_float64(case.args), **to_float64(case.kwargs)))
+        mine = _as_tuple(ref(*case.args, **case.kwargs))
         if pair.canonical is not None:
             mine, oracle, _ = pair.canonical(case, mine, oracle)
         tail.draws += 1
