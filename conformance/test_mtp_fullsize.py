@@ -6,12 +6,15 @@ checkpoint of V4-Flash's shapes on the GPU, MXFP4 experts under the ``math`` pre
 experts under ``official``; both layers load it and are compared on
 
 * a prefill of two sequences (residual rows, and the logits of the same residual);
-* a teacher-forced draft of three tokens (the reference's greedy picks fed to both), through
-  the captured decode graphs, against the reference's host loop: logits per step.
+* a teacher-forced draft of three tokens (the reference's greedy picks fed to both) through
+  the eager decode steps, against the reference's host loop: logits per step; then the same
+  draft through the captured graphs, equal to the eager one bit for bit.
 
-Rows, and draft steps from a sequence's first near-tie on, where the reference's router has a
-near-tie are excused and counted (conformance/_routing.py).  Tolerances: test_mtp_optimized.py's
-``TOL`` (the same math and the same roundings at every size).
+Rows whose expert selection moved between the two layers' MoE inputs, and draft steps from a
+sequence's first such row on, are excused and counted (conformance/_routing.py: at 256 experts
+a third of the rows of this random checkpoint have their 6th and 7th router scores within 1e-2,
+so the selection, not a score threshold, decides).  Tolerances: test_mtp_optimized.py's ``TOL``
+(the same math and the same roundings at every size).
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import torch
 
 from dsv4mtp.checkpoint.fullsize import make_fullsize_checkpoint
 from dsv4mtp.checkpoint.load import load_mtp_checkpoint
-from dsv4mtp.conformance._routing import Excuses, draft_steps_kept, routing_gaps
+from dsv4mtp.conformance._routing import Excuses, draft_steps_kept, record_moe_inputs
 from dsv4mtp.conformance.test_mtp_optimized import TOL, rel_err
 from dsv4mtp.optimized import MTPLayer as OptLayer
+from dsv4mtp.optimized.mtp import DecodeGraphs
 from dsv4mtp.reference import MTPLayer as RefLayer
 
 BF16 = torch.bfloat16
@@ -62,11 +66,11 @@ def _inputs(cfg, lens: list[int], device: str, seed: int):
 def test_prefill_matches_the_reference(layers, fmt, preset, device) -> None:
     ref, opt = layers[fmt, preset]
     ids, pos, prev, lens = _inputs(opt.config, [24, 40], device, seed=1)
-    excuses = Excuses(preset)
-    with routing_gaps() as gaps:
+    excuses = Excuses()
+    with record_moe_inputs(ref, opt) as moe_in:
         hr = ref.forward(ids, pos, prev, seq_lens=lens)
-    ho = opt.forward(ids, pos, prev, seq_lens=lens)
-    keep = excuses.keep(gaps[-1]).to(hr.device)
+        ho = opt.forward(ids, pos, prev, seq_lens=lens)
+    keep = excuses.keep(moe_in.moved(0)).to(hr.device)
     assert rel_err(ho[keep], hr[keep]) < TOL[preset], rel_err(ho[keep], hr[keep])
     assert rel_err(opt.compute_logits(hr), ref.compute_logits(hr)) < TOL[preset]
     excuses.check()
@@ -75,16 +79,20 @@ def test_prefill_matches_the_reference(layers, fmt, preset, device) -> None:
 @pytest.mark.parametrize(("fmt", "preset"), CASES)
 def test_graph_draft_matches_the_reference(layers, fmt, preset, device) -> None:
     ref, opt = layers[fmt, preset]
-    if not opt.graphs:
-        opt.capture_decode(buckets=(2,))
     ids, pos, prev, lens = _inputs(opt.config, [9, 16], device, seed=2)
     k = 3
-    with routing_gaps() as gaps:
-        tr, lr = ref.draft(ids, pos, prev, seq_lens=lens, num_tokens=k, return_logits=True)
-    clear = draft_steps_kept(gaps, lens.cpu().cumsum(0) - 1, preset)
-    to, lo = opt.draft(
-        ids, pos, prev, seq_lens=lens, num_tokens=k, return_logits=True, forced_tokens=tr
-    )
+    forced = dict(seq_lens=lens, num_tokens=k, return_logits=True)
+    opt.graphs = [  # the captured step's code, run eagerly: the MoE inputs can be recorded
+        DecodeGraphs(opt, opt.new_device_cache(), spec_step=i, buckets=(2,), capture=False)
+        for i in range(len(opt.layers))
+    ]
+    with record_moe_inputs(ref, opt) as moe_in:
+        tr, lr = ref.draft(ids, pos, prev, **forced)
+        to, lo = opt.draft(ids, pos, prev, **forced, forced_tokens=tr)
+    clear = draft_steps_kept(moe_in, lens.cpu().cumsum(0) - 1)
+    opt.capture_decode(buckets=(2,))
+    tc, lc = opt.draft(ids, pos, prev, **forced, forced_tokens=tr)
+    assert torch.equal(tc, to) and torch.equal(lc, lo)  # replay is the eager step, bitwise
     assert torch.equal(to, tr)
     for s in range(k):
         kept = clear[:, s].to(lr.device)

@@ -4,7 +4,7 @@ the reference's order) against the reference layer, on synthetic checkpoints of 
 Both layers are built from the same loaded checkpoint (mxfp4 experts with the ``math`` preset,
 fp8 experts with ``official``), in bf16, and fed the same inputs: a prefill of two sequences
 with KV caches then decode steps (residual and logits compared at every step, each layer with its
-own caches; rows at a router near-tie excused and counted, conformance/_routing.py); ``draft``
+own caches; rows whose expert selection moved excused and counted, conformance/_routing.py); ``draft``
 teacher-forced with the reference's greedy tokens (logits per step, top-1 mismatches only at the
 reference's near-ties, counted) and free-running greedy; the dense
 constructor path; bad inputs (the reference's InputError) and the max_num_tokens / max_batch
@@ -21,7 +21,7 @@ import torch
 from dsv4mtp.checkpoint.load import load_mtp_checkpoint
 from dsv4mtp.checkpoint.synthetic import make_synthetic_checkpoint
 from dsv4mtp.config import DSV4Config
-from dsv4mtp.conformance._routing import Excuses, draft_steps_kept, routing_gaps
+from dsv4mtp.conformance._routing import Excuses, draft_steps_kept, record_moe_inputs
 from dsv4mtp.errors import ConfigError, InputError
 from dsv4mtp.layer import LayerOps
 from dsv4mtp.optimized import MTPLayer as OptLayer
@@ -129,14 +129,14 @@ def test_prefill_then_decode_matches_reference(loaded, fmt, preset, device) -> N
     pos = torch.cat([torch.arange(0, 6), torch.arange(20, 28)])
     lens = torch.tensor([6, 8])
     caches = {k: [L.new_kv_cache(), L.new_kv_cache()] for k, L in (("r", ref), ("o", opt))}
-    excuses = Excuses(preset)
-    with routing_gaps() as gaps:
+    excuses = Excuses()
+    with record_moe_inputs(ref, opt.layer) as moe_in:
         hr = ref.forward(ids, pos, prev, seq_lens=lens, kv_cache=caches["r"])
-    ho = opt.forward(ids, pos, prev, seq_lens=lens, kv_cache=caches["o"])
+        ho = opt.forward(ids, pos, prev, seq_lens=lens, kv_cache=caches["o"])
     last = torch.tensor([5, 13])
     for step in range(3):
         assert ho.shape == hr.shape and ho.dtype == BF16
-        keep = excuses.keep(gaps[-1])  # a router near-tie may pick another expert
+        keep = excuses.keep(moe_in.moved(0))  # a near-tie may move the expert selection
         assert rel_err(ho[keep], hr[keep]) < TOL[preset], (step, rel_err(ho[keep], hr[keep]))
         lr, lo = ref.compute_logits(hr), opt.compute_logits(hr)
         assert lo.dtype == lr.dtype == torch.float32
@@ -146,11 +146,40 @@ def test_prefill_then_decode_matches_reference(loaded, fmt, preset, device) -> N
             assert rel_err(co.kv.cpu(), cr.kv) < TOL[preset]
         # the next step: both layers fed the reference's residual of each sequence's last row
         tok, pos, h = lr[last].argmax(-1), pos[last] + 1, hr[last]
-        with routing_gaps() as gaps:
+        with record_moe_inputs(ref, opt.layer) as moe_in:
             hr = ref.forward(tok, pos, h, seq_lens=torch.tensor([1, 1]), kv_cache=caches["r"])
-        ho = opt.forward(tok, pos, h, seq_lens=torch.tensor([1, 1]), kv_cache=caches["o"])
+            ho = opt.forward(tok, pos, h, seq_lens=torch.tensor([1, 1]), kv_cache=caches["o"])
         last = torch.tensor([0, 1])
     excuses.check()
+
+
+def test_moved_selections_are_found_by_routing_both_inputs() -> None:
+    """``MoEInputs.moved``: a row is excused where the two inputs' top-k sets differ or either
+    sits within ROUTER_TIE of a tie, and only there (identity router, 3 experts, top 1)."""
+    from dsv4mtp.conformance._routing import ROUTER_TIE, MoEInputs
+
+    eye, zero = torch.eye(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    x_ref = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.5], [0.3, 0.3 + 1e-6, 0.0]])
+    x_opt = torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.4], [0.3, 0.3 + 1e-6, 0.0]])
+    moved = MoEInputs([x_ref.double()], [x_opt.double()], [(eye, zero, 1)]).moved(0)
+    assert moved.tolist() == [True, False, True]
+    apart = x_ref.double().clone()
+    apart[2, 1] += 100 * ROUTER_TIE
+    assert not MoEInputs([apart], [apart], [(eye, zero, 1)]).moved(0).any()
+
+
+def test_moe_inputs_are_recorded_call_by_call_and_the_ops_restored(loaded, device) -> None:
+    """record_moe_inputs sees each layer's MoE input once per forward (the optimized one on its
+    device too) and leaves both layers' ops as they were."""
+    ref, opt = pair(loaded, "mxfp4", "math", device)
+    ids, pos, prev = inputs(3, seed=5)
+    with record_moe_inputs(ref, opt.layer) as moe_in:
+        ref.forward(ids, pos, prev)
+        opt.forward(ids, pos, prev)
+    assert len(moe_in.ref) == len(moe_in.opt) == len(moe_in.routers) == 1
+    assert moe_in.ref[0].shape == moe_in.opt[0].shape == (3, CFG.hidden_size)
+    assert rel_err(moe_in.opt[0], moe_in.ref[0]) < TOL["math"]
+    assert ref.ops is RefLayer.ops and opt.layer.ops is OptLayer.ops
 
 
 def test_dense_constructor_matches_from_loaded(loaded, device) -> None:
@@ -180,18 +209,18 @@ def test_draft_teacher_forced_and_greedy(loaded, device) -> None:
     pos = torch.cat([torch.arange(2, 6), torch.arange(0, 6)])
     lens = torch.tensor([4, 6])
     k = 3
-    with routing_gaps() as gaps:
+    with record_moe_inputs(ref, opt.layer) as moe_in:
         tr, lr = ref.draft(ids, pos, prev, seq_lens=lens, num_tokens=k, return_logits=True)
-    clear = draft_steps_kept(gaps, lens.cumsum(0) - 1, "math")
-    to, lo = opt.draft(
-        ids, pos, prev, seq_lens=lens, num_tokens=k, return_logits=True, forced_tokens=tr
-    )
+        to, lo = opt.draft(
+            ids, pos, prev, seq_lens=lens, num_tokens=k, return_logits=True, forced_tokens=tr
+        )
+    clear = draft_steps_kept(moe_in, lens.cumsum(0) - 1)
     assert torch.equal(to, tr) and lo.shape == lr.shape == (2, k, CFG.vocab_size)
     near_ties, first_tie = 0, [k] * 2
     for b in range(2):
         for s in range(k):
             if not clear[b, s]:
-                continue  # a router near-tie at or before this step (module _routing)
+                continue  # the expert selection moved at or before this step (_routing)
             assert rel_err(lo[b, s], lr[b, s]) < TOL["math"], (b, s)
             i, j = int(lr[b, s].argmax()), int(lo[b, s].argmax())
             if i != j:
