@@ -25,7 +25,15 @@ import torch
 
 from dsv4mtp.conformance.registry import Case, OpPair, Tolerance
 
-__all__ = ["SUMMARY", "ErrorReport", "check_pair", "compare", "poisoned_like", "to_float64"]
+__all__ = [
+    "SUMMARY",
+    "ErrorReport",
+    "check_pair",
+    "compare",
+    "poisoned_like",
+    "reference_outputs",
+    "to_float64",
+]
 
 
 @dataclass
@@ -79,6 +87,16 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> ErrorReport:
     return ErrorReport(rel, float(diff.abs().max()) / scale, nan)
 
 
+def reference_outputs(
+    pair: OpPair, case: Case
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """The pair's reference on ``case`` as (oracle, expected): run on the inputs promoted to
+    float64, and in the test dtype; each a tuple of outputs."""
+    ref_fn = pair.reference_fn()
+    oracle = _as_tuple(ref_fn(*to_float64(case.args), **to_float64(case.kwargs)))
+    return oracle, _as_tuple(ref_fn(*case.args, **case.kwargs))
+
+
 def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point():
         return torch.full_like(t, float("nan"))
@@ -100,10 +118,8 @@ def check_pair(
     """Run ``impl`` (default: the pair's optimized op, with the keyword arguments ``extra``,
     e.g. ``backend=``) on ``case`` and assert conformance under the (dtype, preset) tolerance."""
     tol = pair.tolerance(dtype, preset)
-    ref_fn = pair.reference_fn()
     under_test = impl if impl is not None else pair.optimized_fn()
-    oracle = _as_tuple(ref_fn(*to_float64(case.args), **to_float64(case.kwargs)))
-    expected = _as_tuple(ref_fn(*case.args, **case.kwargs))
+    oracle, expected = reference_outputs(pair, case)
 
     args, kwargs = case.args, dict(case.kwargs)
     if impl is None:

@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dsv4mtp.conformance.pairs  # noqa: F401  (declares the pairs)
-from dsv4mtp.conformance.differential import _as_tuple, compare, to_float64
+from dsv4mtp.conformance.differential import compare, reference_outputs
 from dsv4mtp.conformance.registry import REGISTRY, Case, OpPair
 
 __all__ = ["Tail", "own_error_tail"]
@@ -57,7 +57,6 @@ def own_error_tail(
 ) -> Tail:
     """The reference in ``dtype`` against float64 over ``n`` drawn CPU cases of ``pair``."""
     tol = pair.tolerance(dtype, preset)
-    ref = pair.reference_fn()
     tail = Tail(pair.name, dtype, preset)
 
     @settings(
@@ -68,8 +67,7 @@ def own_error_tail(
     def draw(data: Any) -> None:
         drawn = data.draw(pair.strategy(dtype, "cpu", _CPU_MAX_TOKENS))
         case = Case(drawn.args, {**drawn.kwargs, **pair.preset_kwargs(preset)}, drawn.label)
-        oracle = _as_tuple(ref(*to_float64(case.args), **to_float64(case.kwargs)))
-        mine = _as_tuple(ref(*case.args, **case.kwargs))
+        oracle, mine = reference_outputs(pair, case)
         if pair.canonical is not None:
             mine, oracle, _ = pair.canonical(case, mine, oracle)
         tail.draws += 1

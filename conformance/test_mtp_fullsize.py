@@ -25,9 +25,9 @@ import torch
 from dsv4mtp.checkpoint.fullsize import make_fullsize_checkpoint
 from dsv4mtp.checkpoint.load import load_mtp_checkpoint
 from dsv4mtp.conformance._routing import Excuses, draft_steps_kept, record_moe_inputs
+from dsv4mtp.conformance.test_mtp_graphs import eager_graphs
 from dsv4mtp.conformance.test_mtp_optimized import TOL, rel_err
 from dsv4mtp.optimized import MTPLayer as OptLayer
-from dsv4mtp.optimized.mtp import DecodeGraphs
 from dsv4mtp.reference import MTPLayer as RefLayer
 
 BF16 = torch.bfloat16
@@ -82,10 +82,7 @@ def test_graph_draft_matches_the_reference(layers, fmt, preset, device) -> None:
     ids, pos, prev, lens = _inputs(opt.config, [9, 16], device, seed=2)
     k = 3
     forced = dict(seq_lens=lens, num_tokens=k, return_logits=True)
-    opt.graphs = [  # the captured step's code, run eagerly: the MoE inputs can be recorded
-        DecodeGraphs(opt, opt.new_device_cache(), spec_step=i, buckets=(2,), capture=False)
-        for i in range(len(opt.layers))
-    ]
+    opt.graphs = eager_graphs(opt, buckets=(2,))  # the captured step's code, run eagerly
     with record_moe_inputs(ref, opt) as moe_in:
         tr, lr = ref.draft(ids, pos, prev, **forced)
         to, lo = opt.draft(ids, pos, prev, **forced, forced_tokens=tr)
