@@ -115,8 +115,8 @@ class LinearSchedule:
 
 
 def _split(n_tiles: int, kb: int, target: int) -> int:
-    """The K split that brings the programs of one M block to ``target`` (a power of two, each
-    split keeping at least two K blocks): N tiles alone cannot fill 132 SMs for the narrow
+    """The smallest power-of-two K split that brings the programs of one M block to ``target``
+    (each split keeping at least two K blocks): N tiles alone cannot fill 132 SMs for the narrow
     linears (wkv: 512 columns = 8 tiles of 64)."""
     split = 1
     while n_tiles * split < target and kb >= 4 * split:
@@ -127,21 +127,28 @@ def _split(n_tiles: int, kb: int, target: int) -> int:
 def linear_schedule(
     rows: int, N: int, K: int, groups: int, batch_invariant: bool
 ) -> LinearSchedule:
-    """The default schedule.  Decode sizes (rows <= 64): one M block (16, 32 or 64 rows), 64-wide
-    N tiles and the K split doubled until there are at least 2 x 132 programs (each split keeping
-    two K blocks or more), so that one token streams the weight over every SM (e_proj: 64 tiles x
-    8 splits; fused wq_a + wkv: 24 x 16; wkv alone: 8 x 16; wq_b: 512 x 1; wo_b: 64 x 8; grouped
-    wo_a: 8 groups x 16 tiles x 4).
-    More rows: 64 x 128 tiles, no split.  ``batch_invariant``: 64 x 64 tiles with the decode
-    split of (N, K, G), whatever the row count, so each row is computed the same way."""
+    """The default schedule.  Decode sizes (rows <= 64): one M block (16, 32 or 64 rows), 3
+    stages, and either 128-wide N tiles without a K split where those alone give a program per
+    SM (wq_b: 256 tiles), or 64-wide tiles with the K split doubled until there is a program per
+    SM (each split keeping two K blocks or more): e_proj and h_proj 64 tiles x 4 splits, fused
+    wq_a + wkv 24 x 8, grouped wo_a 8 groups x 16 tiles x 2, wo_b 64 x 4.
+    Measured with cold weights (bench/diag/linear_decode_sweep.py, bench/results/linear-h200.md,
+    "Decode schedules"): splitting further, to two programs per SM, was 5-10 % slower at one
+    and eight tokens and 25-60 % slower at 64 (more fp32 partials through L2, more tile
+    reductions), and wq_b's 128-wide tiles were 10-25 % faster than 64-wide ones.
+    More rows: 64 x 128 tiles, no split.  ``batch_invariant``: 64 x 64 tiles with the split
+    reaching two programs per SM for (N, K, G), whatever the row count, so each row is
+    computed the same way."""
     kb = cdiv(K, BLOCK_K)
     if batch_invariant:
         nt = cdiv(N, 64) * groups
         return LinearSchedule(64, 64, _split(nt, kb, 2 * SMS), num_warps=4, num_stages=3)
     if rows <= DECODE_MAX_ROWS:
         bm = max(16, next_pow2(rows))
+        if cdiv(N, 128) * groups >= SMS:
+            return LinearSchedule(bm, 128, 1, num_warps=4, num_stages=3)
         nt = cdiv(N, 64) * groups
-        return LinearSchedule(bm, 64, _split(nt, kb, 2 * SMS), num_warps=4, num_stages=4)
+        return LinearSchedule(bm, 64, _split(nt, kb, SMS), num_warps=4, num_stages=3)
     return LinearSchedule(64, 128, 1, num_warps=4, num_stages=3)
 
 
