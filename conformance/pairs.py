@@ -607,8 +607,13 @@ _LINEAR_BF16 = Tolerance(
     4e-3, 8e-3, "bf16 output: one rounding (2^-9) of fp32 sums; exact weight (fp32 block scale)"
 )
 # fp32 x: fp32 products summed over K in another order than float64's, the block scale applied
-# per 128-wide partial.  Measured: rel <= 2.1e-7, scaled max-abs <= 3.6e-7.
-_LINEAR_FP32 = Tolerance(2e-6, 4e-6, "fp32 sums over K in another order, scale per K block")
+# per 128-wide partial.  The rounding of a sum of K terms grows like sqrt(K) u, so the bound is
+# set at the largest K drawn (wo_b, 8192; the CPU tier's K is 256-384).  Measured: CPU tier rel
+# <= 2.1e-7, scaled max-abs <= 3.6e-7; H200 at the V4-Flash shapes (108 cases) rel <= 1.6e-6,
+# scaled max-abs <= 4.4e-6.
+_LINEAR_FP32 = Tolerance(
+    5e-6, 1.2e-5, "fp32 sums over K (up to 8192) in another order, scale per K block"
+)
 # official (act_quant): x is rounded through e4m3 per 1x128 block before the product, by the
 # same rule on the same input in both (power-of-two scale, correctly rounded e4m3, exact in
 # bf16), so the rounded x is identical and no element flips: the math bounds hold.
