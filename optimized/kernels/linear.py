@@ -133,9 +133,9 @@ def linear_schedule(
     SM (each split keeping two K blocks or more): e_proj and h_proj 64 tiles x 4 splits, fused
     wq_a + wkv 24 x 8, grouped wo_a 8 groups x 16 tiles x 2, wo_b 64 x 4.
     Measured with cold weights (bench/diag/linear_decode_sweep.py, bench/results/linear-h200.md,
-    "Decode schedules"): splitting further, to two programs per SM, was 5-10 % slower at one
-    and eight tokens and 25-60 % slower at 64 (more fp32 partials through L2, more tile
-    reductions), and wq_b's 128-wide tiles were 10-25 % faster than 64-wide ones.
+    "Decode schedules"): splitting further, to two programs per SM, was 5-11 % slower at 1-8
+    rows and 28-39 % slower at 32-64 (more fp32 partials through L2, more tile reductions),
+    and wq_b's 128-wide tiles were 5-25 % faster than 64-wide ones.
     More rows: 64 x 128 tiles, no split.  ``batch_invariant``: 64 x 64 tiles with the split
     reaching two programs per SM for (N, K, G), whatever the row count, so each row is
     computed the same way."""
