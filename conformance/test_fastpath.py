@@ -315,11 +315,10 @@ def test_triton_launch_calls_the_compiled_launcher_directly_on_a_hit() -> None:
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 
-_REPEAT = _MOCK + textwrap.dedent(
+# Every Triton launcher, and the operator implementations around them, with the arguments of
+# one call (run on the CPU under the mock driver, or on the GPU).
+_CASES = textwrap.dedent(
     """
-    # Every Triton launcher, and the operator implementations around them, called twice with
-    # identical arguments: the second call launches every kernel directly (none through
-    # JITFunction.run) and hands the launcher what the first call's JITFunction.run did.
     from dsv4mtp.optimized import _ops
     from dsv4mtp.optimized.kernels import mhc_collapse as mc, mhc_head as mh, mhc_mix as mm
     from dsv4mtp.optimized.kernels import mhc_post as mp, rms_norm as rn
@@ -364,7 +363,17 @@ _REPEAT = _MOCK + textwrap.dedent(
         "op hc_post_head fma": lambda: _ops._hc_post_head(
             x2, x, pm, cm, fh, s1, bh, E, E, "triton_fma", "triton", "triton_fma"),
     }
+    """
+)
 
+_REPEAT = (
+    _MOCK
+    + _CASES
+    + textwrap.dedent(
+        """
+    # Each case called twice with identical arguments: the second call launches every kernel
+    # directly (none through JITFunction.run) and hands the launcher what the first call's
+    # JITFunction.run did.
     def same(a, b, fresh):
         # the same memory (inputs, outputs, the workspaces kept between calls), or one of the
         # tensors a call allocates: the CPU's fresh counters (int32), an operator's outputs
@@ -389,6 +398,7 @@ _REPEAT = _MOCK + textwrap.dedent(
             assert len(a) == len(b) and all(same(u, v, fresh) for u, v in zip(a[9:], b[9:])), name
     print("ok")
     """
+    )
 )
 
 
@@ -398,3 +408,60 @@ def test_every_launcher_launches_directly_on_a_repeated_call() -> None:
         [sys.executable, "-c", _REPEAT], env=env, capture_output=True, text=True, timeout=300
     )
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+_REPEAT_ON_GPU = (
+    textwrap.dedent(
+        """
+    # The same cases on the GPU with Triton's real driver: the second call of each must not go
+    # through JITFunction.run either.  On failure, what decides the path is printed.
+    import torch
+    from triton import knobs
+    from triton.runtime.jit import JITFunction
+    from dsv4mtp.optimized.kernels._launch import _LAUNCHES, _hooks_idle, _runtime
+    via_run = []
+    _run = JITFunction.run
+    def counted(self, *args, **kwargs):
+        via_run.append(self.fn.__name__)
+        return _run(self, *args, **kwargs)
+    JITFunction.run = counted
+    torch.set_default_device("cuda")
+    """
+    )
+    + _CASES
+    + textwrap.dedent(
+        """
+    slow = {}
+    for name, call in cases.items():
+        call()
+        via_run.clear()
+        call()
+        torch.cuda.synchronize()
+        if via_run:
+            slow[name] = list(via_run)
+    if slow:
+        rt = _runtime()[2]
+        direct = {l.jit.fn.__name__: (l._direct, len(l._kernels)) for l in _LAUNCHES.values()}
+        print("hooks idle:", _hooks_idle(rt),
+              "enter:", getattr(rt.launch_enter_hook, "calls", rt.launch_enter_hook),
+              "exit:", getattr(rt.launch_exit_hook, "calls", rt.launch_exit_hook))
+        print("launches (direct, cached keys):", direct)
+        raise SystemExit(f"repeated calls through JITFunction.run: {slow}")
+    print("ok")
+    """
+    )
+)
+
+
+@pytest.mark.gpu
+def test_every_launcher_launches_directly_on_a_repeated_call_on_the_gpu() -> None:
+    """The host cost the direct launch removes (bench/results/overhead-h200.md) is only removed
+    if the direct path is taken with Triton's real driver, which the mock above cannot show."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, "-c", _REPEAT_ON_GPU], env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), (
+        res.stdout[-3000:] + res.stderr[-3000:]
+    )
