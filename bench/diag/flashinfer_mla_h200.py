@@ -29,12 +29,17 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from h200_mhc import _median_event_ms, graph_time_us
 
 from dsv4mtp.optimized.kernels.sink_attention import attention_schedule, sink_attention_triton
 
@@ -43,53 +48,15 @@ SCALE = DH**-0.5
 BF16 = torch.bfloat16
 
 
-def event_us(fn: Callable[[], Any], reps: int = 50) -> float:
-    """Median GPU time per eager call (CUDA events around each call)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return sorted(ts)[len(ts) // 2]
-
-
-def graph_us(fn: Callable[[], Any], calls: int = 20, reps: int = 10) -> float:
-    """Median GPU time per call of a CUDA graph of ``calls`` back-to-back calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / calls)
-    return sorted(ts)[len(ts) // 2]
-
-
 def timed(fn: Callable[[], Any]) -> tuple[float, str]:
     try:
-        return graph_us(fn), "graph"
+        return graph_time_us([fn], 20, 10), "graph"
     except Exception as exc:  # FlashInfer's run may not capture without a graph plan
         print(f"    graph capture failed ({type(exc).__name__}: {exc}); eager events instead")
         torch.cuda.synchronize()
-        return event_us(fn), "events"
+        for _ in range(3):
+            fn()
+        return _median_event_ms(fn, 50) * 1e3, "events"
 
 
 def case(name: str, lens_q: list[int], lens_k: list[int]) -> dict[str, Any]:

@@ -8,8 +8,8 @@ default's (one M block holds every row).
 
 Timing: one CUDA graph of back-to-back calls cycling over enough copies of the weight (>= 192
 MB in all) that no call finds its weight in the 60 MB L2, as in the layer's step, where seven
-other weights pass between two calls of one linear; us per call is the graph's time over its
-calls, best of 3 replays x 5.  Each candidate's output is checked against the default's
+other weights pass between two calls of one linear; us per call is the graph's median replay
+time (10 replays, bench/h200_mhc.py's ``graph_time_us``) over its calls.  Each candidate's output is checked against the default's
 (finite, rel. Frobenius error <= 2e-3: only the split's summation order differs); a failing
 candidate is printed and never picked.  Prints one row per (linear, rows): default and best
 schedule, us, GB/s of codes, then per T the sum over the six linears (the step's linear time).
@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from h200_mhc import graph_time_us
 from linear_sweep import SHAPES
 
 from dsv4mtp.optimized.kernels.linear import (
@@ -44,32 +46,6 @@ BLOCK_NS = (32, 64, 128)
 TARGETS = (132, 264, 528, 1056)
 WARPS_STAGES = ((4, 4), (4, 6), (8, 4), (2, 4), (4, 3))
 COLD_BYTES = 192 << 20
-
-
-def cold_us(calls: list, reps: int = 5) -> float:
-    """us per call of ``calls`` replayed back to back in one graph (best of 3)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / (reps * len(calls)))
-    return best
 
 
 def candidates(rows: int, N: int, K: int, G: int) -> list[LinearSchedule]:
@@ -131,7 +107,7 @@ def sweep(name: str, N: int, K: int, G: int, rows: int, deadline: float) -> tupl
         if not (err <= 2e-3):
             print(f"| {name} | {rows} | {label(c)} | wrong: rel {err:.1e} | | | | |")
             return
-        results.append((cold_us(calls), c))
+        results.append((graph_time_us(calls, len(calls), 10), c))
 
     cands = candidates(rows, N, K, G)
     d = cands[0]
