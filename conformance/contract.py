@@ -19,10 +19,12 @@ import torch
 
 from dsv4mtp.conformance.registry import DEFAULT_BACKEND, REGISTRY, Case, OpPair
 
-__all__ = ["IMPL_BACKEND", "KINDS", "Contract", "contracts"]
+__all__ = ["IMPL_BACKEND", "KINDS", "MAX_TOKENS", "Contract", "contracts"]
 
 #: The backend id of ``--impl``: a third-party implementation replaces every backend of its op.
 IMPL_BACKEND = "impl"
+#: The largest T of a drawn differential case, per device type: small on the CPU (the interpreter).
+MAX_TOKENS = {"cpu": 33, "cuda": 8192}
 
 #: What each generated test is parametrized over: "case" is every (backend, dtype, preset);
 #: "backend" one call per backend (the op's first dtype, the math preset).

@@ -30,12 +30,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dsv4mtp.conformance.pairs  # noqa: F401  (declares the pairs)
+from dsv4mtp.conformance.contract import MAX_TOKENS
 from dsv4mtp.conformance.differential import compare, reference_outputs
 from dsv4mtp.conformance.registry import REGISTRY, Case, OpPair
 
 __all__ = ["Tail", "own_error_tail"]
-
-_CPU_MAX_TOKENS = 33  # the contract's CPU bound on drawn T
 
 
 @dataclass
@@ -65,7 +64,7 @@ def own_error_tail(
     )  # fmt: skip
     @given(data=st.data())
     def draw(data: Any) -> None:
-        drawn = data.draw(pair.strategy(dtype, "cpu", _CPU_MAX_TOKENS))
+        drawn = data.draw(pair.strategy(dtype, "cpu", MAX_TOKENS["cpu"]))
         case = Case(drawn.args, {**drawn.kwargs, **pair.preset_kwargs(preset)}, drawn.label)
         oracle, mine = reference_outputs(pair, case)
         if pair.canonical is not None:

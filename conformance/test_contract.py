@@ -29,7 +29,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from dsv4mtp.conformance.contract import IMPL_BACKEND, Contract, contracts
+from dsv4mtp.conformance.contract import IMPL_BACKEND, MAX_TOKENS, Contract, contracts
 from dsv4mtp.conformance.differential import check_pair, poisoned_like
 from dsv4mtp.conformance.inputs import token_rows
 from dsv4mtp.conformance.plugin import IMPL_KEY
@@ -81,7 +81,7 @@ def test_differential(contract: Contract, device: str, impl_override: Any) -> No
     """Drawn cases against the float64 oracle under the (dtype, preset) tolerance; ``out=``
     poisoned.  Cases the backend cannot run (e.g. FlashInfer at n != 4) are not drawn."""
     pair = contract.pair
-    max_tokens = 8192 if _cuda(device) else 33
+    max_tokens = MAX_TOKENS["cuda" if _cuda(device) else "cpu"]
     impl = impl_override(pair.name) if contract.backend == IMPL_BACKEND else None
 
     @_examples(contract, device, settings().max_examples)

@@ -416,7 +416,6 @@ _REPEAT_ON_GPU = (
     # The same cases on the GPU with Triton's real driver: the second call of each must not go
     # through JITFunction.run either.  On failure, what decides the path is printed.
     import torch
-    from triton import knobs
     from triton.runtime.jit import JITFunction
     from dsv4mtp.optimized.kernels._launch import _LAUNCHES, _hooks_idle, _runtime
     via_run = []
