@@ -203,16 +203,23 @@ def test_graph_replay_equals_eager(contract: Contract, T: int, D: int) -> None:
     with torch.cuda.graph(graph):
         contract.run(case, **out_kw)
     for seed in (2, 3):
+        # Fresh tensors go into the captured buffers.  A non-tensor argument (the MoE's
+        # parameters, a linear's QuantizedWeight) is baked into the graph, so the eager call
+        # below reads the captured one too: it runs on ``case``, whose tensors now hold the
+        # fresh values.
         fresh = contract.case(T, "cuda", seed=seed, D=D)
         for dst, src in zip(case.args, fresh.args, strict=True):
-            if isinstance(dst, torch.Tensor):  # parameters objects (MoE) are shared, not copied
+            if isinstance(dst, torch.Tensor):
                 dst.copy_(src)
+        for key, dst in case.kwargs.items():
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(fresh.kwargs[key])
         for name, o in zip(contract.pair.outputs, outs, strict=True):
             if name in contract.pair.reduced:  # lowered by each replay: start from the identity
                 o.copy_(poisoned_like(o))
         graph.replay()
         torch.cuda.synchronize()
-        eager = contract.run(fresh)
+        eager = contract.run(case)
         for o, e, p in zip(outs, eager, ptrs, strict=True):
             assert o.data_ptr() == p
             assert torch.equal(o, e), f"{contract.id}: graph replay differs from eager"

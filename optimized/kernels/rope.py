@@ -52,6 +52,7 @@ from ._launch import (
     TritonLaunch,
     cdiv,
     next_pow2,
+    pdl_wait,
     rne_bf16_if_interpreted,
     triton_launch,
 )
@@ -143,7 +144,9 @@ def norm_rope_kernel(
     QBLOCK: tl.constexpr,
     INVERSE: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     o_ty = out_ptr.dtype.element_ty
     HALF: tl.constexpr = (D - DN) // 2
     HALF_P2: tl.constexpr = DR_P2 // 2
