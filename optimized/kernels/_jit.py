@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 __all__ = ["pdl_wait", "rne_bf16_if_interpreted", "sigmoid"]
 
@@ -14,19 +14,18 @@ __all__ = ["pdl_wait", "rne_bf16_if_interpreted", "sigmoid"]
 def pdl_wait(PDL: tl.constexpr):
     """The first statement of every kernel: programmatic dependent launch (PDL).
 
-    A kernel launched with PDL (``launch_pdl``, set by ``_launch.pdl_meta``) may start while the
-    kernel before it on the stream is still running, so its launch and first instructions
-    overlap the other's tail (about 0.4 us per launch on the H200, more for a kernel whose
-    prologue is long; docs/semantics.md, "Programmatic dependent launch").  ``gdc_wait`` blocks
-    until every earlier grid of the stream has completed and its writes are visible, so nothing
-    after it reads a stale value or overwrites one still being read; the rule that makes PDL
-    safe is that no global load or store comes before it.  ``gdc_launch_dependents`` then lets
-    the next kernel launch: after the wait, so at most two kernels of a chain are resident at
-    once.  ``PDL`` False (the interpreter, GPUs before sm_90, ``DSV4_PDL=0``) compiles to
-    nothing."""
+    A kernel launched with PDL (``launch_pdl``, set by ``_launch.pdl_meta``) may be scheduled
+    before the kernel ahead of it on the stream has completed: its programs start as the
+    other's last programs exit, instead of after the grid's completion has been processed
+    (docs/semantics.md, "Programmatic dependent launch").  ``gdc_wait`` blocks until every
+    earlier grid of the stream has completed and its writes are visible, so nothing after it
+    reads a stale value or overwrites one still being read; the rule that makes PDL safe is
+    that no global load or store comes before it.  No kernel triggers its dependents early
+    (``gdc_launch_dependents``): dependents parked on the SMs while a kernel runs take the
+    places its one-program-per-SM grids count on (measured on the whole step, docs page).
+    ``PDL`` False (the interpreter, GPUs before sm_90, ``DSV4_PDL=0``) compiles to nothing."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
 
 
 @triton.jit
