@@ -404,10 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     import triton
 
-    from dsv4mtp.optimized.kernels._launch import pdl_meta
-
     meta["triton"] = triton.__version__
-    meta["pdl"] = pdl_meta()["PDL"]  # programmatic dependent launch (DSV4_PDL=0 turns it off)
     meta["copy_bw_TBps"] = copy_bandwidth() / 1e12
     meta["gemm_TFLOPs"] = gemm_peak() / 1e12
     print(f"copy {meta['copy_bw_TBps']:.3f} TB/s, bf16 GEMM {meta['gemm_TFLOPs']:.1f} TFLOP/s")

@@ -438,15 +438,6 @@ _REPEAT_ON_GPU = (
         torch.cuda.synchronize()
         if via_run:
             slow[name] = list(via_run)
-    # On sm_90 every cached launcher of a kernel with a PDL parameter launches with PDL.
-    from dsv4mtp.optimized.kernels._launch import pdl_meta
-    if torch.cuda.get_device_capability() >= (9, 0):
-        assert pdl_meta() == {"PDL": True, "launch_pdl": True}, pdl_meta()
-        without = sorted({
-            l.jit.fn.__name__ for l in _LAUNCHES.values() if "PDL" in l.jit.arg_names
-            for run, _, _ in l._kernels.values() if not run.launch_pdl
-        })
-        assert not without, f"launched without PDL: {without}"
     if slow:
         rt = _runtime()[2]
         direct = {l.jit.fn.__name__: (l._direct, len(l._kernels)) for l in _LAUNCHES.values()}
@@ -473,74 +464,3 @@ def test_every_launcher_launches_directly_on_a_repeated_call_on_the_gpu() -> Non
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), (
         res.stdout[-3000:] + res.stderr[-3000:]
     )
-
-
-# ------------------------------------------------------------------ programmatic dependent launch
-def _entry_kernels() -> list[Any]:
-    """Every @triton.jit kernel the launchers start (the ``*_kernel`` functions of
-    optimized/kernels/)."""
-    import importlib
-    import pkgutil
-
-    from triton.runtime.jit import KernelInterface  # compiled and interpreted kernels
-
-    import dsv4mtp.optimized.kernels as kernels
-
-    found = []
-    for info in pkgutil.iter_modules(kernels.__path__):
-        mod = importlib.import_module(f"{kernels.__name__}.{info.name}")
-        for name, obj in vars(mod).items():
-            if (
-                isinstance(obj, KernelInterface)
-                and name.endswith("_kernel")
-                and obj.fn.__module__ == mod.__name__
-            ):
-                found.append(obj)
-    return found
-
-
-def test_every_kernel_waits_for_the_previous_one_before_touching_memory() -> None:
-    """With PDL a kernel may start while the one before it still runs, so the rule that keeps
-    that exact (kernels/_jit.py, ``pdl_wait``) is checked on every kernel's source: it takes a
-    ``PDL`` constexpr and its first statement (after the docstring) is ``pdl_wait(PDL)``."""
-    import ast
-    import inspect
-
-    kernels = _entry_kernels()
-    assert len(kernels) >= 25, [k.fn.__name__ for k in kernels]
-    bad = []
-    for k in kernels:
-        fn = ast.parse(textwrap.dedent(inspect.getsource(k.fn))).body[0]
-        assert isinstance(fn, ast.FunctionDef)
-        body = fn.body
-        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-            body = body[1:]
-        first = ast.unparse(body[0])
-        if "PDL" not in k.arg_names or first != "pdl_wait(PDL)":
-            bad.append(f"{k.fn.__module__}.{k.fn.__name__}: first statement {first!r}")
-    assert not bad, "\n".join(bad)
-
-
-def test_pdl_is_on_exactly_for_compiled_kernels_on_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dsv4mtp.optimized.kernels import _launch
-
-    decide = _launch.pdl_meta.__wrapped__
-    monkeypatch.setattr(_launch, "INTERPRET", False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    caps = {0: (9, 0), 1: (9, 0)}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: caps[i])
-    monkeypatch.delenv("DSV4_PDL", raising=False)
-    assert decide() == {"PDL": True, "launch_pdl": True}
-    monkeypatch.setenv("DSV4_PDL", "0")
-    assert decide() == {"PDL": False}
-    monkeypatch.delenv("DSV4_PDL")
-    caps[1] = (8, 0)  # one GPU without griddepcontrol: off for the process
-    assert decide() == {"PDL": False}
-    caps[1] = (10, 0)
-    assert decide() == {"PDL": True, "launch_pdl": True}
-    monkeypatch.setattr(_launch, "INTERPRET", True)
-    assert decide() == {"PDL": False}
-    monkeypatch.setattr(_launch, "INTERPRET", False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert decide() == {"PDL": False}

@@ -5,27 +5,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
-__all__ = ["pdl_wait", "rne_bf16_if_interpreted", "sigmoid"]
-
-
-@triton.jit
-def pdl_wait(PDL: tl.constexpr):
-    """The first statement of every kernel: programmatic dependent launch (PDL).
-
-    A kernel launched with PDL (``launch_pdl``, set by ``_launch.pdl_meta``) may be scheduled
-    before the kernel ahead of it on the stream has completed: its programs start as the
-    other's last programs exit, instead of after the grid's completion has been processed
-    (docs/semantics.md, "Programmatic dependent launch").  ``gdc_wait`` blocks until every
-    earlier grid of the stream has completed and its writes are visible, so nothing after it
-    reads a stale value or overwrites one still being read; the rule that makes PDL safe is
-    that no global load or store comes before it.  No kernel triggers its dependents early
-    (``gdc_launch_dependents``): dependents parked on the SMs while a kernel runs take the
-    places its one-program-per-SM grids count on (measured on the whole step, docs page).
-    ``PDL`` False (the interpreter, GPUs before sm_90, ``DSV4_PDL=0``) compiles to nothing."""
-    if PDL:
-        gdc_wait()
+__all__ = ["rne_bf16_if_interpreted", "sigmoid"]
 
 
 @triton.jit

@@ -44,7 +44,6 @@ __all__ = [
     "flashinfer_norm",
     "launch_each",
     "next_pow2",
-    "pdl_meta",
     "plan",
     "stream_key",
     "triton_available",
@@ -378,39 +377,18 @@ def launch_each(
         run(grid[0], g1, g2, s, function, packed, None, None, None, *args, *launch._tail)
 
 
-@functools.cache
-def pdl_meta() -> dict[str, bool]:
-    """The launch meta of a kernel with a ``PDL`` constexpr (``_jit.pdl_wait``): ``PDL`` and
-    Triton's ``launch_pdl`` option, both True when every visible GPU is sm_90 or newer (PDL's
-    ``griddepcontrol`` instructions start there), the kernels are compiled (not
-    ``TRITON_INTERPRET=1``) and ``DSV4_PDL`` is not ``0``; else ``{"PDL": False}``.  Decided
-    once per process: a kernel's launches must not switch between the two while graphs
-    captured with one of them live.  The arithmetic is the same either way (PDL changes when a
-    kernel starts, never what it computes), so results are bitwise equal with and without."""
-    on = (
-        not INTERPRET
-        and os.environ.get("DSV4_PDL", "1") != "0"
-        and torch.cuda.is_available()
-        and all(
-            torch.cuda.get_device_capability(i) >= (9, 0) for i in range(torch.cuda.device_count())
-        )
-    )
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
-
-
 _LAUNCHES: dict[tuple[object, ...], TritonLaunch] = {}
 
 
 def triton_launch(jit: Any, **meta: Any) -> TritonLaunch:
     """The :class:`TritonLaunch` of ``jit`` with these constexprs and options (one object per
-    distinct ``meta``, kept for the process: a launcher's schedules are few), plus
-    :func:`pdl_meta` for a kernel with a ``PDL`` parameter.  Launchers whose meta depends only
-    on shapes keep the result in their own plan cache, which saves this lookup too."""
+    distinct ``meta``, kept for the process: a launcher's schedules are few).  Launchers whose
+    meta depends only on shapes keep the result in their own plan cache, which saves this
+    lookup too."""
     key = (jit, *meta.items())
     launch = _LAUNCHES.get(key)
     if launch is None:
-        full = {**meta, **pdl_meta()} if "PDL" in jit.arg_names else meta
-        launch = _LAUNCHES[key] = TritonLaunch(jit, full)
+        launch = _LAUNCHES[key] = TritonLaunch(jit, meta)
     return launch
 
 
@@ -510,7 +488,7 @@ def plan(build: Callable[..., _P], device: torch.device, *key: Hashable) -> _P:
 
 def __getattr__(name: str) -> Any:
     # The kernels' shared @triton.jit device functions, for `from ._launch import sigmoid`.
-    if name in ("pdl_wait", "rne_bf16_if_interpreted", "sigmoid"):
+    if name in ("rne_bf16_if_interpreted", "sigmoid"):
         from . import _jit
 
         value = getattr(_jit, name)

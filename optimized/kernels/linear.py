@@ -66,8 +66,6 @@ from ._launch import (
     INTERPRET,
     cdiv,
     next_pow2,
-    pdl_meta,
-    pdl_wait,
     rne_bf16_if_interpreted,
     triton_launch,
     workspace,
@@ -190,9 +188,7 @@ def linear_kernel(
     SPLIT_K: tl.constexpr,
     USE_F32: tl.constexpr,
     INTERP: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_gs = tl.program_id(2)
@@ -305,7 +301,7 @@ def linear_triton(
             xc, w, s if s.numel() else w, yc, part, count, rc, G, N, K, per_split,
             FMT=fmt, BLOCK_M=sched.block_m, BLOCK_N=sched.block_n, BLOCK_K=BLOCK_K,
             SPLIT_K=split, USE_F32=use_f32, INTERP=INTERPRET, num_warps=sched.num_warps,
-            num_stages=sched.num_stages, **pdl_meta(),
+            num_stages=sched.num_stages,
         )  # fmt: skip
 
 
@@ -338,13 +334,11 @@ def dequant_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INTERP: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Program (k, n, g): codes [n*BLOCK_N, +BLOCK_N) x [k*BLOCK_K, +BLOCK_K) of group g, decoded
     to bf16 (exact), times their block's fp32 scale in fp32, rounded once to bf16 (exact when the
     scale is a power of two in range; otherwise the correctly rounded product, as the core's
     dequantization).  BLOCK_N and BLOCK_K divide 128: one scale per program."""
-    pdl_wait(PDL)
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.program_id(2).to(tl.int64)

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from ._launch import INTERPRET, cdiv, next_pow2, pdl_wait, triton_launch, workspace
+from ._launch import INTERPRET, cdiv, next_pow2, triton_launch, workspace
 from .decode import _e4m3_bf16
 from .linear import _dot
 from .moe_common import jit_loop_bounds
@@ -118,9 +118,7 @@ def lm_head_argmax_kernel(
     BLOCK_K: tl.constexpr,
     USE_F32: tl.constexpr,
     INTERP: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     pid_v = tl.program_id(0)
     pid_t = tl.program_id(1)
     vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -165,11 +163,8 @@ def lm_head_argmax_kernel(
 
 
 @jit_loop_bounds("CHUNKS")
-def lm_head_argmax_reduce_kernel(
-    pval_ptr, pidx_ptr, out_ptr, V, CHUNKS, BLOCK_C: tl.constexpr, PDL: tl.constexpr
-):
+def lm_head_argmax_reduce_kernel(pval_ptr, pidx_ptr, out_ptr, V, CHUNKS, BLOCK_C: tl.constexpr):
     """out[t] = the id of row t from its CHUNKS partials, combined in chunk order (module doc)."""
-    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     big = V
     best_v = float("-inf")

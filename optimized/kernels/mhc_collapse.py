@@ -67,7 +67,6 @@ from ._launch import (
     cdiv,
     launch_each,
     next_pow2,
-    pdl_wait,
     plan,
     rne_bf16_if_interpreted,
     sigmoid,
@@ -222,11 +221,10 @@ def mhc_collapse_kernel(
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, APPLY_D: tl.constexpr, TPP: tl.constexpr,
     DO_MIX: tl.constexpr, DO_REDUCE: tl.constexpr, DO_APPLY: tl.constexpr, FUSED: tl.constexpr,
     WITH_POST_COMB: tl.constexpr, X_IS_BF16: tl.constexpr, INTERP: tl.constexpr,
-    TRACE: tl.constexpr, PDL: tl.constexpr,
+    TRACE: tl.constexpr,
 ):  # fmt: skip
     """Grid ((blocks + 2) * S,) when FUSED (roles by ticket, see _sync.py), else (blocks * S,)
     with one phase per launch; ``q * S + s`` = (block q, slice s)."""
-    pdl_wait(PDL)
     _stamp(trace_ptr, 0, TRACE)
     blocks = tl.cdiv(T, BLOCK_T)
     if FUSED:

@@ -58,7 +58,6 @@ from ._launch import (
     cdiv,
     launch_each,
     next_pow2,
-    pdl_wait,
     plan,
     rne_bf16_if_interpreted,
     sigmoid,
@@ -85,7 +84,7 @@ def mhc_head_fma_kernel(
     T, D, rms_eps, hc_eps,
     S: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    DO_MIX: tl.constexpr, DO_APPLY: tl.constexpr, FUSE_POST: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
+    DO_MIX: tl.constexpr, DO_APPLY: tl.constexpr, FUSE_POST: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     """Grid ((blocks + 1) * S,) for the one-launch form (DO_MIX and DO_APPLY; roles by ticket,
     see _sync.py), else (blocks * S,) with one phase per launch; ``q * S + s`` = (block q,
@@ -96,7 +95,6 @@ def mhc_head_fma_kernel(
     in mhc_post_kernel's op order (kernels/mhc_post.py), rounded to x's dtype and stored to
     xnew_ptr (T, n, D); the mix reads the rounded tile from registers and the apply launch is
     given xnew_ptr as its x.  Otherwise the extra pointers are not read."""
-    pdl_wait(PDL)
     blocks = tl.cdiv(T, BLOCK_T)
     if DO_MIX and DO_APPLY:
         # Ticket q*S + s mixes block q, then applies block q-1, mixed by lower tickets.

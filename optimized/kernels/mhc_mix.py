@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, TritonLaunch, cdiv, next_pow2, pdl_wait, triton_launch
+from ._launch import INTERPRET, TritonLaunch, cdiv, next_pow2, triton_launch
 
 __all__ = ["MixConfig", "mhc_mix_splitk", "mix_config", "mix_step"]
 
@@ -99,10 +99,8 @@ def mhc_mix_kernel(
     BLOCK_K: tl.constexpr,
     X_IS_BF16: tl.constexpr,
     UPCAST: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Grid (cdiv(T, BLOCK_T), S).  Program (i, s): tokens [i*BT, (i+1)*BT), K split s."""
-    pdl_wait(PDL)
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # (BT,)

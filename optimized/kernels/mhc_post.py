@@ -21,14 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import (
-    INTERPRET,
-    TritonLaunch,
-    next_pow2,
-    pdl_wait,
-    rne_bf16_if_interpreted,
-    triton_launch,
-)
+from ._launch import INTERPRET, TritonLaunch, next_pow2, rne_bf16_if_interpreted, triton_launch
 
 __all__ = ["mhc_post_triton"]
 
@@ -45,9 +38,7 @@ def mhc_post_kernel(
     NP: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INTERP: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # (BD,)
     k = tl.arange(0, NP)  # (NP,) destination stream

@@ -71,7 +71,6 @@ from ._launch import (
     TritonLaunch,
     cdiv,
     next_pow2,
-    pdl_wait,
     plan,
     rne_bf16_if_interpreted,
     sigmoid,
@@ -119,7 +118,7 @@ def mhc_pre_mix_kernel(
     x_ptr, fn_ptr, part_ptr, sq_ptr, a_ptr, post_in_ptr, comb_in_ptr, xnew_ptr, T,
     D: tl.constexpr, N: tl.constexpr, M: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FUSE_POST: tl.constexpr,
-    INTERP: tl.constexpr, PDL: tl.constexpr,
+    INTERP: tl.constexpr,
 ):  # fmt: skip
     """Grid (blocks * S * G,): program (q * S + s) * G + r = token block q, slice s, rows r.
 
@@ -130,7 +129,6 @@ def mhc_pre_mix_kernel(
     tile of x_new (xnew_ptr) and every program mixes the rounded tile from its registers, so
     its bits are those of hc_post followed by this kernel on x_new.  Otherwise the extra
     pointers are not read."""
-    pdl_wait(PDL)
     pid = tl.program_id(0)
     r = pid % G
     s = (pid // G) % S
@@ -243,11 +241,10 @@ def mhc_pre_apply_kernel(
     T, rms_eps, hc_eps, post_mult,
     D: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, S: tl.constexpr,
     SP: tl.constexpr, SINKHORN_ITERS: tl.constexpr, TPP: tl.constexpr, SA: tl.constexpr,
-    BLOCK_TA: tl.constexpr, BLOCK_DA: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_TA: tl.constexpr, BLOCK_DA: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(T, TPP) + cdiv(T, BLOCK_TA) * SA,): reducers first (post, comb), then the
     pieces of layer_input, program cdiv(T, TPP) + q * SA + s = token block q, column piece s."""
-    pdl_wait(PDL)
     pid = tl.program_id(0)
     K = N * D
     reducers = tl.cdiv(T, TPP)

@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, TritonLaunch, cdiv, next_pow2, pdl_wait, triton_launch, workspace
+from ._launch import INTERPRET, TritonLaunch, cdiv, next_pow2, triton_launch, workspace
 from .moe_common import jit_loop_bounds
 
 __all__ = ["max_blocks", "moe_align_triton"]
@@ -108,9 +108,7 @@ def _align_small_kernel(
     BLOCK_M: tl.constexpr,
     SB: tl.constexpr,
     NB_B: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     s = tl.arange(0, SB)
     loc, ok = _local_ids(ids_ptr, map_ptr, s, S, E_GLOBAL, E_LOCAL, HAS_MAP)
     rank = _rank_in_chunk(loc, ok, SB)
@@ -146,9 +144,7 @@ def _align_count_kernel(
     HAS_MAP: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     c = tl.program_id(0)
     s = c * CHUNK + tl.arange(0, CHUNK)
     loc, ok = _local_ids(ids_ptr, map_ptr, s, S, E_GLOBAL, E_LOCAL, HAS_MAP)
@@ -165,9 +161,7 @@ def _align_scan_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     NC_B: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     ev = tl.arange(0, BLOCK_E)
     cr = tl.arange(0, NC_B)
     total = tl.zeros((BLOCK_E,), dtype=tl.int32)
@@ -209,9 +203,7 @@ def _align_place_kernel(
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
     NB_B: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     pid = tl.program_id(0)
     if pid < NC:
         s = pid * CHUNK + tl.arange(0, CHUNK)

@@ -94,7 +94,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, pdl_meta, pdl_wait, rne_bf16_if_interpreted
+from ._launch import INTERPRET, rne_bf16_if_interpreted
 from .decode import (
     _e2m1_f32,
     _e2m1_pair_bf16,
@@ -386,9 +386,7 @@ def moe_gate_up_kernel(
     FP4_JOIN: tl.constexpr,
     USE_F32: tl.constexpr,
     INTERP: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     pid_m, pid_n, pid_s = _tile_ids(NUM_M, I, BLOCK_N, GROUP_M)
     e, slot, ok = _rows(sorted_ptr, block_expert_ptr, pid_m, T, IDENTITY, BLOCK_M)
     token = slot if IDENTITY else slot // TOPK
@@ -454,10 +452,8 @@ def moe_swiglu_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
     INTERP: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Split-K gate/up: sum the SPLIT_K partials in the order 0..SPLIT_K-1, then the epilogue."""
-    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, slot, ok = _rows(sorted_ptr, block_expert_ptr, pid_m, T, IDENTITY, BLOCK_M)
@@ -506,9 +502,7 @@ def moe_down_kernel(
     FP4_JOIN: tl.constexpr,
     USE_F32: tl.constexpr,
     INTERP: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     pid_m, pid_n, pid_s = _tile_ids(NUM_M, D, BLOCK_N, GROUP_M)
     y_ty = y_ptr.dtype.element_ty
     e, slot, ok = _rows(sorted_ptr, block_expert_ptr, pid_m, T, IDENTITY, BLOCK_M)
@@ -567,13 +561,11 @@ def moe_reduce_kernel(
     SHARED_SPLIT: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INTERP: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """out[t] = sum over the valid slots k in slot order (+ the shared row), fp32, one rounding.
     SPLIT > 1: each slot's row is first formed from its down partials (split order, down
     scale, rounding to the output dtype, as the unsplit down kernel stores it); likewise the
     shared row with SHARED_SPLIT > 1."""
-    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
@@ -606,12 +598,9 @@ def moe_reduce_kernel(
 
 
 @triton.jit
-def act_quant_kernel(
-    x_ptr, out_ptr, R, K, BLOCK: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr
-):
+def act_quant_kernel(x_ptr, out_ptr, R, K, BLOCK: tl.constexpr, INTERP: tl.constexpr):
     """Round each 1 x BLOCK block of x through e4m3 with a power-of-two scale (amax floored at
     1e-4; dsv4mtp/quant.py) and write q * scale in x's dtype (exact: e4m3 fits bf16)."""
-    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cm = c < K
@@ -708,13 +697,13 @@ def moe_gate_up_triton(
         T, D, inter, top_k, float(limit), w13[0].numel(), s13[0].numel() if s13.numel() else 0,
         num_m_blocks,
         IDENTITY=identity, FMT=fmt, BLOCK_M=block_m, USE_F32=_use_f32(x) or w13.dtype == torch.float32,
-        INTERP=INTERPRET, **_tile_meta(tile, decode, fp4_join), **pdl_meta(),
+        INTERP=INTERPRET, **_tile_meta(tile, decode, fp4_join),
     )  # fmt: skip
     if split > 1:
         moe_swiglu_kernel[(num_m_blocks, triton.cdiv(inter, tile.block_n))](
             part, gscale, srt, blk, topw, h, T, inter, float(limit), num_m_blocks,
             IDENTITY=identity, BLOCK_M=block_m, BLOCK_N=tile.block_n, SPLIT_K=split,
-            INTERP=INTERPRET, num_warps=4, **pdl_meta(),
+            INTERP=INTERPRET, num_warps=4,
         )  # fmt: skip
 
 
@@ -753,7 +742,7 @@ def moe_down_triton(
         dummy if identity else sorted_slot, dummy if identity else block_expert, y,
         T, D, inter, w2[0].numel(), s2[0].numel() if s2.numel() else 0, num_m_blocks, rows_out,
         IDENTITY=identity, FMT=fmt, BLOCK_M=block_m, USE_F32=_use_f32(h) or w2.dtype == torch.float32,
-        INTERP=INTERPRET, **_tile_meta(tile, decode, fp4_join), **pdl_meta(),
+        INTERP=INTERPRET, **_tile_meta(tile, decode, fp4_join),
     )  # fmt: skip
     return y
 
@@ -785,7 +774,7 @@ def moe_reduce_triton(
         ws if gscale is None else gscale, out if shared is None else shared, out,
         T, D, e_global, e_local,
         TOPK=K, HAS_MAP=expert_map is not None, HAS_SHARED=shared is not None, SPLIT=split,
-        SHARED_SPLIT=shared_split, BLOCK_D=block, INTERP=INTERPRET, num_warps=4, **pdl_meta(),
+        SHARED_SPLIT=shared_split, BLOCK_D=block, INTERP=INTERPRET, num_warps=4,
     )  # fmt: skip
 
 
@@ -794,6 +783,4 @@ def act_quant_triton(x: torch.Tensor, out: torch.Tensor) -> None:
     R, K = x.shape
     if R == 0:
         return
-    act_quant_kernel[(R, triton.cdiv(K, 128))](
-        x, out, R, K, BLOCK=128, INTERP=INTERPRET, **pdl_meta()
-    )
+    act_quant_kernel[(R, triton.cdiv(K, 128))](x, out, R, K, BLOCK=128, INTERP=INTERPRET)

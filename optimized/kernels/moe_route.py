@@ -61,16 +61,7 @@ import triton.language as tl
 
 from dsv4mtp.errors import ConfigError
 
-from ._launch import (
-    INTERPRET,
-    TritonLaunch,
-    cdiv,
-    next_pow2,
-    pdl_wait,
-    plan,
-    triton_launch,
-    workspaces,
-)
+from ._launch import INTERPRET, TritonLaunch, cdiv, next_pow2, plan, triton_launch, workspaces
 from .moe_common import jit_loop_bounds
 
 __all__ = ["RouteSchedule", "route_config", "route_triton"]
@@ -158,9 +149,7 @@ def route_logits_kernel(
     EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr,
     INTERP: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     pid_t = tl.program_id(0)
     pid_e = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -208,9 +197,7 @@ def route_topk_kernel(
     ROWS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rm = rows < T
     e = tl.arange(0, BLOCK_E)

@@ -19,14 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import (
-    INTERPRET,
-    TritonLaunch,
-    next_pow2,
-    pdl_wait,
-    rne_bf16_if_interpreted,
-    triton_launch,
-)
+from ._launch import INTERPRET, TritonLaunch, next_pow2, rne_bf16_if_interpreted, triton_launch
 
 __all__ = ["rms_norm_triton"]
 
@@ -43,9 +36,7 @@ def rms_norm_kernel(
     BLOCK_D: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     INTERP: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     out_ty = out_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * D

@@ -52,7 +52,6 @@ from ._launch import (
     TritonLaunch,
     cdiv,
     next_pow2,
-    pdl_wait,
     rne_bf16_if_interpreted,
     triton_launch,
 )
@@ -144,9 +143,7 @@ def norm_rope_kernel(
     QBLOCK: tl.constexpr,
     INVERSE: tl.constexpr,
     INTERP: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     o_ty = out_ptr.dtype.element_ty
     HALF: tl.constexpr = (D - DN) // 2
     HALF_P2: tl.constexpr = DR_P2 // 2

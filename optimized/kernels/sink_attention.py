@@ -72,14 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import (
-    INTERPRET,
-    TritonLaunch,
-    next_pow2,
-    pdl_wait,
-    rne_bf16_if_interpreted,
-    triton_launch,
-)
+from ._launch import INTERPRET, TritonLaunch, next_pow2, rne_bf16_if_interpreted, triton_launch
 
 __all__ = [
     "AttentionSchedule",
@@ -254,9 +247,7 @@ def sink_attention_kernel(
     SEARCH: tl.constexpr,
     IEEE: tl.constexpr,
     INTERP: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     N_DV: tl.constexpr = DH // BLOCK_DV
     N_HB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
     pid = tl.program_id(0)
@@ -348,12 +339,10 @@ def sink_attention_cache_kernel(
     BLOCK_DV: tl.constexpr,
     IEEE: tl.constexpr,
     INTERP: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Decode rows against a ring cache: row b's query attends to the rows of ring
     ``slots[b]`` (kv (S, C, DH), positions (S, C), -1 empty; the row of position p at
     ``p % C``) whose position k satisfies ``q_pos - window < k <= q_pos``."""
-    pdl_wait(PDL)
     N_DV: tl.constexpr = DH // BLOCK_DV
     N_HB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
     pid = tl.program_id(0)
@@ -481,13 +470,11 @@ def sink_attention_paged_kernel(
     BLOCK_DV: tl.constexpr,
     IEEE: tl.constexpr,
     INTERP: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Query rows against a paged cache: row t attends, through its block-table row
     ``table[t]`` (max_blocks entries, -1: none), to the positions k with
     ``q_pos - window < k <= q_pos`` whose slot ``table[t, k // BS] * BS + k % BS`` of the pool
     (kv (N * BS, DH), positions (N * BS,), -1 empty) holds k."""
-    pdl_wait(PDL)
     N_DV: tl.constexpr = DH // BLOCK_DV
     N_HB: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
     pid = tl.program_id(0)
@@ -583,19 +570,10 @@ def _paged_block(
 
 @triton.jit
 def ring_write_kernel(
-    new_ptr,
-    pos_ptr,
-    slots_ptr,
-    kv_ptr,
-    kpos_ptr,
-    C,
-    DH: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    new_ptr, pos_ptr, slots_ptr, kv_ptr, kpos_ptr, C, DH: tl.constexpr, BLOCK_D: tl.constexpr
 ):
     """Row t of ``new`` (T, DH) at position p into ring ``slots[t]``: kv[slot, p % C] and
     pos[slot, p % C] = p; nothing for slot < 0 or p < 0."""
-    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     p = tl.load(pos_ptr + t).to(tl.int64)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ._launch import TritonLaunch, next_pow2, pdl_wait, triton_launch
+from ._launch import TritonLaunch, next_pow2, triton_launch
 from .moe_common import jit_loop_bounds
 
 __all__ = ["step_guard_triton"]
@@ -45,9 +45,7 @@ def step_guard_kernel(
     vocab_size,
     max_positions,
     BLOCK_H: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     row = prev_ptr + b * stride
