@@ -89,6 +89,24 @@ def candidates(T: int, dry: bool) -> list[tuple[str, MoESchedule]]:
         out.append(("bits_split2_swap_join", _all(j, block_k=64, split_k=2, swap_ab=True)))
         out.append(("asm_join_split2", _all(replace(a, fp4_join=True), block_k=64, split_k=2)))
         return out
+    if T <= 2:
+        # more programs than the default's 4-way split (the dense linears' decode GEMVs were
+        # fastest at one program per SM or more, linear-h200.md), and narrower or wider tiles
+        out += [
+            ("asm_split8", _all(a, split_k=8)),
+            ("asm_n32_split8", _all(a, block_n=32, split_k=8)),
+            ("asm_split16", _all(a, split_k=16)),
+            ("asm_n32_split4", _all(a, block_n=32, split_k=4)),
+            ("asm_n128_split8", _all(a, block_n=128, split_k=8)),
+            ("asm_split8_s4", _all(a, split_k=8, num_stages=4)),
+        ]
+    elif T <= 64:
+        aj = replace(a, fp4_join=True)
+        out += [
+            ("asm_join_split2", _all(aj, split_k=2)),
+            ("asm_join_n32", _all(aj, block_n=32)),
+            ("asm_join_split4", _all(aj, split_k=4)),
+        ]
     if T <= 64:
         aj = replace(a, fp4_join=True)
         out += [
