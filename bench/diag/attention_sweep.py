@@ -1,0 +1,133 @@
+"""Which tiles should the sink attention use on the H200?  Times candidate
+``AttentionSchedule``s of our two attention kernels at V4-Flash shapes (H 64, Dh 512, window 128,
+bf16) and says, for each, whether its output is bitwise the default's.
+
+* decode: the ring-cache kernel (``sink_attention_cache_triton``, what the captured step runs),
+  B sequences of one query row at position 127 against a full 128-row window, B 1 / 8 / 64;
+* prefill: the contiguous varlen kernel (``sink_attention_triton``), one sequence of T 512 /
+  4096 tokens, every query seeing its own <= 128 keys.
+
+Every schedule computes the same function; the reduction order over keys (``block_n``) and over
+Dh (``block_d``) is the part that can change bits, while head blocks, output slices and warps
+choose the dot instructions.  A schedule is only a candidate default if the two kernels keep
+giving the same bits for the same row (docs/semantics.md, "Visibility and the sink softmax"):
+the ``same bits`` column compares each case with the default schedule on the same inputs.
+Times: CUDA-graph replay of 20 calls, median of 10 replays (bench/h200_mhc.py's timer).
+
+    python3 bench/diag/attention_sweep.py
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from h200_mhc import graph_time_us
+
+from dsv4mtp.optimized.kernels.sink_attention import (
+    AttentionSchedule,
+    attention_schedule,
+    sink_attention_cache_triton,
+    sink_attention_triton,
+)
+
+H, DH, WINDOW = 64, 512, 128
+SCALE = DH**-0.5
+BF16 = torch.bfloat16
+
+
+def schedules() -> list[tuple[str, AttentionSchedule]]:
+    d = attention_schedule(H, DH, WINDOW)
+    s = AttentionSchedule
+    return [
+        ("default", d),
+        ("dv64", s(64, 32, 64, 64, 64, 4, 2)),
+        ("h32", s(32, 32, 64, 128, 64, 4, 2)),
+        ("h16", s(16, 32, 64, 128, 64, 4, 2)),
+        ("h32_dv64", s(32, 32, 64, 64, 64, 4, 2)),
+        ("w8", s(64, 32, 64, 128, 64, 8, 2)),
+        ("dv256_w8", s(64, 32, 64, 256, 64, 8, 2)),
+        ("n16", s(64, 16, 64, 128, 64, 4, 2)),
+        ("n64_w8", s(64, 64, 64, 128, 64, 8, 2)),
+        ("s3", s(64, 32, 64, 128, 64, 4, 3)),
+    ]
+
+
+def decode_case(B: int, g: torch.Generator) -> tuple[str, Callable[..., Any]]:
+    q = torch.randn(B, H, DH, device="cuda", generator=g).to(BF16)
+    kv = torch.randn(B, WINDOW, DH, device="cuda", generator=g).to(BF16)
+    pos = torch.arange(WINDOW, device="cuda").repeat(B, 1)  # row p % C holds position p
+    slots = torch.arange(B, device="cuda")
+    q_pos = torch.full((B,), WINDOW - 1, device="cuda")
+    sink = torch.randn(H, device="cuda", generator=g) * 2
+
+    def make(sched: AttentionSchedule) -> tuple[Callable[[], Any], torch.Tensor]:
+        out = torch.empty_like(q)
+        return (
+            lambda: sink_attention_cache_triton(
+                q, q_pos, kv, pos, slots, sink, out, WINDOW, SCALE, sched
+            ),
+            out,
+        )
+
+    return f"decode B {B}", make
+
+
+def prefill_case(T: int, g: torch.Generator) -> tuple[str, Callable[..., Any]]:
+    q = torch.randn(T, H, DH, device="cuda", generator=g).to(BF16)
+    kv = torch.randn(T, DH, device="cuda", generator=g).to(BF16)
+    pos = torch.arange(T, device="cuda")
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    sink = torch.randn(H, device="cuda", generator=g) * 2
+
+    def make(sched: AttentionSchedule) -> tuple[Callable[[], Any], torch.Tensor]:
+        out = torch.empty_like(q)
+        return (
+            lambda: sink_attention_triton(q, pos, kv, pos, sink, cu, cu, out, WINDOW, SCALE, sched),
+            out,
+        )
+
+    return f"prefill T {T}", make
+
+
+def main() -> None:
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cases = [decode_case(b, g) for b in (1, 8, 64)] + [prefill_case(t, g) for t in (512, 4096)]
+    scheds = schedules()
+    print("| schedule | " + " | ".join(name for name, _ in cases) + " |")
+    print("|---|" + "---|" * len(cases))
+    ref: dict[str, torch.Tensor] = {}
+    for sname, sched in scheds:
+        cells = []
+        for cname, make in cases:
+            try:
+                run, out = make(sched)
+                out.fill_(float("nan"))  # poisoned: a row the kernel skips shows
+                run()
+                torch.cuda.synchronize()
+                if sname == "default":
+                    ref[cname] = out.clone()
+                    same = "="
+                else:
+                    same = (
+                        "="
+                        if torch.equal(out, ref[cname])
+                        else (f"diff {float((out.float() - ref[cname].float()).abs().max()):.1e}")
+                    )
+                ok = bool(torch.isfinite(out).all())
+                us = graph_time_us([run], 20, 10)
+                cells.append(f"{us:.1f} ({same}{'' if ok else ', NON-FINITE'})")
+            except Exception as exc:
+                cells.append(f"failed: {type(exc).__name__}: {str(exc)[:80]}")
+        print(f"| {sname} {sched.fields()} | " + " | ".join(cells) + " |", flush=True)
+    print("us per call; (=) bitwise the default schedule's output, else the max abs difference")
+
+
+if __name__ == "__main__":
+    main()
