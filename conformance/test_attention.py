@@ -427,6 +427,50 @@ def test_optimized_schedules_agree(device) -> None:
         opt.sink_attention_varlen(*args, **kw, schedule=AttentionSchedule(16, 24, 16, 32))
 
 
+def test_the_default_schedule_reads_the_row_count_only_outside_batch_invariant_mode() -> None:
+    """From WIDE_ROWS rows the bf16 default splits the output into 256-wide slices over 8 warps
+    (the rest of its tiles unchanged); fp32, a Dh without a 256-wide slice and the T-independent
+    default (``rows=None``, what ``batch_invariant=True`` pins) keep the narrow tiles."""
+    pytest.importorskip("triton")
+    from dsv4mtp.optimized.attention import _schedule_fields
+    from dsv4mtp.optimized.kernels.sink_attention import WIDE_ROWS, attention_schedule
+
+    narrow = attention_schedule(64, 512, 128)
+    wide = attention_schedule(64, 512, 128, rows=WIDE_ROWS)
+    assert attention_schedule(64, 512, 128, rows=WIDE_ROWS - 1) == narrow
+    assert attention_schedule(64, 512, 128, rows=1 << 20) == wide
+    assert (wide.block_dv, wide.num_warps, narrow.block_dv, narrow.num_warps) == (256, 8, 128, 4)
+    for f in ("block_h", "block_n", "block_d", "search", "num_stages"):  # the reduction order
+        assert getattr(wide, f) == getattr(narrow, f), f
+    assert attention_schedule(64, 512, 128, True, rows=4096) == attention_schedule(
+        64, 512, 128, True
+    )
+    assert attention_schedule(4, 64, 16, rows=4096) == attention_schedule(4, 64, 16)
+    assert _schedule_fields(None, 64, 512, 128, BF16, False) == []  # the op picks by its rows
+    assert _schedule_fields(None, 64, 512, 128, BF16, True) == narrow.fields()
+
+
+@pytest.mark.gpu
+def test_the_wide_and_narrow_schedules_give_the_same_bits() -> None:
+    """The default's two bf16 schedules at V4-Flash shapes, on a 200-row prefill and on 64
+    decode rows against full windows: bitwise equal outputs (so a decode row keeps the bits of
+    the same row inside a prefill whatever the two calls' row counts)."""
+    from dsv4mtp.conformance.inputs import attention_inputs
+    from dsv4mtp.optimized.kernels.sink_attention import WIDE_ROWS, attention_schedule
+
+    opt = _opt()
+    op, W = "sink_attention_varlen", 128
+    for lens, caches in (([200], [0]), ([1] * 64, [W - 1] * 64)):
+        args, kw = attention_inputs(
+            op, sum(lens), 21, shape="flash", dtype=BF16, device="cuda", lens=lens, caches=caches
+        )
+        assert args[0].shape[0] >= WIDE_ROWS
+        wide = opt.sink_attention_varlen(*args, **kw)
+        narrow = opt.sink_attention_varlen(*args, **kw, schedule=attention_schedule(64, 512, W))
+        assert torch.isfinite(wide).all()
+        assert torch.equal(wide, narrow), f"lens {lens[:2]}"
+
+
 @pytest.mark.parametrize("variant", ["", "_out"])
 @pytest.mark.parametrize("op", ["sink_attention", "sink_attention_varlen"])
 def test_attention_opcheck(op: str, variant: str, device) -> None:

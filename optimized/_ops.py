@@ -856,13 +856,15 @@ SCHEMAS.update(_ATTN_SCHEMAS)
 OPS = tuple(SCHEMAS)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=1024)
 def _attn_schedule(
-    fields: tuple[int, ...], H: int, Dh: int, window: int, fp32: bool
+    fields: tuple[int, ...], H: int, Dh: int, window: int, fp32: bool, rows: int
 ) -> AttentionSchedule:
+    """The given schedule, or the default of the call's row count (kernels/sink_attention.py,
+    ``attention_schedule``; ``batch_invariant=True`` passes the T-independent one's fields)."""
     if fields:
         return AttentionSchedule(*fields)
-    return attention_schedule(H, Dh, window, fp32)
+    return attention_schedule(H, Dh, window, fp32, rows)
 
 
 def _attention_into(
@@ -884,7 +886,7 @@ def _attention_into(
     Tq, H, Dh = q.shape
     if Tq == 0:
         return
-    sched = _attn_schedule(tuple(schedule), H, Dh, window, q.dtype == torch.float32)
+    sched = _attn_schedule(tuple(schedule), H, Dh, window, q.dtype == torch.float32, Tq)
     sink_attention_triton(
         q.contiguous(), q_pos.contiguous(), kv.contiguous(), k_pos.contiguous(),
         attn_sink.contiguous(), None if cu_q is None else cu_q.contiguous(),
@@ -1272,7 +1274,7 @@ def _sink_attention_cache_out(
     B, H, Dh = q.shape
     if B == 0:
         return
-    sched = _attn_schedule(tuple(schedule), H, Dh, window, q.dtype == torch.float32)
+    sched = _attn_schedule(tuple(schedule), H, Dh, window, q.dtype == torch.float32, B)
     sink_attention_cache_triton(
         q.contiguous(), q_pos.contiguous(), cache_kv.contiguous(), cache_pos.contiguous(),
         slots.contiguous(), attn_sink.contiguous(), out, window, scale, sched,
@@ -1497,7 +1499,7 @@ def _sink_attention_paged_out(
     B, H, Dh = q.shape
     if B == 0:
         return
-    sched = _attn_schedule(tuple(schedule), H, Dh, window, q.dtype == torch.float32)
+    sched = _attn_schedule(tuple(schedule), H, Dh, window, q.dtype == torch.float32, B)
     sink_attention_paged_triton(
         q.contiguous(), q_pos.contiguous(), cache_kv.contiguous(), cache_pos.contiguous(),
         block_table.contiguous(), attn_sink.contiguous(), out, window, scale, sched,

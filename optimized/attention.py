@@ -73,10 +73,17 @@ _ops_varlen = torch.ops.dsv4mtp.sink_attention_varlen.default
 _ops_varlen_out = torch.ops.dsv4mtp.sink_attention_varlen_out.default
 
 
-def _schedule_fields(schedule: object, H: int, Dh: int) -> list[int]:
-    if schedule is None:
+def _schedule_fields(
+    schedule: object, H: int, Dh: int, window: int, dtype: torch.dtype, batch_invariant: bool
+) -> list[int]:
+    """The fields the op gets: ``schedule``'s, checked; for the default, none (the op picks by
+    its row count) or under ``batch_invariant`` the T-independent default's."""
+    if schedule is None and not batch_invariant:
         return []
-    from .kernels.sink_attention import AttentionSchedule
+    from .kernels.sink_attention import AttentionSchedule, attention_schedule
+
+    if schedule is None:
+        return attention_schedule(H, Dh, window, dtype == torch.float32).fields()
 
     check_instance("schedule", schedule, AttentionSchedule)
     assert isinstance(schedule, AttentionSchedule)
@@ -138,7 +145,7 @@ def _plan(
     choice = select(op, backend, Facts(dev, (q.dtype, attn_sink.dtype)))
     if out is not None:
         check_out("out", out, (Tq, H, Dh), q.dtype, dev)
-    return choice, _schedule_fields(schedule, H, Dh)
+    return choice, _schedule_fields(schedule, H, Dh, window, q.dtype, batch_invariant)
 
 
 def _check_values(
@@ -262,8 +269,10 @@ def sink_attention(
     (kernels/sink_attention.py); moves q and out once and each query's visible keys (at most
     ``window`` rows of Dh) once for all heads.  ``schedule``: an
     :class:`~dsv4mtp.optimized.kernels.sink_attention.AttentionSchedule` (tile sweeps), default
-    by H, Dh and the window.  Every schedule is batch invariant (a row's reduction order depends
-    on its own keys only), so ``batch_invariant=True`` changes nothing.
+    by H, Dh, the window and the row count (``attention_schedule``: wider output slices from 64
+    rows, the same bits).  Every schedule is batch invariant (a row's reduction order depends
+    on its own keys only); ``batch_invariant=True`` also pins the default to the one that does
+    not read the row count.
     """
     return _call(
         "sink_attention", q, q_pos, kv, k_pos, attn_sink, None, window, scale, batch_invariant,
@@ -365,7 +374,7 @@ def _finish_pool_plan(
     choice = select(op, backend, Facts(dev, (q.dtype, attn_sink.dtype)))
     if out is not None:
         check_out("out", out, (B, H, Dh), q.dtype, dev)
-    return choice, _schedule_fields(schedule, H, Dh)
+    return choice, _schedule_fields(schedule, H, Dh, window, q.dtype, batch_invariant)
 
 
 def _cache_plan(
@@ -459,8 +468,9 @@ def sink_attention_cache(
     fixed B.  An eager call also checks, with one host read, that every slot is < S and that
     every ring row holds -1 or a position p at index p % C (InputError otherwise); during
     capture or tracing the op trusts them.  ``out`` (B, H, Dh) in q's dtype, contiguous, is
-    written in place and returned.  ``batch_invariant``: every row is computed on its own, so
-    the flag changes nothing.
+    written in place and returned.  ``batch_invariant``: every row is computed on its own, in the
+    same order under every schedule; the flag pins the default schedule to the one that does
+    not read the row count (``attention_schedule``).
     """
     return _cache_call(
         q, q_pos, cache_kv, cache_pos, slots, attn_sink, window, scale, batch_invariant, out,
@@ -599,7 +609,8 @@ def sink_attention_paged(
     table entry is in [-1, N) and that every pool row holds -1 or a position at its offset
     (InputError otherwise); during capture or tracing the op trusts them.  ``out`` (B, H, Dh) in
     q's dtype, contiguous, is written in place and returned.  ``batch_invariant``: every row is
-    computed on its own, so the flag changes nothing.
+    computed on its own, in the same order under every schedule; the flag pins the default
+    schedule to the one that does not read the row count (``attention_schedule``).
     """
     return _paged_call(
         q, q_pos, cache_kv, cache_pos, block_table, attn_sink, window, scale, batch_invariant,

@@ -112,14 +112,29 @@ class AttentionSchedule:
         ]  # fmt: skip
 
 
-def attention_schedule(H: int, Dh: int, window: int, fp32: bool = False) -> AttentionSchedule:
-    """The default tiles, read by H, Dh, the window and the dtype only, never by T (so the
-    default is batch invariant).  bf16: up to 64 heads per program (the MQA key block is loaded
-    once for all of them), key blocks of 32, Dh reduced in 64-wide chunks, 128-wide output
-    slices, 4 warps.  fp32 (IEEE dots on FMA units, a test dtype): 32 heads, 16 keys, 32 / 64.
-    Chosen so that ptxas fits them in registers for sm_90 at V4-Flash / V4-Pro shapes
-    (bf16: 201 registers, no spills; the 64-key, 128-chunk tiles spill) and Triton's shared
-    memory stays under the H200's 227 KiB; not yet timed on the H200."""
+#: From this many query rows in one call the bf16 default takes 256-wide output slices and 8
+#: warps (two programs per row instead of four: the scores are recomputed half as often), which
+#: on the H200 at V4-Flash shapes is 21-25 % faster from 64 rows on (prefill 4096: 956 vs
+#: 1263 us; decode B 64: 18.7 vs 23.6 us) and 5 us slower at 1-8 rows, where four programs per
+#: row spread the few rows over more SMs (bench/results/mtp-h200.md, "The attention backend").
+WIDE_ROWS = 64
+
+
+def attention_schedule(
+    H: int, Dh: int, window: int, fp32: bool = False, rows: int | None = None
+) -> AttentionSchedule:
+    """The default tiles of a call with ``rows`` query rows; ``rows=None`` (what
+    ``batch_invariant=True`` takes) gives the T-independent one.  bf16: up to 64 heads per
+    program (the MQA key block is loaded once for all of them), key blocks of 32, Dh reduced in
+    64-wide chunks, 128-wide output slices and 4 warps, or from :data:`WIDE_ROWS` rows 256-wide
+    slices and 8 warps.  The two differ in how the output columns are split over programs and
+    warps only: every output element is reduced over the same key blocks and Dh chunks by the
+    same dot instructions, so both give the same bits (checked bitwise on the H200,
+    bench/diag/attention_sweep.py) and a decode row still gives the bits of the same row inside
+    a prefill.  fp32 (IEEE dots on FMA units, a test dtype): 32 heads, 16 keys, 32 / 64.  Chosen
+    so that ptxas fits them in registers for sm_90 at V4-Flash / V4-Pro shapes (bf16: 201
+    registers, no spills; the 64-key, 128-chunk tiles spill) and Triton's shared memory stays
+    under the H200's 227 KiB."""
     pow2 = Dh & -Dh  # the largest power of two dividing Dh
     if fp32:
         return AttentionSchedule(
@@ -127,6 +142,8 @@ def attention_schedule(H: int, Dh: int, window: int, fp32: bool = False) -> Atte
         )
     block_h = min(64, max(16, next_pow2(H)))
     block_n = min(32, max(16, next_pow2(window)))
+    if rows is not None and rows >= WIDE_ROWS and pow2 >= 256:
+        return AttentionSchedule(block_h, block_n, min(64, pow2), 256, 64, 8, 2)
     return AttentionSchedule(block_h, block_n, min(64, pow2), min(128, pow2), 64, 4, 2)
 
 
