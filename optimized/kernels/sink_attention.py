@@ -116,7 +116,7 @@ class AttentionSchedule:
 #: warps (two programs per row instead of four: the scores are recomputed half as often), which
 #: on the H200 at V4-Flash shapes is 21-25 % faster from 64 rows on (prefill 4096: 956 vs
 #: 1263 us; decode B 64: 18.7 vs 23.6 us) and 5 us slower at 1-8 rows, where four programs per
-#: row spread the few rows over more SMs (bench/results/mtp-h200.md, "The attention backend").
+#: row spread the few rows over more SMs (bench/results/attention-h200.md, "Schedules").
 WIDE_ROWS = 64
 
 
@@ -131,10 +131,11 @@ def attention_schedule(
     warps only: every output element is reduced over the same key blocks and Dh chunks by the
     same dot instructions, so both give the same bits (checked bitwise on the H200,
     bench/diag/attention_sweep.py) and a decode row still gives the bits of the same row inside
-    a prefill.  fp32 (IEEE dots on FMA units, a test dtype): 32 heads, 16 keys, 32 / 64.  Chosen
-    so that ptxas fits them in registers for sm_90 at V4-Flash / V4-Pro shapes (bf16: 201
-    registers, no spills; the 64-key, 128-chunk tiles spill) and Triton's shared memory stays
-    under the H200's 227 KiB."""
+    a prefill.  fp32 (IEEE dots on FMA units, a test dtype): 32 heads, 16 keys, 32 / 64.  The
+    narrow bf16 tiles were chosen so that ptxas fits them in registers for sm_90 at V4-Flash /
+    V4-Pro shapes (201 registers, no spills; the 64-key, 128-chunk tiles spill) and Triton's
+    shared memory stays under the H200's 227 KiB (bench/sm90_resources.py); the wide ones were
+    picked by their time, not by that check."""
     pow2 = Dh & -Dh  # the largest power of two dividing Dh
     if fp32:
         return AttentionSchedule(
