@@ -157,14 +157,23 @@ def test_code_decodes_are_exact_for_every_code(device: str) -> None:
     assert torch.equal(hi.double(), want_hi)
 
 
-@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("T", [1, 2, 5, 8])
 def test_default_schedule_fits_small_k(T: int, device: str) -> None:
-    """The default schedule's 4-way K split at T <= 2 (GPU) on the tiny shape, whose K (D 256,
-    I 128) cannot be split four ways in 128-wide steps: the launchers split less instead of
-    reading misaligned slices (which returned NaN and garbage before)."""
+    """The default schedule's K splits (GPU: 4-way at T <= 2, 2-way at T <= 8) on the tiny
+    shape, whose K (D 256, I 128) cannot be split four ways in 128-wide steps: the launchers
+    split less instead of reading misaligned slices (which returned NaN and garbage before)."""
     for fmt in ("mxfp4", "fp8"):
         args, kw = moe_inputs("moe", T, 5, shape="tiny", fmt=fmt, device=device, magnitude=4.0)
         _check("moe", moe(*args, **kw), args, kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5, 8])
+def test_default_split_schedules_at_v4_flash_shapes(T: int) -> None:
+    """The default's K-split schedules (4-way at T 1, 2-way at T 5 and 8) at V4-Flash experts
+    (D 4096, I 2048, E 256, top-6), MXFP4: within the moe tolerance of the float64 reference."""
+    args, kw = moe_inputs("moe", T, 7, shape="flash", fmt="mxfp4", device="cuda")
+    _check("moe", moe(*args, **kw), args, kw)
 
 
 def test_split_schedule_is_batch_invariant(device: str) -> None:

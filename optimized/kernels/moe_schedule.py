@@ -197,10 +197,13 @@ def moe_config(T: int, *, batch_invariant: bool) -> MoESchedule:
 
     Every GEMM: 64-column N tiles, 128-column K steps (one FP8 scale block), 4 warps, 3 stages,
     the 2-D grid, the PTX decode (``"asm"``: about half the GEMM time of the float-conversion
-    decodes at every T) and the interleaved FP4 dot.  By T:
+    decodes at every T), and from T 3 on the interleaved FP4 dot.  By T:
 
     * T <= 2: 16-row M blocks and a 4-way K split: six experts' weights are then streamed by
-      4x the programs (MXFP4 149 us vs 172 us unsplit for the whole moe at T 1; FP8 137 / 153);
+      4x the programs (MXFP4 149 us vs 172 us unsplit for the whole moe at T 1; FP8 137 / 153;
+      8- and 16-way splits were 10 % and 27 % slower);
+    * T <= 8: 16-row M blocks and a 2-way K split (measured at T 8, MXFP4: 416 us vs 428 us
+      unsplit for the whole moe, 430 us with a 4-way split);
     * T <= 64: 16-row M blocks, no split (an expert sees a few rows; the weight stream is
       spread over experts x N tiles);
     * above, and under ``batch_invariant=True`` for every T: 64-row M blocks, no split.
@@ -218,8 +221,9 @@ def moe_config(T: int, *, batch_invariant: bool) -> MoESchedule:
             16, gu, dn, 16, gu, dn, decode="asm", fp4_join=True, align_chunk=64, align_warps=4
         )
     bm = 64 if (batch_invariant or T > 64) else 16
-    split = 4 if (not batch_invariant and T <= 2) else 1
+    split = 1 if (batch_invariant or T > 8) else (4 if T <= 2 else 2)
     t = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=split)
+    join = batch_invariant or T > 2  # the interleaved dot: measured with these splits
     return MoESchedule(
-        bm, t, t, bm, t, t, decode="asm", fp4_join=split == 1, align_chunk=128, align_warps=8
+        bm, t, t, bm, t, t, decode="asm", fp4_join=join, align_chunk=128, align_warps=8
     )
