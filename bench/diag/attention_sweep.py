@@ -10,8 +10,9 @@ bf16) and says, for each, whether its output is bitwise the default's.
 Every schedule computes the same function; the reduction order over keys (``block_n``) and over
 Dh (``block_d``) is the part that can change bits, while head blocks, output slices and warps
 choose the dot instructions.  A schedule is only a candidate default if the two kernels keep
-giving the same bits for the same row (docs/semantics.md, "Visibility and the sink softmax"):
-the ``same bits`` column compares each case with the default schedule on the same inputs.
+giving the same bits for the same row (optimized/kernels/sink_attention.py, module docstring):
+each cell says (=) where the output is bitwise the default schedule's on the same inputs,
+else the max abs difference.
 Times: CUDA-graph replay of 20 calls, median of 10 replays (bench/h200_mhc.py's timer).
 
     python3 bench/diag/attention_sweep.py
