@@ -332,8 +332,9 @@ def pre_fma_config(n: int, D: int) -> PreFmaConfig:
     bench/sm90_resources.py); 16 tokens per block read fn from L2 4 times at T 64.
     64-column slices keep the slot count S (what phase 2 sums per token) at 64 / 112.
     Reducers take 2 tokens each, the apply 4 tokens x 256 columns (hc_head's FMA tile).
-    Provisional: not yet measured on the H200 (bench/diag/hc_pre_small_t.py --fma-tiles times
-    alternatives).  Under the interpreter: narrower slices, so that the CPU tier's small D has
+    Timed as the default on the H200 (bench/results/mhc-h200.md, "hc_pre at small T": 9.7 us
+    at T 1, D 4096); other tiles not swept yet (bench/diag/hc_pre_small_t.py --fma-tiles
+    times them).  Under the interpreter: narrower slices, so that the CPU tier's small D has
     several.
     """
     block_d = min(16 if INTERPRET else 64, max(16, next_pow2(D)))
