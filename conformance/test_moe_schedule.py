@@ -30,6 +30,7 @@ import triton.language as tl
 
 from dsv4mtp.optimized.kernels._launch import INTERPRET
 from dsv4mtp.optimized.kernels.decode import _e2m1_pair_bf16, _e4m3_bf16
+from dsv4mtp.optimized.kernels.moe_gemm import FMT_MXFP4, moe_down_triton
 from dsv4mtp.optimized.kernels.moe_route import RouteSchedule, route_config, route_triton
 from dsv4mtp.optimized.kernels.moe_schedule import (
     schedule_from_fields,
@@ -54,6 +55,16 @@ SCHEDULES = {
         64, _T(128, 128, split_k=2), _T(64, 64, split_k=2, swap_ab=True),
         64, _T(32, 64, split_k=4), _T(64, 32, split_k=4), decode="bits", fp4_join=True,
     ),
+    # group-scaled dot_scaled GEMMs: 8-row blocks (the token side of a swapped dot), a split
+    # gate/up; the unswapped orientation at 16 rows.  The FP8 shared expert falls back to "asm".
+    "mxdot_m8_swap": MoESchedule(
+        8, _T(64, 128, split_k=2, swap_ab=True), _T(128, 64, swap_ab=True),
+        16, _T(64, 128), _T(64, 64, split_k=2), decode="mxdot", fp4_join=True,
+    ),
+    "mxdot_m16": MoESchedule(
+        16, _T(32, 64, split_k=2), _T(64, 128, group_m=2),
+        16, _T(64, 128, swap_ab=True), _T(64, 128), decode="mxdot",
+    ),
 }  # fmt: skip
 
 
@@ -77,6 +88,9 @@ def _shape(device: str) -> str:
         ("join_swap", "nvfp4"),
         ("m64_split2", "fp8"),
         ("split_group_swap_bits", "nvfp4_folded"),
+        ("mxdot_m8_swap", "mxfp4"),
+        ("mxdot_m16", "mxfp4"),
+        ("mxdot_m8_swap", "fp8"),
     ],
 )
 def test_moe_schedule_matches_the_reference(name: str, fmt: str, device: str) -> None:
@@ -155,6 +169,50 @@ def test_code_decodes_are_exact_for_every_code(device: str) -> None:
     assert torch.equal(e4m3.double()[finite], want_e4m3[finite])
     assert torch.equal(lo.double(), want_lo)
     assert torch.equal(hi.double(), want_hi)
+
+
+@pytest.mark.parametrize("swap", [True, False])
+def test_mxdot_values_are_exact_for_every_code_and_scale(swap: bool, device: str) -> None:
+    """``decode="mxdot"`` (``dot_scaled`` on the GPU, the integer decode in the interpreter)
+    through the down GEMM with one-hot rows: y[t, n] is then the weight (n, t) times its e8m0
+    group scale, exact in fp32 and in bf16, for all 256 code bytes and scale bytes 0..250 (the
+    products stay finite; byte 0 is 2**-127: the group scale is applied in fp32, so the
+    subnormal products of bytes 0 and 1 are exact too).  The interpreter's fp32 -> bf16
+    conversion flushes some subnormal results to zero, so on the CPU those products (under 1 %)
+    are left out and the GPU run checks them."""
+    N, K = 256, 64  # 256 rows of 32 code bytes: every byte 32 times; 512 groups: every scale
+    dev = torch.device(device)
+    codes = (torch.arange(N * K // 2) % 256).to(torch.uint8).reshape(1, N, K // 2)
+    scales = (torch.arange(N * K // 32) % 251).to(torch.uint8).reshape(1, N, K // 32)
+    h = torch.eye(K, dtype=torch.bfloat16)  # token t = column t
+    tile = GemmTile(128, 64, swap_ab=swap)
+    y = moe_down_triton(
+        h.to(dev), codes.to(dev), scales.to(dev), torch.ones(1, 3, device=dev), None, None,
+        fmt=FMT_MXFP4, T=K, D=N, inter=K, rows_out=K, num_m_blocks=K // 8 if swap else K // 16,
+        block_m=8 if swap else 16, tile=tile, decode="mxdot",
+    ).cpu()  # fmt: skip
+    c = codes[0]
+    w = torch.stack([formats.decode_e2m1(c & 15, dtype=torch.float64),
+                     formats.decode_e2m1(c >> 4, dtype=torch.float64)], -1).reshape(N, K)  # fmt: skip
+    w = w * formats.decode_e8m0(scales[0], dtype=torch.float64).repeat_interleave(32, dim=1)
+    keep = (w == 0) | (w.abs() >= 2.0**-126) if INTERPRET else torch.ones_like(w, dtype=torch.bool)
+    assert int(keep.sum()) > 0.9 * keep.numel()
+    assert torch.equal(y.double().T[keep], w[keep])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64, 300])
+def test_mxdot_schedules_at_v4_flash_shapes(T: int) -> None:
+    """``decode="mxdot"`` at V4-Flash experts (D 4096, I 2048, E 256, top-6), MXFP4, the
+    default's K splits: 8-row blocks on the swapped dot up to T 64, the default's 64-row blocks
+    above; within the moe tolerance of the float64 reference."""
+    d = moe_config(T, batch_invariant=False)
+    s = replace(
+        d, decode="mxdot", block_m=8 if T <= 64 else d.block_m,
+        gate_up=replace(d.gate_up, swap_ab=True), down=replace(d.down, swap_ab=True),
+    )  # fmt: skip
+    args, kw = moe_inputs("moe", T, 7, shape="flash", fmt="mxfp4", device="cuda")
+    _check("moe", moe(*args, **kw, schedule=s), args, kw)
 
 
 @pytest.mark.parametrize("T", [1, 2, 5, 8])

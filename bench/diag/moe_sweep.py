@@ -73,6 +73,55 @@ def _all(s: MoESchedule, **tile: Any) -> MoESchedule:
     )
 
 
+def _routed(s: MoESchedule, **tile: Any) -> MoESchedule:
+    """``s`` with the same GemmTile changes on the two routed GEMMs only (the shared expert,
+    FP8 in V4, keeps its tiles)."""
+    return replace(s, gate_up=replace(s.gate_up, **tile), down=replace(s.down, **tile))
+
+
+def mxdot_candidates(T: int, dry: bool) -> list[tuple[str, MoESchedule]]:
+    """The group-scaled ``dot_scaled`` GEMMs (``decode="mxdot"``, MXFP4 routed experts; other
+    formats fall back to "asm"): at decode sizes 8- and 16-row blocks on the swapped dot (the
+    weight rows on the MMA's M side, tokens on its N side), 64- and 128-row weight tiles, the
+    default's K split and more; at prefill sizes 64-row blocks, swapped and not."""
+    d = moe_config(T, batch_invariant=False)
+    m = replace(d, decode="mxdot")
+    if dry:
+        return [("mxdot_m8_swap", _routed(replace(m, block_m=8), swap_ab=True))]
+    split = d.gate_up.split_k
+    m8, m16 = replace(m, block_m=8), replace(m, block_m=16)
+    if T <= 64:
+        out = [
+            ("mxdot_m8_swap", _routed(m8, swap_ab=True)),
+            ("mxdot_m8_swap_n128", _routed(m8, swap_ab=True, block_n=128)),
+            ("mxdot_m8_swap_x2split", _routed(m8, swap_ab=True, split_k=2 * split)),
+            (
+                "mxdot_m8_swap_n128_x2split",
+                _routed(m8, swap_ab=True, block_n=128, split_k=2 * split),
+            ),
+            ("mxdot_m16_swap", _routed(m16, swap_ab=True)),
+            ("mxdot_m16", m16),
+            ("mxdot_m8_swap_s4", _routed(m8, swap_ab=True, num_stages=4)),
+            ("mxdot_m8_swap_bk256", _routed(m8, swap_ab=True, block_k=256, num_stages=2)),
+        ]
+        if T > 8:
+            out.insert(
+                2, ("mxdot_m8_swap_n128_split2", _routed(m8, swap_ab=True, block_n=128, split_k=2))
+            )
+        return out
+    return [
+        ("mxdot_swap", _routed(m, swap_ab=True)),
+        ("mxdot_swap_n128", _routed(m, swap_ab=True, block_n=128)),
+        ("mxdot_swap_n128_w8", _routed(m, swap_ab=True, block_n=128, num_warps=8)),
+        ("mxdot", m),
+        ("mxdot_n128_s2", _routed(m, block_n=128, num_stages=2)),
+        (
+            "mxdot_m128_swap_n128_w8",
+            _routed(replace(m, block_m=128), swap_ab=True, block_n=128, num_warps=8),
+        ),
+    ]
+
+
 def candidates(T: int, dry: bool) -> list[tuple[str, MoESchedule]]:
     """Schedules to try at T, the default first, then by expected value (the time cap cuts
     the tail).  Decode sizes: the PTX decode with K splits, narrower N tiles, more warps or
@@ -261,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-parts", action="store_true", help="skip the per-part times")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shape, wall clock")
+    p.add_argument(
+        "--mxdot", action="store_true", help="the default, then the mxdot candidates only"
+    )
     a = p.parse_args(argv)
     t_start = time.time()
     cuda = not a.dry_run
@@ -307,7 +359,12 @@ def main(argv: list[str] | None = None) -> int:
             if cuda:
                 n_calls = max(n_calls, 8 if T <= 64 else 4)
             want = moe(xs[0], packs[0], cfg)
-            for name, s in candidates(T, a.dry_run):
+            cands = (
+                [candidates(T, a.dry_run)[0], *mxdot_candidates(T, a.dry_run)]
+                if a.mxdot
+                else candidates(T, a.dry_run)
+            )
+            for name, s in cands:
                 if over():
                     capped = True
                     break

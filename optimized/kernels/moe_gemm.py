@@ -118,7 +118,7 @@ __all__ = [
 ]
 
 FMT_BF16, FMT_FP8, FMT_MXFP4, FMT_NVFP4 = 0, 1, 2, 3
-DECODE_F16, DECODE_BITS, DECODE_ASM = 0, 1, 2
+DECODE_F16, DECODE_BITS, DECODE_ASM, DECODE_MXDOT = 0, 1, 2, 3
 
 
 @triton.jit
@@ -174,6 +174,10 @@ def _k_step(
     with SWAP."""
     BITS: tl.constexpr = DECODE == 1
     ASM: tl.constexpr = DECODE == 2
+    if FMT == 2 and DECODE == 3:
+        return _mx_groups_step(
+            x_rows, xm, k0, w_base, s_base, n, nm, KDIM, BLOCK_N, BLOCK_K, SWAP, INTERP
+        )
     if FMT == 2 or FMT == 3:
         BKH: tl.constexpr = BLOCK_K // 2
         GH: tl.constexpr = 16 if FMT == 2 else 8  # bytes per scale group
@@ -272,6 +276,68 @@ def _k_step(
         else:
             w = tl.load(wp, mask=nm[:, None], other=0.0)
             return _dot_xw(x, w.to(x.dtype), USE_F32, SWAP)
+
+
+@triton.jit
+def _mx_groups_step(
+    x_rows,
+    xm,
+    k0,
+    w_base,
+    s_base,
+    n,
+    nm,
+    KDIM,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SWAP: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """``decode="mxdot"`` (MXFP4 codes, bf16 x): one dot per 32-column scale group on the
+    unscaled e2m1 values, the group's e8m0 scale applied to the fp32 partial.
+
+    Triton's ``dot_scaled`` upcasts the packed nibbles in the dot operand's own register layout
+    (the codes reach it through a cp.async copy, 16-byte vectors), so no decoded bf16 tile makes
+    a shared-memory round trip, and the scale costs one fp32 multiply-add per accumulator element
+    and group instead of a bf16 multiply per weight pair: about 5 instructions per weight at
+    8 x 128 tiles against about 11 for ``"asm"`` (bench/sm90_resources.py --moe-decode).  The
+    e8m0 scale is applied in fp32 (byte 0 as the subnormal 2**-127), so every scale byte is
+    exact.  The interpreter has no ``dot_scaled``: it runs the same group structure with the
+    integer e2m1 decode and an fp32 dot (the same products and partial sums)."""
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    kb = tl.arange(0, 16)
+    kx = tl.arange(0, 32)
+    rows = n[:, None].to(tl.int64)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, xm.shape[0]), dtype=tl.float32)
+    else:
+        acc = tl.zeros((xm.shape[0], BLOCK_N), dtype=tl.float32)
+    for g in tl.static_range(GROUPS):
+        kg = k0 + 32 * g
+        codes = tl.load(
+            w_base + rows * (KDIM // 2) + (kg // 2 + kb)[None, :], mask=nm[:, None], other=0
+        )
+        x = tl.load(x_rows + (kg + kx)[None, :], mask=xm, other=0.0)
+        sraw = tl.load(s_base + n.to(tl.int64) * (KDIM // 32) + kg // 32, mask=nm, other=0)
+        sraw = sraw.to(tl.int32)
+        sf = tl.where(sraw == 0, 0x400000, sraw << 23).to(tl.float32, bitcast=True)
+        if INTERP:
+            c32 = codes.to(tl.int32)
+            w = tl.join(_e2m1_f32(c32 & 15), _e2m1_f32(c32 >> 4)).reshape(BLOCK_N, 32)
+            if SWAP:
+                part = tl.dot(w, tl.trans(x.to(tl.float32)), input_precision="ieee")
+            else:
+                part = tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+        else:
+            if SWAP:
+                part = tl.dot_scaled(codes, None, "e2m1", tl.trans(x), None, "bf16")
+            else:
+                part = tl.dot_scaled(x, None, "bf16", tl.trans(codes), None, "e2m1")
+        if SWAP:
+            acc += part * sf[:, None]
+        else:
+            acc += part * sf[None, :]
+    return acc
 
 
 # ----------------------------------------------------------------------------- tiles
@@ -648,6 +714,15 @@ def _fit_split(tile: GemmTile, K: int) -> GemmTile:
     return tile if split == tile.split_k else dataclasses.replace(tile, split_k=split)
 
 
+def _decode_for(decode: str, fmt: int, act: torch.dtype) -> str:
+    """``"mxdot"`` needs MXFP4 codes and bf16 activations (``dot_scaled``'s operand types);
+    other GEMMs of the same schedule (the FP8 shared expert, fp32 activations) take ``"asm"``,
+    whose dot operands are the same values."""
+    if decode == "mxdot" and (fmt != FMT_MXFP4 or act != torch.bfloat16):
+        return "asm"
+    return decode
+
+
 def _tile_meta(tile: GemmTile, decode: str, fp4_join: bool) -> dict[str, object]:
     return dict(
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT_K=tile.split_k, GROUP_M=tile.group_m,
@@ -681,6 +756,7 @@ def moe_gate_up_triton(
     T, D = x.shape
     identity = sorted_slot is None
     dummy = gscale
+    decode = _decode_for(decode, fmt, x.dtype)
     tile = _fit_split(tile, D)
     split = tile.split_k
     rows = num_m_blocks * block_m
@@ -731,6 +807,7 @@ def moe_down_triton(
     (split_k, rows_out, D), unscaled, for :func:`moe_reduce_triton`."""
     identity = sorted_slot is None
     dummy = gscale
+    decode = _decode_for(decode, fmt, h.dtype)
     tile = _fit_split(tile, inter)
     split = tile.split_k
     if split > 1:

@@ -59,8 +59,8 @@ __all__ = [
     "schedule_to_fields",
 ]
 
-DECODES = ("f16", "bits", "asm")
-_BLOCK_M = (16, 32, 64, 128)
+DECODES = ("f16", "bits", "asm", "mxdot")
+_BLOCK_M = (8, 16, 32, 64, 128)
 
 
 def _pow2(name: str, v: object, lo: int, hi: int) -> None:
