@@ -1,0 +1,52 @@
+"""Hardware counters of the MoE's routed GEMMs at decode sizes, under Nsight Compute (H200).
+
+For MXFP4 V4-Flash experts (E 256, top-6, I 2048, D 4096) and T in ``--tokens``, one ``moe``
+call per schedule (the default, then ``decode="mxdot"`` on 8-row swapped blocks), in the order
+printed, so the report's gate/up and down kernels line up with the printed labels.  Meant to be
+run from the repository root as
+
+    ncu --clock-control none -k regex:'moe_(gate_up|down)_kernel' --section SpeedOfLight \
+        --section Occupancy --section WarpStateStats --section SchedulerStats \
+        --section MemoryWorkloadAnalysis --section LaunchStats \
+        python3 bench/diag/ncu_moe.py [--tokens 1,64]
+
+ncu replays each kernel with the caches flushed (cold L2, like the benchmark's rotating
+weight copies).  The question it answers: at decode sizes, is a routed GEMM limited by DRAM
+bandwidth, by instruction issue, or by the loads in flight (warps stalled on long scoreboard
+with the issue slots idle)?
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import torch
+
+from dsv4mtp.conformance.inputs import moe_inputs
+from dsv4mtp.optimized.moe import moe, moe_config
+
+
+def schedules(T: int) -> list[tuple[str, object]]:
+    d = moe_config(T, batch_invariant=False)
+    mx = replace(
+        d, decode="mxdot", block_m=8,
+        gate_up=replace(d.gate_up, swap_ab=True), down=replace(d.down, swap_ab=True),
+    )  # fmt: skip
+    return [("default", d), ("mxdot_m8_swap", mx)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", default="1,64")
+    a = p.parse_args()
+    for T in (int(t) for t in a.tokens.split(",")):
+        args, kw = moe_inputs("moe", T, 7, shape="flash", fmt="mxfp4", device="cuda")
+        for name, s in schedules(T):
+            moe(*args, **kw, schedule=s)  # compiles (no kernel launch while compiling)
+            torch.cuda.synchronize()
+            print(f"T={T} {name}: gate/up then down kernels follow", flush=True)
+
+
+if __name__ == "__main__":
+    main()
