@@ -30,7 +30,7 @@ import triton.language as tl
 
 from dsv4mtp.optimized.kernels._launch import INTERPRET
 from dsv4mtp.optimized.kernels.decode import _e2m1_pair_bf16, _e4m3_bf16
-from dsv4mtp.optimized.kernels.moe_gemm import FMT_MXFP4, moe_down_triton
+from dsv4mtp.optimized.kernels.moe_gemm import FMT_FP8, FMT_MXFP4, _decode_for, moe_down_triton
 from dsv4mtp.optimized.kernels.moe_route import RouteSchedule, route_config, route_triton
 from dsv4mtp.optimized.kernels.moe_schedule import (
     schedule_from_fields,
@@ -58,11 +58,11 @@ SCHEDULES = {
     # group-scaled dot_scaled GEMMs: 8-row blocks (the token side of a swapped dot), a split
     # gate/up; the unswapped orientation at 16 rows.  The FP8 shared expert falls back to "asm".
     "mxdot_m8_swap": MoESchedule(
-        8, _T(64, 128, split_k=2, swap_ab=True), _T(128, 64, swap_ab=True),
+        8, _T(64, 128, split_k=2, swap_ab=True), _T(128, 128, swap_ab=True),
         16, _T(64, 128), _T(64, 64, split_k=2), decode="mxdot", fp4_join=True,
     ),
     "mxdot_m16": MoESchedule(
-        16, _T(32, 64, split_k=2), _T(64, 128, group_m=2),
+        16, _T(32, 128, split_k=2), _T(64, 128, group_m=2),
         16, _T(64, 128, swap_ab=True), _T(64, 128), decode="mxdot",
     ),
 }  # fmt: skip
@@ -180,12 +180,12 @@ def test_mxdot_values_are_exact_for_every_code_and_scale(swap: bool, device: str
     subnormal products of bytes 0 and 1 are exact too).  The interpreter's fp32 -> bf16
     conversion flushes some subnormal results to zero, so on the CPU those products (under 1 %)
     are left out and the GPU run checks them."""
-    N, K = 256, 64  # 256 rows of 32 code bytes: every byte 32 times; 512 groups: every scale
+    N, K = 256, 128  # 256 rows of 64 code bytes: every byte 64 times; 1024 groups: every scale
     dev = torch.device(device)
     codes = (torch.arange(N * K // 2) % 256).to(torch.uint8).reshape(1, N, K // 2)
     scales = (torch.arange(N * K // 32) % 251).to(torch.uint8).reshape(1, N, K // 32)
     h = torch.eye(K, dtype=torch.bfloat16)  # token t = column t
-    tile = GemmTile(128, 64, swap_ab=swap)
+    tile = GemmTile(128, 128, swap_ab=swap)
     y = moe_down_triton(
         h.to(dev), codes.to(dev), scales.to(dev), torch.ones(1, 3, device=dev), None, None,
         fmt=FMT_MXFP4, T=K, D=N, inter=K, rows_out=K, num_m_blocks=K // 8 if swap else K // 16,
@@ -198,6 +198,21 @@ def test_mxdot_values_are_exact_for_every_code_and_scale(swap: bool, device: str
     keep = (w == 0) | (w.abs() >= 2.0**-126) if INTERPRET else torch.ones_like(w, dtype=torch.bool)
     assert int(keep.sum()) > 0.9 * keep.numel()
     assert torch.equal(y.double().T[keep], w[keep])
+
+
+def test_mxdot_falls_back_where_it_does_not_apply() -> None:
+    """``"mxdot"`` runs for MXFP4 codes, bf16 activations, 128-wide K steps and 4-byte aligned
+    scale rows; anything else (the FP8 shared expert, fp32 activations, other steps, a scale
+    view at an odd offset) takes ``"asm"`` rather than failing or reading misaligned words."""
+    s = torch.zeros(2, 64, 8, dtype=torch.uint8)
+    bf = torch.bfloat16
+    assert _decode_for("mxdot", FMT_MXFP4, bf, s, 128) == "mxdot"
+    assert _decode_for("mxdot", FMT_FP8, bf, s, 128) == "asm"
+    assert _decode_for("mxdot", FMT_MXFP4, torch.float32, s, 128) == "asm"
+    assert _decode_for("mxdot", FMT_MXFP4, bf, s, 64) == "asm"
+    odd = torch.zeros(2 * 64 * 8 + 1, dtype=torch.uint8)[1:].view(2, 64, 8)
+    assert _decode_for("mxdot", FMT_MXFP4, bf, odd, 128) == "asm"
+    assert _decode_for("bits", FMT_MXFP4, bf, s, 128) == "bits"
 
 
 @pytest.mark.gpu

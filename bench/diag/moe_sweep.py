@@ -80,10 +80,11 @@ def _routed(s: MoESchedule, **tile: Any) -> MoESchedule:
 
 
 def mxdot_candidates(T: int, dry: bool) -> list[tuple[str, MoESchedule]]:
-    """The group-scaled ``dot_scaled`` GEMMs (``decode="mxdot"``, MXFP4 routed experts; other
-    formats fall back to "asm"): at decode sizes 8- and 16-row blocks on the swapped dot (the
-    weight rows on the MMA's M side, tokens on its N side), 64- and 128-row weight tiles, the
-    default's K split and more; at prefill sizes 64-row blocks, swapped and not."""
+    """The group-scaled ``dot_scaled`` GEMMs (``decode="mxdot"``, MXFP4 routed experts, 128-wide
+    K steps; other formats fall back to "asm"): at decode sizes 8- and 16-row blocks on the
+    swapped dot (the weight rows on the MMA's M side, tokens on its N side), 32- to 128-row
+    weight tiles, 4 or 8 warps, 2-4 stages, the default's K split and more; at prefill sizes
+    64-row blocks, swapped and not."""
     d = moe_config(T, batch_invariant=False)
     m = replace(d, decode="mxdot")
     if dry:
@@ -94,31 +95,28 @@ def mxdot_candidates(T: int, dry: bool) -> list[tuple[str, MoESchedule]]:
         out = [
             ("mxdot_m8_swap", _routed(m8, swap_ab=True)),
             ("mxdot_m8_swap_n128", _routed(m8, swap_ab=True, block_n=128)),
+            ("mxdot_m8_swap_n128_w8", _routed(m8, swap_ab=True, block_n=128, num_warps=8)),
             ("mxdot_m8_swap_x2split", _routed(m8, swap_ab=True, split_k=2 * split)),
             (
                 "mxdot_m8_swap_n128_x2split",
                 _routed(m8, swap_ab=True, block_n=128, split_k=2 * split),
             ),
+            ("mxdot_m8_swap_s2", _routed(m8, swap_ab=True, num_stages=2)),
+            ("mxdot_m8_swap_s4", _routed(m8, swap_ab=True, num_stages=4)),
+            ("mxdot_m8_swap_n32", _routed(m8, swap_ab=True, block_n=32)),
             ("mxdot_m16_swap", _routed(m16, swap_ab=True)),
             ("mxdot_m16", m16),
-            ("mxdot_m8_swap_s4", _routed(m8, swap_ab=True, num_stages=4)),
-            ("mxdot_m8_swap_bk256", _routed(m8, swap_ab=True, block_k=256, num_stages=2)),
         ]
         if T > 8:
             out.insert(
-                2, ("mxdot_m8_swap_n128_split2", _routed(m8, swap_ab=True, block_n=128, split_k=2))
+                3, ("mxdot_m8_swap_n128_split2", _routed(m8, swap_ab=True, block_n=128, split_k=2))
             )
         return out
     return [
         ("mxdot_swap", _routed(m, swap_ab=True)),
-        ("mxdot_swap_n128", _routed(m, swap_ab=True, block_n=128)),
         ("mxdot_swap_n128_w8", _routed(m, swap_ab=True, block_n=128, num_warps=8)),
-        ("mxdot", m),
-        ("mxdot_n128_s2", _routed(m, block_n=128, num_stages=2)),
-        (
-            "mxdot_m128_swap_n128_w8",
-            _routed(replace(m, block_m=128), swap_ab=True, block_n=128, num_warps=8),
-        ),
+        ("mxdot_m16_swap", _routed(replace(m, block_m=16), swap_ab=True)),
+        ("mxdot_m32_swap_n128", _routed(replace(m, block_m=32), swap_ab=True, block_n=128)),
     ]
 
 

@@ -174,10 +174,6 @@ def _k_step(
     with SWAP."""
     BITS: tl.constexpr = DECODE == 1
     ASM: tl.constexpr = DECODE == 2
-    if FMT == 2 and DECODE == 3:
-        return _mx_groups_step(
-            x_rows, xm, k0, w_base, s_base, n, nm, KDIM, BLOCK_N, BLOCK_K, SWAP, INTERP
-        )
     if FMT == 2 or FMT == 3:
         BKH: tl.constexpr = BLOCK_K // 2
         GH: tl.constexpr = 16 if FMT == 2 else 8  # bytes per scale group
@@ -279,32 +275,38 @@ def _k_step(
 
 
 @triton.jit
+def _mx_scale_words(s_base, n, nm, KDIM, k0):
+    """The four e8m0 scale bytes of rows n for K columns k0 .. k0+127, one int32 word per row
+    (little-endian: group g in bits 8g..8g+7); the launcher checks the 4-byte alignment."""
+    words = (s_base + n.to(tl.int64) * (KDIM // 32) + k0 // 32).to(tl.pointer_type(tl.int32))
+    return tl.load(words, mask=nm, other=0)
+
+
+@triton.jit
 def _mx_groups_step(
     x_rows,
     xm,
     k0,
     w_base,
-    s_base,
+    words,
     n,
     nm,
     KDIM,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     SWAP: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """``decode="mxdot"`` (MXFP4 codes, bf16 x): one dot per 32-column scale group on the
-    unscaled e2m1 values, the group's e8m0 scale applied to the fp32 partial.
+    """``decode="mxdot"`` (MXFP4 codes, bf16 x), one 128-column K step: one dot per 32-column
+    scale group on the unscaled e2m1 values, the group's e8m0 scale (from ``words``, see
+    :func:`_mx_scale_words`, loaded one step ahead by the kernels) applied to the fp32 partial.
 
     Triton's ``dot_scaled`` upcasts the packed nibbles in the dot operand's own register layout
-    (the codes reach it through a cp.async copy, 16-byte vectors), so no decoded bf16 tile makes
-    a shared-memory round trip, and the scale costs one fp32 multiply-add per accumulator element
-    and group instead of a bf16 multiply per weight pair: about 5 instructions per weight at
-    8 x 128 tiles against about 11 for ``"asm"`` (bench/sm90_resources.py --moe-decode).  The
-    e8m0 scale is applied in fp32 (byte 0 as the subnormal 2**-127), so every scale byte is
-    exact.  The interpreter has no ``dot_scaled``: it runs the same group structure with the
-    integer e2m1 decode and an fp32 dot (the same products and partial sums)."""
-    GROUPS: tl.constexpr = BLOCK_K // 32
+    (the codes arrive through cp.async copies), so no decoded bf16 tile makes a shared-memory
+    round trip, and the scale costs one fp32 multiply-add per accumulator element and group
+    instead of a bf16 multiply per weight pair.  The e8m0 scale is applied in fp32 (byte 0 as
+    the subnormal 2**-127), so every scale byte is exact.  The interpreter has no
+    ``dot_scaled``: it runs the same group structure with the integer e2m1 decode and an fp32
+    dot (the same products and partial sums)."""
     kb = tl.arange(0, 16)
     kx = tl.arange(0, 32)
     rows = n[:, None].to(tl.int64)
@@ -312,14 +314,13 @@ def _mx_groups_step(
         acc = tl.zeros((BLOCK_N, xm.shape[0]), dtype=tl.float32)
     else:
         acc = tl.zeros((xm.shape[0], BLOCK_N), dtype=tl.float32)
-    for g in tl.static_range(GROUPS):
+    for g in tl.static_range(4):
         kg = k0 + 32 * g
         codes = tl.load(
             w_base + rows * (KDIM // 2) + (kg // 2 + kb)[None, :], mask=nm[:, None], other=0
         )
         x = tl.load(x_rows + (kg + kx)[None, :], mask=xm, other=0.0)
-        sraw = tl.load(s_base + n.to(tl.int64) * (KDIM // 32) + kg // 32, mask=nm, other=0)
-        sraw = sraw.to(tl.int32)
+        sraw = (words >> (8 * g)) & 0xFF
         sf = tl.where(sraw == 0, 0x400000, sraw << 23).to(tl.float32, bitcast=True)
         if INTERP:
             c32 = codes.to(tl.int32)
@@ -453,6 +454,7 @@ def moe_gate_up_kernel(
     USE_F32: tl.constexpr,
     INTERP: tl.constexpr,
 ):
+    MX: tl.constexpr = FMT == 2 and DECODE == 3
     pid_m, pid_n, pid_s = _tile_ids(NUM_M, I, BLOCK_N, GROUP_M)
     e, slot, ok = _rows(sorted_ptr, block_expert_ptr, pid_m, T, IDENTITY, BLOCK_M)
     token = slot if IDENTITY else slot // TOPK
@@ -473,7 +475,23 @@ def moe_gate_up_kernel(
     k_lo = 0
     if SPLIT_K > 1:
         k_lo = tl.multiple_of(pid_s * (D // SPLIT_K), BLOCK_K)
-    if active:
+    if active and MX:
+        # the next step's scale words load while this step computes (one step ahead)
+        wg = _mx_scale_words(s_base, n, nm, D, k_lo)
+        wu = _mx_scale_words(s_base, n + I, nm, D, k_lo)
+        k_last = k_lo + D // SPLIT_K - BLOCK_K
+        for kk in range(0, D // SPLIT_K, BLOCK_K):
+            k0 = k_lo + kk
+            k_next = tl.minimum(k0 + BLOCK_K, k_last)
+            wg_next = _mx_scale_words(s_base, n, nm, D, k_next)
+            wu_next = _mx_scale_words(s_base, n + I, nm, D, k_next)
+            acc_g += _mx_groups_step(x_rows, xm, k0, w_base, wg, n, nm, D, BLOCK_N, SWAP, INTERP)
+            acc_u += _mx_groups_step(
+                x_rows, xm, k0, w_base, wu, n + I, nm, D, BLOCK_N, SWAP, INTERP
+            )
+            wg = wg_next
+            wu = wu_next
+    elif active:
         for kk in range(0, D // SPLIT_K, BLOCK_K):
             k0 = k_lo + kk
             acc_g += _k_step(
@@ -569,6 +587,7 @@ def moe_down_kernel(
     USE_F32: tl.constexpr,
     INTERP: tl.constexpr,
 ):
+    MX: tl.constexpr = FMT == 2 and DECODE == 3
     pid_m, pid_n, pid_s = _tile_ids(NUM_M, D, BLOCK_N, GROUP_M)
     y_ty = y_ptr.dtype.element_ty
     e, slot, ok = _rows(sorted_ptr, block_expert_ptr, pid_m, T, IDENTITY, BLOCK_M)
@@ -588,7 +607,15 @@ def moe_down_kernel(
     k_lo = 0
     if SPLIT_K > 1:
         k_lo = tl.multiple_of(pid_s * (I // SPLIT_K), BLOCK_K)
-    if active:
+    if active and MX:
+        wd = _mx_scale_words(s_base, n, nm, I, k_lo)
+        k_last = k_lo + I // SPLIT_K - BLOCK_K
+        for kk in range(0, I // SPLIT_K, BLOCK_K):
+            k0 = k_lo + kk
+            wd_next = _mx_scale_words(s_base, n, nm, I, tl.minimum(k0 + BLOCK_K, k_last))
+            acc += _mx_groups_step(h_rows, xm, k0, w_base, wd, n, nm, I, BLOCK_N, SWAP, INTERP)
+            wd = wd_next
+    elif active:
         for kk in range(0, I // SPLIT_K, BLOCK_K):
             acc += _k_step(
                 h_rows, xm, k_lo + kk, w_base, s_base, n, nm, I,
@@ -714,11 +741,18 @@ def _fit_split(tile: GemmTile, K: int) -> GemmTile:
     return tile if split == tile.split_k else dataclasses.replace(tile, split_k=split)
 
 
-def _decode_for(decode: str, fmt: int, act: torch.dtype) -> str:
-    """``"mxdot"`` needs MXFP4 codes and bf16 activations (``dot_scaled``'s operand types);
-    other GEMMs of the same schedule (the FP8 shared expert, fp32 activations) take ``"asm"``,
-    whose dot operands are the same values."""
-    if decode == "mxdot" and (fmt != FMT_MXFP4 or act != torch.bfloat16):
+def _decode_for(decode: str, fmt: int, act: torch.dtype, scales: torch.Tensor, block_k: int) -> str:
+    """``"mxdot"`` needs MXFP4 codes and bf16 activations (``dot_scaled``'s operand types),
+    128-column K steps and 4-byte aligned scale rows (one int32 word of four e8m0 bytes per row
+    and step); other GEMMs of the same schedule (the FP8 shared expert, fp32 activations) take
+    ``"asm"``, whose dot operands are the same values."""
+    if decode == "mxdot" and (
+        fmt != FMT_MXFP4
+        or act != torch.bfloat16
+        or block_k != 128
+        or scales.data_ptr() % 4
+        or scales.shape[-1] % 4
+    ):
         return "asm"
     return decode
 
@@ -756,7 +790,7 @@ def moe_gate_up_triton(
     T, D = x.shape
     identity = sorted_slot is None
     dummy = gscale
-    decode = _decode_for(decode, fmt, x.dtype)
+    decode = _decode_for(decode, fmt, x.dtype, s13, tile.block_k)
     tile = _fit_split(tile, D)
     split = tile.split_k
     rows = num_m_blocks * block_m
@@ -807,7 +841,7 @@ def moe_down_triton(
     (split_k, rows_out, D), unscaled, for :func:`moe_reduce_triton`."""
     identity = sorted_slot is None
     dummy = gscale
-    decode = _decode_for(decode, fmt, h.dtype)
+    decode = _decode_for(decode, fmt, h.dtype, s2, tile.block_k)
     tile = _fit_split(tile, inter)
     split = tile.split_k
     if split > 1:
