@@ -597,10 +597,10 @@ def _fmt(fmt: str) -> int:
     return _FMT_CODE[fmt]
 
 
-def _moe_schedule(T: int, batch_invariant: bool, fields: Sequence[int]) -> MoESchedule:
+def _moe_schedule(T: int, batch_invariant: bool, fields: Sequence[int], fmt: str) -> MoESchedule:
     if fields:
         return schedule_from_fields(tuple(fields))
-    return moe_config(T, batch_invariant=batch_invariant)
+    return moe_config(T, batch_invariant=batch_invariant, fmt=fmt)
 
 
 @functools.cache
@@ -638,7 +638,7 @@ def _routed_into(
         return
     code = _fmt(fmt)
     inter = w13.shape[1] // 2
-    sched = _moe_schedule(T, batch_invariant, schedule)
+    sched = _moe_schedule(T, batch_invariant, schedule, fmt)
     bm = sched.block_m
     xin = _act_quant(x.contiguous()) if act_quant else x.contiguous()
     ids = topk_ids.contiguous()
@@ -793,7 +793,7 @@ def _moe_out(
     weights, ids = _moe_route(
         x, gate_weight, gate_bias, top_k, scaling, batch_invariant, row_mask
     )  # padding rows (row_mask False) get ids -1 inside the top-k kernel
-    sched = _moe_schedule(x.shape[0], batch_invariant, schedule)
+    sched = _moe_schedule(x.shape[0], batch_invariant, schedule, fmt)
     shared = _shared_expert(
         x, shared_w13, shared_s13, shared_w2, shared_s2, shared_fmt, shared_limit,
         shared_act_quant, sched,

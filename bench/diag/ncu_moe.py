@@ -1,9 +1,9 @@
 """Hardware counters of the MoE's routed GEMMs at decode sizes, under Nsight Compute (H200).
 
 For MXFP4 V4-Flash experts (E 256, top-6, I 2048, D 4096) and T in ``--tokens``, one ``moe``
-call per schedule (the default, then ``decode="mxdot"`` on 8-row swapped blocks), in the order
-printed, so the report's gate/up and down kernels line up with the printed labels.  Meant to be
-run from the repository root as
+call per schedule (the default, then the PTX decode on 16-row blocks), in the order printed,
+so the report's gate/up and down kernels line up with the printed labels.  Meant to be run
+from the repository root as
 
     ncu --clock-control none -k regex:'moe_(gate_up|down)_kernel' --section SpeedOfLight \
         --section Occupancy --section WarpStateStats --section SchedulerStats \
@@ -28,12 +28,15 @@ from dsv4mtp.optimized.moe import moe, moe_config
 
 
 def schedules(T: int) -> list[tuple[str, object]]:
+    """The default (MXFP4 at decode sizes: the group-scaled dot on 8-row swapped blocks) and
+    the PTX decode on the 16-row, 64-column tiles it replaced."""
     d = moe_config(T, batch_invariant=False)
-    mx = replace(
-        d, decode="mxdot", block_m=8,
-        gate_up=replace(d.gate_up, swap_ab=True), down=replace(d.down, swap_ab=True),
+    asm = replace(
+        d, decode="asm", block_m=16,
+        gate_up=replace(d.gate_up, block_n=64, swap_ab=False),
+        down=replace(d.down, block_n=64, swap_ab=False),
     )  # fmt: skip
-    return [("default", d), ("mxdot_m8_swap", mx)]
+    return [("default", d), ("asm_m16", asm)]
 
 
 def main() -> None:

@@ -42,6 +42,7 @@ order, and so may ``fp4_join`` (one dot over K where there were two); ``group_m`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import astuple, dataclass, fields
 
@@ -191,39 +192,60 @@ def schedule_from_fields(f: tuple[int, ...]) -> MoESchedule:
 
 
 @functools.cache
-def moe_config(T: int, *, batch_invariant: bool) -> MoESchedule:
-    """The default schedule of a call with T tokens (measured: bench/results/moe-h200.md,
-    "Schedule").
+def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESchedule:
+    """The default schedule of a call with T tokens whose routed experts are in ``fmt``
+    (measured: bench/results/moe-h200.md, "Schedule" and "The group-scaled dot").
 
-    Every GEMM: 64-column N tiles, 128-column K steps (one FP8 scale block), 4 warps, 3 stages,
-    the 2-D grid, the PTX decode (``"asm"``: about half the GEMM time of the float-conversion
-    decodes at every T), and from T 3 on the interleaved FP4 dot.  By T:
+    Every GEMM: 128-column K steps (one FP8 scale block; four MXFP4 scale groups), 4 warps,
+    3 stages, the 2-D grid.  By T:
 
-    * T <= 2: 16-row M blocks and a 4-way K split: six experts' weights are then streamed by
-      4x the programs (MXFP4 149 us vs 172 us unsplit for the whole moe at T 1; FP8 137 / 153;
-      8- and 16-way splits were 10 % and 27 % slower);
-    * T <= 8: 16-row M blocks and a 2-way K split (measured at T 8, MXFP4: 416 us vs 428 us
-      unsplit for the whole moe, 430 us with a 4-way split);
-    * T <= 64: 16-row M blocks, no split (an expert sees a few rows; the weight stream is
-      spread over experts x N tiles);
-    * above, and under ``batch_invariant=True`` for every T: 64-row M blocks, no split.
+    * T <= 64, MXFP4 experts: the routed GEMMs as ``decode="mxdot"`` (one ``dot_scaled`` per
+      32-column scale group, the e8m0 scale on the fp32 partial) on 8-row M blocks with the
+      weights on the MMA's M side (``swap_ab``) and 128-row weight tiles: 112 / 383 / 1329 us
+      for the whole moe at T 1 / 8 / 64 against 122 / 420 / 1475 us with the PTX decode on
+      16-row blocks.  fp32 activations fall back to the PTX decode (``"asm"``) on the same
+      tiles.  The shared expert (FP8) keeps 16-row blocks and 64-column tiles, PTX decode.
+    * T <= 64, other formats (FP8, NVFP4, bf16): 16-row M blocks, 64-column N tiles, the PTX
+      decode everywhere.
+    * K splits up to T 64: 4-way at T <= 2, 2-way at T <= 8 (measured with the PTX decode:
+      MXFP4 149 vs 172 us unsplit at T 1, 416 vs 428 us at T 8), none above; the interleaved
+      FP4 dot from T 3.
+    * above, and under ``batch_invariant=True`` for every T: 64-row M blocks, 64-column N
+      tiles, the PTX decode, the interleaved FP4 dot, no split (the group-scaled dot was 2x
+      slower at T 4096).
 
     The sort runs in one program up to 128 slots (T 21 at top-6), in 128-slot chunks above,
-    8 warps.  Under the interpreter: 64-column gate/up and 128-column down tiles, one stage,
-    64-slot sort chunks (small shapes, fewer programs), the same decode and dot.
+    8 warps.  Under the interpreter, for every T, the T <= 64 structure of the format at the
+    tiny shape (MXFP4: mxdot routed GEMMs on 8-row swapped blocks), 64-column gate/up and
+    128-column down tiles, one stage, 64-slot sort chunks (small shapes, fewer programs).
     """
     if INTERPRET:
         # the interpreter's cost is per program: two N tiles per GEMM at the tiny shape (I 128,
         # D 256) keep the tile indexing exercised at half the programs of 32-column tiles
         gu = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=1)
         dn = GemmTile(block_n=128, block_k=128, num_warps=4, num_stages=1)
+        if fmt != "mxfp4":
+            return MoESchedule(
+                16, gu, dn, 16, gu, dn, decode="asm", fp4_join=True, align_chunk=64, align_warps=4
+            )
+        gu_s, dn_s = dataclasses.replace(gu, swap_ab=True), dataclasses.replace(dn, swap_ab=True)
         return MoESchedule(
-            16, gu, dn, 16, gu, dn, decode="asm", fp4_join=True, align_chunk=64, align_warps=4
+            8, gu_s, dn_s, 16, gu, dn, decode="mxdot", fp4_join=True, align_chunk=64, align_warps=4
         )
-    bm = 64 if (batch_invariant or T > 64) else 16
-    split = 1 if (batch_invariant or T > 8) else (4 if T <= 2 else 2)
-    t = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=split)
-    join = batch_invariant or T > 2  # the interleaved dot: measured with these splits
+    if batch_invariant or T > 64:
+        t = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3)
+        return MoESchedule(
+            64, t, t, 64, t, t, decode="asm", fp4_join=True, align_chunk=128, align_warps=8
+        )
+    split = 4 if T <= 2 else (2 if T <= 8 else 1)
+    shared = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=split)
+    if fmt != "mxfp4":
+        return MoESchedule(
+            16, shared, shared, 16, shared, shared, decode="asm", fp4_join=T > 2,
+            align_chunk=128, align_warps=8,
+        )  # fmt: skip
+    routed = dataclasses.replace(shared, block_n=128, swap_ab=True)
     return MoESchedule(
-        bm, t, t, bm, t, t, decode="asm", fp4_join=join, align_chunk=128, align_warps=8
-    )
+        8, routed, routed, 16, shared, shared, decode="mxdot", fp4_join=T > 2,
+        align_chunk=128, align_warps=8,
+    )  # fmt: skip
