@@ -112,11 +112,16 @@ def mxdot_candidates(T: int, dry: bool) -> list[tuple[str, MoESchedule]]:
                 3, ("mxdot_m8_swap_n128_split2", _routed(m8, swap_ab=True, block_n=128, split_k=2))
             )
         return out
+    # prefill sizes: an expert holds ~T*6/256 rows (12 at T 512, 96 at T 4096); the decode
+    # tiles re-read an expert's weights per 8-row block (adjacent blocks, so mostly from L2)
     return [
-        ("mxdot_swap", _routed(m, swap_ab=True)),
+        ("mxdot_m8_swap_n128", _routed(m8, swap_ab=True, block_n=128)),
+        ("mxdot_m8_swap", _routed(m8, swap_ab=True)),
+        ("mxdot_m16", m16),
+        ("mxdot_m16_n128", _routed(m16, block_n=128)),
+        ("mxdot_m32", replace(m, block_m=32)),
         ("mxdot_swap_n128_w8", _routed(m, swap_ab=True, block_n=128, num_warps=8)),
-        ("mxdot_m16_swap", _routed(replace(m, block_m=16), swap_ab=True)),
-        ("mxdot_m32_swap_n128", _routed(replace(m, block_m=32), swap_ab=True, block_n=128)),
+        ("mxdot", m),
     ]
 
 
