@@ -216,16 +216,13 @@ def test_mxdot_falls_back_where_it_does_not_apply() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 8, 64, 300])
-def test_mxdot_schedules_at_v4_flash_shapes(T: int) -> None:
-    """``decode="mxdot"`` at V4-Flash experts (D 4096, I 2048, E 256, top-6), MXFP4, the
-    default's K splits: 8-row blocks on the swapped dot up to T 64, the default's 64-row blocks
-    above; within the moe tolerance of the float64 reference."""
-    d = moe_config(T, batch_invariant=False)
-    s = replace(
-        d, decode="mxdot", block_m=8 if T <= 64 else d.block_m,
-        gate_up=replace(d.gate_up, swap_ab=True), down=replace(d.down, swap_ab=True),
-    )  # fmt: skip
+@pytest.mark.parametrize("T", [1, 64, 128, 300, 1024])
+def test_mxdot_defaults_at_v4_flash_shapes(T: int) -> None:
+    """The default's group-scaled dot (``decode="mxdot"``) at V4-Flash experts (D 4096, I 2048,
+    E 256, top-6), MXFP4, within the moe tolerance of the float64 reference: 8-row swapped
+    blocks with K splits (T 1), without (T 64, 128), 16-row unswapped blocks (T 300, 1024)."""
+    s = moe_config(T, batch_invariant=False)
+    assert s.decode == "mxdot"
     args, kw = moe_inputs("moe", T, 7, shape="flash", fmt="mxfp4", device="cuda")
     _check("moe", moe(*args, **kw, schedule=s), args, kw)
 

@@ -114,14 +114,14 @@ def mxdot_candidates(T: int, dry: bool) -> list[tuple[str, MoESchedule]]:
         return out
     # prefill sizes: an expert holds ~T*6/256 rows (12 at T 512, 96 at T 4096); the decode
     # tiles re-read an expert's weights per 8-row block (adjacent blocks, so mostly from L2)
+    a64 = replace(moe_config(T, batch_invariant=True), align_chunk=d.align_chunk)
     return [
-        ("mxdot_m8_swap_n128", _routed(m8, swap_ab=True, block_n=128)),
-        ("mxdot_m8_swap", _routed(m8, swap_ab=True)),
-        ("mxdot_m16", m16),
-        ("mxdot_m16_n128", _routed(m16, block_n=128)),
-        ("mxdot_m32", replace(m, block_m=32)),
-        ("mxdot_swap_n128_w8", _routed(m, swap_ab=True, block_n=128, num_warps=8)),
-        ("mxdot", m),
+        ("asm_m64", a64),
+        ("mxdot_m8_swap_n128", _routed(m8, swap_ab=True, block_n=128, split_k=1)),
+        ("mxdot_m16_n128", _routed(m16, block_n=128, swap_ab=False, split_k=1)),
+        ("mxdot_m32_n128", _routed(replace(m, block_m=32), block_n=128, swap_ab=False)),
+        ("mxdot_m8_swap", _routed(m8, swap_ab=True, block_n=64)),
+        ("mxdot_m16", _routed(m16, block_n=64, swap_ab=False)),
     ]
 
 
