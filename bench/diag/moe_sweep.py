@@ -93,24 +93,18 @@ def mxdot_candidates(T: int, dry: bool) -> list[tuple[str, MoESchedule]]:
     m8, m16 = replace(m, block_m=8), replace(m, block_m=16)
     if T <= 64:
         out = [
-            ("mxdot_m8_swap", _routed(m8, swap_ab=True)),
-            ("mxdot_m8_swap_n128", _routed(m8, swap_ab=True, block_n=128)),
+            ("mxdot_m8_swap_n64", _routed(m8, swap_ab=True, block_n=64)),
+            ("mxdot_m8_swap_n64_w2", _routed(m8, swap_ab=True, block_n=64, num_warps=2)),
+            ("mxdot_m8_swap_n128_w2", _routed(m8, swap_ab=True, block_n=128, num_warps=2)),
+            ("mxdot_m8_swap_n256", _routed(m8, swap_ab=True, block_n=256)),
+            ("mxdot_m8_swap_n256_w8", _routed(m8, swap_ab=True, block_n=256, num_warps=8)),
+            ("mxdot_m8_swap_n128_s2", _routed(m8, swap_ab=True, block_n=128, num_stages=2)),
+            ("mxdot_m8_swap_n128_s4", _routed(m8, swap_ab=True, block_n=128, num_stages=4)),
             ("mxdot_m8_swap_n128_w8", _routed(m8, swap_ab=True, block_n=128, num_warps=8)),
-            ("mxdot_m8_swap_x2split", _routed(m8, swap_ab=True, split_k=2 * split)),
-            (
-                "mxdot_m8_swap_n128_x2split",
-                _routed(m8, swap_ab=True, block_n=128, split_k=2 * split),
-            ),
-            ("mxdot_m8_swap_s2", _routed(m8, swap_ab=True, num_stages=2)),
-            ("mxdot_m8_swap_s4", _routed(m8, swap_ab=True, num_stages=4)),
-            ("mxdot_m8_swap_n32", _routed(m8, swap_ab=True, block_n=32)),
-            ("mxdot_m16_swap", _routed(m16, swap_ab=True)),
-            ("mxdot_m16", m16),
+            ("mxdot_m8_swap_n128_x2split", _routed(m8, swap_ab=True, split_k=2 * split)),
+            ("mxdot_m16_swap", _routed(m16, swap_ab=True, block_n=64)),
+            ("mxdot_m16", _routed(m16, swap_ab=False, block_n=64)),
         ]
-        if T > 8:
-            out.insert(
-                3, ("mxdot_m8_swap_n128_split2", _routed(m8, swap_ab=True, block_n=128, split_k=2))
-            )
         return out
     # prefill sizes: an expert holds ~T*6/256 rows (12 at T 512, 96 at T 4096); the decode
     # tiles re-read an expert's weights per 8-row block (adjacent blocks, so mostly from L2)

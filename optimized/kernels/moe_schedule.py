@@ -210,11 +210,11 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
     * K splits up to T 64: 4-way at T <= 2, 2-way at T <= 8 (measured with the PTX decode:
       MXFP4 149 vs 172 us unsplit at T 1, 416 vs 428 us at T 8), none above; the interleaved
       FP4 dot from T 3.
-    * 64 < T <= 1024, MXFP4 experts (an expert holds ~T * top_k / E rows, about 12 at T 512):
+    * 64 < T <= 768, MXFP4 experts (an expert holds ~T * top_k / E rows, about 12 at T 512):
       the routed GEMMs as ``"mxdot"`` with 128-row weight tiles, no split, on 8-row swapped
-      blocks up to T 256 and 16-row unswapped blocks above (whole moe: 1795 vs 3300 us at
-      T 128, 3010 vs 3910 us at T 512 against the 64-row PTX-decode default); the shared
-      expert on 64-row blocks, PTX decode.
+      blocks up to T 256 and 16-row unswapped blocks above (whole moe against the 64-row
+      PTX-decode tiles: 1795 vs 3300 us at T 128, 2402 vs 3710 at T 256, 3010 vs 3910 at
+      T 512, but 4566 vs 4346 at T 1024); the shared expert on 64-row blocks, PTX decode.
     * above, other formats above T 64, and under ``batch_invariant=True`` for every T: 64-row M
       blocks, 64-column N tiles, the PTX decode, the interleaved FP4 dot, no split (the
       group-scaled dot was 1.3-2.6x slower at T 4096 on every tile tried).
@@ -239,7 +239,7 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
         )
     if batch_invariant or T > 64:
         t = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3)
-        if batch_invariant or fmt != "mxfp4" or T > 1024:
+        if batch_invariant or fmt != "mxfp4" or T > 768:
             return MoESchedule(
                 64, t, t, 64, t, t, decode="asm", fp4_join=True, align_chunk=128, align_warps=8
             )
