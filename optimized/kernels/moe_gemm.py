@@ -43,31 +43,39 @@ decode sizes), x and h from L2, workspace 2*T*K*D*itemsize.
 Schedule (kernels/moe_schedule.py holds the knobs; ``moe_config`` the defaults).  S = T*K slots;
 the align kernel pads each expert's rows to BLOCK_M, so NB = cdiv(S, BLOCK_M) + min(E, S) M
 blocks are launched, those past the used ones exiting at once.  Grids at V4-Flash (E 256, top-6,
-I 2048, D 4096) with the default 64-column N tiles: gate/up (NB, I/64 = 32), down (NB,
-D/64 = 64); active blocks = experts with a row at T <= 512 (about 6 / 44 / 200 / 256 at
-T 1 / 8 / 64 / 512), 2-3 per expert at T 4096 (~96 rows each, BLOCK_M 64); at T <= 2 the
-default splits K four ways (a third grid axis, x4 programs):
+I 2048, D 4096), MXFP4 experts, default schedules: up to T 768 the routed GEMMs take 128-row
+weight tiles (gate/up (NB, I/128 = 16), down (NB, D/128 = 32)), above 64-column tiles (32 and
+64); active blocks = experts with a row (about 6 / 44 / 163 at T 1 / 8 / 64, a second block
+for the few with more than 8 rows; at T 512 each of ~254 experts holds ~12 rows, one or two
+16-row blocks), 2-3 per expert at T 4096 (~96 rows each, BLOCK_M 64); at T <= 2 the default
+splits K four ways, at T <= 8 two ways (a third grid axis):
 
 ======  ========  ====  ===================  ===================  ================
 T       BLOCK_M   NB    gate/up programs     down programs        shared (g/u, dn)
 ======  ========  ====  ===================  ===================  ================
-1       16        7     896 (768 active)     1792 (1536 active)   128, 256
-8       16        51    1632 (~1410 active)  3264 (~2820 active)  32, 64
-64      16        280   8960 (~6400 active)  17920 (~12800)       128, 256
-512     64        304   9728 (~8190 active)  19456 (~16380)       256, 512
+1       8         7     448 (384 active)     896 (768 active)     128, 256
+8       8         54    1728 (~1410 active)  3456 (~2820 active)  64, 128
+64      8         304   4864 (~2640 active)  9728 (~5280 active)  128, 256
+512     16        448   7168 (~4540 active)  14336 (~9090)        256, 512
 4096    64        640   20480                40960                2048, 4096
 ======  ========  ====  ===================  ===================  ================
 
-A gate/up program streams BLOCK_N gate and BLOCK_N up rows over all of D: MXFP4 2*64*(2048 B
-codes + 128 B scales) = 272 KB, FP8 2*64*4096 B = 512 KB (+ 4 KB scales); a down program BLOCK_N
-rows over I: MXFP4 68 KB, FP8 128 KB.  Each K step (BLOCK_K = 128) re-loads the block's x rows
+A gate/up program streams BLOCK_N gate and BLOCK_N up rows over all of D (over D / split_k with
+a split): at 64 rows MXFP4 2*64*(2048 B codes + 128 B scales) = 272 KB, FP8 2*64*4096 B =
+512 KB (+ 4 KB scales); a down program BLOCK_N rows over I: MXFP4 68 KB, FP8 128 KB (twice
+each at 128 rows).  Each K step (BLOCK_K = 128) re-loads the block's x rows
 (gathered, from L2): the x traffic is NB * (I/BLOCK_N) * 2 * BLOCK_M * D * 2 B for gate/up,
 ~21 GB at T 4096.  x is read contiguously; without ``fp4_join`` its even and odd columns are
 split in registers for the two half-K dots, with it the decoded halves are interleaved and one
 dot runs.  At T 1 the shared expert runs on 128 + 256 programs (one M block, split 4).
 
 Decode cost (instructions of the MXFP4 gate/up kernel's sm_90 SASS at 16 x 64 x 128 tiles, and
-the H200's whole-moe time; bench/results/moe-h200.md).  ``decode="asm"`` (the default): PTX on
+the H200's whole-moe time; bench/results/moe-h200.md).  ``decode="mxdot"`` (the MXFP4 default
+up to T 768, :func:`_mx_groups_step`): Triton's ``dot_scaled`` upcasts the packed nibbles in the
+dot operand's own registers and the e8m0 scale multiplies the fp32 partial of each 32-column
+group; 127 registers at 8 x 128 x 128 swapped tiles against 166 for ``"asm"`` at its 16 x 64
+tiles, and 8-10 % less time for the whole moe at T 1-64 (bench/results/moe-h200.md, "The
+group-scaled dot").  ``decode="asm"`` (every other format, and above T 768): PTX on
 four codes at a time (``prmt`` into bf16x2 pairs, shift/mask into bf16 bit patterns, exact
 ``mul.rn.bf16x2`` by a power of two and by the group scale), about three instructions per
 weight, 1280 instructions for the kernel; ``"f16"``: and/shift/or into an fp16 pattern, fp16 ->

@@ -6,8 +6,8 @@ functions can validate a schedule without loading the kernels.
 
 What each knob changes (optimized/kernels/moe_gemm.py, module doc, "Schedule"):
 
-* ``block_m``: rows (token, expert slots) per M block; the align kernel pads every expert's rows
-  to whole blocks, so it is also the padding granularity.  ``shared_block_m`` for the shared
+* ``block_m``: rows (token, expert slots) per M block (8 to 128); the align kernel pads every
+  expert's rows to whole blocks, so it is also the padding granularity.  ``shared_block_m`` for the shared
   expert (its rows are the tokens, no sort).
 * per GEMM (``gate_up``, ``down``, ``shared_gate_up``, ``shared_down``): ``block_n`` output
   columns and ``block_k`` reduction columns per step, ``num_warps``, ``num_stages``; ``split_k``
@@ -15,7 +15,7 @@ What each knob changes (optimized/kernels/moe_gemm.py, module doc, "Schedule"):
   fixed order 0..split_k-1 (no atomics: deterministic); ``group_m`` > 0 launches a 1-D grid
   ordered in groups of ``group_m`` M blocks (all N tiles of a group before the next group),
   0 the 2-D grid with the M block fastest; ``swap_ab`` computes ``w @ x^T`` (the weight tile
-  as the dot's M side: at decode sizes the 16-row token tile is then the N side).
+  as the dot's M side: at decode sizes the 8- or 16-row token tile is then the N side).
 * ``decode``: how FP4 / FP8 codes become bf16 dot operands.  ``"f16"``: an fp16 bit pattern,
   converted to fp32, times the scale, converted to bf16 (two float conversions per element);
   ``"bits"``: the fp32 bit pattern built with integer ops, times the scale in fp32, and the
@@ -23,7 +23,10 @@ What each knob changes (optimized/kernels/moe_gemm.py, module doc, "Schedule"):
   PTX building bf16 bit patterns four codes at a time with integer ops and exact ``bf16x2``
   multiplies (kernels/moe_gemm.py, "decode"; the interpreter runs the same values through
   integer ops).  All give the same bf16 operands bit for bit (every decoded value is exact in
-  bf16).
+  bf16).  ``"mxdot"`` (MXFP4 codes, bf16 activations, ``block_k`` 128; other GEMMs of the
+  schedule fall back to ``"asm"``): one ``tl.dot_scaled`` per 32-column scale group on the
+  unscaled e2m1 values, the e8m0 scale applied to the fp32 partial (kernels/moe_gemm.py,
+  ``_mx_groups_step``); not value-preserving against the others (the fp32 sums are grouped).
 * ``fp4_join``: FP4 only.  False: the low and high nibbles feed two dots of half the K step
   against x's even and odd columns (strided loads of x); True: the decoded halves are
   interleaved back in registers (``tl.join``) and one dot reads x contiguously.
@@ -36,8 +39,9 @@ Numerics: for a fixed schedule every row is computed the same way whatever T is 
 invariant).  ``split_k`` and ``block_k`` change the fp32 summation order (allowed: within the
 pairs' tolerance); ``block_m``, ``block_n``, ``num_warps`` and ``swap_ab`` pick the tile and
 so may change the tensor-core instruction (mma.sync below 64 rows, wgmma above) and its internal
-order, and so may ``fp4_join`` (one dot over K where there were two); ``group_m``,
-``num_stages``, ``decode`` and the align knobs change no value (tested bitwise on the CPU).
+order, and so may ``fp4_join`` (one dot over K where there were two) and ``"mxdot"`` (per-group
+fp32 partials); ``group_m``, ``num_stages``, the other decodes and the align knobs change no
+value (tested bitwise on the CPU).
 """
 
 from __future__ import annotations
