@@ -9,6 +9,7 @@ explains a kernel that streams well alone but slowly inside a fused kernel.
     python bench/sm90_resources.py            # default schedules, one line per kernel phase
     python bench/sm90_resources.py --collapse '[[64, 256, 32, 16, 4, 3, true]]'  # candidates
     python bench/sm90_resources.py --rope     # the RoPE / q / kv path kernel only
+    python bench/sm90_resources.py --moe      # the MoE's routed GEMMs (default vs PTX decode)
     python bench/sm90_resources.py --attention  # the attention cores and the ring write only
     python bench/sm90_resources.py --pre-fma  # hc_pre's small-batch FMA kernels only
     python bench/sm90_resources.py --pre-fma --pre-fma-tiles '[[8, 8, 64, 2, 4, 256, 4]]'
@@ -21,6 +22,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import subprocess
 import tempfile
 from typing import Any
@@ -71,11 +73,13 @@ def resources(
     signature: dict[str, str],
     consts: dict[str, Any],
     ints: tuple[str, ...] | list[str] = (),
+    loop: bool = False,
     **options: Any,
 ) -> str:
-    """One line: shared memory, registers, stack (spills) and the register-bound occupancy.
-    ``ints``: argument names (pointers or ints) the launcher specializes as divisible by 16
-    (V4's N and K), marked as the GPU JIT would specialize them."""
+    """One line: shared memory, registers, stack (spills) and the register-bound occupancy
+    (with ``loop``, also the main loop's instruction count).  ``ints``: argument names (pointers
+    or ints) the launcher specializes as divisible by 16 (V4's N and K), marked as the GPU JIT
+    would specialize them."""
     sig = {**signature, **{c: "constexpr" for c in consts}}
     # The launcher marks 16-byte-aligned pointers (every torch allocation) divisible by 16;
     # without that mark the compiler cannot vectorize loads and the counts below are wrong.
@@ -95,10 +99,32 @@ def resources(
     )
     regs, stack = int(fields["REG"]), int(fields["STACK"])
     ctas = programs_by_registers(regs, options["num_warps"])
-    return (
+    line = (
         f"regs {regs:3d}  stack(spill) {stack:5d} B  smem {k.metadata.shared:6d} B  "
         f"<= {ctas} programs/SM by registers ({ctas * options['num_warps']} warps of 64)"
     )
+    if loop:
+        line += f"  main loop {main_loop_instructions(k.asm['cubin'])} instructions"
+    return line
+
+
+def main_loop_instructions(cubin: bytes) -> int:
+    """SASS instructions of the kernel's longest loop (from the target of its longest backward
+    branch to the branch): per-thread work of one K step in the GEMMs."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True)
+    addrs = []
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass.stdout):
+        addrs.append((int(m.group(1), 16), m.group(2)))
+    best = 0
+    for a, text in addrs:
+        target = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?(?:0x)?([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < a:
+            t = int(target.group(1), 16)
+            best = max(best, sum(1 for b, _ in addrs if t <= b <= a))
+    return best
 
 
 def collapse_lines(op: str, D: int, cfg: CollapseConfig, phases: tuple[str, ...]) -> list[str]:
@@ -174,6 +200,58 @@ def linear_lines() -> list[str]:
     return lines
 
 
+def moe_lines() -> list[str]:
+    """The MoE's routed gate/up and down kernels (kernels/moe_gemm.py) for MXFP4 experts at
+    V4-Flash (D 4096, I 2048), bf16 x: the default schedule at T 1, 8, 64, 512 and 4096
+    (``decode="mxdot"`` up to T 768) and, for comparison, the PTX decode on the 16-row,
+    64-column tiles it replaced at decode sizes."""
+    from dataclasses import replace
+
+    from dsv4mtp.optimized.kernels.moe_gemm import (
+        FMT_MXFP4,
+        moe_down_kernel,
+        moe_gate_up_kernel,
+    )
+    from dsv4mtp.optimized.kernels.moe_schedule import DECODES, moe_config
+
+    common = dict(
+        w_ptr="*u8", s_ptr="*u8", gs_ptr="*fp32", sorted_ptr="*i32", block_expert_ptr="*i32",
+        T="i32", D="i32", I="i32", W_STRIDE_E="i32", S_STRIDE_E="i32", NUM_M="i32",
+    )  # fmt: skip
+    gate_up = dict(x_ptr="*bf16", **common, topw_ptr="*fp32", h_ptr="*bf16", part_ptr="*fp32",
+                   TOPK="i32", limit="fp32")  # fmt: skip
+    down = dict(h_ptr="*bf16", **common, y_ptr="*bf16", ROWS_OUT="i32")
+    ints = ("D", "I", "W_STRIDE_E", "S_STRIDE_E", "NUM_M")
+    lines = []
+    cases = [(f"T={T}", moe_config(T, batch_invariant=False)) for T in (1, 8, 64, 512, 4096)]
+    d64 = moe_config(64, batch_invariant=False)
+    asm = replace(d64, decode="asm", block_m=16, gate_up=replace(d64.gate_up, block_n=64,
+                  swap_ab=False), down=replace(d64.down, block_n=64, swap_ab=False))  # fmt: skip
+    cases.append(("T=64 asm m16", asm))
+    for label, sc in cases:
+        for name, fn, sig, tile in (
+            ("gate_up", moe_gate_up_kernel, gate_up, sc.gate_up),
+            ("down", moe_down_kernel, down, sc.down),
+        ):
+            consts = dict(
+                IDENTITY=False, FMT=FMT_MXFP4, BLOCK_M=sc.block_m, BLOCK_N=tile.block_n,
+                BLOCK_K=tile.block_k, SPLIT_K=tile.split_k, GROUP_M=tile.group_m,
+                SWAP=tile.swap_ab, DECODE=DECODES.index(sc.decode), FP4_JOIN=sc.fp4_join,
+                USE_F32=False, INTERP=False,
+            )  # fmt: skip
+            line = resources(fn, sig, consts, ints=ints, loop=True, num_warps=tile.num_warps,
+                             num_stages=tile.num_stages)  # fmt: skip
+            # weights decoded per thread per K step: gate/up streams 2 x block_n rows
+            rows = tile.block_n * (2 if name == "gate_up" else 1)
+            per = rows * tile.block_k / (32 * tile.num_warps)
+            shape = (sc.block_m, tile.block_n, tile.block_k, tile.split_k, tile.swap_ab)
+            lines.append(
+                f"moe {name:7s} {label:12s} {sc.decode:5s} {shape}: {line} "
+                f"({per:.0f} weights per thread per step)"
+            )
+    return lines
+
+
 def pre_fma_lines(tiles: list[list[int]] | None = None) -> list[str]:
     """hc_pre's small-batch kernels (kernels/mhc_pre_small.py) at n = 4, D 4096 / 7168, bf16 x,
     20 Sinkhorn iterations: the mix and the reduce + apply launch, at the default schedule or
@@ -213,6 +291,7 @@ def main() -> None:
         "num_stages, fused); default: collapse_config's schedules",
     )
     p.add_argument("--linear", action="store_true", help="the dense linears only")
+    p.add_argument("--moe", action="store_true", help="the MoE's routed GEMMs only")
     p.add_argument("--rope", action="store_true", help="only the RoPE / q / kv path kernel")
     p.add_argument(
         "--attention", action="store_true", help="only the attention cores and the ring write"
@@ -228,6 +307,10 @@ def main() -> None:
     if args.pre_fma:
         tiles = json.loads(args.pre_fma_tiles) if args.pre_fma_tiles else None
         for line in pre_fma_lines(tiles):
+            print(line, flush=True)
+        return
+    if args.moe:
+        for line in moe_lines():
             print(line, flush=True)
         return
     if args.linear or args.rope or args.attention:

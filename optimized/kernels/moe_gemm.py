@@ -73,8 +73,10 @@ Decode cost (instructions of the MXFP4 gate/up kernel's sm_90 SASS at 16 x 64 x 
 the H200's whole-moe time; bench/results/moe-h200.md).  ``decode="mxdot"`` (the MXFP4 default
 up to T 768, :func:`_mx_groups_step`): Triton's ``dot_scaled`` upcasts the packed nibbles in the
 dot operand's own registers and the e8m0 scale multiplies the fp32 partial of each 32-column
-group; 127 registers at 8 x 128 x 128 swapped tiles against 166 for ``"asm"`` at its 16 x 64
-tiles, and 8-10 % less time for the whole moe at T 1-64 (bench/results/moe-h200.md, "The
+group: the gate/up loop takes 4.2 instructions per weight and thread at the default 8 x 128
+swapped tiles against 6.2 for ``"asm"`` at 16 x 64 (both 3 programs per SM by registers;
+``python bench/sm90_resources.py --moe``), and the whole moe 8-10 % less time at T 1-64, up to
+45 % less at T 128-512 where it replaced 64-row tiles (bench/results/moe-h200.md, "The
 group-scaled dot").  ``decode="asm"`` (every other format, and above T 768): PTX on
 four codes at a time (``prmt`` into bf16x2 pairs, shift/mask into bf16 bit patterns, exact
 ``mul.rn.bf16x2`` by a power of two and by the group scale), about three instructions per
