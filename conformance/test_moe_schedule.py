@@ -192,8 +192,9 @@ def test_mxdot_values_are_exact_for_every_code_and_scale(swap: bool, device: str
         block_m=8 if swap else 16, tile=tile, decode="mxdot",
     ).cpu()  # fmt: skip
     c = codes[0]
-    w = torch.stack([formats.decode_e2m1(c & 15, dtype=torch.float64),
-                     formats.decode_e2m1(c >> 4, dtype=torch.float64)], -1).reshape(N, K)  # fmt: skip
+    lo = formats.decode_e2m1(c & 15, dtype=torch.float64)
+    hi = formats.decode_e2m1(c >> 4, dtype=torch.float64)
+    w = torch.stack([lo, hi], -1).reshape(N, K)  # low nibble = even column
     w = w * formats.decode_e8m0(scales[0], dtype=torch.float64).repeat_interleave(32, dim=1)
     keep = (w == 0) | (w.abs() >= 2.0**-126) if INTERPRET else torch.ones_like(w, dtype=torch.bool)
     assert int(keep.sum()) > 0.9 * keep.numel()

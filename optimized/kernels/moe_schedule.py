@@ -7,8 +7,8 @@ functions can validate a schedule without loading the kernels.
 What each knob changes (optimized/kernels/moe_gemm.py, module doc, "Schedule"):
 
 * ``block_m``: rows (token, expert slots) per M block (8 to 128); the align kernel pads every
-  expert's rows to whole blocks, so it is also the padding granularity.  ``shared_block_m`` for the shared
-  expert (its rows are the tokens, no sort).
+  expert's rows to whole blocks, so it is also the padding granularity.  ``shared_block_m``
+  for the shared expert (its rows are the tokens, no sort).
 * per GEMM (``gate_up``, ``down``, ``shared_gate_up``, ``shared_down``): ``block_n`` output
   columns and ``block_k`` reduction columns per step, ``num_warps``, ``num_stages``; ``split_k``
   programs share one tile's K range, each writing an fp32 partial that a later pass sums in the
