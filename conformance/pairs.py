@@ -278,8 +278,25 @@ def _moe_canonical(case: Case, got: tuple, oracle: tuple):
 
 # The optimized fused_experts takes the packed experts (pack_moe's MoEPack), the reference the
 # core's ExpertSource: pack each source once (keyed by identity; the source is kept alive with
-# its pack, and moe_inputs caches sources, so the contract's many calls share one pack).
+# its pack, and moe_inputs caches sources, so the contract's many calls share one pack).  A
+# full-size stack (V4-Flash: 2.1 G weights per matrix; with its pack and expert-parallel half
+# 10-40 GB) is kept alone, as moe_inputs keeps its own full-size sources: an entry held here
+# keeps its source alive after moe_inputs dropped it, and five of them filled the H200.
 _PACKS: dict[int, tuple[Any, Any]] = {}
+_FULL_SIZE_WEIGHTS = 1 << 28  # E * I * D from which a stack counts as full size
+
+
+def _evict_packs(full_size: bool) -> None:
+    """Drop the oldest packs: all of them before a full-size one is built, else down to 15."""
+    evicted = False
+    while _PACKS and (full_size or len(_PACKS) >= 16):
+        _PACKS.pop(next(iter(_PACKS)))
+        evicted = True
+    if evicted and full_size and torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def _packed_experts(args: tuple[Any, ...], kwargs: dict[str, Any]):
@@ -297,8 +314,7 @@ def _packed_experts(args: tuple[Any, ...], kwargs: dict[str, Any]):
             torch.zeros(E, D, device=dev), torch.zeros(E, device=dev),
             zeros(I, D), zeros(I, D), zeros(D, I), experts=experts,
         )  # fmt: skip
-        if len(_PACKS) >= 16:
-            _PACKS.pop(next(iter(_PACKS)))
+        _evict_packs(E * I * D >= _FULL_SIZE_WEIGHTS)
         _PACKS[id(experts)] = (experts, pack_moe(params, dev, max_tokens=_MAX_TOKENS))
     return (x, _PACKS[id(experts)][1], *args[2:]), kwargs
 

@@ -236,3 +236,23 @@ def test_row_mask_pads_rows_without_touching_the_real_ones(device: str) -> None:
         moe(x, params, cfg, row_mask=mask[:5])
     with pytest.raises(InputError, match="row_mask"):
         moe(x, params, cfg, row_mask=mask.int())
+
+
+def test_full_size_packs_are_kept_alone(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    """The contract's pack cache keeps a full-size expert stack (and its source) alone: with
+    every stack counted as full size, packing a second source drops the first, where small
+    stacks keep up to 16 (five full-size entries once filled the H200 in the GPU tier)."""
+    from dsv4mtp.conformance import pairs
+
+    monkeypatch.setattr(pairs, "_PACKS", {})
+    shape = "tiny" if device == "cpu" else "reduced"
+    cases = [moe_inputs("fused_experts", 3, 1, shape=shape, device=device, fmt=f)
+             for f in ("mxfp4", "fp8")]  # fmt: skip
+    for args, kw in cases:
+        PAIRS["fused_experts"].optimized_call(args, kw)
+    assert len(pairs._PACKS) == 2
+    monkeypatch.setattr(pairs, "_FULL_SIZE_WEIGHTS", 0)
+    monkeypatch.setattr(pairs, "_PACKS", {})
+    for args, kw in cases:
+        PAIRS["fused_experts"].optimized_call(args, kw)
+        assert list(pairs._PACKS) == [id(args[1])]
