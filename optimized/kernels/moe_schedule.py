@@ -221,7 +221,7 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
       T 512, but 4566 vs 4346 at T 1024); the shared expert on 64-row blocks, PTX decode.
     * above, other formats above T 64, and under ``batch_invariant=True`` for every T: 64-row M
       blocks, 64-column N tiles, the PTX decode, the interleaved FP4 dot, no split (the
-      group-scaled dot was 1.3-2.6x slower at T 4096 on every tile tried).
+      group-scaled dot was 1.3-4.0x slower at T 4096 on every tile tried).
 
     The sort runs in one program up to 128 slots (T 21 at top-6), in 128-slot chunks above,
     8 warps.  Under the interpreter, for every T, the T <= 64 structure of the format at the
