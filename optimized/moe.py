@@ -13,7 +13,9 @@ fixed T is CUDA-graph capturable):
 2. align (``moe_align``): the slots (token, k) sorted by local expert, padded to BLOCK_M blocks;
 3. gate/up (``moe_gemm``): per (M block, N tile), weights decoded in registers (MXFP4, NVFP4,
    FP8 128x128, bf16), bf16 tensor-core dots with fp32 accumulation, global scales on the
-   accumulator, clamped SwiGLU times the routing weight, hidden in the activation dtype;
+   accumulator, clamped SwiGLU times the routing weight, hidden in the activation dtype (MXFP4
+   up to 768 tokens by default: one ``dot_scaled`` per 32-column group on the e2m1 values,
+   the e8m0 scale on the fp32 partial);
 4. down: per (M block, N tile), each slot's output written to a (T*K, D) workspace;
 5. the shared expert: steps 3-4 on every token with one expert (its FP8 codes when the params
    carry them, else its dense weights);
@@ -28,8 +30,8 @@ Schedules: every tile, split, launch-order and decode choice is one :class:`MoES
 (kernels/moe_schedule.py), passed as ``schedule=`` to :func:`fused_experts` and :func:`moe`
 (for sweeps and tests; bench/diag/moe_sweep.py); ``None`` takes :func:`moe_config`'s default
 for the call's T.  ``batch_invariant=True`` takes the default that does not depend on T
-(BLOCK_M 64 for every T; the T-dependent default uses 16 rows per block up to 64 tokens, where
-a 64-row tile would be mostly padding).  Any fixed schedule is batch invariant: a row's result
+(BLOCK_M 64 for every T; the T-dependent default uses 8 (MXFP4) or 16 rows per block up to 64
+tokens, where a 64-row tile would be mostly padding, and for MXFP4 8 or 16 up to 768).  Any fixed schedule is batch invariant: a row's result
 does not depend on the other rows.
 """
 
