@@ -458,11 +458,18 @@ def _make_room(big: bool) -> None:
     """Evict before building: a full shape keeps no other entry (a V4-Pro FP8 stack with its
     expert-parallel half is 38 GB, and the optimized pack of the previous one may still be
     alive in a test's frame), and the freed blocks go back to the device."""
+    evict_oldest(_CACHE, 48, big)
+
+
+def evict_oldest(cache: dict[Any, Any], keep: int, full_size: bool) -> None:
+    """Drop ``cache``'s oldest entries (insertion order) until it holds fewer than ``keep``, or
+    all of them before a full-size entry is built; after a full-size eviction the freed blocks
+    go back to the device (the conformance caches of built parameters and packs)."""
     evicted = False
-    while _CACHE and (len(_CACHE) >= 48 or big):
-        _CACHE.popitem(last=False)
+    while cache and (len(cache) >= keep or full_size):
+        cache.pop(next(iter(cache)))
         evicted = True
-    if evicted and big and torch.cuda.is_available():
+    if evicted and full_size and torch.cuda.is_available():
         import gc
 
         gc.collect()

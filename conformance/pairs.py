@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
-from dsv4mtp.conformance.inputs import op_inputs
+from dsv4mtp.conformance.contract import MAX_TOKENS
+from dsv4mtp.conformance.inputs import evict_oldest, op_inputs
 from dsv4mtp.conformance.registry import Case, OpPair, Tolerance, register
 from dsv4mtp.optimized._dispatch import Facts
 
@@ -286,19 +287,6 @@ _PACKS: dict[int, tuple[Any, Any]] = {}
 _FULL_SIZE_WEIGHTS = 1 << 28  # E * I * D from which a stack counts as full size
 
 
-def _evict_packs(full_size: bool) -> None:
-    """Drop the oldest packs: all of them before a full-size one is built, else down to 15."""
-    evicted = False
-    while _PACKS and (full_size or len(_PACKS) >= 16):
-        _PACKS.pop(next(iter(_PACKS)))
-        evicted = True
-    if evicted and full_size and torch.cuda.is_available():
-        import gc
-
-        gc.collect()
-        torch.cuda.empty_cache()
-
-
 def _packed_experts(args: tuple[Any, ...], kwargs: dict[str, Any]):
     from dsv4mtp.optimized import pack_moe  # type: ignore[attr-defined]
     from dsv4mtp.params import MoEParams
@@ -314,12 +302,9 @@ def _packed_experts(args: tuple[Any, ...], kwargs: dict[str, Any]):
             torch.zeros(E, D, device=dev), torch.zeros(E, device=dev),
             zeros(I, D), zeros(I, D), zeros(D, I), experts=experts,
         )  # fmt: skip
-        _evict_packs(E * I * D >= _FULL_SIZE_WEIGHTS)
-        _PACKS[id(experts)] = (experts, pack_moe(params, dev, max_tokens=_MAX_TOKENS))
+        evict_oldest(_PACKS, 16, E * I * D >= _FULL_SIZE_WEIGHTS)
+        _PACKS[id(experts)] = (experts, pack_moe(params, dev, max_tokens=MAX_TOKENS["cuda"]))
     return (x, _PACKS[id(experts)][1], *args[2:]), kwargs
-
-
-_MAX_TOKENS = 8192  # the largest T any generated test draws
 
 
 def _moe_shape(device: str) -> st.SearchStrategy[str]:
@@ -573,8 +558,7 @@ def _packed_linear(grouped: bool, args: tuple[Any, ...], kwargs: dict[str, Any])
     key = (id(weight), grouped)
     if key not in _LINEAR_PACKS:
         groups = x.shape[1] if grouped and x.dim() == 3 else None
-        if len(_LINEAR_PACKS) >= 16:
-            _LINEAR_PACKS.pop(next(iter(_LINEAR_PACKS)))
+        evict_oldest(_LINEAR_PACKS, 16, False)
         _LINEAR_PACKS[key] = (weight, pack_linear(weight, x.device, groups=groups))
     return (x, _LINEAR_PACKS[key][1], *args[2:]), kwargs
 
@@ -839,8 +823,7 @@ def _packed_head(args: tuple[Any, ...], kwargs: dict[str, Any]):
     if not isinstance(head, QuantizedWeight):
         return args, kwargs
     if id(head) not in _HEAD_PACKS:
-        if len(_HEAD_PACKS) >= 4:
-            _HEAD_PACKS.pop(next(iter(_HEAD_PACKS)))
+        evict_oldest(_HEAD_PACKS, 4, False)
         _HEAD_PACKS[id(head)] = (head, pack_head(head, device=y.device))
     return (y, _HEAD_PACKS[id(head)][1], *args[2:]), kwargs
 
