@@ -622,7 +622,9 @@ def test_ring_prefill_keys_are_the_host_construction(device: str) -> None:
         want_keys, want_pos, want_cu, want_owners = _host_ring_keys(kv, pos, lens, cache, slots)
         assert torch.equal(keys.cpu(), want_keys.cpu()), case
         assert key_pos.tolist() == want_pos, case
-        assert plan.rows.cu_k.tolist() == want_cu and plan.keys == want_cu[-1], case
+        assert plan.cu_k.tolist() == want_cu and plan.keys == want_cu[-1], case
+        assert plan.cached == sum(want_cu[b + 1] - want_cu[b] - n for b, n in enumerate(lens)
+                                  if want_cu[b + 1] > want_cu[b]), case  # fmt: skip
         assert owners.dtype == torch.int32 and owners.tolist() == want_owners, case
 
 

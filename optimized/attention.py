@@ -48,7 +48,13 @@ from dsv4mtp.semantics import NormOrder, RopeMode
 from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
 from ._dispatch import Facts, planned, select, signature
 from ._packs import packed_once
-from .kernels._launch import check_device, check_kernel_dtype, check_out, device_ints
+from .kernels._launch import (
+    check_device,
+    check_kernel_dtype,
+    check_out,
+    device_ints,
+    triton_kernel,
+)
 from .kv_cache import DeviceKVCache, PagedKVCache, check_block_table
 from .linear import LinearPack, grouped_linear, linear, pack_linear
 from .norm import rms_norm
@@ -850,24 +856,25 @@ def _sequences_error(
             )
 
 
-_FAR = 2**62  # a sort key past every int32 position
-
-
 class _RingIndex(NamedTuple):
-    """The device tensors of a call against a ring cache, built before its first launch: what
-    its checks read and, for a prefill, where its keys come from (docs/semantics.md, "The
-    device ring cache").  B sequences, T rows, C rows per ring."""
+    """A ring prefill's index on the device, built before its first launch
+    (kernels/ring_prefill.py, ``ring_index_kernel``): what its checks read and where its keys
+    come from (docs/semantics.md, "The device ring cache").  B sequences, C rows per ring."""
 
-    n: torch.Tensor  # (B,) int64 rows per sequence
-    starts: torch.Tensor  # (B,) int64 first row of each sequence
-    seq: torch.Tensor  # (T,) int64 each row's sequence
-    live: torch.Tensor  # (B,) bool: a sequence with a ring (slot >= 0) and rows
-    ring: torch.Tensor  # (B,) int64 the slot, clamped into [0, S)
-    bad: torch.Tensor  # () bool: some slot or position fails the checks
-    order: torch.Tensor  # (B, C) int64 ring rows by position, the visible ones first
-    key_pos: torch.Tensor  # (B, C) int64 their positions (_FAR past the visible)
-    seen: torch.Tensor  # (B,) int64 visible cached rows per sequence (0 unless live)
-    cu_k: torch.Tensor  # (B+1,) int64 key offsets: each live sequence's seen + new rows
+    cu_q: torch.Tensor  # (B+1,) int32 row offsets of the sequences
+    slots: torch.Tensor  # (B,) the call's ring of each sequence (negative: padding)
+    order: torch.Tensor  # (B, C) int32 the visible ring rows by position (first seen entries)
+    key_pos: torch.Tensor  # (B, C) int64 their positions
+    stats: torch.Tensor  # (B, 3) int64 seen, key rows, flags (1: a check fails, 2: repeats)
+
+    @property
+    def bad(self) -> torch.Tensor:
+        """() bool: some slot or position fails the checks."""
+        return (self.stats[:, 2] & 1).any()
+
+
+_ring_index_triton = triton_kernel("ring_prefill", "ring_index_triton")
+_ring_keys_triton = triton_kernel("ring_prefill", "ring_keys_triton")
 
 
 def _ring_index(
@@ -879,59 +886,39 @@ def _ring_index(
     """The facts :func:`_check_ring_sequences` tests, as device tensors (no host read): slots
     < S and distinct among the non-negative ones, and, in each sequence with a ring, positions
     in [0, 2^31), rising, and past the ring's newest row; and each ring's rows visible to its
-    sequence's first row (``p >= 0`` and ``p > first - window``) in position order, and the key
-    offsets of the prefill's varlen launch."""
-    T, dev = positions.shape[0], positions.device
-    S, W = cache.num_seqs, cache.window
-    n, starts, seq = _rows_of(lens, T, dev)
-    pos, slot = positions.long(), slots.long()
-    used = slot >= 0
-    ring = slot.clamp(0, S - 1)
-    newest = cache.pos.max(dim=1).values.long()[ring]  # (B,), -1 for an empty ring
-    B = slot.shape[0]
-    distinct = torch.where(used, slot, -1 - torch.arange(B, device=dev)).sort().values
-    live = used & (n > 0)
-    first = pos[starts.clamp(max=T - 1)] if T else n  # (B,): meaningful where live
-    in_ring = used[seq]  # (T,) rows of a sequence with a ring
-    bad = torch.stack(
-        [
-            (used & (slot >= S)).any(),
-            (distinct[1:] == distinct[:-1]).any(),
-            (in_ring & ((pos < 0) | (pos >= 2**31))).any(),
-            _rising_in(pos, seq, in_ring),
-            (live & (newest >= 0) & (first <= newest)).any(),
-        ]
-    ).any()
-    rings = cache.pos[ring].long()  # (B, C)
-    visible = (rings >= 0) & (rings > first[:, None] - W) & live[:, None]
-    key_pos, order = torch.where(visible, rings, _FAR).sort(dim=1, stable=True)
-    seen = visible.sum(dim=1)
-    k_lens = torch.where(live, seen + n, 0)
-    cu_k = torch.cat([k_lens.new_zeros(1), k_lens.cumsum(0)])
-    return _RingIndex(n, starts, seq, live, ring, bad, order, key_pos, seen, cu_k)
+    sequence's first row (``p >= 0`` and ``p > first - window``) in position order.  One
+    launch (and the row offsets' host-to-device copy)."""
+    cu_q = device_ints([0, *itertools.accumulate(lens)], positions.device, torch.int32)
+    order, key_pos, stats = _ring_index_triton(
+        positions, cu_q, slots, cache.pos, cache.window, max(lens, default=0)
+    )
+    return _RingIndex(cu_q, slots, order, key_pos, stats)
 
 
 class _RingPlan(NamedTuple):
-    """A ring prefill's index with the host ints its launch needs (one host read)."""
+    """A ring prefill's index with the host ints its launches need (one host read)."""
 
     rows: _RingIndex
+    cu_k: torch.Tensor  # (B+1,) int32 key offsets: each live sequence's seen + new rows
     keys: int  # rows of the varlen launch's keys
     cached: int  # of them from the rings
     trusted: bool  # the visible ring rows hold distinct positions (else the launch checks)
+    max_rows: int  # the most key rows or new rows of one sequence (the keys kernel's grid)
 
 
-def _ring_plan(index: _RingIndex) -> tuple[bool, _RingPlan]:
-    """(bad, the plan) with one host read of a few scalars."""
-    C = index.key_pos.shape[1]
-    j = torch.arange(1, C, device=index.seen.device)
-    twice = ((index.key_pos[:, 1:] == index.key_pos[:, :-1]) & (j < index.seen[:, None])).any()
-    bad, dup, keys, cached = (
-        int(v)
-        for v in torch.stack(
-            [index.bad.long(), twice.long(), index.cu_k[-1], index.seen.sum()]
-        ).tolist()
-    )
-    return bool(bad), _RingPlan(index, keys, cached, not dup)
+def _ring_plan(index: _RingIndex, lens: list[int]) -> tuple[bool, _RingPlan]:
+    """(bad, the plan) with one host read of the index's 3 x B ints."""
+    stats = index.stats.tolist()
+    bad = any(f & 1 for _, _, f in stats)
+    dup = any(f & 2 for _, _, f in stats)
+    k_lens = [k for _, k, _ in stats]
+    cu_k = [0, *itertools.accumulate(k_lens)]
+    max_rows = max([*k_lens, *lens], default=0)
+    plan = _RingPlan(
+        index, device_ints(cu_k, index.cu_q.device, torch.int32), cu_k[-1],
+        sum(s for s, _, _ in stats), not dup, max_rows,
+    )  # fmt: skip
+    return bad, plan
 
 
 def _check_ring_sequences(
@@ -950,7 +937,7 @@ def _check_ring_sequences(
     if not prefill:
         _ring_sequences_host(positions, lens, cache, slots)
         return None
-    bad, plan = _ring_plan(_ring_index(positions, lens, cache, slots))
+    bad, plan = _ring_plan(_ring_index(positions, lens, cache, slots), lens)
     if bad:
         _ring_sequences_host(positions, lens, cache, slots)
     return plan
@@ -1115,32 +1102,17 @@ def _paged_sequences_error(
 def _ring_keys(
     kv: torch.Tensor, positions: torch.Tensor, cache: DeviceKVCache, plan: _RingPlan
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The keys of a ring prefill's varlen launch, built with device indices only: each live
-    sequence's visible ring rows in position order, then its new rows (a padding sequence has
-    none).  -> keys (Tk, Dh) in kv's dtype, their positions (Tk,) int64 and, per row of ``kv``,
-    the ring it is written to (T,) int32: its sequence's slot for the last C positions of a
-    live sequence (the earlier ones would be overwritten in the same call), -1 otherwise."""
-    index, Tk = plan.rows, plan.keys
-    (T, Dh), C, dev = kv.shape, cache.capacity, kv.device
-    # One spare row past the Tk keys: the destination of the rows that are no key.
-    keys = kv.new_empty((Tk + 1, Dh))
-    key_pos = torch.empty(Tk + 1, dtype=torch.int64, device=dev)
-    first_key = index.cu_k[:-1]  # (B,)
-    if plan.cached:
-        j = torch.arange(C, device=dev)
-        dst = torch.where(j < index.seen[:, None], first_key[:, None] + j, Tk).flatten()
-        keys[dst] = cache.kv.view(-1, Dh)[(index.ring[:, None] * C + index.order).flatten()]
-        key_pos[dst] = index.key_pos.flatten()
-    s = index.seq  # (T,)
-    live = index.live[s]
-    rank = torch.arange(T, device=dev) - index.starts[s]  # row within its sequence
-    dst = torch.where(live, first_key[s] + index.seen[s] + rank, Tk)
-    pos = positions.long()
-    keys[dst] = kv
-    key_pos[dst] = pos
-    last = pos[(index.starts + index.n - 1).clamp(min=0)]  # (B,): meaningful where live
-    owners = torch.where(live & (pos > last[s] - C), index.ring[s], -1).to(torch.int32)
-    return keys[:Tk], key_pos[:Tk], owners
+    """The keys of a ring prefill's varlen launch, in one launch (kernels/ring_prefill.py,
+    ``ring_keys_kernel``): each live sequence's visible ring rows in position order, then its
+    new rows (a padding sequence has none).  -> keys (Tk, Dh) in kv's dtype, their positions
+    (Tk,) int64 and, per row of ``kv``, the ring it is written to (T,) int32: its sequence's
+    slot for the last C positions of a live sequence (the earlier ones would be overwritten in
+    the same call), -1 otherwise."""
+    i = plan.rows
+    return _ring_keys_triton(
+        kv, positions, i.cu_q, plan.cu_k, i.slots, (i.order, i.key_pos, i.stats), cache.kv,
+        plan.keys, plan.max_rows,
+    )  # fmt: skip
 
 
 def _ring_prefill(
@@ -1159,13 +1131,12 @@ def _ring_prefill(
     ``plan``: from the call's checks (their one host read also sized the keys), or None (the
     checks were skipped) for one host read here.  No other host read or sync."""
     if plan is None:
-        _, plan = _ring_plan(_ring_index(positions, lens, cache, slots))
+        _, plan = _ring_plan(_ring_index(positions, lens, cache, slots), lens)
     W, Dh = cache.window, q.shape[2]
     keys, key_pos, owners = _ring_keys(kv, positions, cache, plan)
-    cu_q = torch.cat([plan.rows.n.new_zeros(1), plan.rows.n.cumsum(0)]).to(torch.int32)
     # the keys rise within each sequence by construction: the launch checks them only where
     # the rings' visible rows repeat a position
-    offsets = (cu_q, plan.rows.cu_k.to(torch.int32))
+    offsets = (plan.rows.cu_q, plan.cu_k)
     tail = (W, Dh**-0.5, batch_invariant, None, "auto", None)
     o = _call(
         "sink_attention_varlen", q, positions, keys, key_pos, attn_sink, offsets, *tail,

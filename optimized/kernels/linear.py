@@ -293,16 +293,16 @@ def linear_triton(
         rows = min(R, chunk * sched.block_m)
         part = workspace("linear_part", (split * rows * G * N,), torch.float32, x.device)
     step = chunk * sched.block_m
+    launch = triton_launch(
+        linear_kernel, FMT=fmt, BLOCK_M=sched.block_m, BLOCK_N=sched.block_n, BLOCK_K=BLOCK_K,
+        SPLIT_K=split, USE_F32=use_f32, INTERP=INTERPRET, num_warps=sched.num_warps,
+        num_stages=sched.num_stages,
+    )  # fmt: skip
     for r0 in range(0, R, step):
         xc, yc = (x, y) if step >= R else (x[r0 : r0 + step], y[r0 : r0 + step])
         rc = xc.shape[0]
         grid = (cdiv(rc, sched.block_m), n_tiles, G * split)
-        linear_kernel[grid](
-            xc, w, s if s.numel() else w, yc, part, count, rc, G, N, K, per_split,
-            FMT=fmt, BLOCK_M=sched.block_m, BLOCK_N=sched.block_n, BLOCK_K=BLOCK_K,
-            SPLIT_K=split, USE_F32=use_f32, INTERP=INTERPRET, num_warps=sched.num_warps,
-            num_stages=sched.num_stages,
-        )  # fmt: skip
+        launch(grid, xc, w, s if s.numel() else w, yc, part, count, rc, G, N, K, per_split)
 
 
 # ------------------------------------------------------------------------------ prefill path

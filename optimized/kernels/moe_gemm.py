@@ -104,7 +104,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import INTERPRET, rne_bf16_if_interpreted
+from ._launch import INTERPRET, rne_bf16_if_interpreted, triton_launch
 from .decode import (
     _e2m1_f32,
     _e2m1_pair_bf16,
@@ -812,18 +812,22 @@ def moe_gate_up_triton(
     srt = dummy if identity else sorted_slot
     blk = dummy if identity else block_expert
     topw = dummy if topk_weights is None else topk_weights
-    moe_gate_up_kernel[_grid(num_m_blocks, inter, tile)](
-        x, w13, s13, gscale, srt, blk, topw, h, part,
+    triton_launch(
+        moe_gate_up_kernel, IDENTITY=identity, FMT=fmt, BLOCK_M=block_m,
+        USE_F32=_use_f32(x) or w13.dtype == torch.float32, INTERP=INTERPRET,
+        **_tile_meta(tile, decode, fp4_join),
+    )(
+        _grid(num_m_blocks, inter, tile), x, w13, s13, gscale, srt, blk, topw, h, part,
         T, D, inter, top_k, float(limit), w13[0].numel(), s13[0].numel() if s13.numel() else 0,
         num_m_blocks,
-        IDENTITY=identity, FMT=fmt, BLOCK_M=block_m, USE_F32=_use_f32(x) or w13.dtype == torch.float32,
-        INTERP=INTERPRET, **_tile_meta(tile, decode, fp4_join),
     )  # fmt: skip
     if split > 1:
-        moe_swiglu_kernel[(num_m_blocks, triton.cdiv(inter, tile.block_n))](
+        triton_launch(
+            moe_swiglu_kernel, IDENTITY=identity, BLOCK_M=block_m, BLOCK_N=tile.block_n,
+            SPLIT_K=split, INTERP=INTERPRET, num_warps=4,
+        )(
+            (num_m_blocks, triton.cdiv(inter, tile.block_n)),
             part, gscale, srt, blk, topw, h, T, inter, float(limit), num_m_blocks,
-            IDENTITY=identity, BLOCK_M=block_m, BLOCK_N=tile.block_n, SPLIT_K=split,
-            INTERP=INTERPRET, num_warps=4,
         )  # fmt: skip
 
 
@@ -858,12 +862,14 @@ def moe_down_triton(
         y = torch.empty((split, rows_out, D), dtype=torch.float32, device=h.device)
     else:
         y = torch.empty((rows_out, D), dtype=h.dtype, device=h.device)
-    moe_down_kernel[_grid(num_m_blocks, D, tile)](
-        h, w2, s2, gscale,
+    triton_launch(
+        moe_down_kernel, IDENTITY=identity, FMT=fmt, BLOCK_M=block_m,
+        USE_F32=_use_f32(h) or w2.dtype == torch.float32, INTERP=INTERPRET,
+        **_tile_meta(tile, decode, fp4_join),
+    )(
+        _grid(num_m_blocks, D, tile), h, w2, s2, gscale,
         dummy if identity else sorted_slot, dummy if identity else block_expert, y,
         T, D, inter, w2[0].numel(), s2[0].numel() if s2.numel() else 0, num_m_blocks, rows_out,
-        IDENTITY=identity, FMT=fmt, BLOCK_M=block_m, USE_F32=_use_f32(h) or w2.dtype == torch.float32,
-        INTERP=INTERPRET, **_tile_meta(tile, decode, fp4_join),
     )  # fmt: skip
     return y
 
@@ -890,12 +896,13 @@ def moe_reduce_triton(
         raise ValueError("moe_reduce_triton: split-K partials need the routed gscale")
     block = min(1024, triton.next_power_of_2(D))
     e_global = expert_map.numel() if expert_map is not None else e_local
-    moe_reduce_kernel[(T, triton.cdiv(D, block))](
-        ws, topk_ids, topk_ids if expert_map is None else expert_map,
+    triton_launch(
+        moe_reduce_kernel, TOPK=K, HAS_MAP=expert_map is not None, HAS_SHARED=shared is not None,
+        SPLIT=split, SHARED_SPLIT=shared_split, BLOCK_D=block, INTERP=INTERPRET, num_warps=4,
+    )(
+        (T, triton.cdiv(D, block)), ws, topk_ids, topk_ids if expert_map is None else expert_map,
         ws if gscale is None else gscale, out if shared is None else shared, out,
         T, D, e_global, e_local,
-        TOPK=K, HAS_MAP=expert_map is not None, HAS_SHARED=shared is not None, SPLIT=split,
-        SHARED_SPLIT=shared_split, BLOCK_D=block, INTERP=INTERPRET, num_warps=4,
     )  # fmt: skip
 
 
@@ -904,4 +911,6 @@ def act_quant_triton(x: torch.Tensor, out: torch.Tensor) -> None:
     R, K = x.shape
     if R == 0:
         return
-    act_quant_kernel[(R, triton.cdiv(K, 128))](x, out, R, K, BLOCK=128, INTERP=INTERPRET)
+    triton_launch(act_quant_kernel, BLOCK=128, INTERP=INTERPRET)(
+        (R, triton.cdiv(K, 128)), x, out, R, K
+    )
