@@ -628,6 +628,67 @@ def test_ring_prefill_keys_are_the_host_construction(device: str) -> None:
         assert owners.dtype == torch.int32 and owners.tolist() == want_owners, case
 
 
+# What building a ring prefill's keys may run on the host besides its two launches: tensor
+# allocations and the host-to-device copies of the row and key offsets (no compute).
+_HOST_SIDE_OPS = {
+    "aten.empty.memory_format", "aten.new_empty.default", "aten.lift_fresh.default",
+    "aten._to_copy.default", "aten._pin_memory.default", "aten.copy_.default",
+    "aten.is_pinned.default",
+}  # fmt: skip
+
+
+def test_ring_prefill_keys_take_two_launches_and_one_host_read(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checks and keys of a ring prefill: the index and the keys kernels, one host read (the
+    index's 3 x B ints, which also size the keys) and no tensor compute on the host side (each
+    small tensor op costs a dispatch and a launch: tens of microseconds on the H200's host)."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    from dsv4mtp.optimized.kernels._launch import TritonLaunch
+
+    g = torch.Generator().manual_seed(33)
+    cache, lens, pos, slots = _random_ring_call(g, device)
+    kv = torch.randn(pos.shape[0], Dh, generator=g).to(BF16).to(device)
+    launches: list[str] = []
+    run = TritonLaunch.__call__
+
+    def counted(self: TritonLaunch, grid: tuple[int, ...], *args: Any) -> None:
+        launches.append(self.jit.fn.__name__)
+        with _disable_current_modes():  # the interpreter's own copies are the kernel's
+            run(self, grid, *args)
+
+    monkeypatch.setattr(TritonLaunch, "__call__", counted)
+    reads = [0]
+    for name in ("tolist", "item", "__int__", "__bool__", "__float__", "__index__"):
+        orig = getattr(torch.Tensor, name)
+
+        def read(self: torch.Tensor, *a: Any, _orig: Any = orig, **k: Any) -> Any:
+            reads[0] += 1
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as mode:
+        plan = _attn._check_ring_sequences(pos, lens, cache, slots, True)
+        assert plan is not None
+        _attn._ring_keys(kv, pos, cache, plan)
+    assert launches == ["ring_index_kernel", "ring_keys_kernel"], launches
+    assert reads[0] == 1, reads[0]
+    assert set(mode.ops) <= _HOST_SIDE_OPS, sorted(set(mode.ops) - _HOST_SIDE_OPS)
+
+
 def _outcome(fn: Any, *args: object) -> str:
     try:
         fn(*args)

@@ -2,10 +2,11 @@
 
 A prefill of B sequences against a :class:`~dsv4mtp.optimized.kv_cache.DeviceKVCache` attends
 each sequence's visible cached rows in position order, then its new rows, through one varlen
-launch (docs/semantics.md, "The device ring cache").  Building that key list from tensor ops
-took some seventy small launches and as many host round trips through PyTorch's dispatcher
-(about 2.5 ms of host time per eager prefill on the H200's host, more than the 512-token
-prefill's attention kernels); here it is two kernels and one host read of 3 x B ints.
+launch (docs/semantics.md, "The device ring cache").  Built from tensor ops, that key list
+takes some seventy small ops, each a dispatch and a launch on the host: about 2 ms of a 512-token
+eager prefill on the H200's host, where the attention's kernels take 0.2 ms
+(bench/results/mtp-h200.md, "Prefill host time").  Here it is two kernels and one host read of
+3 x B ints.
 
 ``ring_index_kernel``, grid (B,), program b (C ring rows, ``BLOCK_C`` = next power of two):
 
