@@ -250,10 +250,10 @@ def bench_decode(layer: MTPLayer, graph: DecodeGraphs, fixed: dict[str, int], T:
     return row
 
 
-def bench_prefill(layer: MTPLayer, cache: Any, fixed: dict[str, int], T: int,
-                  g: torch.Generator, bw: float, peak: float) -> dict[str, Any]:  # fmt: skip
-    """One sequence of T tokens into an empty slot, logits of its last row (eager)."""
-    cfg, W = layer.config, layer.config.sliding_window
+def prefill_call(layer: MTPLayer, cache: Any, T: int, g: torch.Generator) -> Callable[[], Any]:
+    """The timed prefill: one sequence of T random tokens into the emptied slot 0 of ``cache``,
+    logits of its last row (eager)."""
+    cfg = layer.config
     ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda", generator=g)
     pos = torch.arange(T, device="cuda")
     prev = torch.randn(T, cfg.hc_dim, device="cuda", generator=g).to(layer.dtype)
@@ -265,6 +265,14 @@ def bench_prefill(layer: MTPLayer, cache: Any, fixed: dict[str, int], T: int,
         h = layer.forward(ids, pos, prev, seq_lens=lens, kv_cache=cache, cache_slots=slots)
         return layer.compute_logits(h[-1:])
 
+    return prefill
+
+
+def bench_prefill(layer: MTPLayer, cache: Any, fixed: dict[str, int], T: int,
+                  g: torch.Generator, bw: float, peak: float) -> dict[str, Any]:  # fmt: skip
+    """One sequence of T tokens into an empty slot, logits of its last row (eager)."""
+    cfg, W = layer.config, layer.config.sliding_window
+    prefill = prefill_call(layer, cache, T, g)
     finite = bool(torch.isfinite(prefill()).all())
     distinct, slots_n = count_experts(layer, prefill)
     us = wall_ms(prefill, 5) * 1e3

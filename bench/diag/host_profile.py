@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-from h200_mtp import fill_cache
+from h200_mtp import fill_cache, prefill_call
 
 from dsv4mtp.checkpoint.fullsize import make_fullsize_checkpoint
 from dsv4mtp.optimized import MTPLayer
@@ -154,23 +154,6 @@ def report(name: str, fn: Callable[[], Any], top: int) -> None:
         print("|---|---|---|---|")
         for r in sorted(rows, key=lambda r: -r[key])[:top]:
             print(f"| {r[0]} | {r[1]:.0f} | {r[2]:.0f} | {r[3]:.0f} |")
-
-
-def prefill_call(layer: MTPLayer, cache: Any, T: int, g: torch.Generator) -> Callable[[], Any]:
-    """One sequence of T tokens into the emptied slot 0, logits of its last row."""
-    cfg = layer.config
-    ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda", generator=g)
-    pos = torch.arange(T, device="cuda")
-    prev = torch.randn(T, cfg.hc_dim, device="cuda", generator=g).to(layer.dtype)
-    slots = torch.zeros(1, dtype=torch.int64, device="cuda")
-    lens = torch.tensor([T], device="cuda")
-
-    def prefill() -> torch.Tensor:
-        cache.reset(slots)
-        h = layer.forward(ids, pos, prev, seq_lens=lens, kv_cache=cache, cache_slots=slots)
-        return layer.compute_logits(h[-1:])
-
-    return prefill
 
 
 def decode_call(layer: MTPLayer, cache: Any, T: int, g: torch.Generator) -> Callable[[], Any]:

@@ -17,21 +17,27 @@ tokens on the MMA's N side, as ``decode="mxdot"``) over two layouts of the same 
 V4-Flash gate/up matrices (N 4096 rows, K 4096 columns: 8 MiB of codes each), E of them in one
 launch (grid: 32 row tiles x E), 8 tokens; scales are left out (1/16 of the bytes).  Time: CUDA
 graph replay of one launch, median of 20; GB/s = code bytes / time; same-run copy bandwidth
-(read + write of a 2 GiB copy, as ``bench/h200_mhc.py``); "vs copy" = code bytes per second /
+(``bench/h200_mhc.py``: read + write of a 2 GiB copy); "vs copy" = code bytes per second /
 copy bandwidth, the project's floor convention (1.0: the stream at the copy's total rate).  The outputs of the two layouts
 are compared bitwise (the same products in the same order), so the addressing is checked too.
 
-Run (GPU machine, repository root): ``python3 bench/diag/moe_layout_probe.py [--experts 160]``.
+Run (GPU machine, repository root, after the README's install):
+``python3 bench/diag/moe_layout_probe.py [--experts 160]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
+import sys
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from h200_mhc import copy_bandwidth, graph_time_us
 
 TOKENS = 8
 BLOCK_N = 128
@@ -120,48 +126,6 @@ def tiled(codes: torch.Tensor, block_k: int) -> torch.Tensor:
     return codes.view(E, N // BLOCK_N, BLOCK_N, Kh // bk, bk).permute(0, 1, 3, 2, 4).contiguous()
 
 
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 2 GiB bf16 device copy (``h200_mhc.py``'s method,
-    repeated here so the script needs no install)."""
-    src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * (1 << 30) * 2 / statistics.median(times)
-
-
-def graph_us(fn, reps: int = 20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=160)
@@ -196,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 run()
                 torch.cuda.synchronize()
-                us = graph_us(run)
+                us = graph_time_us([run], 1, 20)
             except Exception as exc:  # a variant that fails to compile is a row, not the end
                 print(f"| {name} | {mode} | {warps} | {stages} | fail: {exc!r:.80} | | |")
                 continue
