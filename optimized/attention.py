@@ -931,9 +931,9 @@ def _check_ring_sequences(
     """The reference's position checks against a ring cache: slots < S and distinct (negative:
     padding, unchecked), positions in [0, 2^31) increasing within each sequence and past its
     ring's newest row.  A decode (T = B rows) reads its few hundred ints at once and checks on
-    the host (three ops; the device form would launch some twenty); a ``prefill`` checks on the
-    device with one host read of a few scalars, T-independent, which also sizes its keys (->
-    its plan), and reads the values for the message only on failure."""
+    the host (three ops); a ``prefill`` checks on the device (``ring_index_kernel``) with one
+    host read of 3 x B ints, T-independent, which also sizes its keys (-> its plan), and reads
+    the values for the message only on failure."""
     if not prefill:
         _ring_sequences_host(positions, lens, cache, slots)
         return None
@@ -1250,10 +1250,11 @@ def attention(
     sequence (and, with a :class:`DeviceKVCache`, slots < num_seqs and distinct, positions in
     [0, 2^31) and past their ring's newest row; with a :class:`PagedKVCache`, table entries in
     [-1, N), each slot -1 or its position's vLLM slot, distinct).  The checks run on the device
-    with one host read of a few scalars, T-independent (for a ring prefill the same read sizes
-    its keys; host :class:`KVCache` s add a read of each one's last position); the message, only
-    when a check fails, from the values read on the host.  The index tensors of a prefill are
-    built on the device.  ``out`` (T, D) in x.dtype, contiguous, receives the result (the wo_b
+    with one host read of a few scalars, T-independent (for a ring prefill 3 x B ints, the same
+    read sizing its keys; a ring decode reads its positions and slots and checks on the host;
+    host :class:`KVCache` s add a read of each one's last position); the message, only when a
+    check fails, from the values read on the host.  The index and keys of a ring prefill are
+    built on the device in two launches (kernels/ring_prefill.py).  ``out`` (T, D) in x.dtype, contiguous, receives the result (the wo_b
     GEMM writes it).
     """
     check_instance("config", config, DSV4Config)

@@ -14,8 +14,9 @@ eager prefill on the H200's host, where the attention's kernels take 0.2 ms
   sequence (negative: padding, unchecked), the rows' positions in [0, 2^31) and rising, the
   first past the ring's newest row;
 * the ring rows visible to the sequence's first row (``p >= 0`` and ``p > first - window``),
-  ranked by (position, ring row) with a C x C comparison in ``BLOCK_I``-row slices (C is the
-  window plus the draft rows, 144 at V4-Flash: 21k comparisons per program); ``order[b, r]``
+  ranked by (position, ring row) with a ``BLOCK_C`` x ``BLOCK_C`` comparison in
+  ``BLOCK_I``-row slices (C is the window plus the draft rows rounded up to 16, 144 at V4-Flash:
+  256 x 256 lanes per program); ``order[b, r]``
   is the ring row of rank r and ``key_pos[b, r]`` its position; a flag when two visible rows
   hold one position (the keys would not rise: the varlen launch then checks them);
 * ``stats[b] = (seen, key rows, flags)``: visible rows (0 unless live), seen + new rows for a
