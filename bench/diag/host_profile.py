@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-from h200_mtp import fill_cache, prefill_call
+from h200_mtp import fill_cache, prefill_call, profile_replay
 
 from dsv4mtp.checkpoint.fullsize import make_fullsize_checkpoint
 from dsv4mtp.optimized import MTPLayer
@@ -57,17 +57,6 @@ def least_ms(fn: Callable[[], Any], reps: int = 5, sync: bool = True) -> float:
         best = min(best, time.perf_counter() - t0)
     torch.cuda.synchronize()
     return best * 1e3
-
-
-def kernel_ms(fn: Callable[[], Any], reps: int = 2) -> tuple[float, int]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.device_time for e in evs) / 1e3 / reps, len(evs) // reps
 
 
 def timeline(layer: MTPLayer, fn: Callable[[], Any]) -> None:
@@ -121,7 +110,8 @@ def report(name: str, fn: Callable[[], Any], top: int) -> None:
     torch.cuda.synchronize()
     wall = least_ms(fn)
     enq = least_ms(fn, sync=False)
-    kern, launches = kernel_ms(fn)
+    prof = profile_replay(fn, reps=2)
+    kern, launches = prof["kernel_us"] / 1e3, round(prof["launches"])
     print(f"\n## {name}: wall {wall:.2f} ms, enqueue (to the call's return) {enq:.2f} ms, "
           f"kernels {kern:.2f} ms in {launches} launches, GPU idle {wall - kern:.2f} ms")  # fmt: skip
     # the host reads of tensor values (device -> host syncs) one call makes, by source line
