@@ -202,9 +202,10 @@ def linear_lines() -> list[str]:
 
 def moe_lines() -> list[str]:
     """The MoE's routed gate/up and down kernels (kernels/moe_gemm.py) for MXFP4 experts at
-    V4-Flash (D 4096, I 2048), bf16 x: the default schedule at T 1, 8, 64, 512 and 4096
-    (``decode="mxdot"`` up to T 768) and, for comparison, the PTX decode on the 16-row,
-    64-column tiles it replaced at decode sizes."""
+    V4-Flash (D 4096, I 2048), bf16 x: the default schedule at T 1, 8, 64, 512 and 4096 in
+    both layouts of ``pack_moe`` (``decode="mxdot"`` on the checkpoint's rows, ``"mxstep"`` on
+    the tiles, up to T 768), ``"mxstep"`` on rows, and, for comparison, the PTX decode on the
+    16-row, 64-column tiles the group-scaled dot replaced at decode sizes."""
     from dataclasses import replace
 
     from dsv4mtp.optimized.kernels.moe_gemm import (
@@ -223,12 +224,19 @@ def moe_lines() -> list[str]:
     down = dict(h_ptr="*bf16", **common, y_ptr="*bf16", ROWS_OUT="i32")
     ints = ("D", "I", "W_STRIDE_E", "S_STRIDE_E", "NUM_M")
     lines = []
-    cases = [(f"T={T}", moe_config(T, batch_invariant=False)) for T in (1, 8, 64, 512, 4096)]
+    cases = []
+    for T in (1, 8, 64, 512, 4096):
+        cases.append((f"T={T}", False, moe_config(T, batch_invariant=False)))
+        tiles = moe_config(T, batch_invariant=False, fmt="mxfp4_tiles")
+        cases.append((f"T={T} tiles", True, tiles))
+        if T == 64:
+            cases.append((f"T={T} tiles", True, replace(tiles, decode="mxdot")))
+            cases.append((f"T={T}", False, replace(cases[-3][2], decode="mxstep")))
     d64 = moe_config(64, batch_invariant=False)
     asm = replace(d64, decode="asm", block_m=16, gate_up=replace(d64.gate_up, block_n=64,
                   swap_ab=False), down=replace(d64.down, block_n=64, swap_ab=False))  # fmt: skip
-    cases.append(("T=64 asm m16", asm))
-    for label, sc in cases:
+    cases.append(("T=64 asm m16", False, asm))
+    for label, tiled, sc in cases:
         for name, fn, sig, tile in (
             ("gate_up", moe_gate_up_kernel, gate_up, sc.gate_up),
             ("down", moe_down_kernel, down, sc.down),
@@ -237,16 +245,17 @@ def moe_lines() -> list[str]:
                 IDENTITY=False, FMT=FMT_MXFP4, BLOCK_M=sc.block_m, BLOCK_N=tile.block_n,
                 BLOCK_K=tile.block_k, SPLIT_K=tile.split_k, GROUP_M=tile.group_m,
                 SWAP=tile.swap_ab, DECODE=DECODES.index(sc.decode), FP4_JOIN=sc.fp4_join,
-                USE_F32=False, INTERP=False,
+                TILED=tiled, USE_F32=False, INTERP=False,
             )  # fmt: skip
             line = resources(fn, sig, consts, ints=ints, loop=True, num_warps=tile.num_warps,
                              num_stages=tile.num_stages)  # fmt: skip
-            # weights decoded per thread per K step: gate/up streams 2 x block_n rows
-            rows = tile.block_n * (2 if name == "gate_up" else 1)
+            # weights decoded per thread per K step: gate/up streams 2 x block_n rows (block_n
+            # interleaved gate and up rows in the tiles layout)
+            rows = tile.block_n * (2 if name == "gate_up" and not tiled else 1)
             per = rows * tile.block_k / (32 * tile.num_warps)
             shape = (sc.block_m, tile.block_n, tile.block_k, tile.split_k, tile.swap_ab)
             lines.append(
-                f"moe {name:7s} {label:12s} {sc.decode:5s} {shape}: {line} "
+                f"moe {name:7s} {label:12s} {sc.decode:6s} {shape}: {line} "
                 f"({per:.0f} weights per thread per step)"
             )
     return lines

@@ -36,7 +36,16 @@ from dsv4mtp.optimized.kernels.moe_schedule import (
     schedule_from_fields,
     schedule_to_fields,
 )
-from dsv4mtp.optimized.moe import GemmTile, MoESchedule, moe, moe_config, route
+from dsv4mtp.optimized.moe import (
+    GemmTile,
+    MoESchedule,
+    moe,
+    moe_config,
+    mx_rows,
+    mx_tiles,
+    pack_moe,
+    route,
+)
 
 PAIRS = {p.name: p for p in pairs_for("moe")}
 _T = GemmTile
@@ -201,6 +210,108 @@ def test_mxdot_values_are_exact_for_every_code_and_scale(swap: bool, device: str
     assert torch.equal(y.double().T[keep], w[keep])
 
 
+@pytest.mark.parametrize("tiled", [False, True])
+def test_mxstep_values_are_exact_for_every_code_and_scale(tiled: bool, device: str) -> None:
+    """``decode="mxstep"`` (the K step's codes loaded at once, split into the scale groups in
+    registers), on the checkpoint's rows and on the tiles layout (:func:`mx_tiles`), gives the
+    same bits as ``"mxdot"`` on the rows: one-hot rows through the down GEMM, every code byte
+    and scale byte 0..250 as in the test above."""
+    N, K = 256, 128
+    dev = torch.device(device)
+    codes = (torch.arange(N * K // 2) % 256).to(torch.uint8).reshape(1, N, K // 2)
+    scales = (torch.arange(N * K // 32) % 251).to(torch.uint8).reshape(1, N, K // 32)
+    h = torch.eye(K, dtype=torch.bfloat16).to(dev)
+    tile = GemmTile(128, 128, swap_ab=True)
+    common = dict(fmt=FMT_MXFP4, T=K, D=N, inter=K, rows_out=K, num_m_blocks=K // 8, block_m=8,
+                  tile=tile)  # fmt: skip
+    ones = torch.ones(1, 3, device=dev)
+    want = moe_down_triton(h, codes.to(dev), scales.to(dev), ones, None, None, **common,
+                           decode="mxdot")  # fmt: skip
+    if tiled:
+        codes, scales = mx_tiles(codes, scales, interleaved=False)
+    got = moe_down_triton(h, codes.to(dev), scales.to(dev), ones, None, None, **common,
+                          decode="mxstep", tiled=tiled)  # fmt: skip
+    assert torch.equal(got, want)
+
+
+def test_tiles_layout_round_trips_and_interleaves_gate_and_up() -> None:
+    """:func:`mx_tiles` puts byte (row r, byte b) of each expert at ((r // 128) * K/128 + b // 64)
+    * 8192 + (r % 128) * 64 + b % 64 (scales: ... * 512 + (r % 128) * 4 + group), w13's row
+    2c being gate column c and 2c + 1 up column c; :func:`mx_rows` inverts it."""
+    E, I, K = 3, 128, 512
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (E, 2 * I, K // 2), dtype=torch.uint8, generator=g)
+    scales = torch.randint(0, 255, (E, 2 * I, K // 32), dtype=torch.uint8, generator=g)
+    tc, ts = mx_tiles(codes, scales, interleaved=True)
+    assert tc.shape == codes.shape and ts.shape == scales.shape
+    flat_c, flat_s = tc.reshape(E, -1), ts.reshape(E, -1)
+    for e, r, b in ((0, 0, 0), (1, 5, 63), (2, 200, 100), (0, 255, 255), (1, 131, 64)):
+        c, half = r // 2, r % 2  # packed row r holds gate (half 0) or up (half 1) column c
+        src = c + half * I
+        at = ((r // 128) * (K // 128) + b // 64) * 8192 + (r % 128) * 64 + b % 64
+        assert flat_c[e, at] == codes[e, src, b]
+        grp = b // 16
+        at_s = ((r // 128) * (K // 128) + grp // 4) * 512 + (r % 128) * 4 + grp % 4
+        assert flat_s[e, at_s] == scales[e, src, grp]
+    back_c, back_s = mx_rows(tc, ts, interleaved=True)
+    assert torch.equal(back_c, codes) and torch.equal(back_s, scales)
+    rc, rs = mx_rows(*mx_tiles(codes, scales, interleaved=False), interleaved=False)
+    assert torch.equal(rc, codes) and torch.equal(rs, scales)
+
+
+@pytest.mark.parametrize("T", [3, 12])
+def test_tiles_layout_matches_rows_layout(T: int, device: str) -> None:
+    """The whole moe on a tiles pack against a rows pack of the same MXFP4 experts, under each
+    pack's default schedule and under shared non-default ones (split K, unswapped 16-row blocks,
+    the PTX decode, 64-wide K steps): within the pairs' tolerance of the float64 reference, and
+    bitwise equal to the rows pack wherever the schedule is the same (the interpreter's fp32
+    dots; on the GPU the tensor-core tile of the interleaved gate/up rows may differ)."""
+    (x, params, cfg), kw = moe_inputs(
+        "moe", T, 31, shape=_shape(device), fmt="mxfp4", device=device, magnitude=8.0
+    )
+    rows = pack_moe(params, device, mxfp4_layout="rows")
+    tiles = pack_moe(params, device)
+    assert (rows.layout, tiles.layout, tiles.kernel_fmt) == ("rows", "tiles", "mxfp4_tiles")
+    for e in range(rows.num_local_experts):
+        a, b = rows.decode_expert(e), tiles.decode_expert(e)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    got = moe(x, tiles, cfg, **kw)
+    _check("moe", got, (x, params, cfg), kw)
+    base = moe_config(T, batch_invariant=False, fmt="mxfp4_tiles")
+    for s in (
+        replace(base, gate_up=replace(base.gate_up, split_k=2)),
+        replace(
+            base,
+            block_m=16,
+            gate_up=replace(base.gate_up, swap_ab=False),
+            down=replace(base.down, swap_ab=False, block_n=64),
+        ),
+        replace(base, decode="asm", gate_up=replace(base.gate_up, block_k=64)),
+        moe_config(T, batch_invariant=True, fmt="mxfp4_tiles"),
+    ):
+        got = moe(x, tiles, cfg, **kw, schedule=s)
+        _check("moe", got, (x, params, cfg), kw)
+        if INTERPRET:
+            assert torch.equal(got, moe(x, rows, cfg, **kw, schedule=s)), s
+
+
+def test_tiles_layout_validation(device: str) -> None:
+    """An unknown layout, and K steps wider than a tile block, are refused by name."""
+    from dsv4mtp.errors import InputError
+
+    (x, params, cfg), kw = moe_inputs("moe", 2, 1, shape=_shape(device), fmt="mxfp4", device=device)
+    with pytest.raises(InputError, match="mxfp4_layout"):
+        pack_moe(params, device, mxfp4_layout="columns")
+    pack = pack_moe(params, device)
+    base = moe_config(2, batch_invariant=False, fmt=pack.kernel_fmt)
+    wide = replace(base, gate_up=replace(base.gate_up, block_k=256, split_k=1))  # K = D = 256
+    with pytest.raises(ConfigError, match="tiles layout need block_k <= 128"):
+        moe(x, pack, cfg, **kw, schedule=wide)
+    # FP8 experts keep their rows whatever the layout asked for
+    fp8 = moe_inputs("moe", 2, 1, shape=_shape(device), fmt="fp8", device=device)[0][1]
+    assert pack_moe(fp8, device, mxfp4_layout="tiles").layout == "rows"
+
+
 def test_mxdot_falls_back_where_it_does_not_apply() -> None:
     """``"mxdot"`` runs for MXFP4 codes, bf16 activations, 128-wide K steps and 4-byte aligned
     scale rows; anything else (the FP8 shared expert, fp32 activations, other steps, a scale
@@ -213,19 +324,24 @@ def test_mxdot_falls_back_where_it_does_not_apply() -> None:
     assert _decode_for("mxdot", FMT_MXFP4, bf, s, 64) == "asm"
     odd = torch.zeros(2 * 64 * 8 + 1, dtype=torch.uint8)[1:].view(2, 64, 8)
     assert _decode_for("mxdot", FMT_MXFP4, bf, odd, 128) == "asm"
+    assert _decode_for("mxstep", FMT_MXFP4, bf, s, 128) == "mxstep"
+    assert _decode_for("mxstep", FMT_FP8, bf, s, 128) == "asm"
     assert _decode_for("bits", FMT_MXFP4, bf, s, 128) == "bits"
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["rows", "tiles"])
 @pytest.mark.parametrize("T", [1, 64, 128, 300, 700])
-def test_mxdot_defaults_at_v4_flash_shapes(T: int) -> None:
-    """The default's group-scaled dot (``decode="mxdot"``) at V4-Flash experts (D 4096, I 2048,
-    E 256, top-6), MXFP4, within the moe tolerance of the float64 reference: 8-row swapped
-    blocks with K splits (T 1), without (T 64, 128), 16-row unswapped blocks (T 300, 700)."""
-    s = moe_config(T, batch_invariant=False)
-    assert s.decode == "mxdot"
-    args, kw = moe_inputs("moe", T, 7, shape="flash", fmt="mxfp4", device="cuda")
-    _check("moe", moe(*args, **kw, schedule=s), args, kw)
+def test_mxdot_defaults_at_v4_flash_shapes(T: int, layout: str) -> None:
+    """The default's group-scaled dot at V4-Flash experts (D 4096, I 2048, E 256, top-6),
+    MXFP4, in both ``pack_moe`` layouts (``"mxdot"`` on the checkpoint's rows, ``"mxstep"`` on
+    the tiles), within the moe tolerance of the float64 reference: 8-row swapped blocks with K
+    splits (T 1), without (T 64, 128), 16-row unswapped blocks (T 300, 700)."""
+    (x, params, cfg), kw = moe_inputs("moe", T, 7, shape="flash", fmt="mxfp4", device="cuda")
+    pack = pack_moe(params, "cuda", mxfp4_layout=layout)
+    s = moe_config(T, batch_invariant=False, fmt=pack.kernel_fmt)
+    assert s.decode == ("mxstep" if layout == "tiles" else "mxdot")
+    _check("moe", moe(x, pack, cfg, **kw, schedule=s), (x, params, cfg), kw)
 
 
 @pytest.mark.parametrize("T", [1, 2, 5, 8])

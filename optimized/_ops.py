@@ -588,13 +588,15 @@ _MOE_SCHEMAS: dict[str, str] = {
 SCHEMAS.update(_MOE_SCHEMAS)
 OPS = tuple(SCHEMAS)
 
-_FMT_CODE = {"bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3}
+# "mxfp4_tiles": MXFP4 codes and scales in MoEPack's "tiles" layout (optimized/moe.py)
+_FMT_CODE = {"bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3, "mxfp4_tiles": 2}
 
 
-def _fmt(fmt: str) -> int:
+def _fmt(fmt: str) -> tuple[int, bool]:
+    """(the kernels' format code, tiles layout) of an operator's ``fmt`` string."""
     if fmt not in _FMT_CODE:
         raise InputError(f"fmt: expected one of {tuple(_FMT_CODE)}, got {fmt!r}")
-    return _FMT_CODE[fmt]
+    return _FMT_CODE[fmt], fmt == "mxfp4_tiles"
 
 
 def _moe_schedule(T: int, batch_invariant: bool, fields: Sequence[int], fmt: str) -> MoESchedule:
@@ -636,7 +638,7 @@ def _routed_into(
     K = topk_ids.shape[1]
     if T == 0:
         return
-    code = _fmt(fmt)
+    code, tiled = _fmt(fmt)
     inter = w13.shape[1] // 2
     sched = _moe_schedule(T, batch_invariant, schedule, fmt)
     bm = sched.block_m
@@ -650,14 +652,14 @@ def _routed_into(
     moe_gate_up_triton(
         xin, w13, s13, gscale, sorted_slot, block_expert, topk_weights.contiguous(), h,
         fmt=code, inter=inter, top_k=K, limit=limit, tile=sched.gate_up, num_m_blocks=nb,
-        block_m=bm, decode=sched.decode, fp4_join=sched.fp4_join,
+        block_m=bm, decode=sched.decode, fp4_join=sched.fp4_join, tiled=tiled,
     )  # fmt: skip
     if act_quant:
         act_quant_triton(h, h)  # in place: each program reads its 128 values before writing
     ws = moe_down_triton(
         h, w2, s2, gscale, sorted_slot, block_expert,
         fmt=code, T=T, D=D, inter=inter, rows_out=T * K, tile=sched.down, num_m_blocks=nb,
-        block_m=bm, decode=sched.decode, fp4_join=sched.fp4_join,
+        block_m=bm, decode=sched.decode, fp4_join=sched.fp4_join, tiled=tiled,
     )  # fmt: skip
     moe_reduce_triton(ws, ids, expert_map, shared, out, w13.shape[0], gscale)
 
@@ -676,7 +678,7 @@ def _shared_expert(
     """The shared expert on every token (the same kernels, one expert): (T, D) in x.dtype, or
     with a K-split down its fp32 partials (split, T, D) for the reduce kernel."""
     T, D = x.shape
-    code = _fmt(fmt)
+    code, _ = _fmt(fmt)  # the shared expert is FP8 or bf16: always rows
     inter = w13.shape[1] // 2
     bm = sched.shared_block_m
     nb = -(-T // bm)

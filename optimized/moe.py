@@ -37,6 +37,7 @@ does not depend on the other rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -68,6 +69,8 @@ __all__ = [
     "fused_experts",
     "moe",
     "moe_config",
+    "mx_rows",
+    "mx_tiles",
     "pack_moe",
     "route",
 ]
@@ -92,8 +95,10 @@ class MoEPack:
 
     Routed experts (E_loc local ones): ``w13`` (E_loc, 2I, D or D/2) and ``w2`` (E_loc, D, I or
     I/2) codes as the checkpoint stores them (rows [gate ; up]); ``s13`` / ``s2`` their block
-    scales (FP8: fp32 (E_loc, N/128, K/128); MXFP4: e8m0 bytes; NVFP4: e4m3 bytes; bf16: empty);
-    ``gscale`` (E_loc, 3) fp32 global scales of gate, up, down (NVFP4, folded or not; else ones).
+    scales (FP8: fp32 (E_loc, N/128, K/128); MXFP4: e8m0 bytes; NVFP4: e4m3 bytes; bf16: empty).
+    ``layout``: "rows" (the checkpoint's byte order) or, MXFP4 only, "tiles": the same shapes
+    with the bytes reordered for the kernels' loads (:func:`mx_tiles`; ``decode_expert`` and
+    :func:`mx_rows` give the rows back).  ``gscale`` (E_loc, 3) fp32 global scales of gate, up, down (NVFP4, folded or not; else ones).
     ``expert_map`` (E,) int32 global -> local id (-1 off this rank).  Router: ``gate_weight``
     (E, D) (bf16 when that is exact, else fp32), ``gate_bias`` (E,) fp32.  Shared expert: the
     same fields with one expert (``shared_fmt`` "fp8" or "bf16").  ``max_tokens``: the largest
@@ -120,6 +125,12 @@ class MoEPack:
     shared_s2: torch.Tensor
     shared_quantized: bool
     max_tokens: int
+    layout: str = "rows"
+
+    @property
+    def kernel_fmt(self) -> str:
+        """The routed format as the operators take it: ``fmt``, or "mxfp4_tiles" for tiles."""
+        return "mxfp4_tiles" if self.layout == "tiles" else self.fmt
 
     @property
     def num_local_experts(self) -> int:
@@ -136,10 +147,80 @@ class MoEPack:
             raise InputError(
                 f"e: expected a local expert id in [0, {self.num_local_experts}), got {e}"
             )
+        w13, s13, w2, s2 = self.w13[e : e + 1], self.s13, self.w2[e : e + 1], self.s2
+        if s13.numel():
+            s13, s2 = s13[e : e + 1], s2[e : e + 1]
+        if self.layout == "tiles":
+            w13, s13 = mx_rows(w13, s13, interleaved=True)
+            w2, s2 = mx_rows(w2, s2, interleaved=False)
         return (
-            _decode(self.fmt, self.w13[e], self.s13[e] if self.s13.numel() else None),
-            _decode(self.fmt, self.w2[e], self.s2[e] if self.s2.numel() else None),
+            _decode(self.fmt, w13[0], s13[0] if s13.numel() else None),
+            _decode(self.fmt, w2[0], s2[0] if s2.numel() else None),
         )
+
+
+# ----------------------------------------------------------------------------------- layout
+# The "tiles" layout of MXFP4 routed experts.  The decode-size GEMMs stream each expert's codes
+# in 128-row tiles, 128 K columns (64 bytes per row) per step.  In the checkpoint's rows a step
+# reads 128 pieces of 64 bytes lying K/2 bytes apart, which capped the weight stream at
+# 2.2-2.4 TB/s on the H200 with no compute at all, against 4.0 TB/s for the same bytes read as
+# contiguous blocks (bench/results/moe-h200.md, "The weight stream and the layout").  So:
+#
+# * codes (N, K/2) per expert -> (N/128, K/128, 128, 64): each (128-row, 64-byte) block, 8 KiB,
+#   contiguous; scales (N, K/32) -> (N/128, K/128, 128, 4): a step's 128 words, 512 B;
+# * w13's rows interleaved first: packed row 2c is gate column c, 2c+1 up column c, so one
+#   stream of rows feeds both halves of the SwiGLU (one accumulator, split in the epilogue).
+#
+# Shapes are unchanged ((E, N, K/2) and (E, N, K/32) bytes); only the byte order differs.
+_TILE_ROWS, _TILE_BYTES = 128, 64
+_TILE_CHUNK = 16  # experts reordered per copy: bounds the packing's transient memory
+
+
+def _tile_one(t: torch.Tensor, width: int, interleave: bool) -> torch.Tensor:
+    """(e, N, W) bytes in rows -> the same shape in tiles of (128 rows, ``width`` bytes)."""
+    e, N, W = t.shape
+    if interleave:  # [gate ; up] -> gate 0, up 0, gate 1, up 1, ...
+        t = t.view(e, 2, N // 2, W).transpose(1, 2)
+    t = t.reshape(e, N // _TILE_ROWS, _TILE_ROWS, W // width, width).transpose(2, 3)
+    return t.reshape(e, N, W)
+
+
+def _untile_one(t: torch.Tensor, width: int, interleaved: bool) -> torch.Tensor:
+    e, N, W = t.shape
+    t = t.reshape(e, N // _TILE_ROWS, W // width, _TILE_ROWS, width).transpose(2, 3)
+    t = t.reshape(e, N, W)
+    if interleaved:
+        t = t.view(e, N // 2, 2, W).transpose(1, 2)
+    return t.reshape(e, N, W)
+
+
+def _chunked(t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    out = torch.empty_like(t)
+    for e0 in range(0, t.shape[0], _TILE_CHUNK):
+        out[e0 : e0 + _TILE_CHUNK] = fn(t[e0 : e0 + _TILE_CHUNK])
+    return out
+
+
+def mx_tiles(
+    codes: torch.Tensor, scales: torch.Tensor, *, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 codes (E, N, K/2) and e8m0 scales (E, N, K/32), uint8, checkpoint rows -> the
+    ``"tiles"`` layout (new tensors, same shapes).  ``interleaved``: w13's [gate ; up] rows
+    interleaved first.  N and K must be multiples of 128 (``pack_moe`` checks)."""
+    return (
+        _chunked(codes, lambda t: _tile_one(t, _TILE_BYTES, interleaved)),
+        _chunked(scales, lambda t: _tile_one(t, 4, interleaved)),
+    )
+
+
+def mx_rows(
+    codes: torch.Tensor, scales: torch.Tensor, *, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`mx_tiles`: the checkpoint's rows back."""
+    return (
+        _chunked(codes, lambda t: _untile_one(t, _TILE_BYTES, interleaved)),
+        _chunked(scales, lambda t: _untile_one(t, 4, interleaved)),
+    )
 
 
 def _decode(fmt: str, codes: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -254,7 +335,13 @@ def _pack_shared(
     return "bf16", w13.contiguous(), empty, w2.contiguous(), empty
 
 
-def pack_moe(params: MoEParams, device: torch.device | str, *, max_tokens: int = 8192) -> MoEPack:
+def pack_moe(
+    params: MoEParams,
+    device: torch.device | str,
+    *,
+    max_tokens: int = 8192,
+    mxfp4_layout: str = "tiles",
+) -> MoEPack:
     """Pack a core :class:`MoEParams` for the kernels (a helper, not an op; runs once per layer).
 
     Routed experts from ``params.experts`` (:class:`PackedExperts` over a checkpoint's
@@ -263,8 +350,15 @@ def pack_moe(params: MoEParams, device: torch.device | str, *, max_tokens: int =
     its dense weights.  Refused during CUDA-graph capture (it allocates and syncs).  NaN codes
     (FP8 weights, NVFP4 block scales) and non-finite scales are an :class:`InputError`
     (``check_finite_codes``: the kernels' decode has no NaN).
+
+    ``mxfp4_layout`` (MXFP4 routed experts): "tiles" (default) reorders the codes and scales
+    into the kernels' (128-row, 128-column) blocks with w13's gate and up rows interleaved
+    (:func:`mx_tiles`; a copy of the experts, made 16 at a time); "rows" keeps the checkpoint's
+    tensors as they are (no copy).  Other formats always keep their rows.
     """
     check_instance("params", params, MoEParams)
+    if mxfp4_layout not in ("rows", "tiles"):
+        raise InputError(f"mxfp4_layout: expected 'rows' or 'tiles', got {mxfp4_layout!r}")
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise InputError("params: pack_moe cannot run during CUDA-graph capture; pack before")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -304,12 +398,16 @@ def pack_moe(params: MoEParams, device: torch.device | str, *, max_tokens: int =
     if gate.dtype != torch.bfloat16 and torch.equal(gate.to(torch.bfloat16).to(gate.dtype), gate):
         gate = gate.to(torch.bfloat16)  # exact: half the router's bytes
     sfmt, sw13, ss13, sw2, ss2 = _pack_shared(params, device)
+    layout = "tiles" if fmt == "mxfp4" and mxfp4_layout == "tiles" else "rows"
+    if layout == "tiles":
+        w13, s13 = mx_tiles(w13, s13, interleaved=True)
+        w2, s2 = mx_tiles(w2, s2, interleaved=False)
     return MoEPack(
         fmt=fmt, w13=w13, s13=s13, w2=w2, s2=s2, gscale=gs, expert_map=emap.to(device),
         num_experts=E, hidden_size=D, intermediate_size=inter, quantized=quantized,
         gate_weight=gate.contiguous(), gate_bias=params.gate_bias.to(device, torch.float32),
         shared_fmt=sfmt, shared_w13=sw13, shared_s13=ss13, shared_w2=sw2, shared_s2=ss2,
-        shared_quantized=bool(params.shared_quantized), max_tokens=max_tokens,
+        shared_quantized=bool(params.shared_quantized), max_tokens=max_tokens, layout=layout,
     )  # fmt: skip
 
 
@@ -380,7 +478,7 @@ def _check_tokens(x: torch.Tensor, pack: MoEPack) -> None:
 
 
 def _routed_args(pack: MoEPack) -> tuple[object, ...]:
-    return (pack.w13, pack.s13, pack.w2, pack.s2, pack.gscale, pack.fmt)
+    return (pack.w13, pack.s13, pack.w2, pack.s2, pack.gscale, pack.kernel_fmt)
 
 
 def _schedule_fields(schedule: MoESchedule | None, pack: MoEPack) -> list[int]:
@@ -390,7 +488,7 @@ def _schedule_fields(schedule: MoESchedule | None, pack: MoEPack) -> list[int]:
         return []
     check_instance("schedule", schedule, MoESchedule)
     check_schedule_shapes(
-        schedule, pack.fmt, pack.shared_fmt, pack.hidden_size, pack.intermediate_size
+        schedule, pack.kernel_fmt, pack.shared_fmt, pack.hidden_size, pack.intermediate_size
     )
     return schedule_to_fields(schedule)
 

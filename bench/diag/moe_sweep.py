@@ -119,6 +119,45 @@ def mxdot_candidates(T: int, dry: bool) -> list[tuple[str, MoESchedule]]:
     ]
 
 
+def layout_candidates(T: int, layout: str, dry: bool) -> list[tuple[str, MoESchedule]]:
+    """MXFP4 experts in each ``pack_moe`` layout (``--layouts``): its default first.  Rows: the
+    per-group loads (``"mxdot"``) and the whole-step load (``"mxstep"``, the same bits).
+    Tiles (gate and up rows interleaved, so ``block_n`` counts both): 128- and 256-row
+    gate/up tiles, 4 or 8 warps, 3 or 4 stages, and for the down GEMM 64- and 256-row
+    tiles."""
+    fmt = "mxfp4_tiles" if layout == "tiles" else "mxfp4"
+    d = moe_config(T, batch_invariant=False, fmt=fmt)
+    out = [("default", d)]
+    if dry:
+        return out
+    if layout == "rows":
+        if d.decode == "mxdot":
+            out.append(("mxstep", replace(d, decode="mxstep")))
+        return out
+    gu, dn = d.gate_up, d.down
+    other_n = 128 if gu.block_n == 256 else 256
+    out += [
+        (f"gu_n{other_n}", replace(d, gate_up=replace(gu, block_n=other_n))),
+        ("s4", _routed(d, num_stages=4)),
+        ("w8", _routed(d, num_warps=8)),
+        (
+            f"gu_n{other_n}_s4",
+            replace(
+                d,
+                gate_up=replace(gu, block_n=other_n, num_stages=4),
+                down=replace(dn, num_stages=4),
+            ),
+        ),
+        ("dn_n64", replace(d, down=replace(dn, block_n=64))),
+        ("dn_n256", replace(d, down=replace(dn, block_n=256))),
+        ("s2", _routed(d, num_stages=2)),
+        (f"gu_n{other_n}_w8", replace(d, gate_up=replace(gu, block_n=other_n, num_warps=8))),
+    ]
+    if T > 64:
+        out.append(("m8_swap", _routed(replace(d, block_m=8), swap_ab=True)))
+    return out
+
+
 def candidates(T: int, dry: bool) -> list[tuple[str, MoESchedule]]:
     """Schedules to try at T, the default first, then by expected value (the time cap cuts
     the tail).  Decode sizes: the PTX decode with K splits, narrower N tiles, more warps or
@@ -226,7 +265,10 @@ def part_calls(
     nb = blk.numel()
     h = torch.zeros((nb * s.block_m, inter), dtype=x.dtype, device=x.device)
     code = _FMT[pack.fmt]
-    common = dict(num_m_blocks=nb, block_m=s.block_m, decode=s.decode, fp4_join=s.fp4_join)
+    common = dict(
+        num_m_blocks=nb, block_m=s.block_m, decode=s.decode, fp4_join=s.fp4_join,
+        tiled=pack.layout == "tiles",
+    )  # fmt: skip
     ws = moe_down_triton(
         h, pack.w2, pack.s2, pack.gscale, srt, blk, fmt=code, T=T, D=D, inter=inter,
         rows_out=T * K, tile=s.down, **common,
@@ -310,6 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--mxdot", action="store_true", help="the default, then the mxdot candidates only"
     )
+    p.add_argument(
+        "--layouts",
+        default="",
+        help="MXFP4 only: compare pack_moe's layouts (e.g. rows,tiles) with layout_candidates",
+    )
     a = p.parse_args(argv)
     t_start = time.time()
     cuda = not a.dry_run
@@ -333,11 +380,17 @@ def main(argv: list[str] | None = None) -> int:
     def over() -> bool:
         return time.time() - t_start > a.cap_s
 
-    for fmt in a.formats.split(","):
+    layouts = [x for x in a.layouts.split(",") if x]
+    runs = [(f, "rows") for f in a.formats.split(",")] if not layouts else []
+    runs += [("mxfp4", layout) for layout in layouts]
+    cross: dict[int, torch.Tensor] = {}
+    for fmt, layout in runs:
         if capped:
             break
         weights = [moe_params(shape, fmt, dev, weight_seed=w)[0] for w in range(a.weight_copies)]
-        packs = [pack_moe(w, dev, max_tokens=max(tokens)) for w in weights]
+        packs = [pack_moe(w, dev, max_tokens=max(tokens), mxfp4_layout=layout) for w in weights]
+        tag = f"{fmt}/{layout}" if layouts else fmt
+        kfmt = "mxfp4_tiles" if layout == "tiles" else fmt
         for T in tokens:
             xs = [
                 moe_inputs("moe", T, 100 + i, shape=shape, fmt=fmt, device=dev)[0][0]
@@ -356,17 +409,23 @@ def main(argv: list[str] | None = None) -> int:
             if cuda:
                 n_calls = max(n_calls, 8 if T <= 64 else 4)
             want = moe(xs[0], packs[0], cfg)
-            cands = (
-                [candidates(T, a.dry_run)[0], *mxdot_candidates(T, a.dry_run)]
-                if a.mxdot
-                else candidates(T, a.dry_run)
-            )
+            if layouts:  # the layouts' defaults agree (same weights, different byte order)
+                first = cross.setdefault(T, want)
+                if first is not want:
+                    print(
+                        f"{tag} T={T}: default vs {layouts[0]}'s default rel {rel(want, first):.1e}"
+                    )
+                cands = layout_candidates(T, layout, a.dry_run)
+            elif a.mxdot:
+                cands = [candidates(T, a.dry_run)[0], *mxdot_candidates(T, a.dry_run)]
+            else:
+                cands = candidates(T, a.dry_run)
             for name, s in cands:
                 if over():
                     capped = True
                     break
                 t0 = time.time()
-                row: dict[str, Any] = dict(fmt=fmt, T=T, name=name, floor_us=floor_us)
+                row: dict[str, Any] = dict(fmt=tag, T=T, name=name, floor_us=floor_us)
                 try:
                     err = rel(moe(xs[0], packs[0], cfg, schedule=s), want)
                     row["rel_vs_default"] = err
@@ -379,8 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                     ]
                     us = clock.graph_us(calls, n_calls, a.reps)
                     row.update(time_us=us, x_floor=us / floor_us)
-                    if (fmt, T) not in best or us < best[fmt, T][0]:
-                        best[fmt, T] = (us, name, s)
+                    if (tag, T) not in best or us < best[tag, T][0]:
+                        best[tag, T] = (us, name, s)
                 except Exception as exc:  # reported in the table; the sweep goes on
                     row["error"] = f"{type(exc).__name__}: {exc}"[:200]
                 row["wall_s"] = round(time.time() - t0, 1)
@@ -390,10 +449,13 @@ def main(argv: list[str] | None = None) -> int:
                     if "time_us" in row
                     else "FAILED " + row["error"]
                 )
-                print(f"{fmt:6s} T={T:5d} {name:28s} {shown}  ({row['wall_s']} s)", flush=True)
-            if a.no_parts or (fmt, T) not in best:
+                print(f"{tag:6s} T={T:5d} {name:28s} {shown}  ({row['wall_s']} s)", flush=True)
+            if a.no_parts or (tag, T) not in best:
                 continue
-            both = [("default", moe_config(T, batch_invariant=False)), ("best", best[fmt, T][2])]
+            both = [
+                ("default", moe_config(T, batch_invariant=False, fmt=kfmt)),
+                ("best", best[tag, T][2]),
+            ]
             for label, s in both if both[1][1] != both[0][1] else both[:1]:
                 if over():
                     capped = True
@@ -404,9 +466,9 @@ def main(argv: list[str] | None = None) -> int:
                     parts[part] = clock.graph_us(
                         [pc[part] for pc in per_pack], len(packs) * (2 if cuda else 1), a.reps
                     )
-                rows.append(dict(fmt=fmt, T=T, name=f"parts:{label}", parts=parts))
+                rows.append(dict(fmt=tag, T=T, name=f"parts:{label}", parts=parts))
                 print(
-                    f"{fmt:6s} T={T:5d} parts of {label:7s} "
+                    f"{tag:6s} T={T:5d} parts of {label:7s} "
                     + "  ".join(f"{k} {v:.1f}" for k, v in parts.items())
                     + " (us)",
                     flush=True,

@@ -161,6 +161,34 @@ def _dot_xw(x, w, USE_F32: tl.constexpr, SWAP: tl.constexpr):
 
 
 @triton.jit
+def _fp4_ptrs(w_base, n, k0, b, KDIM, TILED: tl.constexpr, STEP: tl.constexpr):
+    """Pointers (len(n), len(b)) of the FP4 code bytes b (offsets inside the K step) of packed
+    rows n for the K step at column k0 (a multiple of STEP <= 128): one expert's (N, KDIM / 2)
+    bytes in the checkpoint's rows, or with TILED in the ``"tiles"`` layout's (128-row,
+    64-byte) blocks (module doc).  The row part is loop-invariant (hoisted out of the K loop);
+    the step part keeps its alignment visible to the compiler, so the loads stay 16-byte
+    cp.async copies."""
+    if TILED:
+        row = (n // 128).to(tl.int64) * (KDIM * 64) + (n % 128) * 64
+        inner = tl.multiple_of((k0 % 128) // 2, STEP // 2)
+        return w_base + row[:, None] + ((k0 // 128) * 8192 + inner + b)[None, :]
+    else:
+        return w_base + n[:, None].to(tl.int64) * (KDIM // 2) + (k0 // 2 + b)[None, :]
+
+
+@triton.jit
+def _mx_scale_ptr(s_base, n, k0, KDIM, TILED: tl.constexpr):
+    """Pointers (len(n),) of the e8m0 byte of packed rows n for K columns k0 .. k0+31 (the
+    bytes of the next groups follow it, up to the end of k0's 128-column block in the tiles
+    layout)."""
+    if TILED:
+        row = (n // 128).to(tl.int64) * (KDIM * 4) + (n % 128) * 4
+        return s_base + row + ((k0 // 128) * 512 + (k0 % 128) // 32)
+    else:
+        return s_base + n.to(tl.int64) * (KDIM // 32) + k0 // 32
+
+
+@triton.jit
 def _k_step(
     x_rows,
     xm,
@@ -177,11 +205,12 @@ def _k_step(
     DECODE: tl.constexpr,
     SWAP: tl.constexpr,
     FP4_JOIN: tl.constexpr,
+    TILED: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     """The fp32 product of x_rows[:, k0:k0+BLOCK_K] and the expert rows n, block scales
     applied (FP8: the fp32 block scale on the partial): (BLOCK_M, BLOCK_N), or its transpose
-    with SWAP."""
+    with SWAP.  TILED: MXFP4 codes and scales in the ``"tiles"`` layout (BLOCK_K <= 128)."""
     BITS: tl.constexpr = DECODE == 1
     ASM: tl.constexpr = DECODE == 2
     if FMT == 2 or FMT == 3:
@@ -190,17 +219,21 @@ def _k_step(
         NG: tl.constexpr = BKH // GH
         jj = tl.arange(0, BKH)
         codes8 = tl.load(
-            w_base + n[:, None].to(tl.int64) * (KDIM // 2) + (k0 // 2 + jj)[None, :],
+            _fp4_ptrs(w_base, n, k0, jj, KDIM, TILED and FMT == 2, BLOCK_K),
             mask=nm[:, None],
             other=0,
         )
         codes = codes8.to(tl.int32)
         sg = tl.arange(0, NG)
-        sraw = tl.load(
-            s_base + n[:, None].to(tl.int64) * (KDIM // (2 * GH)) + (k0 // (2 * GH) + sg)[None, :],
-            mask=nm[:, None],
-            other=0,
-        ).to(tl.int32)
+        if TILED and FMT == 2:
+            sptr = _mx_scale_ptr(s_base, n, k0, KDIM, True)[:, None] + sg[None, :]
+        else:
+            sptr = (
+                s_base
+                + n[:, None].to(tl.int64) * (KDIM // (2 * GH))
+                + (k0 // (2 * GH) + sg)[None, :]
+            )
+        sraw = tl.load(sptr, mask=nm[:, None], other=0).to(tl.int32)
         if ASM:
             # group scales as bf16 (exact: e8m0 is a power of two, byte 0 the subnormal 2**-127;
             # e4m3 fits bf16), one per code byte, then the PTX decode
@@ -285,10 +318,10 @@ def _k_step(
 
 
 @triton.jit
-def _mx_scale_words(s_base, n, nm, KDIM, k0):
+def _mx_scale_words(s_base, n, nm, KDIM, k0, TILED: tl.constexpr):
     """The four e8m0 scale bytes of rows n for K columns k0 .. k0+127, one int32 word per row
     (little-endian: group g in bits 8g..8g+7); the launcher checks the 4-byte alignment."""
-    words = (s_base + n.to(tl.int64) * (KDIM // 32) + k0 // 32).to(tl.pointer_type(tl.int32))
+    words = _mx_scale_ptr(s_base, n, k0, KDIM, TILED).to(tl.pointer_type(tl.int32))
     return tl.load(words, mask=nm, other=0)
 
 
@@ -304,11 +337,17 @@ def _mx_groups_step(
     KDIM,
     BLOCK_N: tl.constexpr,
     SWAP: tl.constexpr,
+    ONE_LOAD: tl.constexpr,
+    TILED: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """``decode="mxdot"`` (MXFP4 codes, bf16 x), one 128-column K step: one dot per 32-column
-    scale group on the unscaled e2m1 values, the group's e8m0 scale (from ``words``, see
-    :func:`_mx_scale_words`, loaded one step ahead by the kernels) applied to the fp32 partial.
+    """``decode="mxdot"`` / ``"mxstep"`` (MXFP4 codes, bf16 x), one 128-column K step: one dot
+    per 32-column scale group on the unscaled e2m1 values, the group's e8m0 scale (from
+    ``words``, see :func:`_mx_scale_words`, loaded one step ahead by the kernels) applied to the
+    fp32 partial.  ``"mxdot"`` loads each group's (BLOCK_N, 16) code bytes on its own;
+    ``"mxstep"`` (ONE_LOAD) loads the step's (BLOCK_N, 64) bytes at once (one 8 KiB block of
+    the ``"tiles"`` layout at 128 rows) and splits them into the groups in registers: the same
+    dots on the same operands, so the two give the same bits.
 
     Triton's ``dot_scaled`` upcasts the packed nibbles in the dot operand's own register layout
     (the codes arrive through cp.async copies), so no decoded bf16 tile makes a shared-memory
@@ -319,16 +358,28 @@ def _mx_groups_step(
     dot (the same products and partial sums)."""
     kb = tl.arange(0, 16)
     kx = tl.arange(0, 32)
-    rows = n[:, None].to(tl.int64)
     if SWAP:
         acc = tl.zeros((BLOCK_N, xm.shape[0]), dtype=tl.float32)
     else:
         acc = tl.zeros((xm.shape[0], BLOCK_N), dtype=tl.float32)
+    if ONE_LOAD:
+        step = tl.load(
+            _fp4_ptrs(w_base, n, k0, tl.arange(0, 64), KDIM, TILED, 128),
+            mask=nm[:, None],
+            other=0,
+        )  # (BLOCK_N, 64): group g is bytes 16g .. 16g+15 of each row
+        by_group = tl.permute(tl.reshape(step, (BLOCK_N, 4, 16)), (0, 2, 1))  # (BLOCK_N, 16, 4)
+        c02, c13 = tl.split(tl.reshape(by_group, (BLOCK_N, 16, 2, 2)))
+        c0, c2 = tl.split(c02)
+        c1, c3 = tl.split(c13)
     for g in tl.static_range(4):
         kg = k0 + 32 * g
-        codes = tl.load(
-            w_base + rows * (KDIM // 2) + (kg // 2 + kb)[None, :], mask=nm[:, None], other=0
-        )
+        if ONE_LOAD:
+            codes = c0 if g == 0 else c1 if g == 1 else c2 if g == 2 else c3
+        else:
+            codes = tl.load(
+                _fp4_ptrs(w_base, n, k0, 16 * g + kb, KDIM, TILED, 128), mask=nm[:, None], other=0
+            )
         x = tl.load(x_rows + (kg + kx)[None, :], mask=xm, other=0.0)
         sraw = (words >> (8 * g)) & 0xFF
         sf = tl.where(sraw == 0, 0x400000, sraw << 23).to(tl.float32, bitcast=True)
@@ -461,72 +512,109 @@ def moe_gate_up_kernel(
     SWAP: tl.constexpr,
     DECODE: tl.constexpr,
     FP4_JOIN: tl.constexpr,
+    TILED: tl.constexpr,
     USE_F32: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    MX: tl.constexpr = FMT == 2 and DECODE == 3
-    pid_m, pid_n, pid_s = _tile_ids(NUM_M, I, BLOCK_N, GROUP_M)
+    MX: tl.constexpr = FMT == 2 and DECODE >= 3
+    # the tiles layout loads whole steps: per-group 16-byte pieces of its 64-byte rows compile
+    # to plain loads (no cp.async pipelining) in Triton 3.6, so "mxdot" runs as "mxstep" there
+    ONE_LOAD: tl.constexpr = DECODE == 4 or TILED
+    # TILED: the packed w13 interleaves gate and up (row 2c gate column c, row 2c+1 up column c),
+    # so one stream of BLOCK_N rows gives BLOCK_N / 2 gate and up columns
+    pid_m, pid_n, pid_s = _tile_ids(NUM_M, 2 * I if TILED else I, BLOCK_N, GROUP_M)
     e, slot, ok = _rows(sorted_ptr, block_expert_ptr, pid_m, T, IDENTITY, BLOCK_M)
     token = slot if IDENTITY else slot // TOPK
     active = e >= 0  # unused blocks stream no weights
     e = tl.maximum(e, 0).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < I
     x_rows = x_ptr + token[:, None].to(tl.int64) * D
     xm = ok[:, None]
     w_base = w_ptr + e * W_STRIDE_E
     s_base = s_ptr + e * S_STRIDE_E
-    if SWAP:
-        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = 0
     if SPLIT_K > 1:
         k_lo = tl.multiple_of(pid_s * (D // SPLIT_K), BLOCK_K)
-    if active and MX:
-        # the next step's scale words load while this step computes (one step ahead)
-        wg = _mx_scale_words(s_base, n, nm, D, k_lo)
-        wu = _mx_scale_words(s_base, n + I, nm, D, k_lo)
-        k_last = k_lo + D // SPLIT_K - BLOCK_K
-        for kk in range(0, D // SPLIT_K, BLOCK_K):
-            k0 = k_lo + kk
-            k_next = tl.minimum(k0 + BLOCK_K, k_last)
-            wg_next = _mx_scale_words(s_base, n, nm, D, k_next)
-            wu_next = _mx_scale_words(s_base, n + I, nm, D, k_next)
-            acc_g += _mx_groups_step(x_rows, xm, k0, w_base, wg, n, nm, D, BLOCK_N, SWAP, INTERP)
-            acc_u += _mx_groups_step(
-                x_rows, xm, k0, w_base, wu, n + I, nm, D, BLOCK_N, SWAP, INTERP
-            )
-            wg = wg_next
-            wu = wu_next
-    elif active:
-        for kk in range(0, D // SPLIT_K, BLOCK_K):
-            k0 = k_lo + kk
-            acc_g += _k_step(
-                x_rows, xm, k0, w_base, s_base, n, nm, D,
-                FMT, BLOCK_N, BLOCK_K, USE_F32, DECODE, SWAP, FP4_JOIN, INTERP,
-            )  # fmt: skip
-            acc_u += _k_step(
-                x_rows, xm, k0, w_base, s_base, n + I, nm, D,
-                FMT, BLOCK_N, BLOCK_K, USE_F32, DECODE, SWAP, FP4_JOIN, INTERP,
-            )  # fmt: skip
-    if SWAP:
-        acc_g = tl.trans(acc_g)
-        acc_u = tl.trans(acc_u)
+    k_last = k_lo + D // SPLIT_K - BLOCK_K
+    if TILED:
+        nm = n < 2 * I
+        if SWAP:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if active and MX:
+            # the next step's scale words load while this step computes (one step ahead)
+            wd = _mx_scale_words(s_base, n, nm, D, k_lo, TILED)
+            for kk in range(0, D // SPLIT_K, BLOCK_K):
+                k0 = k_lo + kk
+                wd_next = _mx_scale_words(s_base, n, nm, D, tl.minimum(k0 + BLOCK_K, k_last), TILED)
+                acc += _mx_groups_step(
+                    x_rows, xm, k0, w_base, wd, n, nm, D, BLOCK_N, SWAP, ONE_LOAD, TILED, INTERP
+                )
+                wd = wd_next
+        elif active:
+            for kk in range(0, D // SPLIT_K, BLOCK_K):
+                acc += _k_step(
+                    x_rows, xm, k_lo + kk, w_base, s_base, n, nm, D,
+                    FMT, BLOCK_N, BLOCK_K, USE_F32, DECODE, SWAP, FP4_JOIN, TILED, INTERP,
+                )  # fmt: skip
+        if SWAP:
+            acc = tl.trans(acc)
+        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+        c = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    else:
+        nm = n < I
+        if SWAP:
+            acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if active and MX:
+            wg = _mx_scale_words(s_base, n, nm, D, k_lo, TILED)
+            wu = _mx_scale_words(s_base, n + I, nm, D, k_lo, TILED)
+            for kk in range(0, D // SPLIT_K, BLOCK_K):
+                k0 = k_lo + kk
+                k_next = tl.minimum(k0 + BLOCK_K, k_last)
+                wg_next = _mx_scale_words(s_base, n, nm, D, k_next, TILED)
+                wu_next = _mx_scale_words(s_base, n + I, nm, D, k_next, TILED)
+                acc_g += _mx_groups_step(
+                    x_rows, xm, k0, w_base, wg, n, nm, D, BLOCK_N, SWAP, ONE_LOAD, TILED, INTERP
+                )
+                acc_u += _mx_groups_step(
+                    x_rows, xm, k0, w_base, wu, n + I, nm, D, BLOCK_N, SWAP, ONE_LOAD, TILED,
+                    INTERP,
+                )  # fmt: skip
+                wg = wg_next
+                wu = wu_next
+        elif active:
+            for kk in range(0, D // SPLIT_K, BLOCK_K):
+                k0 = k_lo + kk
+                acc_g += _k_step(
+                    x_rows, xm, k0, w_base, s_base, n, nm, D,
+                    FMT, BLOCK_N, BLOCK_K, USE_F32, DECODE, SWAP, FP4_JOIN, TILED, INTERP,
+                )  # fmt: skip
+                acc_u += _k_step(
+                    x_rows, xm, k0, w_base, s_base, n + I, nm, D,
+                    FMT, BLOCK_N, BLOCK_K, USE_F32, DECODE, SWAP, FP4_JOIN, TILED, INTERP,
+                )  # fmt: skip
+        if SWAP:
+            acc_g = tl.trans(acc_g)
+            acc_u = tl.trans(acc_u)
+        c = n
+    cm = c < I
     if SPLIT_K == 1:
         _swiglu_store(
-            acc_g, acc_u, gs_ptr, e, slot, ok, topw_ptr, h_ptr, pid_m, n, nm, I, limit,
+            acc_g, acc_u, gs_ptr, e, slot, ok, topw_ptr, h_ptr, pid_m, c, cm, I, limit,
             IDENTITY, BLOCK_M, INTERP,
         )  # fmt: skip
     else:
         # fp32 partials (SPLIT_K, rows, [gate ; up]); moe_swiglu_kernel sums them in split order
         r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rows = (pid_s * NUM_M * BLOCK_M + r[:, None]).to(tl.int64) * (2 * I)
-        mask = xm & nm[None, :]
-        tl.store(part_ptr + rows + n[None, :], acc_g, mask=mask)
-        tl.store(part_ptr + rows + I + n[None, :], acc_u, mask=mask)
+        mask = xm & cm[None, :]
+        tl.store(part_ptr + rows + c[None, :], acc_g, mask=mask)
+        tl.store(part_ptr + rows + I + c[None, :], acc_u, mask=mask)
 
 
 @triton.jit
@@ -594,10 +682,14 @@ def moe_down_kernel(
     SWAP: tl.constexpr,
     DECODE: tl.constexpr,
     FP4_JOIN: tl.constexpr,
+    TILED: tl.constexpr,
     USE_F32: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    MX: tl.constexpr = FMT == 2 and DECODE == 3
+    MX: tl.constexpr = FMT == 2 and DECODE >= 3
+    # the tiles layout loads whole steps: per-group 16-byte pieces of its 64-byte rows compile
+    # to plain loads (no cp.async pipelining) in Triton 3.6, so "mxdot" runs as "mxstep" there
+    ONE_LOAD: tl.constexpr = DECODE == 4 or TILED
     pid_m, pid_n, pid_s = _tile_ids(NUM_M, D, BLOCK_N, GROUP_M)
     y_ty = y_ptr.dtype.element_ty
     e, slot, ok = _rows(sorted_ptr, block_expert_ptr, pid_m, T, IDENTITY, BLOCK_M)
@@ -618,18 +710,20 @@ def moe_down_kernel(
     if SPLIT_K > 1:
         k_lo = tl.multiple_of(pid_s * (I // SPLIT_K), BLOCK_K)
     if active and MX:
-        wd = _mx_scale_words(s_base, n, nm, I, k_lo)
+        wd = _mx_scale_words(s_base, n, nm, I, k_lo, TILED)
         k_last = k_lo + I // SPLIT_K - BLOCK_K
         for kk in range(0, I // SPLIT_K, BLOCK_K):
             k0 = k_lo + kk
-            wd_next = _mx_scale_words(s_base, n, nm, I, tl.minimum(k0 + BLOCK_K, k_last))
-            acc += _mx_groups_step(h_rows, xm, k0, w_base, wd, n, nm, I, BLOCK_N, SWAP, INTERP)
+            wd_next = _mx_scale_words(s_base, n, nm, I, tl.minimum(k0 + BLOCK_K, k_last), TILED)
+            acc += _mx_groups_step(
+                h_rows, xm, k0, w_base, wd, n, nm, I, BLOCK_N, SWAP, ONE_LOAD, TILED, INTERP
+            )
             wd = wd_next
     elif active:
         for kk in range(0, I // SPLIT_K, BLOCK_K):
             acc += _k_step(
                 h_rows, xm, k_lo + kk, w_base, s_base, n, nm, I,
-                FMT, BLOCK_N, BLOCK_K, USE_F32, DECODE, SWAP, FP4_JOIN, INTERP,
+                FMT, BLOCK_N, BLOCK_K, USE_F32, DECODE, SWAP, FP4_JOIN, TILED, INTERP,
             )  # fmt: skip
     if SWAP:
         acc = tl.trans(acc)
@@ -752,11 +846,11 @@ def _fit_split(tile: GemmTile, K: int) -> GemmTile:
 
 
 def _decode_for(decode: str, fmt: int, act: torch.dtype, scales: torch.Tensor, block_k: int) -> str:
-    """``"mxdot"`` needs MXFP4 codes and bf16 activations (``dot_scaled``'s operand types),
-    128-column K steps and 4-byte aligned scale rows (one int32 word of four e8m0 bytes per row
-    and step); other GEMMs of the same schedule (the FP8 shared expert, fp32 activations) take
-    ``"asm"``, whose dot operands are the same values."""
-    if decode == "mxdot" and (
+    """``"mxdot"`` and ``"mxstep"`` need MXFP4 codes and bf16 activations (``dot_scaled``'s
+    operand types), 128-column K steps and 4-byte aligned scale rows (one int32 word of four
+    e8m0 bytes per row and step); other GEMMs of the same schedule (the FP8 shared expert, fp32
+    activations) take ``"asm"``, whose dot operands are the same values."""
+    if decode in ("mxdot", "mxstep") and (
         fmt != FMT_MXFP4
         or act != torch.bfloat16
         or block_k != 128
@@ -767,12 +861,21 @@ def _decode_for(decode: str, fmt: int, act: torch.dtype, scales: torch.Tensor, b
     return decode
 
 
-def _tile_meta(tile: GemmTile, decode: str, fp4_join: bool) -> dict[str, object]:
+def _tile_meta(tile: GemmTile, decode: str, fp4_join: bool, tiled: bool) -> dict[str, object]:
     return dict(
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT_K=tile.split_k, GROUP_M=tile.group_m,
-        SWAP=tile.swap_ab, DECODE=DECODES.index(decode), FP4_JOIN=fp4_join,
+        SWAP=tile.swap_ab, DECODE=DECODES.index(decode), FP4_JOIN=fp4_join, TILED=tiled,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
+
+
+def _check_tiled(tiled: bool, fmt: int, tile: GemmTile) -> None:
+    """The ``"tiles"`` layout holds MXFP4 codes in 128-column K blocks: a K step stays in one."""
+    if tiled and (fmt != FMT_MXFP4 or tile.block_k > 128):
+        raise ValueError(
+            f"the tiles layout takes MXFP4 codes and block_k <= 128, got format {fmt} and "
+            f"block_k {tile.block_k}"
+        )
 
 
 def moe_gate_up_triton(
@@ -794,12 +897,15 @@ def moe_gate_up_triton(
     tile: GemmTile,
     decode: str = "f16",
     fp4_join: bool = False,
+    tiled: bool = False,
 ) -> None:
     """h (num_m_blocks*block_m, I) = clamped SwiGLU of x's rows (see the module doc).  With
-    ``tile.split_k`` > 1: fp32 partials, then ``moe_swiglu_kernel``."""
+    ``tile.split_k`` > 1: fp32 partials, then ``moe_swiglu_kernel``.  ``tiled``: w13 and s13
+    in the ``"tiles"`` layout (gate and up rows interleaved; ``tile.block_n`` counts both)."""
     T, D = x.shape
     identity = sorted_slot is None
     dummy = gscale
+    _check_tiled(tiled, fmt, tile)
     decode = _decode_for(decode, fmt, x.dtype, s13, tile.block_k)
     tile = _fit_split(tile, D)
     split = tile.split_k
@@ -815,9 +921,10 @@ def moe_gate_up_triton(
     triton_launch(
         moe_gate_up_kernel, IDENTITY=identity, FMT=fmt, BLOCK_M=block_m,
         USE_F32=_use_f32(x) or w13.dtype == torch.float32, INTERP=INTERPRET,
-        **_tile_meta(tile, decode, fp4_join),
+        **_tile_meta(tile, decode, fp4_join, tiled),
     )(
-        _grid(num_m_blocks, inter, tile), x, w13, s13, gscale, srt, blk, topw, h, part,
+        _grid(num_m_blocks, 2 * inter if tiled else inter, tile),
+        x, w13, s13, gscale, srt, blk, topw, h, part,
         T, D, inter, top_k, float(limit), w13[0].numel(), s13[0].numel() if s13.numel() else 0,
         num_m_blocks,
     )  # fmt: skip
@@ -849,12 +956,14 @@ def moe_down_triton(
     tile: GemmTile,
     decode: str = "f16",
     fp4_join: bool = False,
+    tiled: bool = False,
 ) -> torch.Tensor:
     """y[slot] = h[row] @ w2^T (rows of each M block; see the module doc).  Returns y
     (rows_out, D) in h's dtype, or with ``tile.split_k`` > 1 the fp32 partials
     (split_k, rows_out, D), unscaled, for :func:`moe_reduce_triton`."""
     identity = sorted_slot is None
     dummy = gscale
+    _check_tiled(tiled, fmt, tile)
     decode = _decode_for(decode, fmt, h.dtype, s2, tile.block_k)
     tile = _fit_split(tile, inter)
     split = tile.split_k
@@ -865,7 +974,7 @@ def moe_down_triton(
     triton_launch(
         moe_down_kernel, IDENTITY=identity, FMT=fmt, BLOCK_M=block_m,
         USE_F32=_use_f32(h) or w2.dtype == torch.float32, INTERP=INTERPRET,
-        **_tile_meta(tile, decode, fp4_join),
+        **_tile_meta(tile, decode, fp4_join, tiled),
     )(
         _grid(num_m_blocks, D, tile), h, w2, s2, gscale,
         dummy if identity else sorted_slot, dummy if identity else block_expert, y,

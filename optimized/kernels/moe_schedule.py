@@ -64,7 +64,7 @@ __all__ = [
     "schedule_to_fields",
 ]
 
-DECODES = ("f16", "bits", "asm", "mxdot")
+DECODES = ("f16", "bits", "asm", "mxdot", "mxstep")
 _BLOCK_M = (8, 16, 32, 64, 128)
 
 
@@ -137,7 +137,8 @@ def check_schedule_shapes(
 ) -> None:
     """The shape rules a schedule must meet for one pack: each GEMM's K (D for gate/up, I for
     down) a multiple of block_k * split_k (the K loops have no tail mask), and block_k <= 128
-    where the weights are FP8 (one 128x128 scale block per K step)."""
+    where the weights are FP8 (one 128x128 scale block per K step) or MXFP4 in the tiles
+    layout (``fmt`` "mxfp4_tiles": a step inside one 128-column block)."""
     gemms = (
         ("gate_up", s.gate_up, fmt, hidden),
         ("down", s.down, fmt, inter),
@@ -154,6 +155,11 @@ def check_schedule_shapes(
             raise ConfigError(
                 f"schedule.{name}: FP8 weights need block_k <= 128 (one scale block per step), "
                 f"got {g.block_k}"
+            )
+        if f == "mxfp4_tiles" and g.block_k > 128:
+            raise ConfigError(
+                f"schedule.{name}: MXFP4 experts in the tiles layout need block_k <= 128 (a "
+                f"step inside one 128-column block), got {g.block_k}"
             )
 
 
@@ -228,40 +234,57 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
     tiny shape (MXFP4: mxdot routed GEMMs on 8-row swapped blocks), 64-column gate/up and
     128-column down tiles, one stage, 64-slot sort chunks (small shapes, fewer programs).
     """
+    mx = fmt in ("mxfp4", "mxfp4_tiles")
     if INTERPRET:
         # the interpreter's cost is per program: two N tiles per GEMM at the tiny shape (I 128,
         # D 256) keep the tile indexing exercised at half the programs of 32-column tiles
         gu = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=1)
         dn = GemmTile(block_n=128, block_k=128, num_warps=4, num_stages=1)
-        if fmt != "mxfp4":
+        if not mx:
             return MoESchedule(
                 16, gu, dn, 16, gu, dn, decode="asm", fp4_join=True, align_chunk=64, align_warps=4
             )
         gu_s, dn_s = dataclasses.replace(gu, swap_ab=True), dataclasses.replace(dn, swap_ab=True)
         return MoESchedule(
-            8, gu_s, dn_s, 16, gu, dn, decode="mxdot", fp4_join=True, align_chunk=64, align_warps=4
-        )
+            8, _gate_up(gu_s, fmt), dn_s, 16, gu, dn, decode=_mx_decode(fmt), fp4_join=True,
+            align_chunk=64, align_warps=4,
+        )  # fmt: skip
     if batch_invariant or T > 64:
         t = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3)
-        if batch_invariant or fmt != "mxfp4" or T > 768:
+        if batch_invariant or not mx or T > 768:
             return MoESchedule(
-                64, t, t, 64, t, t, decode="asm", fp4_join=True, align_chunk=128, align_warps=8
-            )
+                64, _gate_up(t, fmt), t, 64, t, t, decode="asm", fp4_join=True, align_chunk=128,
+                align_warps=8,
+            )  # fmt: skip
         # an expert holds ~T * top_k / E rows: a few up to T 256, ~12 at T 512
         r = dataclasses.replace(t, block_n=128, swap_ab=T <= 256)
         return MoESchedule(
-            8 if T <= 256 else 16, r, r, 64, t, t, decode="mxdot", fp4_join=True,
-            align_chunk=128, align_warps=8,
+            8 if T <= 256 else 16, _gate_up(r, fmt), r, 64, t, t, decode=_mx_decode(fmt),
+            fp4_join=True, align_chunk=128, align_warps=8,
         )  # fmt: skip
     split = 4 if T <= 2 else (2 if T <= 8 else 1)
     shared = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=split)
-    if fmt != "mxfp4":
+    if not mx:
         return MoESchedule(
             16, shared, shared, 16, shared, shared, decode="asm", fp4_join=T > 2,
             align_chunk=128, align_warps=8,
         )  # fmt: skip
     routed = dataclasses.replace(shared, block_n=128, swap_ab=True)
     return MoESchedule(
-        8, routed, routed, 16, shared, shared, decode="mxdot", fp4_join=T > 2,
-        align_chunk=128, align_warps=8,
+        8, _gate_up(routed, fmt), routed, 16, shared, shared, decode=_mx_decode(fmt),
+        fp4_join=T > 2, align_chunk=128, align_warps=8,
     )  # fmt: skip
+
+
+def _gate_up(tile: GemmTile, fmt: str) -> GemmTile:
+    """The routed gate/up tile: in the tiles layout a program's rows interleave gate and up, so
+    ``block_n`` counts both (twice the rows layout's, the same bytes per program)."""
+    if fmt != "mxfp4_tiles":
+        return tile
+    return dataclasses.replace(tile, block_n=min(2 * tile.block_n, 256))
+
+
+def _mx_decode(fmt: str) -> str:
+    """The MXFP4 routed GEMMs' decode: one load per K step from the tiles layout's contiguous
+    blocks, one load per scale group from the checkpoint's rows."""
+    return "mxstep" if fmt == "mxfp4_tiles" else "mxdot"
