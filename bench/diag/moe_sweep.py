@@ -135,7 +135,7 @@ def layout_candidates(T: int, layout: str, dry: bool) -> list[tuple[str, MoESche
             out.append(("mxstep", replace(d, decode="mxstep")))
         return out
     gu, dn = d.gate_up, d.down
-    other_n = 128 if gu.block_n == 256 else 256
+    other_n = 256 if gu.block_n == 128 and T <= 768 else (64 if gu.block_n == 128 else 128)
     out += [
         (f"gu_n{other_n}", replace(d, gate_up=replace(gu, block_n=other_n))),
         ("s4", _routed(d, num_stages=4)),

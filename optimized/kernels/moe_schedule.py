@@ -277,11 +277,16 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
 
 
 def _gate_up(tile: GemmTile, fmt: str) -> GemmTile:
-    """The routed gate/up tile: in the tiles layout a program's rows interleave gate and up, so
-    ``block_n`` counts both (twice the rows layout's, the same bytes per program)."""
-    if fmt != "mxfp4_tiles":
+    """The routed gate/up tile.  In the tiles layout a program's rows interleave gate and up,
+    so ``block_n`` counts both: the group-scaled dots (T <= 768) keep 128 rows, half the rows
+    layout's bytes per program and twice the programs (H200, whole moe at T 1 / 8 / 64 / 512:
+    105.4 / 321.9 / 1059.1 / 2609.3 us against 105.8 / 336.4 / 1169.1 / 2853.3 us with 256
+    rows, and 112.5 / 379.9 / 1323.0 / 2973.4 us for the rows layout's default;
+    bench/results/moe-h200.md, "The tiles layout"); the PTX decode's 64-column tiles (above
+    T 768, batch invariant) become 128 rows, the same bytes per program."""
+    if fmt != "mxfp4_tiles" or tile.block_n >= 128:
         return tile
-    return dataclasses.replace(tile, block_n=min(2 * tile.block_n, 256))
+    return dataclasses.replace(tile, block_n=2 * tile.block_n)
 
 
 def _mx_decode(fmt: str) -> str:
