@@ -228,6 +228,12 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
     * above, other formats above T 64, and under ``batch_invariant=True`` for every T: 64-row M
       blocks, 64-column N tiles, the PTX decode, the interleaved FP4 dot, no split (the
       group-scaled dot was 1.3-4.0x slower at T 4096 on every tile tried).
+    * ``fmt="mxfp4_tiles"`` (``pack_moe``'s default layout for MXFP4): the same structure with
+      ``decode="mxstep"`` (a K step's codes in one load) for the group-scaled dots, 128-row
+      gate/up tiles of interleaved gate and up rows everywhere, and two stages for the routed
+      PTX-decode GEMMs (:func:`_gate_up`; whole moe on the H200 at T 1 / 8 / 64 / 512 / 4096:
+      105.4 / 321.9 / 1059.1 / 2609.3 / 7316.4 us against the rows layout's 112.5 / 379.9 /
+      1323.0 / 2973.4 / 8762.8 us).
 
     The sort runs in one program up to 128 slots (T 21 at top-6), in 128-slot chunks above,
     8 warps.  Under the interpreter, for every T, the T <= 64 structure of the format at the
@@ -252,8 +258,11 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
     if batch_invariant or T > 64:
         t = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3)
         if batch_invariant or not mx or T > 768:
+            # tiles: two stages (whole moe at T 4096 on the H200: 7316 us against 8139 with
+            # three, and 8763 for the rows layout's default; moe-h200.md, "The tiles layout")
+            r = dataclasses.replace(t, num_stages=2) if fmt == "mxfp4_tiles" else t
             return MoESchedule(
-                64, _gate_up(t, fmt), t, 64, t, t, decode="asm", fp4_join=True, align_chunk=128,
+                64, _gate_up(r, fmt), r, 64, t, t, decode="asm", fp4_join=True, align_chunk=128,
                 align_warps=8,
             )  # fmt: skip
         # an expert holds ~T * top_k / E rows: a few up to T 256, ~12 at T 512
