@@ -155,6 +155,21 @@ def layout_candidates(T: int, layout: str, dry: bool) -> list[tuple[str, MoESche
     ]
     if T > 64:
         out.append(("m8_swap", _routed(replace(d, block_m=8), swap_ab=True)))
+    if 64 < T <= 768:
+        out += [
+            ("m16_swap", _routed(d, swap_ab=True)),
+            ("m32", replace(d, block_m=32)),
+            ("m16_gu_n64", replace(d, gate_up=replace(gu, block_n=64))),
+            ("m16_s2", _routed(d, num_stages=2)),
+        ]
+    if T <= 64:
+        out += [
+            ("gu_n64", replace(d, gate_up=replace(gu, block_n=64))),
+            ("n64_w2", _routed(d, block_n=64, num_warps=2)),
+            ("split2", _routed(d, split_k=2 * gu.split_k)),
+            ("m16", replace(d, block_m=16)),
+            ("s5", _routed(d, num_stages=5)),
+        ]
     return out
 
 
