@@ -312,6 +312,34 @@ def test_tiles_layout_validation(device: str) -> None:
     assert pack_moe(fp8, device, mxfp4_layout="tiles").layout == "rows"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64, 512])
+def test_shared_expert_side_stream_changes_no_bit(T: int) -> None:
+    """``shared_stream`` (the default: the shared expert on a side stream, joined before the
+    reduce) against the shared expert in order, at V4-Flash experts (MXFP4 tiles, the FP8
+    shared expert): bitwise equal eagerly and from a captured CUDA graph's replays, with the
+    input changed between replays (so a missing join would read a stale or partial row)."""
+    (x, params, cfg), kw = moe_inputs("moe", T, 3, shape="flash", fmt="mxfp4", device="cuda")
+    pack = pack_moe(params, "cuda")
+    s = moe_config(T, batch_invariant=False, fmt=pack.kernel_fmt)
+    assert s.shared_stream
+    in_order = replace(s, shared_stream=False)
+    want = moe(x, pack, cfg, **kw, schedule=in_order)
+    assert torch.equal(moe(x, pack, cfg, **kw, schedule=s), want)
+    static = x.clone()
+    out = torch.empty_like(x)
+    moe(static, pack, cfg, **kw, schedule=s, out=out)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe(static, pack, cfg, **kw, schedule=s, out=out)
+    for scale in (1.0, -0.5, 2.0):
+        static.copy_(x * scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, moe(static, pack, cfg, **kw, schedule=in_order)), scale
+
+
 def test_mxdot_falls_back_where_it_does_not_apply() -> None:
     """``"mxdot"`` runs for MXFP4 codes, bf16 activations, 128-wide K steps and 4-byte aligned
     scale rows; anything else (the FP8 shared expert, fp32 activations, other steps, a scale
@@ -383,8 +411,11 @@ def test_schedule_validation() -> None:
     with pytest.raises(ConfigError, match="decode"):
         s = moe_config(1, batch_invariant=True)
         MoESchedule(16, s.gate_up, s.down, 16, s.shared_gate_up, s.shared_down, decode="lut")
-    for s in (*SCHEDULES.values(), moe_config(1, batch_invariant=False)):
+    in_order = replace(moe_config(1, batch_invariant=False), shared_stream=False)
+    for s in (*SCHEDULES.values(), moe_config(1, batch_invariant=False), in_order):
         assert schedule_from_fields(tuple(schedule_to_fields(s))) == s
+    with pytest.raises(ConfigError, match="shared_stream"):
+        replace(in_order, shared_stream=1)
     b = moe_config(4096, batch_invariant=True)
     assert all(moe_config(t, batch_invariant=True) == b for t in (1, 8, 64, 512))
 

@@ -631,9 +631,11 @@ def _routed_into(
     act_quant: bool,
     batch_invariant: bool,
     schedule: Sequence[int],
-    shared: torch.Tensor | None,
+    shared: Callable[[], torch.Tensor | None],
     out: torch.Tensor,
 ) -> None:
+    """The routed experts into ``out``; ``shared()`` gives the shared expert's rows (or None)
+    to the reduce, called just before it (it may join a side stream there)."""
     T, D = x.shape
     K = topk_ids.shape[1]
     if T == 0:
@@ -661,7 +663,7 @@ def _routed_into(
         fmt=code, T=T, D=D, inter=inter, rows_out=T * K, tile=sched.down, num_m_blocks=nb,
         block_m=bm, decode=sched.decode, fp4_join=sched.fp4_join, tiled=tiled,
     )  # fmt: skip
-    moe_reduce_triton(ws, ids, expert_map, shared, out, w13.shape[0], gscale)
+    moe_reduce_triton(ws, ids, expert_map, shared(), out, w13.shape[0], gscale)
 
 
 def _shared_expert(
@@ -755,7 +757,7 @@ def _fused_experts_out(
     *args: Any,
     out: torch.Tensor,
 ) -> None:
-    _routed_into(x, topk_ids, topk_weights, *args, None, out)  # type: ignore[call-arg]
+    _routed_into(x, topk_ids, topk_weights, *args, lambda: None, out)  # type: ignore[call-arg]
 
 
 def _x_like(x: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -796,14 +798,48 @@ def _moe_out(
         x, gate_weight, gate_bias, top_k, scaling, batch_invariant, row_mask
     )  # padding rows (row_mask False) get ids -1 inside the top-k kernel
     sched = _moe_schedule(x.shape[0], batch_invariant, schedule, fmt)
-    shared = _shared_expert(
+    shared_args = (
         x, shared_w13, shared_s13, shared_w2, shared_s2, shared_fmt, shared_limit,
         shared_act_quant, sched,
     )  # fmt: skip
+    side = _side_stream(x.device) if sched.shared_stream else None
+    if side is None:
+        rows = _shared_expert(*shared_args)
+        shared: Callable[[], torch.Tensor | None] = lambda: rows  # noqa: E731
+    else:
+        # The shared expert on a side stream, beside the router, the sort and the routed
+        # GEMMs: at decode sizes neither fills the H200 (the routed GEMMs stream their experts
+        # at about half the copy bandwidth), so the shared expert's 25 MB (FP8) overlap them
+        # instead of following them.  The reduce waits for it.  Captured into a CUDA graph
+        # the fork and join become the graph's edges; the values are the same either way.
+        cur = torch.cuda.current_stream(x.device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            rows = _shared_expert(*shared_args)
+
+        def shared() -> torch.Tensor:
+            cur.wait_stream(side)
+            rows.record_stream(cur)  # allocated on the side stream, read on this one
+            return rows
+
     _routed_into(
         x, ids, weights, expert_map, w13, s13, w2, s2, gscale, fmt, limit, act_quant,
         batch_invariant, schedule, shared, out,
     )  # fmt: skip
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The MoE's side stream on a CUDA device (one per device, made once); None on the CPU
+    (the interpreter), where the shared expert runs first, in order."""
+    if device.type != "cuda":
+        return None
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return side
 
 
 _fused_experts = _functional(_fused_experts_out, _x_like)

@@ -120,14 +120,15 @@ def mxdot_candidates(T: int, dry: bool) -> list[tuple[str, MoESchedule]]:
 
 
 def layout_candidates(T: int, layout: str, dry: bool) -> list[tuple[str, MoESchedule]]:
-    """MXFP4 experts in each ``pack_moe`` layout (``--layouts``): its default first.  Rows: the
+    """MXFP4 experts in each ``pack_moe`` layout (``--layouts``): its default first, then the
+    default with the shared expert in order on the one stream (``shared_stream=False``).  Rows: the
     per-group loads (``"mxdot"``) and the whole-step load (``"mxstep"``, the same bits).
     Tiles (gate and up rows interleaved, so ``block_n`` counts both): 128- and 256-row
     gate/up tiles, 4 or 8 warps, 3 or 4 stages, and for the down GEMM 64- and 256-row
     tiles."""
     fmt = "mxfp4_tiles" if layout == "tiles" else "mxfp4"
     d = moe_config(T, batch_invariant=False, fmt=fmt)
-    out = [("default", d)]
+    out = [("default", d), ("shared_in_order", replace(d, shared_stream=False))]
     if dry:
         return out
     if layout == "rows":
@@ -367,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--mxdot", action="store_true", help="the default, then the mxdot candidates only"
     )
+    p.add_argument("--names", default="", help="only the candidates of these names (a,b,...)")
     p.add_argument(
         "--layouts",
         default="",
@@ -435,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                 cands = [candidates(T, a.dry_run)[0], *mxdot_candidates(T, a.dry_run)]
             else:
                 cands = candidates(T, a.dry_run)
+            if a.names:
+                cands = [c for c in cands if c[0] in a.names.split(",")]
             for name, s in cands:
                 if over():
                     capped = True

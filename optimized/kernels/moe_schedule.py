@@ -30,6 +30,9 @@ What each knob changes (optimized/kernels/moe_gemm.py, module doc, "Schedule"):
 * ``fp4_join``: FP4 only.  False: the low and high nibbles feed two dots of half the K step
   against x's even and odd columns (strided loads of x); True: the decoded halves are
   interleaved back in registers (``tl.join``) and one dot reads x contiguously.
+* ``shared_stream`` (``moe`` only): the shared expert runs on a side CUDA stream beside the
+  router, the sort and the routed GEMMs, joined before the reduce (False: first, in order);
+  no value changes either way.  Ignored on the CPU.
 * ``align_chunk``: the sort's slot chunk (optimized/kernels/moe_align.py): S = T*K slots up to
   min(``align_chunk``, 128) are sorted by one program, more by ``cdiv(S, align_chunk)``
   programs of that many slots (a chunk x chunk rank compare each, hence <= 256);
@@ -40,8 +43,8 @@ invariant).  ``split_k`` and ``block_k`` change the fp32 summation order (allowe
 pairs' tolerance); ``block_m``, ``block_n``, ``num_warps`` and ``swap_ab`` pick the tile and
 so may change the tensor-core instruction (mma.sync below 64 rows, wgmma above) and its internal
 order, and so may ``fp4_join`` (one dot over K where there were two) and ``"mxdot"`` (per-group
-fp32 partials); ``group_m``, ``num_stages``, the other decodes and the align knobs change no
-value (tested bitwise on the CPU).
+fp32 partials); ``group_m``, ``num_stages``, the other decodes, the align knobs and
+``shared_stream`` change no value (tested bitwise on the CPU; the stream on the GPU).
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ class MoESchedule:
     fp4_join: bool = False
     align_chunk: int = 128
     align_warps: int = 8
+    shared_stream: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "shared_block_m"):
@@ -128,6 +132,10 @@ class MoESchedule:
             raise ConfigError(f"MoESchedule.decode: expected one of {DECODES}, got {self.decode!r}")
         if not isinstance(self.fp4_join, bool):
             raise ConfigError(f"MoESchedule.fp4_join: expected a bool, got {self.fp4_join!r}")
+        if not isinstance(self.shared_stream, bool):
+            raise ConfigError(
+                f"MoESchedule.shared_stream: expected a bool, got {self.shared_stream!r}"
+            )
         _pow2("MoESchedule.align_chunk", self.align_chunk, 16, 256)
         _pow2("MoESchedule.align_warps", self.align_warps, 1, 32)
 
@@ -165,9 +173,9 @@ def check_schedule_shapes(
 
 # The operators carry a schedule as a flat int list (a MoEPack-free schema): GemmTile as 7 ints,
 # MoESchedule as block_m, 4 tiles, shared_block_m, decode index, fp4_join, align chunk
-# and warps.
+# and warps, shared_stream.
 _TILE_LEN = len(fields(GemmTile))
-FIELDS_LEN = 6 + 4 * _TILE_LEN
+FIELDS_LEN = 7 + 4 * _TILE_LEN
 
 
 def _tile_ints(g: GemmTile) -> list[int]:
@@ -179,7 +187,7 @@ def schedule_to_fields(s: MoESchedule) -> list[int]:
     return [
         s.block_m, *_tile_ints(s.gate_up), *_tile_ints(s.down), s.shared_block_m,
         *_tile_ints(s.shared_gate_up), *_tile_ints(s.shared_down), DECODES.index(s.decode),
-        int(s.fp4_join), s.align_chunk, s.align_warps,
+        int(s.fp4_join), s.align_chunk, s.align_warps, int(s.shared_stream),
     ]  # fmt: skip
 
 
@@ -197,7 +205,7 @@ def schedule_from_fields(f: tuple[int, ...]) -> MoESchedule:
         block_m=f[0], gate_up=tile(1), down=tile(1 + n), shared_block_m=f[1 + 2 * n],
         shared_gate_up=tile(2 + 2 * n), shared_down=tile(2 + 3 * n),
         decode=DECODES[f[2 + 4 * n]], fp4_join=bool(f[3 + 4 * n]), align_chunk=f[4 + 4 * n],
-        align_warps=f[5 + 4 * n],
+        align_warps=f[5 + 4 * n], shared_stream=bool(f[6 + 4 * n]),
     )  # fmt: skip
 
 
