@@ -321,8 +321,9 @@ def test_shared_expert_side_stream_changes_no_bit(T: int) -> None:
     input changed between replays (so a missing join would read a stale or partial row)."""
     (x, params, cfg), kw = moe_inputs("moe", T, 3, shape="flash", fmt="mxfp4", device="cuda")
     pack = pack_moe(params, "cuda")
-    s = moe_config(T, batch_invariant=False, fmt=pack.kernel_fmt)
-    assert s.shared_stream
+    default = moe_config(T, batch_invariant=False, fmt=pack.kernel_fmt)
+    assert default.shared_stream == (T <= 64)  # the default: the side stream at decode sizes
+    s = replace(default, shared_stream=True)
     in_order = replace(s, shared_stream=False)
     want = moe(x, pack, cfg, **kw, schedule=in_order)
     assert torch.equal(moe(x, pack, cfg, **kw, schedule=s), want)

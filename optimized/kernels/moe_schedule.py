@@ -236,6 +236,11 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
     * above, other formats above T 64, and under ``batch_invariant=True`` for every T: 64-row M
       blocks, 64-column N tiles, the PTX decode, the interleaved FP4 dot, no split (the
       group-scaled dot was 1.3-4.0x slower at T 4096 on every tile tried).
+    * the shared expert on the side stream (``shared_stream``) up to T 64 and under
+      ``batch_invariant=True`` (one schedule for every T), in order above: in the whole
+      step, captured, at T 1 / 8 / 64 475.3 / 730.2 / 1469.2 us against 485.2 / 733.2 /
+      1496.8 us in order; the eager prefill of 512 / 4096 tokens 5606 / 13125 us against
+      5484 / 13139 (``bench/diag/moe_stream_ab.py``, one process, H200).
     * ``fmt="mxfp4_tiles"`` (``pack_moe``'s default layout for MXFP4): the same structure with
       ``decode="mxstep"`` (a K step's codes in one load) for the group-scaled dots, 128-row
       gate/up tiles of interleaved gate and up rows everywhere, and two stages for the routed
@@ -271,13 +276,13 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
             r = dataclasses.replace(t, num_stages=2) if fmt == "mxfp4_tiles" else t
             return MoESchedule(
                 64, _gate_up(r, fmt), r, 64, t, t, decode="asm", fp4_join=True, align_chunk=128,
-                align_warps=8,
+                align_warps=8, shared_stream=batch_invariant,
             )  # fmt: skip
         # an expert holds ~T * top_k / E rows: a few up to T 256, ~12 at T 512
         r = dataclasses.replace(t, block_n=128, swap_ab=T <= 256)
         return MoESchedule(
             8 if T <= 256 else 16, _gate_up(r, fmt), r, 64, t, t, decode=_mx_decode(fmt),
-            fp4_join=True, align_chunk=128, align_warps=8,
+            fp4_join=True, align_chunk=128, align_warps=8, shared_stream=False,
         )  # fmt: skip
     split = 4 if T <= 2 else (2 if T <= 8 else 1)
     shared = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=split)
