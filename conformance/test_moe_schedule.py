@@ -295,6 +295,25 @@ def test_tiles_layout_matches_rows_layout(T: int, device: str) -> None:
             assert torch.equal(got, moe(x, rows, cfg, **kw, schedule=s)), s
 
 
+def test_tiles_repack_copies_unless_told_to_reuse(device: str) -> None:
+    """By default the tiles are a copy and the params' expert tensors keep the checkpoint's
+    rows; ``reuse_expert_memory=True`` reorders those tensors in place (the pack holds the
+    same storage, no second copy) and gives the same pack bit for bit."""
+    (x, params, cfg), kw = moe_inputs("moe", 4, 2, shape=_shape(device), fmt="mxfp4", device=device)
+    ex = params.experts.packed
+    before = [t.clone() for t in (ex.w13_weight, ex.w13_weight_scale, ex.w2_weight)]
+    copied = pack_moe(params, device)
+    after = (ex.w13_weight, ex.w13_weight_scale, ex.w2_weight)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    want = moe(x, copied, cfg, **kw)
+    reused = pack_moe(params, device, reuse_expert_memory=True)
+    assert reused.w13.untyped_storage().data_ptr() == ex.w13_weight.untyped_storage().data_ptr()
+    assert reused.s2.untyped_storage().data_ptr() == ex.w2_weight_scale.untyped_storage().data_ptr()
+    for name in ("w13", "s13", "w2", "s2"):
+        assert torch.equal(getattr(reused, name), getattr(copied, name)), name
+    assert torch.equal(moe(x, reused, cfg, **kw), want)
+
+
 def test_tiles_layout_validation(device: str) -> None:
     """An unknown layout, and K steps wider than a tile block, are refused by name."""
     from dsv4mtp.errors import InputError

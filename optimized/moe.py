@@ -194,22 +194,28 @@ def _untile_one(t: torch.Tensor, width: int, interleaved: bool) -> torch.Tensor:
     return t.reshape(e, N, W)
 
 
-def _chunked(t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    out = torch.empty_like(t)
+def _chunked(
+    t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], in_place: bool = False
+) -> torch.Tensor:
+    """fn over ``_TILE_CHUNK`` experts at a time, into a new tensor or back into ``t``."""
+    out = t if in_place else torch.empty_like(t)
     for e0 in range(0, t.shape[0], _TILE_CHUNK):
-        out[e0 : e0 + _TILE_CHUNK] = fn(t[e0 : e0 + _TILE_CHUNK])
+        out[e0 : e0 + _TILE_CHUNK] = fn(t[e0 : e0 + _TILE_CHUNK].clone() if in_place else
+                                        t[e0 : e0 + _TILE_CHUNK])  # fmt: skip
     return out
 
 
 def mx_tiles(
-    codes: torch.Tensor, scales: torch.Tensor, *, interleaved: bool
+    codes: torch.Tensor, scales: torch.Tensor, *, interleaved: bool, in_place: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 codes (E, N, K/2) and e8m0 scales (E, N, K/32), uint8, checkpoint rows -> the
-    ``"tiles"`` layout (new tensors, same shapes).  ``interleaved``: w13's [gate ; up] rows
-    interleaved first.  N and K must be multiples of 128 (``pack_moe`` checks)."""
+    ``"tiles"`` layout (same shapes): new tensors, or with ``in_place`` the inputs themselves
+    reordered (contiguous inputs; one chunk of experts is copied at a time, so no second copy
+    of the experts is ever held).  ``interleaved``: w13's [gate ; up] rows interleaved first.
+    N and K must be multiples of 128 (``pack_moe`` checks)."""
     return (
-        _chunked(codes, lambda t: _tile_one(t, _TILE_BYTES, interleaved)),
-        _chunked(scales, lambda t: _tile_one(t, 4, interleaved)),
+        _chunked(codes, lambda t: _tile_one(t, _TILE_BYTES, interleaved), in_place),
+        _chunked(scales, lambda t: _tile_one(t, 4, interleaved), in_place),
     )
 
 
@@ -341,6 +347,7 @@ def pack_moe(
     *,
     max_tokens: int = 8192,
     mxfp4_layout: str = "tiles",
+    reuse_expert_memory: bool = False,
 ) -> MoEPack:
     """Pack a core :class:`MoEParams` for the kernels (a helper, not an op; runs once per layer).
 
@@ -353,8 +360,12 @@ def pack_moe(
 
     ``mxfp4_layout`` (MXFP4 routed experts): "tiles" (default) reorders the codes and scales
     into the kernels' (128-row, 128-column) blocks with w13's gate and up rows interleaved
-    (:func:`mx_tiles`; a copy of the experts, made 16 at a time); "rows" keeps the checkpoint's
-    tensors as they are (no copy).  Other formats always keep their rows.
+    (:func:`mx_tiles`); "rows" keeps the checkpoint's tensors as they are (no copy).  Other
+    formats always keep their rows.  The tiles are a copy of the experts (both held while
+    packing) unless the pack owns the stored tensors: moved here from another device, or
+    ``reuse_expert_memory=True``, which reorders the params' MXFP4 expert tensors in place
+    (they then hold the tiles and the params must not be used again: for a caller that drops
+    them, as ``MTPLayer.from_checkpoint`` does with the checkpoint it loaded).
     """
     check_instance("params", params, MoEParams)
     if mxfp4_layout not in ("rows", "tiles"):
@@ -398,10 +409,17 @@ def pack_moe(
     if gate.dtype != torch.bfloat16 and torch.equal(gate.to(torch.bfloat16).to(gate.dtype), gate):
         gate = gate.to(torch.bfloat16)  # exact: half the router's bytes
     sfmt, sw13, ss13, sw2, ss2 = _pack_shared(params, device)
+    check_instance("reuse_expert_memory", reuse_expert_memory, bool)
     layout = "tiles" if fmt == "mxfp4" and mxfp4_layout == "tiles" else "rows"
     if layout == "tiles":
-        w13, s13 = mx_tiles(w13, s13, interleaved=True)
-        w2, s2 = mx_tiles(w2, s2, interleaved=False)
+        assert isinstance(src, RoutedExperts)
+        stored = (src.w13_weight, src.w13_weight_scale, src.w2_weight, src.w2_weight_scale)
+        owned = not any(
+            _same_storage(a, b) for a, b in zip((w13, s13, w2, s2), stored, strict=True)
+        )
+        in_place = owned or reuse_expert_memory
+        w13, s13 = mx_tiles(w13, s13, interleaved=True, in_place=in_place)
+        w2, s2 = mx_tiles(w2, s2, interleaved=False, in_place=in_place)
     return MoEPack(
         fmt=fmt, w13=w13, s13=s13, w2=w2, s2=s2, gscale=gs, expert_map=emap.to(device),
         num_experts=E, hidden_size=D, intermediate_size=inter, quantized=quantized,
@@ -409,6 +427,10 @@ def pack_moe(
         shared_fmt=sfmt, shared_w13=sw13, shared_s13=ss13, shared_w2=sw2, shared_s2=ss2,
         shared_quantized=bool(params.shared_quantized), max_tokens=max_tokens, layout=layout,
     )  # fmt: skip
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    return b is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 # ----------------------------------------------------------------------------------- route

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from dsv4mtp.checkpoint.weights import MTPCheckpoint, MTPLayerWeights
-from dsv4mtp.checks import check_device_arg, check_int, check_step
+from dsv4mtp.checks import check_device_arg, check_instance, check_int, check_step
 from dsv4mtp.config import DSV4Config
 from dsv4mtp.errors import ConfigError, InputError
 from dsv4mtp.kv_cache import KVCache
@@ -116,10 +116,13 @@ def pack_layer(
     *,
     max_tokens: int,
     weights: MTPLayerWeights | None = None,
+    reuse_expert_memory: bool = False,
 ) -> MTPLayerPack:
     """Pack one layer's dense :class:`MTPLayerParams` (once; it allocates).  With the loaded
     ``weights`` it came from, e_proj, h_proj and the attention linears are packed from the
-    checkpoint's own weights instead (FP8 stays FP8)."""
+    checkpoint's own weights instead (FP8 stays FP8).  ``reuse_expert_memory``: see
+    :func:`pack_moe` (the params' MXFP4 experts reordered in place, for a caller that drops
+    them)."""
     if weights is not None:
         e_src: Any = weights.e_proj
         h_src: Any = weights.h_proj
@@ -131,7 +134,9 @@ def pack_layer(
         e_proj=pack_linear(e_src, device),
         h_proj=pack_linear(h_src, device),
         attn=attn,
-        ffn=pack_moe(params.ffn, device, max_tokens=max_tokens),
+        ffn=pack_moe(
+            params.ffn, device, max_tokens=max_tokens, reuse_expert_memory=reuse_expert_memory
+        ),
         vectors={name: _kernel_float(getattr(params, name), device) for name in _VECTORS},
         head=_kernel_float(params.head, device),
         dense_quantized=params.dense_quantized,
@@ -223,19 +228,32 @@ class MTPLayer(MTPLayerAPI):
         max_batch: int = 256,
         head_format: str = "bf16",
         batch_invariant: bool = False,
+        consume: bool = False,
         **switches: Any,
     ) -> MTPLayer:
         """From :func:`load_mtp_checkpoint`'s result, packed once: the dense linears and the
         attention from the checkpoint's stored weights (FP8 codes and block scales), the routed
-        experts in their stored format, the shared expert's FP8 codes.  (The dense copies
-        :func:`build_layer_params` makes on the way are dropped once packed.)"""
+        experts in their stored format (MXFP4 in :func:`pack_moe`'s tiles), the shared expert's
+        FP8 codes.  (The dense copies :func:`build_layer_params` makes on the way are dropped
+        once packed.)  ``consume=True``: the checkpoint is not used again, so its MXFP4 expert
+        tensors are reordered into the tiles in place instead of copied (no second copy of the
+        experts on the device while packing; :meth:`from_checkpoint` does this with the
+        checkpoint it loaded)."""
         dev, semantics = check_loaded(checkpoint, preset, dtype, device, switches, _DTYPES)
+        check_instance("consume", consume, bool)
         cache: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         bound = _check_bound("max_num_tokens", max_num_tokens)
-        layers = [
-            pack_layer(build_layer_params(w, dtype, dev, cache), dev, max_tokens=bound, weights=w)
-            for w in checkpoint.layers
-        ]
+        layers = []
+        for w in checkpoint.layers:  # each layer's dense params dropped once packed
+            layers.append(
+                pack_layer(
+                    build_layer_params(w, dtype, dev, cache),
+                    dev,
+                    max_tokens=bound,
+                    weights=w,
+                    reuse_expert_memory=consume,
+                )
+            )
         embed = checkpoint.embed_tokens.to(device=dev, dtype=dtype)
         return cls(
             checkpoint.config,
@@ -278,6 +296,7 @@ class MTPLayer(MTPLayerAPI):
             max_batch=max_batch,
             head_format=head_format,
             batch_invariant=batch_invariant,
+            consume=True,  # the checkpoint was loaded for this layer alone
             **switches,
         )
 
