@@ -18,6 +18,19 @@ plus ``gscale (E, 3)`` fp32: the per-expert global scales of gate, up and down (
 ``weight_scale_2``, or the folded fc1_alpha twice and fc2_alpha; ones otherwise), applied to the
 fp32 accumulator.
 
+MXFP4 experts are packed by default in the ``"tiles"`` layout (``TILED``; ``pack_moe``,
+``mx_tiles``): the same shapes, the bytes reordered so that each (128-row, 128-column) block of
+codes is one contiguous 8 KiB run (byte (r, b) of an expert at ((r // 128) * K/128 + b // 64) *
+8192 + (r % 128) * 64 + b % 64) and its scales one 512-byte run (((r // 128) * K/128 + g // 4)
+* 512 + (r % 128) * 4 + g % 4 for group g), with w13's rows interleaved first: packed row 2c is
+gate column c, 2c + 1 up column c.  A K step of a 128-row tile is then one contiguous load
+instead of 128 pieces of 64 bytes lying K/2 bytes apart, which capped the weight stream at
+2.2-2.4 TB/s (bench/results/moe-h200.md, "The weight stream and the layout"); and the gate/up
+kernel streams one set of rows, ``BLOCK_N`` interleaved gate and up rows (``BLOCK_N / 2``
+columns of h), one accumulator split into g and u in the epilogue.  K steps are at most 128
+columns there (one block).  The tiles layout always loads a whole step (``"mxstep"``; per-group
+16-byte pieces of its 64-byte rows compile to plain loads without cp.async in Triton 3.6).
+
 Decode.  An E2M1 nibble n goes into an fp16 bit pattern ``(n & 7) << 9 | (n & 8) << 12`` whose
 value is exactly ``e2m1(n) * 2**-14`` (code 1 lands on fp16's subnormal 2**-15), widened to fp32
 (a conversion: exact, never flushed) and multiplied by ``block_scale * 2**14``; the product has
@@ -77,7 +90,13 @@ group: the gate/up loop takes 4.2 instructions per weight and thread at the defa
 swapped tiles against 6.2 for ``"asm"`` at 16 x 64 (both 3 programs per SM by registers;
 ``python bench/sm90_resources.py --moe``), and the whole moe 8-10 % less time at T 1-64, up to
 45 % less at T 128-512 where it replaced 64-row tiles (bench/results/moe-h200.md, "The
-group-scaled dot").  ``decode="asm"`` (every other format, and above T 768): PTX on
+group-scaled dot").  ``decode="mxstep"`` (the default on the tiles layout): the same dots on
+the same operands (so the same bits), the step's (BLOCK_N, 64) code bytes loaded at once and
+split into the four groups in registers; on the tiles layout the whole moe took 105.4 / 321.9
+/ 1059.1 / 2609.3 us at T 1 / 8 / 64 / 512 against the rows layout's 112.5 / 379.9 / 1323.0 /
+2973.4 us with ``"mxdot"`` (moe-h200.md, "The tiles layout"; on the rows layout ``"mxstep"``
+itself was within 5 % of ``"mxdot"``, its registers 252 against 157 at T 64).  ``decode="asm"``
+(every other format, and above T 768): PTX on
 four codes at a time (``prmt`` into bf16x2 pairs, shift/mask into bf16 bit patterns, exact
 ``mul.rn.bf16x2`` by a power of two and by the group scale), about three instructions per
 weight, 1280 instructions for the kernel; ``"f16"``: and/shift/or into an fp16 pattern, fp16 ->
@@ -402,6 +421,58 @@ def _mx_groups_step(
     return acc
 
 
+@triton.jit
+def _row_stream(
+    x_rows,
+    xm,
+    k_lo,
+    k_len,
+    w_base,
+    s_base,
+    n,
+    nm,
+    KDIM,
+    active,
+    FMT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_F32: tl.constexpr,
+    DECODE: tl.constexpr,
+    SWAP: tl.constexpr,
+    FP4_JOIN: tl.constexpr,
+    TILED: tl.constexpr,
+    ONE_LOAD: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """One stream of expert rows n over K columns k_lo .. k_lo + k_len of x_rows, in K steps:
+    the fp32 product (BLOCK_N, BLOCK_M) with SWAP, else (BLOCK_M, BLOCK_N); zeros for an
+    inactive M block (it streams no weights).  The down GEMM, and the gate/up GEMM on the tiles
+    layout (gate and up rows interleaved in n)."""
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if active and FMT == 2 and DECODE >= 3:
+        # the next step's scale words load while this step computes (one step ahead)
+        wd = _mx_scale_words(s_base, n, nm, KDIM, k_lo, TILED)
+        k_last = k_lo + k_len - BLOCK_K
+        for kk in range(0, k_len, BLOCK_K):
+            k0 = k_lo + kk
+            wd_next = _mx_scale_words(s_base, n, nm, KDIM, tl.minimum(k0 + BLOCK_K, k_last), TILED)
+            acc += _mx_groups_step(
+                x_rows, xm, k0, w_base, wd, n, nm, KDIM, BLOCK_N, SWAP, ONE_LOAD, TILED, INTERP
+            )
+            wd = wd_next
+    elif active:
+        for kk in range(0, k_len, BLOCK_K):
+            acc += _k_step(
+                x_rows, xm, k_lo + kk, w_base, s_base, n, nm, KDIM,
+                FMT, BLOCK_N, BLOCK_K, USE_F32, DECODE, SWAP, FP4_JOIN, TILED, INTERP,
+            )  # fmt: skip
+    return acc
+
+
 # ----------------------------------------------------------------------------- tiles
 @triton.jit
 def _tile_ids(NUM_M, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -535,35 +606,20 @@ def moe_gate_up_kernel(
     k_lo = 0
     if SPLIT_K > 1:
         k_lo = tl.multiple_of(pid_s * (D // SPLIT_K), BLOCK_K)
-    k_last = k_lo + D // SPLIT_K - BLOCK_K
     if TILED:
         nm = n < 2 * I
-        if SWAP:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if active and MX:
-            # the next step's scale words load while this step computes (one step ahead)
-            wd = _mx_scale_words(s_base, n, nm, D, k_lo, TILED)
-            for kk in range(0, D // SPLIT_K, BLOCK_K):
-                k0 = k_lo + kk
-                wd_next = _mx_scale_words(s_base, n, nm, D, tl.minimum(k0 + BLOCK_K, k_last), TILED)
-                acc += _mx_groups_step(
-                    x_rows, xm, k0, w_base, wd, n, nm, D, BLOCK_N, SWAP, ONE_LOAD, TILED, INTERP
-                )
-                wd = wd_next
-        elif active:
-            for kk in range(0, D // SPLIT_K, BLOCK_K):
-                acc += _k_step(
-                    x_rows, xm, k_lo + kk, w_base, s_base, n, nm, D,
-                    FMT, BLOCK_N, BLOCK_K, USE_F32, DECODE, SWAP, FP4_JOIN, TILED, INTERP,
-                )  # fmt: skip
+        acc = _row_stream(
+            x_rows, xm, k_lo, D // SPLIT_K, w_base, s_base, n, nm, D, active,
+            FMT, BLOCK_M, BLOCK_N, BLOCK_K, USE_F32, DECODE, SWAP, FP4_JOIN, TILED, ONE_LOAD,
+            INTERP,
+        )  # fmt: skip
         if SWAP:
             acc = tl.trans(acc)
         acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
         c = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     else:
         nm = n < I
+        k_last = k_lo + D // SPLIT_K - BLOCK_K
         if SWAP:
             acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -686,7 +742,6 @@ def moe_down_kernel(
     USE_F32: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    MX: tl.constexpr = FMT == 2 and DECODE >= 3
     # the tiles layout loads whole steps: per-group 16-byte pieces of its 64-byte rows compile
     # to plain loads (no cp.async pipelining) in Triton 3.6, so "mxdot" runs as "mxstep" there
     ONE_LOAD: tl.constexpr = DECODE == 4 or TILED
@@ -702,29 +757,13 @@ def moe_down_kernel(
     xm = ok[:, None]
     w_base = w_ptr + e * W_STRIDE_E
     s_base = s_ptr + e * S_STRIDE_E
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = 0
     if SPLIT_K > 1:
         k_lo = tl.multiple_of(pid_s * (I // SPLIT_K), BLOCK_K)
-    if active and MX:
-        wd = _mx_scale_words(s_base, n, nm, I, k_lo, TILED)
-        k_last = k_lo + I // SPLIT_K - BLOCK_K
-        for kk in range(0, I // SPLIT_K, BLOCK_K):
-            k0 = k_lo + kk
-            wd_next = _mx_scale_words(s_base, n, nm, I, tl.minimum(k0 + BLOCK_K, k_last), TILED)
-            acc += _mx_groups_step(
-                h_rows, xm, k0, w_base, wd, n, nm, I, BLOCK_N, SWAP, ONE_LOAD, TILED, INTERP
-            )
-            wd = wd_next
-    elif active:
-        for kk in range(0, I // SPLIT_K, BLOCK_K):
-            acc += _k_step(
-                h_rows, xm, k_lo + kk, w_base, s_base, n, nm, I,
-                FMT, BLOCK_N, BLOCK_K, USE_F32, DECODE, SWAP, FP4_JOIN, TILED, INTERP,
-            )  # fmt: skip
+    acc = _row_stream(
+        h_rows, xm, k_lo, I // SPLIT_K, w_base, s_base, n, nm, I, active,
+        FMT, BLOCK_M, BLOCK_N, BLOCK_K, USE_F32, DECODE, SWAP, FP4_JOIN, TILED, ONE_LOAD, INTERP,
+    )  # fmt: skip
     if SWAP:
         acc = tl.trans(acc)
     mask = xm & nm[None, :]
