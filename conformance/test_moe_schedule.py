@@ -21,7 +21,8 @@ from dsv4mtp import formats
 from dsv4mtp.conformance.differential import compare, to_float64
 from dsv4mtp.conformance.inputs import moe_inputs
 from dsv4mtp.conformance.registry import Case, pairs_for
-from dsv4mtp.errors import ConfigError
+from dsv4mtp.errors import ConfigError, InputError
+from dsv4mtp.params import MoEParams, PackedExperts
 
 pytest.importorskip("triton")
 
@@ -265,7 +266,8 @@ def test_tiles_layout_matches_rows_layout(T: int, device: str) -> None:
     pack's default schedule and under shared non-default ones (split K, unswapped 16-row blocks,
     the PTX decode, 64-wide K steps): within the pairs' tolerance of the float64 reference, and
     bitwise equal to the rows pack wherever the schedule is the same (the interpreter's fp32
-    dots; on the GPU the tensor-core tile of the interleaved gate/up rows may differ)."""
+    dots; the GPU's tensor-core order is not assumed here, though the H200 sweep found the two
+    layouts' defaults bitwise equal too: bench/results/moe-h200.md, "The tiles layout")."""
     (x, params, cfg), kw = moe_inputs(
         "moe", T, 31, shape=_shape(device), fmt="mxfp4", device=device, magnitude=8.0
     )
@@ -295,11 +297,25 @@ def test_tiles_layout_matches_rows_layout(T: int, device: str) -> None:
             assert torch.equal(got, moe(x, rows, cfg, **kw, schedule=s)), s
 
 
+def _private_experts(params: MoEParams) -> MoEParams:
+    """``params`` with its own copy of the routed experts' tensors (the builder's params are
+    cached and shared between tests: an in-place repack must not reach them)."""
+    ex = params.experts.packed
+    mine = {
+        name: getattr(ex, name).clone()
+        for name in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
+    }
+    return replace(params, experts=PackedExperts(replace(ex, **mine)))
+
+
 def test_tiles_repack_copies_unless_told_to_reuse(device: str) -> None:
     """By default the tiles are a copy and the params' expert tensors keep the checkpoint's
     rows; ``reuse_expert_memory=True`` reorders those tensors in place (the pack holds the
     same storage, no second copy) and gives the same pack bit for bit."""
-    (x, params, cfg), kw = moe_inputs("moe", 4, 2, shape=_shape(device), fmt="mxfp4", device=device)
+    (x, shared_params, cfg), kw = moe_inputs(
+        "moe", 4, 2, shape=_shape(device), fmt="mxfp4", device=device
+    )
+    params = _private_experts(shared_params)
     ex = params.experts.packed
     before = [t.clone() for t in (ex.w13_weight, ex.w13_weight_scale, ex.w2_weight)]
     copied = pack_moe(params, device)
@@ -312,12 +328,30 @@ def test_tiles_repack_copies_unless_told_to_reuse(device: str) -> None:
     for name in ("w13", "s13", "w2", "s2"):
         assert torch.equal(getattr(reused, name), getattr(copied, name)), name
     assert torch.equal(moe(x, reused, cfg, **kw), want)
+    shared_ex = shared_params.experts.packed  # the cached params kept their rows
+    assert torch.equal(shared_ex.w13_weight, before[0]) and torch.equal(
+        shared_ex.w13_weight_scale, before[1]
+    )
+
+
+def test_tiles_in_place_over_several_chunks() -> None:
+    """The in-place reorder works a chunk of experts at a time: with more experts than one
+    chunk (and a last, partial one) it gives the copy's bytes."""
+    g = torch.Generator().manual_seed(1)
+    E, N, K = 37, 256, 256  # chunks of 16: 16, 16, 5
+    codes = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=g)
+    scales = torch.randint(0, 255, (E, N, K // 32), dtype=torch.uint8, generator=g)
+    want = mx_tiles(codes, scales, interleaved=True)
+    c, s = codes.clone(), scales.clone()
+    got = mx_tiles(c, s, interleaved=True, in_place=True)
+    assert got[0].data_ptr() == c.data_ptr() and got[1].data_ptr() == s.data_ptr()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(InputError, match="contiguous"):
+        mx_tiles(codes.transpose(1, 2), scales, interleaved=False)
 
 
 def test_tiles_layout_validation(device: str) -> None:
     """An unknown layout, and K steps wider than a tile block, are refused by name."""
-    from dsv4mtp.errors import InputError
-
     (x, params, cfg), kw = moe_inputs("moe", 2, 1, shape=_shape(device), fmt="mxfp4", device=device)
     with pytest.raises(InputError, match="mxfp4_layout"):
         pack_moe(params, device, mxfp4_layout="columns")

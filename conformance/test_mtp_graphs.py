@@ -283,3 +283,30 @@ def test_graph_draft_under_the_official_preset(loaded_fp8, device, capture) -> N
     got_ids, got = opt.draft(ids, pos, prev, **kw)
     assert torch.equal(got_ids, want_ids)
     assert torch.equal(got, want)
+
+
+def test_consume_repacks_the_experts_in_place_to_the_same_packs(tmp_path, device) -> None:
+    """``from_loaded(consume=True)`` (what ``from_checkpoint`` does with the checkpoint it
+    loads) reorders the routed MXFP4 experts into ``pack_moe``'s tiles in the memory they are
+    already in on the layer's device (on the CPU: the checkpoint's own tensors) instead of
+    copying them again; the packs are those of a copying load, bit for bit."""
+    path = make_synthetic_checkpoint(tmp_path / "mx", CFG, expert_format="mxfp4")
+    kw = dict(dtype=BF16, device=device, max_num_tokens=32, max_batch=8)
+    copied = OptLayer.from_loaded(load_mtp_checkpoint(path), **kw)
+    ck = load_mtp_checkpoint(path)
+    consumed = OptLayer.from_loaded(ck, consume=True, **kw)
+    loaded_again = OptLayer.from_checkpoint(path, **kw)
+    for a, b, c in zip(copied.layers, consumed.layers, loaded_again.layers, strict=True):
+        assert a.ffn.layout == b.ffn.layout == c.ffn.layout == "tiles"
+        for name in ("w13", "s13", "w2", "s2"):
+            want = getattr(a.ffn, name)
+            assert torch.equal(getattr(b.ffn, name), want), name
+            assert torch.equal(getattr(c.ffn, name), want), name
+    if device == "cpu":  # the checkpoint is on the layer's device: its tensors became the pack
+        w13 = ck.layers[0].experts.w13_weight
+        assert (
+            w13.untyped_storage().data_ptr()
+            == consumed.layers[0].ffn.w13.untyped_storage().data_ptr()
+        )
+    with pytest.raises(InputError, match="consume"):
+        OptLayer.from_loaded(load_mtp_checkpoint(path), consume=1, **kw)  # type: ignore[arg-type]

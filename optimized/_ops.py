@@ -680,7 +680,9 @@ def _shared_expert(
     """The shared expert on every token (the same kernels, one expert): (T, D) in x.dtype, or
     with a K-split down its fp32 partials (split, T, D) for the reduce kernel."""
     T, D = x.shape
-    code, _ = _fmt(fmt)  # the shared expert is FP8 or bf16: always rows
+    code, tiled = _fmt(fmt)
+    if tiled:  # the shared expert is FP8 or bf16 (optimized/moe.py packs it in rows)
+        raise InputError(f"shared_fmt: expected rows (bf16 or fp8), got {fmt!r}")
     inter = w13.shape[1] // 2
     bm = sched.shared_block_m
     nb = -(-T // bm)
@@ -807,11 +809,11 @@ def _moe_out(
         rows = _shared_expert(*shared_args)
         shared: Callable[[], torch.Tensor | None] = lambda: rows  # noqa: E731
     else:
-        # The shared expert on a side stream, beside the router, the sort and the routed
-        # GEMMs: at decode sizes neither fills the H200 (the routed GEMMs stream their experts
-        # at about half the copy bandwidth), so the shared expert's 25 MB (FP8) overlap them
-        # instead of following them.  The reduce waits for it.  Captured into a CUDA graph
-        # the fork and join become the graph's edges; the values are the same either way.
+        # The shared expert on a side stream, beside the sort and the routed GEMMs (it forks
+        # after the router): at decode sizes neither fills the H200 (the routed GEMMs stream
+        # their experts at about half the copy bandwidth), so the shared expert's 25 MB (FP8)
+        # overlap them instead of following them.  The reduce waits for it.  Captured into a
+        # CUDA graph the fork and join become the graph's edges; the values are the same.
         cur = torch.cuda.current_stream(x.device)
         side.wait_stream(cur)
         with torch.cuda.stream(side):

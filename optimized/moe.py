@@ -127,6 +127,13 @@ class MoEPack:
     max_tokens: int
     layout: str = "rows"
 
+    def __post_init__(self) -> None:
+        if self.layout not in ("rows", "tiles") or (self.layout == "tiles" and self.fmt != "mxfp4"):
+            raise InputError(
+                f"layout: expected 'rows', or 'tiles' for MXFP4 experts, got {self.layout!r} "
+                f"for {self.fmt!r}"
+            )
+
     @property
     def kernel_fmt(self) -> str:
         """The routed format as the operators take it: ``fmt``, or "mxfp4_tiles" for tiles."""
@@ -205,6 +212,23 @@ def _chunked(
     return out
 
 
+def _check_mx(codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """(E, N, K/2) and (E, N, K/32) contiguous uint8 with N and K multiples of 128."""
+    for name, t in (("codes", codes), ("scales", scales)):
+        check_instance(name, t, torch.Tensor)
+        check_ndim(name, t, 3)
+        if t.dtype != torch.uint8 or not t.is_contiguous():
+            raise InputError(
+                f"{name}: expected contiguous uint8, got {t.dtype} {tuple(t.stride())}"
+            )
+    E, N, Kh = codes.shape
+    if N % _TILE_ROWS or Kh % _TILE_BYTES:
+        raise InputError(
+            f"codes: expected N and K multiples of 128, got (E, N, K/2) {tuple(codes.shape)}"
+        )
+    check_shape("scales", scales, (E, N, Kh // 16))
+
+
 def mx_tiles(
     codes: torch.Tensor, scales: torch.Tensor, *, interleaved: bool, in_place: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,7 +236,8 @@ def mx_tiles(
     ``"tiles"`` layout (same shapes): new tensors, or with ``in_place`` the inputs themselves
     reordered (contiguous inputs; one chunk of experts is copied at a time, so no second copy
     of the experts is ever held).  ``interleaved``: w13's [gate ; up] rows interleaved first.
-    N and K must be multiples of 128 (``pack_moe`` checks)."""
+    N and K must be multiples of 128."""
+    _check_mx(codes, scales)
     return (
         _chunked(codes, lambda t: _tile_one(t, _TILE_BYTES, interleaved), in_place),
         _chunked(scales, lambda t: _tile_one(t, 4, interleaved), in_place),
@@ -222,7 +247,8 @@ def mx_tiles(
 def mx_rows(
     codes: torch.Tensor, scales: torch.Tensor, *, interleaved: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of :func:`mx_tiles`: the checkpoint's rows back."""
+    """The inverse of :func:`mx_tiles`: the checkpoint's rows back (new tensors)."""
+    _check_mx(codes, scales)
     return (
         _chunked(codes, lambda t: _untile_one(t, _TILE_BYTES, interleaved)),
         _chunked(scales, lambda t: _untile_one(t, 4, interleaved)),
@@ -368,6 +394,7 @@ def pack_moe(
     them, as ``MTPLayer.from_checkpoint`` does with the checkpoint it loaded).
     """
     check_instance("params", params, MoEParams)
+    check_instance("reuse_expert_memory", reuse_expert_memory, bool)
     if mxfp4_layout not in ("rows", "tiles"):
         raise InputError(f"mxfp4_layout: expected 'rows' or 'tiles', got {mxfp4_layout!r}")
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -409,7 +436,6 @@ def pack_moe(
     if gate.dtype != torch.bfloat16 and torch.equal(gate.to(torch.bfloat16).to(gate.dtype), gate):
         gate = gate.to(torch.bfloat16)  # exact: half the router's bytes
     sfmt, sw13, ss13, sw2, ss2 = _pack_shared(params, device)
-    check_instance("reuse_expert_memory", reuse_expert_memory, bool)
     layout = "tiles" if fmt == "mxfp4" and mxfp4_layout == "tiles" else "rows"
     if layout == "tiles":
         assert isinstance(src, RoutedExperts)

@@ -235,10 +235,12 @@ class MTPLayer(MTPLayerAPI):
         attention from the checkpoint's stored weights (FP8 codes and block scales), the routed
         experts in their stored format (MXFP4 in :func:`pack_moe`'s tiles), the shared expert's
         FP8 codes.  (The dense copies :func:`build_layer_params` makes on the way are dropped
-        once packed.)  ``consume=True``: the checkpoint is not used again, so its MXFP4 expert
-        tensors are reordered into the tiles in place instead of copied (no second copy of the
-        experts on the device while packing; :meth:`from_checkpoint` does this with the
-        checkpoint it loaded)."""
+        once packed.)  ``consume=True``: the checkpoint is not used again, so the routed experts'
+        MXFP4 tensors on the layer's device (the device copies :func:`build_layer_params`
+        makes, or the checkpoint's own where it is already on that device) are reordered into
+        the tiles in place instead of copied again: no second copy of the experts on the
+        device while packing.  :meth:`from_checkpoint` does this with the checkpoint it
+        loaded."""
         dev, semantics = check_loaded(checkpoint, preset, dtype, device, switches, _DTYPES)
         check_instance("consume", consume, bool)
         cache: dict[tuple[int, torch.dtype], torch.Tensor] = {}

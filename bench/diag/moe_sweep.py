@@ -121,14 +121,17 @@ def mxdot_candidates(T: int, dry: bool) -> list[tuple[str, MoESchedule]]:
 
 def layout_candidates(T: int, layout: str, dry: bool) -> list[tuple[str, MoESchedule]]:
     """MXFP4 experts in each ``pack_moe`` layout (``--layouts``): its default first, then the
-    default with the shared expert in order on the one stream (``shared_stream=False``).  Rows: the
-    per-group loads (``"mxdot"``) and the whole-step load (``"mxstep"``, the same bits).
-    Tiles (gate and up rows interleaved, so ``block_n`` counts both): 128- and 256-row
-    gate/up tiles, 4 or 8 warps, 3 or 4 stages, and for the down GEMM 64- and 256-row
-    tiles."""
+    default with the shared expert in order on the one stream (``shared_stream`` flipped; the
+    default takes the side stream up to T 64).  Rows: the per-group loads (``"mxdot"``) and
+    the whole-step load (``"mxstep"``, the same bits).  Tiles (gate and up rows interleaved, so
+    ``block_n`` counts both): the other gate/up tile (256 or 64 rows), 4 or 5 stages, 2 stages,
+    8 warps, 64- and 256-row down tiles; above T 64 swapped 8- and 16-row blocks, 32-row
+    blocks, 64-row gate/up tiles; up to T 64 64-row tiles at 2 warps, a doubled K split and
+    16-row blocks.  ``--names`` keeps only the named ones."""
     fmt = "mxfp4_tiles" if layout == "tiles" else "mxfp4"
     d = moe_config(T, batch_invariant=False, fmt=fmt)
-    out = [("default", d), ("shared_in_order", replace(d, shared_stream=False))]
+    flip = "shared_in_order" if d.shared_stream else "shared_side_stream"
+    out = [("default", d), (flip, replace(d, shared_stream=not d.shared_stream))]
     if dry:
         return out
     if layout == "rows":

@@ -24,13 +24,14 @@ from dataclasses import replace
 import torch
 
 from dsv4mtp.conformance.inputs import moe_inputs
-from dsv4mtp.optimized.moe import moe, moe_config
+from dsv4mtp.optimized.moe import moe, moe_config, pack_moe
 
 
-def schedules(T: int) -> list[tuple[str, object]]:
-    """The default (MXFP4 at decode sizes: the group-scaled dot on 8-row swapped blocks) and
-    the PTX decode on the 16-row, 64-column tiles it replaced."""
-    d = moe_config(T, batch_invariant=False)
+def schedules(T: int, fmt: str) -> list[tuple[str, object]]:
+    """The default of the pack's format (MXFP4 at decode sizes: the group-scaled dot on 8-row
+    swapped blocks, on the tiles layout by default) and the PTX decode on the 16-row,
+    64-column tiles it replaced."""
+    d = moe_config(T, batch_invariant=False, fmt=fmt)
     asm = replace(
         d, decode="asm", block_m=16,
         gate_up=replace(d.gate_up, block_n=64, swap_ab=False),
@@ -44,9 +45,10 @@ def main() -> None:
     p.add_argument("--tokens", default="1,64")
     a = p.parse_args()
     for T in (int(t) for t in a.tokens.split(",")):
-        args, kw = moe_inputs("moe", T, 7, shape="flash", fmt="mxfp4", device="cuda")
-        for name, s in schedules(T):
-            moe(*args, **kw, schedule=s)  # compiles (no kernel launch while compiling)
+        (x, params, cfg), kw = moe_inputs("moe", T, 7, shape="flash", fmt="mxfp4", device="cuda")
+        pack = pack_moe(params, "cuda")
+        for name, s in schedules(T, pack.kernel_fmt):
+            moe(x, pack, cfg, **kw, schedule=s)  # compiles (no kernel launch while compiling)
             torch.cuda.synchronize()
             print(f"T={T} {name}: gate/up then down kernels follow", flush=True)
 

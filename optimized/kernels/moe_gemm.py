@@ -42,7 +42,8 @@ each 128-wide K block (fp32 scales are not exact in bf16).  FP4 codes are not in
 registers: the dot runs as ``x[:, 0::2] @ lo^T + x[:, 1::2] @ hi^T``.
 
 Kernels.  ``moe_gate_up_kernel``: grid (M blocks, cdiv(I, BLOCK_N)); one program computes
-BLOCK_N gate and the same BLOCK_N up columns for the BLOCK_M rows of one expert (rows from the
+BLOCK_N gate and the same BLOCK_N up columns (tiles layout: grid (M blocks, cdiv(2I, BLOCK_N)),
+BLOCK_N interleaved rows, BLOCK_N / 2 columns) for the BLOCK_M rows of one expert (rows from the
 align kernel, or tokens 0..T-1 for the shared expert), applies the global scales, rounds g and u
 to the activation dtype (as the reference's linear does), clamps (up both sides, gate from
 above), ``h = silu(g) * u * routing weight`` in fp32 and stores h rounded to the activation
@@ -61,7 +62,9 @@ weight tiles (gate/up (NB, I/128 = 16), down (NB, D/128 = 32)), above 64-column 
 64); active blocks = experts with a row (about 6 / 44 / 163 at T 1 / 8 / 64, a second block
 for the few with more than 8 rows; at T 512 each of ~254 experts holds ~12 rows, one or two
 16-row blocks), 2-3 per expert at T 4096 (~96 rows each, BLOCK_M 64); at T <= 2 the default
-splits K four ways, at T <= 8 two ways (a third grid axis):
+splits K four ways, at T <= 8 two ways (a third grid axis).  The table is the rows layout's;
+in the default tiles layout the gate/up grid has 2I/128 = 32 N tiles of 128 interleaved rows
+(twice the programs, each with half the bytes) at every T:
 
 ======  ========  ====  ===================  ===================  ================
 T       BLOCK_M   NB    gate/up programs     down programs        shared (g/u, dn)
@@ -73,8 +76,8 @@ T       BLOCK_M   NB    gate/up programs     down programs        shared (g/u, d
 4096    64        640   20480                40960                2048, 4096
 ======  ========  ====  ===================  ===================  ================
 
-A gate/up program streams BLOCK_N gate and BLOCK_N up rows over all of D (over D / split_k with
-a split): at 64 rows MXFP4 2*64*(2048 B codes + 128 B scales) = 272 KB, FP8 2*64*4096 B =
+A gate/up program on rows streams BLOCK_N gate and BLOCK_N up rows over all of D (over D /
+split_k with a split; on tiles BLOCK_N rows in all): at 64 rows MXFP4 2*64*(2048 B codes + 128 B scales) = 272 KB, FP8 2*64*4096 B =
 512 KB (+ 4 KB scales); a down program BLOCK_N rows over I: MXFP4 68 KB, FP8 128 KB (twice
 each at 128 rows).  Each K step (BLOCK_K = 128) re-loads the block's x rows
 (gathered, from L2): the x traffic is NB * (I/BLOCK_N) * 2 * BLOCK_M * D * 2 B for gate/up,
@@ -95,7 +98,7 @@ the same operands (so the same bits), the step's (BLOCK_N, 64) code bytes loaded
 split into the four groups in registers; on the tiles layout the whole moe took 105.4 / 321.9
 / 1059.1 / 2609.3 us at T 1 / 8 / 64 / 512 against the rows layout's 112.5 / 379.9 / 1323.0 /
 2973.4 us with ``"mxdot"`` (moe-h200.md, "The tiles layout"; on the rows layout ``"mxstep"``
-itself was within 5 % of ``"mxdot"``, its registers 252 against 157 at T 64).  ``decode="asm"``
+itself was within 6 % of ``"mxdot"``, its registers 252 against 157 at T 64).  ``decode="asm"``
 (every other format, and above T 768): PTX on
 four codes at a time (``prmt`` into bf16x2 pairs, shift/mask into bf16 bit patterns, exact
 ``mul.rn.bf16x2`` by a power of two and by the group scale), about three instructions per
@@ -122,6 +125,8 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+
+from dsv4mtp.errors import ConfigError
 
 from ._launch import INTERPRET, rne_bf16_if_interpreted, triton_launch
 from .decode import (
@@ -911,7 +916,7 @@ def _tile_meta(tile: GemmTile, decode: str, fp4_join: bool, tiled: bool) -> dict
 def _check_tiled(tiled: bool, fmt: int, tile: GemmTile) -> None:
     """The ``"tiles"`` layout holds MXFP4 codes in 128-column K blocks: a K step stays in one."""
     if tiled and (fmt != FMT_MXFP4 or tile.block_k > 128):
-        raise ValueError(
+        raise ConfigError(
             f"the tiles layout takes MXFP4 codes and block_k <= 128, got format {fmt} and "
             f"block_k {tile.block_k}"
         )

@@ -27,12 +27,14 @@ What each knob changes (optimized/kernels/moe_gemm.py, module doc, "Schedule"):
   schedule fall back to ``"asm"``): one ``tl.dot_scaled`` per 32-column scale group on the
   unscaled e2m1 values, the e8m0 scale applied to the fp32 partial (kernels/moe_gemm.py,
   ``_mx_groups_step``); not value-preserving against the others (the fp32 sums are grouped).
+  ``"mxstep"``: the same dots with a K step's codes in one load (the same bits as
+  ``"mxdot"``; what the tiles layout always runs).
 * ``fp4_join``: FP4 only.  False: the low and high nibbles feed two dots of half the K step
   against x's even and odd columns (strided loads of x); True: the decoded halves are
   interleaved back in registers (``tl.join``) and one dot reads x contiguously.
 * ``shared_stream`` (``moe`` only): the shared expert runs on a side CUDA stream beside the
-  router, the sort and the routed GEMMs, joined before the reduce (False: first, in order);
-  no value changes either way.  Ignored on the CPU.
+  sort and the routed GEMMs (forked after the router), joined before the reduce (False:
+  first, in order); no value changes either way.  Ignored on the CPU.
 * ``align_chunk``: the sort's slot chunk (optimized/kernels/moe_align.py): S = T*K slots up to
   min(``align_chunk``, 128) are sorted by one program, more by ``cdiv(S, align_chunk)``
   programs of that many slots (a chunk x chunk rank compare each, hence <= 256);
@@ -250,8 +252,9 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
 
     The sort runs in one program up to 128 slots (T 21 at top-6), in 128-slot chunks above,
     8 warps.  Under the interpreter, for every T, the T <= 64 structure of the format at the
-    tiny shape (MXFP4: mxdot routed GEMMs on 8-row swapped blocks), 64-column gate/up and
-    128-column down tiles, one stage, 64-slot sort chunks (small shapes, fewer programs).
+    tiny shape (MXFP4: mxdot routed GEMMs on 8-row swapped blocks, mxstep with 128-row gate/up
+    tiles for the tiles layout), 64-column gate/up and 128-column down tiles, one stage, 64-slot
+    sort chunks (small shapes, fewer programs).
     """
     mx = fmt in ("mxfp4", "mxfp4_tiles")
     if INTERPRET:
