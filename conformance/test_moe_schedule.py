@@ -400,15 +400,22 @@ def test_mxdot_falls_back_where_it_does_not_apply() -> None:
     view at an odd offset) takes ``"asm"`` rather than failing or reading misaligned words."""
     s = torch.zeros(2, 64, 8, dtype=torch.uint8)
     bf = torch.bfloat16
-    assert _decode_for("mxdot", FMT_MXFP4, bf, s, 128) == "mxdot"
-    assert _decode_for("mxdot", FMT_FP8, bf, s, 128) == "asm"
-    assert _decode_for("mxdot", FMT_MXFP4, torch.float32, s, 128) == "asm"
-    assert _decode_for("mxdot", FMT_MXFP4, bf, s, 64) == "asm"
+    assert _decode_for("mxdot", FMT_MXFP4, bf, s, 128, False) == "mxdot"
+    assert _decode_for("mxdot", FMT_FP8, bf, s, 128, False) == "asm"
+    assert _decode_for("mxdot", FMT_MXFP4, torch.float32, s, 128, False) == "asm"
+    assert _decode_for("mxdot", FMT_MXFP4, bf, s, 64, False) == "asm"
     odd = torch.zeros(2 * 64 * 8 + 1, dtype=torch.uint8)[1:].view(2, 64, 8)
-    assert _decode_for("mxdot", FMT_MXFP4, bf, odd, 128) == "asm"
-    assert _decode_for("mxstep", FMT_MXFP4, bf, s, 128) == "mxstep"
-    assert _decode_for("mxstep", FMT_FP8, bf, s, 128) == "asm"
-    assert _decode_for("bits", FMT_MXFP4, bf, s, 128) == "bits"
+    assert _decode_for("mxdot", FMT_MXFP4, bf, odd, 128, False) == "asm"
+    assert _decode_for("mxstep", FMT_MXFP4, bf, s, 128, True) == "mxstep"
+    assert _decode_for("mxstep", FMT_FP8, bf, s, 128, False) == "asm"
+    assert _decode_for("bits", FMT_MXFP4, bf, s, 128, False) == "bits"
+    # "gluon": compiled launches on the tiles layout only (no interpreter), else "mxstep" and
+    # its own fallbacks (the FP8 shared expert of a gluon schedule takes "asm")
+    assert _decode_for("gluon", FMT_MXFP4, bf, s, 128, True) == ("mxstep" if INTERPRET else "gluon")
+    assert _decode_for("gluon", FMT_MXFP4, bf, s, 128, False) == "mxstep"
+    assert _decode_for("gluon", FMT_FP8, bf, s, 128, False) == "asm"
+    assert _decode_for("gluon", FMT_MXFP4, torch.float32, s, 128, True) == "asm"
+    assert _decode_for("gluon", FMT_MXFP4, bf, odd, 128, True) == "asm"
 
 
 @pytest.mark.gpu
@@ -424,9 +431,76 @@ def test_mxdot_defaults_at_v4_flash_shapes(T: int, layout: str) -> None:
     (x, params, cfg), kw = moe_inputs("moe", T, 7, shape="flash", fmt="mxfp4", device="cuda")
     pack = pack_moe(params, "cuda", mxfp4_layout=layout)
     s = moe_config(T, batch_invariant=False, fmt=pack.kernel_fmt)
-    group_scaled = "mxstep" if layout == "tiles" else "mxdot"
+    group_scaled = "mxdot" if layout == "rows" else ("gluon" if T <= 512 else "mxstep")
     assert s.decode == (group_scaled if T <= 768 else "asm")
     _check("moe", moe(x, pack, cfg, **kw, schedule=s), (x, params, cfg), kw)
+
+
+@pytest.mark.gpu
+def test_gluon_values_are_exact_for_every_code_and_scale() -> None:
+    """``decode="gluon"`` (kernels/moe_gemm_gluon.py) through the down GEMM with one-hot rows,
+    every code byte and scale byte 0..250 as in the tests above: each unscaled fp32 partial is
+    one weight times its e8m0 group scale, exact (the group's MMA sums one non-zero product;
+    the scale multiplies in fp32, byte 0 as 2**-127).  Also two K splits (the partials of the
+    other split are zero) and 64-row programs."""
+    N, K = 256, 256
+    codes = (torch.arange(N * K // 2) % 256).to(torch.uint8).reshape(1, N, K // 2)
+    scales = (torch.arange(N * K // 32) % 251).to(torch.uint8).reshape(1, N, K // 32)
+    c = codes[0]
+    lo = formats.decode_e2m1(c & 15, dtype=torch.float64)
+    hi = formats.decode_e2m1(c >> 4, dtype=torch.float64)
+    w = torch.stack([lo, hi], -1).reshape(N, K)
+    w = w * formats.decode_e8m0(scales[0], dtype=torch.float64).repeat_interleave(32, dim=1)
+    tc, ts = (t.cuda() for t in mx_tiles(codes, scales, interleaved=False))
+    h = torch.eye(K, dtype=torch.bfloat16, device="cuda")
+    # slot of row r: the reverse order, so the partial rows are scattered as the kernel must
+    sorted_slot = torch.arange(K - 1, -1, -1, dtype=torch.int32, device="cuda")
+    block_expert = torch.zeros(K // 8, dtype=torch.int32, device="cuda")
+    ones = torch.ones(1, 3, device="cuda")
+    for tile in (GemmTile(128, 128, swap_ab=True), GemmTile(64, 128, split_k=2)):
+        y = moe_down_triton(
+            h, tc, ts, ones, sorted_slot, block_expert, fmt=FMT_MXFP4, T=K, D=N, inter=K,
+            rows_out=K, num_m_blocks=K // 8, block_m=8, tile=tile, decode="gluon", tiled=True,
+        )  # fmt: skip
+        assert y.dtype == torch.float32 and y.shape == (tile.split_k, K, N)
+        got = y.double().sum(0).flip(0).T.cpu()  # (N, K): weight (n, k) at row slot K-1-k
+        assert torch.equal(got, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64, 200])
+def test_gluon_gemms_at_v4_flash_shapes(T: int) -> None:
+    """The Gluon routed GEMMs at V4-Flash experts (D 4096, I 2048, E 256, top-6), MXFP4
+    tiles: within the moe tolerance of the float64 reference under the default (two K splits
+    at T <= 8) and with another split and 64- / 256-row programs; each row's bits the same in
+    a batch of one (batch invariant for a fixed schedule); a CUDA-graph replay equal to the
+    eager call."""
+    (x, params, cfg), kw = moe_inputs("moe", T, 11, shape="flash", fmt="mxfp4", device="cuda")
+    pack = pack_moe(params, "cuda")
+    d = moe_config(T, batch_invariant=False, fmt=pack.kernel_fmt)
+    assert d.decode == "gluon"
+    split = d.gate_up.split_k
+    for s in (
+        d,
+        replace(d, gate_up=replace(d.gate_up, split_k=2 * split), down=replace(d.down, block_n=64)),
+        replace(d, gate_up=replace(d.gate_up, block_n=256), down=replace(d.down, block_n=256)),
+    ):
+        _check("moe", moe(x, pack, cfg, **kw, schedule=s), (x, params, cfg), kw)
+        # the router's batch-invariant schedule, so that only the experts' could differ
+        full = moe(x, pack, cfg, **kw, schedule=s, batch_invariant=True)
+        one = moe(x[-1:].clone(), pack, cfg, **kw, schedule=s, batch_invariant=True)
+        assert torch.equal(full[-1:], one)
+    x_static = x.clone()
+    out = moe(x_static, pack, cfg, **kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe(x_static, pack, cfg, **kw)
+    x_static.copy_(x.flip(0))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, moe(x_static, pack, cfg, **kw))
+    assert not torch.equal(captured, out) or T == 1
 
 
 @pytest.mark.parametrize("T", [1, 2, 5, 8])

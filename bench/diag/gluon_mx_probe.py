@@ -193,6 +193,20 @@ def _word_layout(m_tiles, num_warps):
 
 
 @gluon.constexpr_function
+def _word16_layout(m_tiles, num_warps):
+    """(rows, 4 words, 4 groups) for ``tiles16``: a thread's four group words in registers
+    (one 16-byte load), otherwise :func:`_word_layout`."""
+    rows = 16 * m_tiles * num_warps
+    reg = [[0, 0, 1], [0, 0, 2], [8, 0, 0]]
+    reg += [[16 * num_warps << j, 0, 0] for j in range(m_tiles.bit_length() - 1)]
+    warp = [[16 << j, 0, 0] for j in range(num_warps.bit_length() - 1)]
+    lane = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+    return gl.DistributedLinearLayout(
+        reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[], shape=[rows, 4, 4]
+    )
+
+
+@gluon.constexpr_function
 def _x_layout(block_t, num_warps):
     """(16 bf16x2 words = 32 columns of a group, tokens): thread tig holds words 4 tig ..
     4 tig + 3 (one 16-byte load) of token lane // 4 (and + 8 for 16 tokens); every warp the
@@ -252,13 +266,28 @@ def _x_group(x_tile, BLOCK_T: gl.constexpr, X_PERM: gl.constexpr):
 
 
 @gluon.jit
-def _load_step(w_ptrs, s_ptrs, x_ptrs, step):
-    """Registers of one 128-column step: 4 code words and the scale word per row, x words."""
-    c0 = gl.load(w_ptrs + step * 16)
-    c1 = gl.load(w_ptrs + (step * 16 + 4))
-    c2 = gl.load(w_ptrs + (step * 16 + 8))
-    c3 = gl.load(w_ptrs + (step * 16 + 12))
-    sw = gl.load(s_ptrs + step)
+def _load_step(w_ptrs, s_ptrs, x_ptrs, step, W_STEP: gl.constexpr, S_STEP: gl.constexpr,
+               LAYOUT: gl.constexpr, WL: gl.constexpr):  # fmt: skip
+    """Registers of one 128-column step: 4 code words and the scale word per row, x words.
+    W_STEP / S_STEP: words between consecutive steps of one row (rows: 16 / 1; tiles: one
+    8 KiB code block = 2048 words / one 512-byte scale block = 128 words).  LAYOUT 2
+    (``tiles16``): a thread's four group words of a row are one 16-byte run (one load)."""
+    if LAYOUT == 2:
+        c = gl.load(w_ptrs + step * W_STEP)  # (rows, 4 words, 4 groups)
+        c = gl.reshape(c, [c.shape[0], 4, 2, 2])  # (rows, word, g // 2, g % 2)
+        ce, co = gl.split(c)
+        c0, c2 = gl.split(ce)
+        c1, c3 = gl.split(co)
+        c0 = gl.convert_layout(c0, WL)
+        c1 = gl.convert_layout(c1, WL)
+        c2 = gl.convert_layout(c2, WL)
+        c3 = gl.convert_layout(c3, WL)
+    else:
+        c0 = gl.load(w_ptrs + step * W_STEP)
+        c1 = gl.load(w_ptrs + (step * W_STEP + 4))
+        c2 = gl.load(w_ptrs + (step * W_STEP + 8))
+        c3 = gl.load(w_ptrs + (step * W_STEP + 12))
+    sw = gl.load(s_ptrs + step * S_STEP)
     x0 = gl.load(x_ptrs + step * 64)
     x1 = gl.load(x_ptrs + (step * 64 + 16))
     x2 = gl.load(x_ptrs + (step * 64 + 32))
@@ -335,6 +364,8 @@ def mx_gemm_kernel(
     CHAIN: gl.constexpr,
     X_PERM: gl.constexpr,
     NUM_WARPS: gl.constexpr,
+    LAYOUT: gl.constexpr = 0,
+    PREFETCH: gl.constexpr = 1,
 ):
     BLOCK_N: gl.constexpr = 16 * M_TILES * NUM_WARPS
     MMA: gl.constexpr = _mma_layout(NUM_WARPS)
@@ -353,14 +384,44 @@ def mx_gemm_kernel(
 
     rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WL))
     words = gl.arange(0, 4, layout=gl.SliceLayout(0, WL))
-    w_base = w_ptr + e * W_STRIDE_E + k_lo // 8
-    w_ptrs = w_base + gl.expand_dims(rows * (K // 8), 1) + gl.expand_dims(words, 0)
-    s_base = s_ptr + e * S_STRIDE_E + k_lo // 128
-    if FOLD:
-        s_ptrs = s_base + gl.expand_dims(rows * (K // 128), 1) + gl.expand_dims(words * 0, 0)
+    KS = K // 128
+    if LAYOUT == 0:
+        # checkpoint rows: word (n, k / 8)
+        W_STEP: gl.constexpr = 16
+        S_STEP: gl.constexpr = 1
+        w_base = w_ptr + e * W_STRIDE_E + k_lo // 8
+        w_ptrs = w_base + gl.expand_dims(rows * (K // 8), 1) + gl.expand_dims(words, 0)
+        s_base = s_ptr + e * S_STRIDE_E + k_lo // 128
+        s_row = rows * KS
+        s_srow = (pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=SL)) * KS
     else:
+        # tiles: ((n // 128) * KS + step) * 2048 + (n % 128) * 16 + 4 g + word
+        W_STEP: gl.constexpr = 2048
+        S_STEP: gl.constexpr = 128
+        w_base = w_ptr + e * W_STRIDE_E + (k_lo // 128) * 2048
+        wrow = (rows // 128) * (KS * 2048) + (rows % 128) * 16
+        if LAYOUT == 1:
+            w_ptrs = w_base + gl.expand_dims(wrow, 1) + gl.expand_dims(words, 0)
+        else:
+            # tiles16: ... + (n % 128) * 16 + 4 word + g
+            W3: gl.constexpr = _word16_layout(M_TILES, NUM_WARPS)
+            r3 = pid_n * BLOCK_N + gl.arange(
+                0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, W3))
+            )
+            w3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, W3)))
+            g3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, W3)))
+            off = gl.expand_dims((r3 // 128) * (KS * 2048) + (r3 % 128) * 16, 1) + gl.expand_dims(
+                w3 * 4, 0
+            )
+            w_ptrs = w_base + gl.expand_dims(off, 2) + gl.expand_dims(gl.expand_dims(g3, 0), 1)
+        s_base = s_ptr + e * S_STRIDE_E + (k_lo // 128) * 128
+        s_row = (rows // 128) * (KS * 128) + rows % 128
         srows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=SL)
-        s_ptrs = s_base + srows * (K // 128)
+        s_srow = (srows // 128) * (KS * 128) + srows % 128
+    if FOLD:
+        s_ptrs = s_base + gl.expand_dims(s_row, 1) + gl.expand_dims(words * 0, 0)
+    else:
+        s_ptrs = s_base + s_srow
     xc = gl.arange(0, 16, layout=gl.SliceLayout(1, XL))
     xt = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, XL))
     x_ptrs = x_ptr + k_lo // 2 + gl.expand_dims(xt * (K // 2), 0) + gl.expand_dims(xc, 1)
@@ -368,12 +429,27 @@ def mx_gemm_kernel(
     # one step of register prefetch: step i + 1 is loaded before step i is computed (a
     # two-buffer loop over two steps per iteration measured more instructions: ptxas then
     # re-loaded and copied more, not less)
-    buf = _load_step(w_ptrs, s_ptrs, x_ptrs, 0)
     acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=MMA)
-    for i in range(n_steps):
-        nxt = _load_step(w_ptrs, s_ptrs, x_ptrs, gl.minimum(i + 1, n_steps - 1))
-        acc = _compute_step(acc, buf, BLOCK_N, BLOCK_T, FOLD, CHAIN, X_PERM, MMA, AL, BL)
-        buf = nxt
+    if PREFETCH == 1:
+        buf = _load_step(w_ptrs, s_ptrs, x_ptrs, 0, W_STEP, S_STEP, LAYOUT, WL)
+        for i in range(n_steps):
+            nxt = _load_step(
+                w_ptrs, s_ptrs, x_ptrs, gl.minimum(i + 1, n_steps - 1), W_STEP, S_STEP, LAYOUT, WL
+            )
+            acc = _compute_step(acc, buf, BLOCK_N, BLOCK_T, FOLD, CHAIN, X_PERM, MMA, AL, BL)
+            buf = nxt
+    else:
+        # two steps of register prefetch
+        b0 = _load_step(w_ptrs, s_ptrs, x_ptrs, 0, W_STEP, S_STEP, LAYOUT, WL)
+        b1 = _load_step(w_ptrs, s_ptrs, x_ptrs, gl.minimum(1, n_steps - 1), W_STEP, S_STEP,
+                        LAYOUT, WL)  # fmt: skip
+        for i in range(n_steps):
+            nxt = _load_step(
+                w_ptrs, s_ptrs, x_ptrs, gl.minimum(i + 2, n_steps - 1), W_STEP, S_STEP, LAYOUT, WL
+            )
+            acc = _compute_step(acc, b0, BLOCK_N, BLOCK_T, FOLD, CHAIN, X_PERM, MMA, AL, BL)
+            b0 = b1
+            b1 = nxt
 
     yn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=SL)
     yt = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, MMA))
@@ -412,9 +488,12 @@ def mx_gemm(
     split_k: int = 1,
     m_tiles: int = 2,
     num_warps: int = 4,
+    layout: str = "rows",
+    prefetch: int = 1,
 ) -> torch.Tensor:
     """fp32 partials (E, split_k, T, N) of x @ decode(w, s)^T for each expert e: w (E, N, K/2)
-    uint8, s (E, N, K/32) uint8, ``xk`` = :func:`prepare_x` of x (T, K) bf16 (every expert)."""
+    uint8, s (E, N, K/32) uint8 in ``layout`` (:func:`to_layout` of the rows), ``xk`` =
+    :func:`prepare_x` of x (T, K) bf16 (every expert)."""
     E, N, KH = w.shape
     K = 2 * KH
     block_t = xk.shape[0]
@@ -428,9 +507,28 @@ def mx_gemm(
     mx_gemm_kernel[(N // block_n, split_k, E)](
         w32, s32, xk.view(torch.int32), y, T, N, K, w32.stride(0), s32.stride(0),
         BLOCK_T=block_t, M_TILES=m_tiles, SPLIT_K=split_k, FOLD=fold, CHAIN=chain,
-        X_PERM=x_perm, NUM_WARPS=num_warps, num_warps=num_warps,
+        X_PERM=x_perm, NUM_WARPS=num_warps, LAYOUT=LAYOUTS.index(layout), PREFETCH=prefetch,
+        num_warps=num_warps,
     )  # fmt: skip
     return y
+
+
+LAYOUTS = ("rows", "tiles", "tiles16")
+
+
+def to_layout(w: torch.Tensor, s: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint rows (E, N, K/2), (E, N, K/32) -> ``layout``: "tiles" is ``pack_moe``'s
+    (optimized/moe.py, ``mx_tiles``, not interleaved); "tiles16" also reorders each row's 64
+    bytes of a block from (group, word, byte) to (word, group, byte)."""
+    if layout == "rows":
+        return w, s
+    from dsv4mtp.optimized.moe import mx_tiles
+
+    wt, st = mx_tiles(w, s, interleaved=False)
+    if layout == "tiles16":
+        E = wt.shape[0]
+        wt = wt.reshape(E, -1, 4, 4, 4).transpose(2, 3).contiguous().reshape(w.shape)
+    return wt, st
 
 
 # ----------------------------------------------------------------------------- reference
@@ -556,6 +654,8 @@ def compile_gluon(
     m_tiles: int,
     num_warps: int,
     split_k: int = 1,
+    layout: int = 0,
+    prefetch: int = 1,
 ):
     sig = dict(
         w_ptr="*i32", s_ptr="*i32", x_ptr="*i32", y_ptr="*fp32", T="i32", N="i32", K="i32",
@@ -563,7 +663,7 @@ def compile_gluon(
     )  # fmt: skip
     consts = dict(
         BLOCK_T=block_t, M_TILES=m_tiles, SPLIT_K=split_k, FOLD=fold, CHAIN=chain,
-        X_PERM=x_perm, NUM_WARPS=num_warps,
+        X_PERM=x_perm, NUM_WARPS=num_warps, LAYOUT=layout, PREFETCH=prefetch,
     )  # fmt: skip
     names = mx_gemm_kernel.arg_names
     aligned = ("w_ptr", "s_ptr", "x_ptr", "y_ptr", "N", "K", "W_STRIDE_E", "S_STRIDE_E")
@@ -614,6 +714,16 @@ def compile_triton_mxdot(T: int):
 def sass_report(args: argparse.Namespace) -> None:
     print("sm_90 SASS, compiled offline (ptxas from the triton wheel); per weight = main-loop "
           "instructions / weights decoded per thread per loop iteration")  # fmt: skip
+    for layout in (1, 2):
+        for fold in (True, False):
+            for prefetch in (1, 2):
+                for block_t in (8, 16):
+                    k = compile_gluon(block_t, fold, fold, True, 2, args.warps, 1, layout, prefetch)
+                    name = (f"gluon {LAYOUTS[layout]} {'fold chain' if fold else 'f32'} "
+                            f"prefetch {prefetch} T<={block_t}")  # fmt: skip
+                    _report(name, k, 2 * 2 * 32)
+    if args.layouts_only:
+        return
     for fold, chain, x_perm in (
         (True, True, True), (True, False, True), (True, True, False), (False, False, True)
     ):  # fmt: skip
@@ -662,16 +772,21 @@ def check() -> bool:
         for T in (1, 5, 8, 16):
             x = x16[:T]
             refs = [reference(x, w[e], s[e]).cpu() for e in range(2)]
-            for fold, chain, x_perm, split, m_tiles in (
-                (True, True, True, 1, 2), (True, True, False, 2, 2), (False, False, True, 1, 2),
-                (False, False, False, 2, 1), (True, True, True, 4, 4), (True, False, True, 1, 2),
+            for fold, chain, x_perm, split, m_tiles, layout, pf in (
+                (True, True, True, 1, 2, "rows", 1), (True, True, False, 2, 2, "rows", 1),
+                (False, False, True, 1, 2, "rows", 1), (False, False, False, 2, 1, "rows", 1),
+                (True, True, True, 4, 4, "rows", 1), (True, False, True, 1, 2, "rows", 1),
+                (True, True, True, 1, 2, "tiles", 1), (False, False, True, 2, 2, "tiles", 2),
+                (True, True, True, 2, 2, "tiles16", 1), (False, False, True, 1, 2, "tiles16", 2),
+                (True, True, True, 4, 2, "tiles16", 2), (False, False, True, 4, 2, "tiles", 1),
             ):  # fmt: skip
-                if N % (64 * m_tiles) or K % (128 * split):
+                if N % (64 * m_tiles) or K % (128 * split) or (pf == 2 and T > 8):
                     continue
                 xk = prepare_x(x, x_perm)
+                wl, sl = to_layout(w, s, layout)
                 y = mx_gemm(
-                    xk, T, w, s, fold=fold, chain=chain, x_perm=x_perm, split_k=split,
-                    m_tiles=m_tiles,
+                    xk, T, wl, sl, fold=fold, chain=chain, x_perm=x_perm, split_k=split,
+                    m_tiles=m_tiles, layout=layout, prefetch=pf,
                 )  # fmt: skip
                 y = y.sum(1).double().cpu()
                 err, tiny, rel = 0.0, 0.0, 0.0
@@ -685,6 +800,7 @@ def check() -> bool:
                 ok &= good
                 mode = ("fold" if fold else "f32 ") + (" chain" if chain else "")
                 mode += " x_perm" if x_perm else " x_prmt"
+                mode += f" {layout} pf {pf}"
                 print(f"N {N} K {K} T {T:2d} {mode} split {split} m_tiles {m_tiles}: "
                       f"|err| / (|x| @ |W|^T) {err:.1e} (rows with scale byte 0/1: {tiny:.1e}), "
                       f"max|err| / max|ref| {rel:.1e} {'ok' if good else 'FAIL'}")  # fmt: skip
@@ -787,6 +903,83 @@ def bench(args: argparse.Namespace) -> None:
     print(f"device copy again at the end: {copy_gbs():.0f} GB/s (at the start: {bw:.0f})")
 
 
+def _peer_tiles_fn(x, w, s, T, N, K, T_sched):
+    """The Triton kernel (``moe_down_triton``, tiles layout, ``moe_config(T_sched)``'s down
+    schedule) over every matrix of ``w`` in one launch: one 8-row M block per matrix holding
+    x's T rows."""
+    from dsv4mtp.optimized.kernels.moe_gemm import FMT_MXFP4, moe_down_triton
+    from dsv4mtp.optimized.kernels.moe_schedule import moe_config
+
+    E = w.shape[0]
+    sc = moe_config(T_sched, batch_invariant=False, fmt="mxfp4_tiles")
+    bm = sc.block_m
+    gscale = torch.ones((E, 3), dtype=torch.float32, device="cuda")
+    i = torch.arange(E * bm, device="cuda")
+    sorted_slot = torch.where(i % bm < T, (i // bm) * T + i % bm, -1).to(torch.int32)
+    block_expert = torch.arange(E, dtype=torch.int32, device="cuda")
+    h = x[(i % bm).clamp_max(T - 1)].contiguous()
+
+    def run() -> None:
+        moe_down_triton(
+            h, w, s, gscale, sorted_slot, block_expert, fmt=FMT_MXFP4, T=T, D=N, inter=K,
+            rows_out=E * T, num_m_blocks=E, block_m=bm, tile=sc.down, decode=sc.decode,
+            fp4_join=sc.fp4_join, tiled=True,
+        )  # fmt: skip
+
+    return run
+
+
+def bench_layouts(args: argparse.Namespace) -> None:
+    """Weight stream by layout: E matrices per launch, two sets of E rotated (cold L2)."""
+    bw = copy_gbs()
+    print(f"device copy (1 GB, read + write): {bw:.0f} GB/s")
+    rows = []
+    for name, N, K in (("gate/up", 4096, 4096), ("down", 4096, 2048)):
+        for E in args.experts:
+            g = torch.Generator(device="cuda").manual_seed(E)
+            w = torch.randint(0, 256, (2 * E, N, K // 2), dtype=torch.uint8, device="cuda",
+                              generator=g)  # fmt: skip
+            s = torch.randint(100, 129, (2 * E, N, K // 32), dtype=torch.uint8, device="cuda",
+                              generator=g)  # fmt: skip
+            wbytes = (w[0].numel() + s[0].numel()) * E
+            splits = (2, 4) if E <= 8 else (1, 2)
+            for T in args.tokens:
+                x = torch.randn((T, K), device="cuda", generator=g).to(torch.bfloat16)
+                xk = prepare_x(x, True)
+                for layout in LAYOUTS:
+                    wl, sl = to_layout(w, s, layout)
+                    for fold in (True, False):
+                        for prefetch in (1, 2):
+                            if T > 8 and prefetch == 2:
+                                continue
+                            for split in splits:
+                                kw = dict(fold=fold, chain=fold, split_k=split, layout=layout,
+                                          prefetch=prefetch)  # fmt: skip
+                                fns = [_gluon_fn(xk, T, wl[lo : lo + E], sl[lo : lo + E], **kw)
+                                       for lo in (0, E)]  # fmt: skip
+                                us = _graph_us(fns)
+                                tag = (f"{name:7s} E {E:3d} T {T:2d} gluon {layout:7s} "
+                                       f"{'fold' if fold else 'f32 '} pf {prefetch} "
+                                       f"split {split}")  # fmt: skip
+                                rows.append((tag, us, wbytes / us / 1e3))
+                                print(f"{tag}: {us:8.1f} us  {wbytes / us / 1e3:5.0f} GB/s",
+                                      flush=True)  # fmt: skip
+                wt, st = to_layout(w, s, "tiles")
+                for t_sched in sorted({1 if E <= 8 else 64, 8}):
+                    try:
+                        fns = [_peer_tiles_fn(x, wt[lo : lo + E], st[lo : lo + E], T, N, K,
+                                              t_sched) for lo in (0, E)]  # fmt: skip
+                        us = _graph_us(fns)
+                    except Exception as exc:  # the peer is optional: report and go on
+                        print(f"peer failed: {type(exc).__name__}: {exc}")
+                        continue
+                    tag = f"{name:7s} E {E:3d} T {T:2d} triton tiles (schedule of T {t_sched})"
+                    rows.append((tag, us, wbytes / us / 1e3))
+                    print(f"{tag}: {us:8.1f} us  {wbytes / us / 1e3:5.0f} GB/s", flush=True)
+            del w, s
+    print(f"device copy again at the end: {copy_gbs():.0f} GB/s (at the start: {bw:.0f})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sass", action="store_true", help="offline sm_90 SASS counts (no GPU)")
@@ -795,12 +988,16 @@ def main() -> None:
     p.add_argument("--bench", action="store_true", help="GPU: time expert shapes")
     p.add_argument("--peer", action="store_true", help="--bench: also the Triton mxdot kernel")
     p.add_argument("--no-triton", action="store_true", help="--sass: skip the Triton kernel")
+    p.add_argument("--layouts-only", action="store_true", help="--sass: the tiles layouts only")
     p.add_argument("--dump", action="store_true", help="--sass: write ttgir/ptx/cubin to /tmp")
     p.add_argument("--m-tiles", type=int, nargs="+", default=[2], help="16-row tiles per warp")
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--splits", type=int, nargs="+", default=[1, 4], help="--bench K splits")
+    p.add_argument("--bench-layouts", action="store_true", help="GPU: stream by layout")
+    p.add_argument("--experts", type=int, nargs="+", default=[8, 64])
+    p.add_argument("--tokens", type=int, nargs="+", default=[2, 12])
     args = p.parse_args()
-    if not (args.sass or args.bits or args.check or args.bench):
+    if not (args.sass or args.bits or args.check or args.bench or args.bench_layouts):
         p.error("pick --sass, --bits, --check or --bench")
     ok = True
     if args.bits:
@@ -811,6 +1008,8 @@ def main() -> None:
         ok &= check()
     if args.bench:
         bench(args)
+    if args.bench_layouts:
+        bench_layouts(args)
     sys.exit(0 if ok else 1)
 
 

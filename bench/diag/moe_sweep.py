@@ -139,6 +139,22 @@ def layout_candidates(T: int, layout: str, dry: bool) -> list[tuple[str, MoESche
             out.append(("mxstep", replace(d, decode="mxstep")))
         return out
     gu, dn = d.gate_up, d.down
+    if d.decode == "gluon":
+        # the Gluon GEMMs (kernels/moe_gemm_gluon.py): against the Triton "mxstep" default they
+        # replaced (its K split: 4-way at T <= 2), other splits and 64- / 256-row programs
+        old = 4 if T <= 2 else gu.split_k
+        out += [
+            ("mxstep", _routed(replace(d, decode="mxstep"), split_k=old)),
+            ("gluon_split_x2", _routed(d, split_k=2 * gu.split_k)),
+            ("gluon_n64", _routed(d, block_n=64)),
+            ("gluon_n256", _routed(d, block_n=256)),
+        ]
+        if gu.split_k > 1:
+            out.append(("gluon_split_half", _routed(d, split_k=gu.split_k // 2)))
+        if T > 256:  # the 16-row unswapped "mxstep" blocks the Gluon GEMMs replaced here
+            out.append(("mxstep_m16", _routed(replace(d, block_m=16, decode="mxstep"),
+                                              swap_ab=False)))  # fmt: skip
+        return out
     other_n = 256 if gu.block_n == 128 and T <= 768 else (64 if gu.block_n == 128 else 128)
     out += [
         (f"gu_n{other_n}", replace(d, gate_up=replace(gu, block_n=other_n))),
@@ -159,6 +175,9 @@ def layout_candidates(T: int, layout: str, dry: bool) -> list[tuple[str, MoESche
     ]
     if T > 64:
         out.append(("m8_swap", _routed(replace(d, block_m=8), swap_ab=True)))
+    if T > 64:
+        # the Gluon GEMMs on 8-row blocks (the default up to T 512)
+        out.append(("gluon_m8", _routed(replace(d, block_m=8, decode="gluon"), block_n=128)))
     if 64 < T <= 768:
         out += [
             ("m16_swap", _routed(d, swap_ab=True)),

@@ -138,6 +138,7 @@ from .decode import (
     _e4m3_times_2m8,
 )
 from .moe_common import jit_loop_bounds
+from .moe_gemm_gluon import gluon_tile_ok, moe_mx_gluon
 from .moe_schedule import DECODES, GemmTile
 
 __all__ = [
@@ -804,9 +805,9 @@ def moe_reduce_kernel(
     INTERP: tl.constexpr,
 ):
     """out[t] = sum over the valid slots k in slot order (+ the shared row), fp32, one rounding.
-    SPLIT > 1: each slot's row is first formed from its down partials (split order, down
-    scale, rounding to the output dtype, as the unsplit down kernel stores it); likewise the
-    shared row with SHARED_SPLIT > 1."""
+    SPLIT > 0: each slot's row is first formed from its SPLIT fp32 down partials (split order,
+    down scale, rounding to the output dtype, as the unsplit down kernel stores it); likewise
+    the shared row with SHARED_SPLIT > 0.  0: the rows as the down kernel stored them."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
@@ -817,7 +818,7 @@ def moe_reduce_kernel(
         valid = (g >= 0) & (g < E_GLOBAL)
         loc = tl.load(map_ptr + tl.where(valid, g, 0)).to(tl.int32) if HAS_MAP else g
         valid = valid & (loc >= 0) & (loc < E_LOCAL)
-        if SPLIT == 1:
+        if SPLIT == 0:
             y = tl.load(ws_ptr + (t * TOPK + k) * D + d, mask=dm & valid, other=0.0)
             acc += y.to(tl.float32)
         else:
@@ -827,7 +828,7 @@ def moe_reduce_kernel(
             ys = ys * tl.load(gs_ptr + tl.where(valid, loc, 0).to(tl.int64) * 3 + 2)
             acc += rne_bf16_if_interpreted(ys, o_ty, INTERP).to(o_ty).to(tl.float32)
     if HAS_SHARED:
-        if SHARED_SPLIT == 1:
+        if SHARED_SPLIT == 0:
             acc += tl.load(shared_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
         else:
             ys = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -889,12 +890,18 @@ def _fit_split(tile: GemmTile, K: int) -> GemmTile:
     return tile if split == tile.split_k else dataclasses.replace(tile, split_k=split)
 
 
-def _decode_for(decode: str, fmt: int, act: torch.dtype, scales: torch.Tensor, block_k: int) -> str:
-    """``"mxdot"`` and ``"mxstep"`` need MXFP4 codes and bf16 activations (``dot_scaled``'s
-    operand types), 128-column K steps and 4-byte aligned scale rows (one int32 word of four
-    e8m0 bytes per row and step); other GEMMs of the same schedule (the FP8 shared expert, fp32
-    activations) take ``"asm"``, whose dot operands are the same values."""
-    if decode in ("mxdot", "mxstep") and (
+def _decode_for(
+    decode: str, fmt: int, act: torch.dtype, scales: torch.Tensor, block_k: int, tiled: bool
+) -> str:
+    """``"gluon"`` (kernels/moe_gemm_gluon.py) needs the tiles layout, a compiled launch (Gluon
+    has no interpreter) and what ``"mxstep"`` needs, else runs as ``"mxstep"``.  ``"mxdot"``
+    and ``"mxstep"`` need MXFP4 codes and bf16 activations (``dot_scaled``'s operand types),
+    128-column K steps and 4-byte aligned scale rows (one int32 word of four e8m0 bytes per row
+    and step); other GEMMs of the same schedule (the FP8 shared expert, fp32 activations) take
+    ``"asm"``, whose dot operands are the same values."""
+    if decode == "gluon" and (INTERPRET or not tiled):
+        decode = "mxstep"
+    if decode in ("mxdot", "mxstep", "gluon") and (
         fmt != FMT_MXFP4
         or act != torch.bfloat16
         or block_k != 128
@@ -920,6 +927,37 @@ def _check_tiled(tiled: bool, fmt: int, tile: GemmTile) -> None:
             f"the tiles layout takes MXFP4 codes and block_k <= 128, got format {fmt} and "
             f"block_k {tile.block_k}"
         )
+
+
+def _gate_up_gluon(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    gscale: torch.Tensor,
+    sorted_slot: torch.Tensor,
+    block_expert: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    h: torch.Tensor,
+    *,
+    inter: int,
+    top_k: int,
+    limit: float,
+    tile: GemmTile,
+) -> None:
+    """``decode="gluon"``: the Gluon GEMM's fp32 [gate ; up] partials, then the SwiGLU
+    epilogue of the split-K path (``moe_swiglu_kernel``, 128 columns per program)."""
+    num_m = block_expert.numel()
+    rows = num_m * 8
+    part = torch.empty((tile.split_k, rows, 2 * inter), dtype=torch.float32, device=x.device)
+    moe_mx_gluon(x, w13, s13, sorted_slot, block_expert, part, gather=True, top_k=top_k, tile=tile)
+    triton_launch(
+        moe_swiglu_kernel, IDENTITY=False, BLOCK_M=8, BLOCK_N=128, SPLIT_K=tile.split_k,
+        INTERP=INTERPRET, num_warps=4,
+    )(
+        (num_m, triton.cdiv(inter, 128)), part, gscale, sorted_slot, block_expert,
+        gscale if topk_weights is None else topk_weights, h, x.shape[0], inter, float(limit),
+        num_m,
+    )  # fmt: skip
 
 
 def moe_gate_up_triton(
@@ -950,10 +988,20 @@ def moe_gate_up_triton(
     identity = sorted_slot is None
     dummy = gscale
     _check_tiled(tiled, fmt, tile)
-    decode = _decode_for(decode, fmt, x.dtype, s13, tile.block_k)
+    decode = _decode_for(decode, fmt, x.dtype, s13, tile.block_k, tiled)
     tile = _fit_split(tile, D)
     split = tile.split_k
     rows = num_m_blocks * block_m
+    if decode == "gluon":
+        if (
+            sorted_slot is not None
+            and block_expert is not None
+            and gluon_tile_ok(tile, block_m, D, 2 * inter)
+        ):
+            _gate_up_gluon(x, w13, s13, gscale, sorted_slot, block_expert, topk_weights, h,
+                           inter=inter, top_k=top_k, limit=limit, tile=tile)  # fmt: skip
+            return
+        decode = "mxstep"
     part = (
         torch.empty((split, rows, 2 * inter), dtype=torch.float32, device=x.device)
         if split > 1
@@ -1008,9 +1056,20 @@ def moe_down_triton(
     identity = sorted_slot is None
     dummy = gscale
     _check_tiled(tiled, fmt, tile)
-    decode = _decode_for(decode, fmt, h.dtype, s2, tile.block_k)
+    decode = _decode_for(decode, fmt, h.dtype, s2, tile.block_k, tiled)
     tile = _fit_split(tile, inter)
     split = tile.split_k
+    if decode == "gluon":
+        if (
+            sorted_slot is not None
+            and block_expert is not None
+            and gluon_tile_ok(tile, block_m, inter, D)
+        ):
+            # unscaled fp32 partials at the slots, for the reduce (also with one split)
+            y = torch.empty((split, rows_out, D), dtype=torch.float32, device=h.device)
+            moe_mx_gluon(h, w2, s2, sorted_slot, block_expert, y, gather=False, top_k=1, tile=tile)
+            return y
+        decode = "mxstep"
     if split > 1:
         y = torch.empty((split, rows_out, D), dtype=torch.float32, device=h.device)
     else:
@@ -1043,9 +1102,10 @@ def moe_reduce_triton(
     K = topk_ids.shape[1]
     if T == 0:
         return
-    split = ws.shape[0] if ws.dim() == 3 else 1
-    shared_split = shared.shape[0] if shared is not None and shared.dim() == 3 else 1
-    if split > 1 and gscale is None:
+    # 3-D: fp32 partials (split, rows, D), also with one split (the Gluon down GEMM's output)
+    split = ws.shape[0] if ws.dim() == 3 else 0
+    shared_split = shared.shape[0] if shared is not None and shared.dim() == 3 else 0
+    if split and gscale is None:
         raise ValueError("moe_reduce_triton: split-K partials need the routed gscale")
     block = min(1024, triton.next_power_of_2(D))
     e_global = expert_map.numel() if expert_map is not None else e_local

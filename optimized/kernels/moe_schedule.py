@@ -69,7 +69,7 @@ __all__ = [
     "schedule_to_fields",
 ]
 
-DECODES = ("f16", "bits", "asm", "mxdot", "mxstep")
+DECODES = ("f16", "bits", "asm", "mxdot", "mxstep", "gluon")
 _BLOCK_M = (8, 16, 32, 64, 128)
 
 
@@ -268,8 +268,8 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
             )
         gu_s, dn_s = dataclasses.replace(gu, swap_ab=True), dataclasses.replace(dn, swap_ab=True)
         return MoESchedule(
-            8, _gate_up(gu_s, fmt), dn_s, 16, gu, dn, decode=_mx_decode(fmt), fp4_join=True,
-            align_chunk=64, align_warps=4,
+            8, _gate_up(gu_s, fmt), dn_s, 16, gu, dn, decode=_mx_decode(fmt, gluon=False),
+            fp4_join=True, align_chunk=64, align_warps=4,
         )  # fmt: skip
     if batch_invariant or T > 64:
         t = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3)
@@ -281,10 +281,13 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
                 64, _gate_up(r, fmt), r, 64, t, t, decode="asm", fp4_join=True, align_chunk=128,
                 align_warps=8, shared_stream=batch_invariant,
             )  # fmt: skip
-        # an expert holds ~T * top_k / E rows: a few up to T 256, ~12 at T 512
-        r = dataclasses.replace(t, block_n=128, swap_ab=T <= 256)
+        # an expert holds ~T * top_k / E rows: a few up to T 256, ~12 at T 512; the Gluon
+        # GEMMs (tiles) keep 8-row blocks to T 512
+        m8_max = 512 if fmt == "mxfp4_tiles" else 256
+        m8 = m8_max >= T
+        r = dataclasses.replace(t, block_n=128, swap_ab=m8)
         return MoESchedule(
-            8 if T <= 256 else 16, _gate_up(r, fmt), r, 64, t, t, decode=_mx_decode(fmt),
+            8 if m8 else 16, _gate_up(r, fmt), r, 64, t, t, decode=_mx_decode(fmt, gluon=m8),
             fp4_join=True, align_chunk=128, align_warps=8, shared_stream=False,
         )  # fmt: skip
     split = 4 if T <= 2 else (2 if T <= 8 else 1)
@@ -296,7 +299,7 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
         )  # fmt: skip
     routed = dataclasses.replace(shared, block_n=128, swap_ab=True)
     return MoESchedule(
-        8, _gate_up(routed, fmt), routed, 16, shared, shared, decode=_mx_decode(fmt),
+        8, _gate_up(routed, fmt), routed, 16, shared, shared, decode=_mx_decode(fmt, gluon=True),
         fp4_join=T > 2, align_chunk=128, align_warps=8,
     )  # fmt: skip
 
@@ -314,7 +317,10 @@ def _gate_up(tile: GemmTile, fmt: str) -> GemmTile:
     return dataclasses.replace(tile, block_n=2 * tile.block_n)
 
 
-def _mx_decode(fmt: str) -> str:
-    """The MXFP4 routed GEMMs' decode: one load per K step from the tiles layout's contiguous
-    blocks, one load per scale group from the checkpoint's rows."""
-    return "mxstep" if fmt == "mxfp4_tiles" else "mxdot"
+def _mx_decode(fmt: str, *, gluon: bool) -> str:
+    """The MXFP4 routed GEMMs' decode: on the tiles layout the Gluon kernel where ``gluon``
+    (8-row M blocks), else one load per K step from the contiguous blocks; one load per scale
+    group from the checkpoint's rows."""
+    if fmt == "mxfp4_tiles":
+        return "gluon" if gluon else "mxstep"
+    return "mxdot"

@@ -1,0 +1,385 @@
+"""The routed MXFP4 expert GEMMs at decode sizes, in Gluon: ``decode="gluon"``.
+
+What it computes: for every 8-row M block of the align kernel's sorted slots (expert e, rows
+r = 8 * block .. + 7), the fp32 product of the block's activation rows and e's MXFP4 weight rows
+n over the program's K slice, into split-K partials that the Triton epilogues finish:
+
+* gate/up (``gather``): x row = token of slot ``sorted[r]`` (slot // top_k); w13 in the
+  ``"tiles"`` layout with gate and up rows interleaved (packed row 2c gate column c, 2c + 1 up
+  column c); partial ``part[split, r, (n % 2) * I + n // 2]``, i.e. the [gate ; up] rows
+  ``moe_swiglu_kernel`` reads (kernels/moe_gemm.py).
+* down: x row = h row r; partial ``part[split, sorted[r], n]`` (unscaled), which
+  ``moe_reduce_kernel`` scales, rounds and sums in slot order.
+
+Shapes and dtypes: x (rows, K) bf16, contiguous, K a multiple of 128 * split; codes (E, N, K/2)
+uint8 and scales (E, N, K/32) e8m0 bytes in the tiles layout (optimized/moe.py, ``mx_tiles``;
+N a multiple of 128); partials (split, rows_part, N) fp32.  Bytes it must move: each active
+block's expert codes and scales once per 128-row tile (9/16 byte per weight), x from L2, the
+partials (4 * split * rows * N bytes, about 1 % of the weights at top-6 decode).
+
+Why Gluon.  Triton's ``dot_scaled`` version (kernels/moe_gemm.py, ``"mxstep"``) streams the
+tiles at about 2.1-2.3 TB/s: its loop converts each group's e8m0 scales through shared memory
+(barriers every group) and issues 4.3 instructions per weight.  Here the register layout is
+ours (bench/results/moe-h200.md, "A Gluon kernel on the tiles"):
+
+* ``mma_v2`` (m16n8k16, bf16 -> fp32) with the weights as operand A (M = 128 weight rows per
+  program: 4 warps x 2 tiles of 16) and the 8 activation rows as B (N = 8).  One MMA chain per
+  32-column scale group (K = 32, ``DotOperandLayout(k_width=4)``).
+* K permuted inside each group (for the weights and x alike, so the dot is unchanged): thread
+  ``lane % 4`` then needs exactly code word ``lane % 4`` (bytes 4w .. 4w + 3) of each row and
+  group, one 32-bit load from the tiles layout's 64-byte row of the (128-row, 128-column)
+  block, and its A registers are the decode's outputs renamed, no shuffles, no shared memory.
+  x arrives as 16-byte loads of 8 consecutive columns; four ``prmt`` per group re-pair them.
+* Decode (inline PTX per code word -> 8 bf16): mask a nibble pair, one integer multiply
+  placing its magnitude and sign bits, mask again: the bf16 pattern of e2m1 * 2**-126 (codes
+  +-0.5 are bf16 subnormals), then one ``mul.rn.bf16x2`` by 2**126 (exact).  The e8m0 scale
+  multiplies each group's fp32 MMA result (byte 0 is 2**-127, built from bits): exact for every
+  scale byte, the rule of ``"mxdot"``; the order of the fp32 sums differs from it (the values
+  stay within the pairs' tolerance, not bitwise).  With ``fold`` (a pack whose scale bytes are
+  all <= 128) the multiplier is 2**(s - 1) instead, applying the scale exactly in bf16, and the
+  step's four groups chain in one MMA accumulator: 5-10 % faster.
+* Loads: the next 128-column step's code words, scale word and x are loaded into registers
+  before the current step computes (one step of register prefetch; two steps measured slower:
+  the registers doubled).  84 registers, no shared memory: about six programs per SM.
+
+Batch invariance: a row's value depends on its expert, the split and the mode only, never on
+the other rows or on T.  No interpreter: Gluon has none, so on the CPU ``"gluon"`` runs as
+``"mxstep"`` (kernels/moe_gemm.py, ``_decode_for``); the GPU tier tests this kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from ._launch import triton_launch
+from .moe_schedule import GemmTile
+
+__all__ = ["gluon_tile_ok", "moe_mx_gluon"]
+
+
+# ----------------------------------------------------------------------------- decode PTX
+def _pair_ptx(src: str, hi_nibbles: bool, out_lo: str, out_hi: str) -> str:
+    """One bf16x2 from the two nibbles of ``src`` at bits 0..3 and 16..19 (4..7 and 20..23 with
+    ``hi_nibbles``): mask, one multiply placing a copy of each nibble's magnitude at bits 6..8
+    and of its sign at 15 (no carries: the copies do not overlap), mask to the bf16 pattern of
+    e2m1 * 2**-126, exact multiply by ``k``, split into two bf16 outputs."""
+    mask, mult = (0x00F000F0, 4 + 256) if hi_nibbles else (0x000F000F, 64 + 4096)
+    return "\n".join(
+        [
+            f"and.b32 t, {src}, {mask:#010x};",
+            f"mul.lo.u32 t, t, {mult};",
+            "and.b32 t, t, 0x81C081C0;",
+            "mul.rn.bf16x2 t, t, k;",
+            f"mov.b32 {{{out_lo}, {out_hi}}}, t;",
+        ]
+    )
+
+
+def _decode_ptx(fold_half: int | None) -> str:
+    """Code word $8 -> eight bf16 $0..$7 (output 2i + h = nibble i + 4h).  ``fold_half`` None:
+    times 2**126 (0x7E80); 0 / 1: times the low / high bf16 of $9, the multipliers 2**(s - 1)
+    of two groups (:data:`_FOLD_MULT`)."""
+    head = ["{", ".reg .b32 w8, t, k;", ".reg .b16 k0, k1;"]
+    if fold_half is None:
+        head.append("mov.b32 k, 0x7E807E80;")
+    else:
+        half = "k0, k0" if fold_half == 0 else "k1, k1"
+        head += ["mov.b32 {k0, k1}, $9;", f"mov.b32 k, {{{half}}};"]
+    body = [
+        "shr.b32 w8, $8, 8;",
+        _pair_ptx("$8", False, "$0", "$1"),
+        _pair_ptx("$8", True, "$2", "$3"),
+        _pair_ptx("w8", False, "$4", "$5"),
+        _pair_ptx("w8", True, "$6", "$7"),
+    ]
+    return "\n".join([*head, *body, "}"])
+
+
+_DECODE = gl.constexpr(_decode_ptx(None))
+_DECODE_FOLD_LO = gl.constexpr(_decode_ptx(0))
+_DECODE_FOLD_HI = gl.constexpr(_decode_ptx(1))
+# scale word (bytes = groups 0..3) -> bf16x2 multipliers 2**(s - 1) of groups (0, 1) and (2, 3):
+# prmt two bytes into the halves' low bytes, then (s + 126) << 7 per half
+_FOLD_MULT = gl.constexpr(
+    "{\n.reg .b32 v;\n"
+    "prmt.b32 v, $2, 0, 0x4140;\nmad.lo.u32 $0, v, 128, 0x3F003F00;\n"
+    "prmt.b32 v, $2, 0, 0x4342;\nmad.lo.u32 $1, v, 128, 0x3F003F00;\n}"
+)
+_OUT8 = gl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h")
+
+
+# ----------------------------------------------------------------------------- layouts
+@gluon.constexpr_function
+def _mma_layout(num_warps):
+    return gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8]
+    )
+
+
+@gluon.constexpr_function
+def _word_layout(m_tiles, num_warps):
+    """(rows, 4 code words of a group): lane % 4 = word, lane // 4 = row; registers: row + 8
+    and the M tiles; warps: 16-row slabs (the rows of the A operand's fragments)."""
+    rows = 16 * m_tiles * num_warps
+    reg = [[8, 0]] + [[16 * num_warps << j, 0] for j in range(m_tiles.bit_length() - 1)]
+    warp = [[16 << j, 0] for j in range(num_warps.bit_length() - 1)]
+    lane = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
+    return gl.DistributedLinearLayout(
+        reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[], shape=[rows, 4]
+    )
+
+
+@gluon.constexpr_function
+def _x_layout(block_t, num_warps):
+    """(16 bf16x2 words = 32 columns of a group, rows): lane % 4 holds words 4w .. 4w + 3 (one
+    16-byte load) of row lane // 4; every warp the same."""
+    reg = [[1, 0], [2, 0]] + ([[0, 8]] if block_t == 16 else [])
+    lane = [[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]]
+    warp = [[0, 0]] * (num_warps.bit_length() - 1)
+    return gl.DistributedLinearLayout(
+        reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[], shape=[16, block_t]
+    )
+
+
+# ----------------------------------------------------------------------------- pieces
+@gluon.jit
+def _decode_group(wd, ks, FOLD: gl.constexpr, HI: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Code words (BLOCK_N, 4) of one group -> its A tile (BLOCK_N, 32) bf16 in permuted-K
+    order: k = 16 c + 4 w + 2 a + h holds column 8 w + 2 c + a + 4 h of the group."""
+    if FOLD:
+        o = gl.inline_asm_elementwise(
+            _DECODE_FOLD_HI if HI else _DECODE_FOLD_LO, _OUT8 + ",r,r", [wd, ks],
+            dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        o = gl.inline_asm_elementwise(
+            _DECODE, _OUT8 + ",r", [wd], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1
+        )
+    # output 4c + 2a + h -> dims (w, h, a, c) -> (c, w, a, h)
+    q0 = gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3]))
+    q1 = gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7]))
+    r = gl.permute(gl.join(q0, q1), (0, 4, 1, 3, 2))
+    return gl.reshape(r, [BLOCK_N, 32])
+
+
+@gluon.jit
+def _x_group(x_words, BLOCK_T: gl.constexpr):
+    """x words (16, BLOCK_T) int32 (bf16 pairs as stored: column 8 w + 4 h + 2 c + a) -> the B
+    tile (32, BLOCK_T) bf16 in the A tile's permuted-K order (four prmt re-pair the thread's
+    registers).  x travels as 32-bit words: as bf16 halves ptxas added moves."""
+    lo, hi = gl.inline_asm_elementwise(
+        "mov.b32 {$0, $1}, $2;", "=h,=h,r", [x_words], dtype=(gl.bfloat16, gl.bfloat16),
+        is_pure=True, pack=1,
+    )  # fmt: skip
+    xt = gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), [32, BLOCK_T])
+    xv = gl.permute(gl.reshape(xt, [4, 2, 2, 2, BLOCK_T]), (2, 0, 3, 1, 4))  # (c, w, a, h, t)
+    return gl.reshape(xv, [32, BLOCK_T])
+
+
+@gluon.jit
+def _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, step):
+    """Registers of one 128-column step: the four groups' code words and the scale word of
+    each row (tiles layout: one (128-row, 128-column) block is 2048 words of codes and 128
+    words of scales), x's words of the step."""
+    c0 = gl.load(w_ptrs + step * 2048)
+    c1 = gl.load(w_ptrs + (step * 2048 + 4))
+    c2 = gl.load(w_ptrs + (step * 2048 + 8))
+    c3 = gl.load(w_ptrs + (step * 2048 + 12))
+    sw = gl.load(s_ptrs + step * 128)
+    x0 = gl.load(x_ptrs + step * 64, mask=x_mask, other=0)
+    x1 = gl.load(x_ptrs + (step * 64 + 16), mask=x_mask, other=0)
+    x2 = gl.load(x_ptrs + (step * 64 + 32), mask=x_mask, other=0)
+    x3 = gl.load(x_ptrs + (step * 64 + 48), mask=x_mask, other=0)
+    return c0, c1, c2, c3, sw, x0, x1, x2, x3
+
+
+@gluon.jit
+def _compute_step(
+    acc, buf, BLOCK_N: gl.constexpr, BLOCK_T: gl.constexpr, FOLD: gl.constexpr,
+    MMA: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr,
+):  # fmt: skip
+    """acc += the step's four groups.  f32: each group's MMA from zero, its fp32 result times
+    the group's e8m0 scale added to acc.  FOLD: the scale applied in the decode, the four MMAs
+    chained from zero into one partial, added to acc once (chaining every MMA of the K loop
+    into acc lost low bits over long chains: 1.4e-6 of |x| @ |W|^T at K 2048, 1-2e-7 this way)."""
+    c0, c1, c2, c3, sw, x0, x1, x2, x3 = buf
+    if FOLD:
+        part = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=MMA)
+        k01, k23 = gl.inline_asm_elementwise(
+            _FOLD_MULT, "=r,=r,r", [sw], dtype=(gl.int32, gl.int32), is_pure=True, pack=1
+        )
+    for g in gl.static_range(4):
+        if g == 0:
+            cw = c0
+            xg = x0
+        elif g == 1:
+            cw = c1
+            xg = x1
+        elif g == 2:
+            cw = c2
+            xg = x2
+        else:
+            cw = c3
+            xg = x3
+        ks = (k01 if g < 2 else k23) if FOLD else sw
+        a = gl.convert_layout(_decode_group(cw, ks, FOLD, g % 2 == 1, BLOCK_N), AL)
+        b = gl.convert_layout(_x_group(xg, BLOCK_T), BL)
+        if FOLD:
+            part = mma_v2(a, b, part)
+        else:
+            pg = mma_v2(a, b, gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=MMA))
+            sb = (sw >> (8 * g)) & 0xFF
+            # 2**(sb - 127); byte 0 is the fp32 subnormal 2**-127
+            sf = gl.where(sb == 0, 0x400000, sb << 23).to(gl.float32, bitcast=True)
+            acc = acc + pg * gl.expand_dims(sf, 1)
+    if FOLD:
+        acc = acc + part
+    return acc
+
+
+# ----------------------------------------------------------------------------- kernel
+@gluon.jit
+def moe_mx_gluon_kernel(
+    x_ptr,  # *i32: activations (rows, K) bf16 as word pairs
+    w_ptr,  # *i32: codes, tiles layout, (E, N, K/8) words
+    s_ptr,  # *i32: e8m0 scales, tiles layout, (E, N, K/128) words
+    sorted_ptr,  # *i32 (num_blocks * 8,): slot of each M-block row, -1 = padding
+    block_expert_ptr,  # *i32 (num_blocks,): expert of each M block, -1 = unused
+    part_ptr,  # *fp32 (SPLIT_K, ROWS_PART, N)
+    K,
+    N,
+    TOPK,
+    W_STRIDE_E,
+    S_STRIDE_E,
+    ROWS_PART,
+    GATHER: gl.constexpr,
+    BLOCK_T: gl.constexpr,
+    M_TILES: gl.constexpr,
+    SPLIT_K: gl.constexpr,
+    FOLD: gl.constexpr,
+    NUM_WARPS: gl.constexpr,
+):
+    BLOCK_N: gl.constexpr = 16 * M_TILES * NUM_WARPS
+    MMA: gl.constexpr = _mma_layout(NUM_WARPS)
+    WL: gl.constexpr = _word_layout(M_TILES, NUM_WARPS)
+    XL: gl.constexpr = _x_layout(BLOCK_T, NUM_WARPS)
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+    BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
+    SL: gl.constexpr = gl.SliceLayout(1, MMA)
+
+    pid_m = gl.program_id(0)
+    pid_n = gl.program_id(1)
+    pid_s = gl.program_id(2)
+    e = gl.load(block_expert_ptr + pid_m)
+    if e >= 0:  # unused M blocks stream no weights
+        e64 = e.to(gl.int64)
+        kslice = K // SPLIT_K
+        k_lo = pid_s * kslice
+        n_steps = kslice // 128
+        KS = K // 128
+        # the block's rows: slot (-1 = padding), the x row they read
+        xt = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, XL))
+        x_slot = gl.load(sorted_ptr + pid_m * BLOCK_T + xt)
+        x_row = gl.maximum(x_slot, 0) // TOPK if GATHER else pid_m * BLOCK_T + xt
+        xc = gl.arange(0, 16, layout=gl.SliceLayout(1, XL))
+        x_ptrs = x_ptr + k_lo // 2 + gl.expand_dims(x_row * (K // 2), 0) + gl.expand_dims(xc, 1)
+        x_mask = gl.expand_dims(xc >= 0, 1) & gl.expand_dims(x_slot >= 0, 0)
+        # code words: ((n // 128) * KS + step) * 2048 + (n % 128) * 16 + 4 g + lane % 4
+        rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WL))
+        words = gl.arange(0, 4, layout=gl.SliceLayout(0, WL))
+        w_base = w_ptr + e64 * W_STRIDE_E + (k_lo // 128) * 2048
+        w_ptrs = (
+            w_base
+            + gl.expand_dims((rows // 128) * (KS * 2048) + (rows % 128) * 16, 1)
+            + gl.expand_dims(words, 0)
+        )
+        # scale words: ((n // 128) * KS + step) * 128 + n % 128; FOLD decodes in the word
+        # layout, f32 scales the MMA result (rows of the accumulator's layout)
+        s_base = s_ptr + e64 * S_STRIDE_E + (k_lo // 128) * 128
+        if FOLD:
+            s_ptrs = s_base + gl.expand_dims((rows // 128) * (KS * 128) + rows % 128, 1)
+            s_ptrs = s_ptrs + gl.expand_dims(words * 0, 0)
+        else:
+            srows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=SL)
+            s_ptrs = s_base + (srows // 128) * (KS * 128) + srows % 128
+
+        acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=MMA)
+        buf = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, 0)
+        for i in range(n_steps):
+            nxt = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, gl.minimum(i + 1, n_steps - 1))
+            acc = _compute_step(acc, buf, BLOCK_N, BLOCK_T, FOLD, MMA, AL, BL)
+            buf = nxt
+
+        n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=SL)
+        t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, MMA))
+        slot = gl.load(sorted_ptr + pid_m * BLOCK_T + t)
+        if GATHER:
+            # packed row 2c is gate column c, 2c + 1 up column c: [gate ; up] partial rows
+            out_row = pid_m * BLOCK_T + t
+            col = (n % 2) * (N // 2) + n // 2
+        else:
+            out_row = gl.maximum(slot, 0)
+            col = n
+        ptrs = (
+            part_ptr
+            + gl.expand_dims((pid_s * ROWS_PART + out_row).to(gl.int64) * N, 0)
+            + gl.expand_dims(col, 1)
+        )
+        mask = gl.expand_dims(n >= 0, 1) & gl.expand_dims(slot >= 0, 0)
+        gl.store(ptrs, acc, mask=mask)
+
+
+# ----------------------------------------------------------------------------- launcher
+_BLOCK_T = 8  # the M block: mma_v2's N
+
+
+def gluon_tile_ok(tile: GemmTile, block_m: int, K: int, N: int) -> bool:
+    """Whether this kernel runs ``tile`` at this shape: 8-row M blocks, 128-column K steps,
+    ``block_n`` = 16 x (1, 2 or 4) x ``num_warps`` weight rows dividing N, K a multiple of
+    128 x ``split_k``."""
+    m_tiles, rem = divmod(tile.block_n, 16 * tile.num_warps)
+    return (
+        block_m == _BLOCK_T
+        and tile.block_k == 128
+        and rem == 0
+        and m_tiles in (1, 2, 4)
+        and N % tile.block_n == 0
+        and K % (128 * tile.split_k) == 0
+    )
+
+
+def moe_mx_gluon(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    sorted_slot: torch.Tensor,
+    block_expert: torch.Tensor,
+    part: torch.Tensor,
+    *,
+    gather: bool,
+    top_k: int,
+    tile: GemmTile,
+    fold: bool = False,
+) -> None:
+    """Write the split-K partials ``part`` (split, rows_part, N) fp32 of x's rows times the
+    MXFP4 experts (module doc): gate/up with ``gather`` (x (T, K) read at the slots' tokens,
+    rows of ``part`` = M-block rows, columns [gate ; up]), down without (x = h (blocks * 8, K),
+    rows of ``part`` = slots).  The caller checks :func:`gluon_tile_ok`, the tiles layout and
+    x bf16 contiguous; ``fold`` only for scale bytes <= 128."""
+    num_m = block_expert.numel()
+    K = x.shape[1]
+    N = codes.shape[1]
+    split = tile.split_k
+    w32 = codes.view(torch.int32)
+    s32 = scales.view(torch.int32)
+    triton_launch(
+        moe_mx_gluon_kernel, GATHER=gather, BLOCK_T=_BLOCK_T,
+        M_TILES=tile.block_n // (16 * tile.num_warps), SPLIT_K=split, FOLD=fold,
+        NUM_WARPS=tile.num_warps, num_warps=tile.num_warps,
+    )(
+        (num_m, N // tile.block_n, split), x.view(torch.int32), w32, s32, sorted_slot,
+        block_expert, part, K, N, top_k, w32[0].numel(), s32[0].numel(), part.shape[1],
+    )  # fmt: skip
