@@ -273,7 +273,7 @@ def test_tiles_layout_matches_rows_layout(T: int, device: str) -> None:
     )
     rows = pack_moe(params, device, mxfp4_layout="rows")
     tiles = pack_moe(params, device)
-    assert (rows.layout, tiles.layout, tiles.kernel_fmt) == ("rows", "tiles", "mxfp4_tiles")
+    assert (rows.layout, tiles.layout, tiles.kernel_fmt) == ("rows", "tiles", "mxfp4_tiles_fold")
     for e in range(rows.num_local_experts):
         a, b = rows.decode_expert(e), tiles.decode_expert(e)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -365,6 +365,27 @@ def test_tiles_layout_validation(device: str) -> None:
     assert pack_moe(fp8, device, mxfp4_layout="tiles").layout == "rows"
 
 
+def test_tiles_fold_flag_follows_the_scale_bytes(device: str) -> None:
+    """``MoEPack.mx_fold`` (the Gluon GEMMs may apply the e8m0 scales in their bf16 decode) is
+    set exactly when every routed scale byte is <= 128: the test experts' (scales far below
+    1), not after one w2 byte is raised to 129; never for the rows layout; and a pack that
+    claims it on rows is refused."""
+    (x, shared_params, cfg), kw = moe_inputs(
+        "moe", 2, 1, shape=_shape(device), fmt="mxfp4", device=device
+    )
+    pack = pack_moe(shared_params, device)
+    assert pack.mx_fold and pack.kernel_fmt == "mxfp4_tiles_fold"
+    rows = pack_moe(shared_params, device, mxfp4_layout="rows")
+    assert not rows.mx_fold and rows.kernel_fmt == "mxfp4"
+    params = _private_experts(shared_params)
+    params.experts.packed.w2_weight_scale.view(-1)[-1] = 129
+    big = pack_moe(params, device)
+    assert not big.mx_fold and big.kernel_fmt == "mxfp4_tiles"
+    _check("moe", moe(x, big, cfg, **kw), (x, params, cfg), kw)
+    with pytest.raises(InputError, match="mx_fold"):
+        replace(rows, mx_fold=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8, 64, 512])
 def test_shared_expert_side_stream_changes_no_bit(T: int) -> None:
@@ -431,7 +452,7 @@ def test_mxdot_defaults_at_v4_flash_shapes(T: int, layout: str) -> None:
     (x, params, cfg), kw = moe_inputs("moe", T, 7, shape="flash", fmt="mxfp4", device="cuda")
     pack = pack_moe(params, "cuda", mxfp4_layout=layout)
     s = moe_config(T, batch_invariant=False, fmt=pack.kernel_fmt)
-    group_scaled = "mxdot" if layout == "rows" else ("gluon" if T <= 512 else "mxstep")
+    group_scaled = "mxdot" if layout == "rows" else "gluon"
     assert s.decode == (group_scaled if T <= 768 else "asm")
     _check("moe", moe(x, pack, cfg, **kw, schedule=s), (x, params, cfg), kw)
 
@@ -441,30 +462,35 @@ def test_gluon_values_are_exact_for_every_code_and_scale() -> None:
     """``decode="gluon"`` (kernels/moe_gemm_gluon.py) through the down GEMM with one-hot rows,
     every code byte and scale byte 0..250 as in the tests above: each unscaled fp32 partial is
     one weight times its e8m0 group scale, exact (the group's MMA sums one non-zero product;
-    the scale multiplies in fp32, byte 0 as 2**-127).  Also two K splits (the partials of the
-    other split are zero) and 64-row programs."""
+    the scale multiplies in fp32, byte 0 as 2**-127).  With ``fold`` (scale bytes 0..128, a
+    pack's ``mx_fold``) the scale is applied in the bf16 decode, exact too (bytes 0 and 1 give
+    bf16 subnormals, which the MMA keeps).  Also two K splits (the partials of the other split
+    are zero) and 64-row programs."""
     N, K = 256, 256
     codes = (torch.arange(N * K // 2) % 256).to(torch.uint8).reshape(1, N, K // 2)
-    scales = (torch.arange(N * K // 32) % 251).to(torch.uint8).reshape(1, N, K // 32)
     c = codes[0]
     lo = formats.decode_e2m1(c & 15, dtype=torch.float64)
     hi = formats.decode_e2m1(c >> 4, dtype=torch.float64)
     w = torch.stack([lo, hi], -1).reshape(N, K)
-    w = w * formats.decode_e8m0(scales[0], dtype=torch.float64).repeat_interleave(32, dim=1)
-    tc, ts = (t.cuda() for t in mx_tiles(codes, scales, interleaved=False))
     h = torch.eye(K, dtype=torch.bfloat16, device="cuda")
     # slot of row r: the reverse order, so the partial rows are scattered as the kernel must
     sorted_slot = torch.arange(K - 1, -1, -1, dtype=torch.int32, device="cuda")
     block_expert = torch.zeros(K // 8, dtype=torch.int32, device="cuda")
     ones = torch.ones(1, 3, device="cuda")
-    for tile in (GemmTile(128, 128, swap_ab=True), GemmTile(64, 128, split_k=2)):
-        y = moe_down_triton(
-            h, tc, ts, ones, sorted_slot, block_expert, fmt=FMT_MXFP4, T=K, D=N, inter=K,
-            rows_out=K, num_m_blocks=K // 8, block_m=8, tile=tile, decode="gluon", tiled=True,
-        )  # fmt: skip
-        assert y.dtype == torch.float32 and y.shape == (tile.split_k, K, N)
-        got = y.double().sum(0).flip(0).T.cpu()  # (N, K): weight (n, k) at row slot K-1-k
-        assert torch.equal(got, w)
+    # fold: the scale in the bf16 decode, for scale bytes 0..128 only (a pack's mx_fold)
+    for fold, top in ((False, 251), (True, 129)):
+        sc = (torch.arange(N * K // 32) % top).to(torch.uint8).reshape(1, N, K // 32)
+        tc, ts = (t.cuda() for t in mx_tiles(codes, sc, interleaved=False))
+        want = w * formats.decode_e8m0(sc[0], dtype=torch.float64).repeat_interleave(32, dim=1)
+        for tile in (GemmTile(128, 128, swap_ab=True), GemmTile(64, 128, split_k=2)):
+            y = moe_down_triton(
+                h, tc, ts, ones, sorted_slot, block_expert, fmt=FMT_MXFP4, T=K, D=N, inter=K,
+                rows_out=K, num_m_blocks=K // 8, block_m=8, tile=tile, decode="gluon",
+                tiled=True, fold=fold,
+            )  # fmt: skip
+            assert y.dtype == torch.float32 and y.shape == (tile.split_k, K, N)
+            got = y.double().sum(0).flip(0).T.cpu()  # (N, K): weight (n, k) at row K-1-k
+            assert torch.equal(got, want), (fold, tile)
 
 
 @pytest.mark.gpu
@@ -478,18 +504,21 @@ def test_gluon_gemms_at_v4_flash_shapes(T: int) -> None:
     (x, params, cfg), kw = moe_inputs("moe", T, 11, shape="flash", fmt="mxfp4", device="cuda")
     pack = pack_moe(params, "cuda")
     d = moe_config(T, batch_invariant=False, fmt=pack.kernel_fmt)
-    assert d.decode == "gluon"
+    assert d.decode == "gluon" and pack.mx_fold
     split = d.gate_up.split_k
-    for s in (
-        d,
-        replace(d, gate_up=replace(d.gate_up, split_k=2 * split), down=replace(d.down, block_n=64)),
-        replace(d, gate_up=replace(d.gate_up, block_n=256), down=replace(d.down, block_n=256)),
-    ):
-        _check("moe", moe(x, pack, cfg, **kw, schedule=s), (x, params, cfg), kw)
-        # the router's batch-invariant schedule, so that only the experts' could differ
-        full = moe(x, pack, cfg, **kw, schedule=s, batch_invariant=True)
-        one = moe(x[-1:].clone(), pack, cfg, **kw, schedule=s, batch_invariant=True)
-        assert torch.equal(full[-1:], one)
+    # the fold (scales in the decode: this pack's bytes are <= 128) and the fp32 scale rule
+    for pk in (pack, replace(pack, mx_fold=False)):
+        for s in (
+            d,
+            replace(d, gate_up=replace(d.gate_up, split_k=2 * split),
+                    down=replace(d.down, block_n=64)),
+            replace(d, gate_up=replace(d.gate_up, block_n=256), down=replace(d.down, block_n=256)),
+        ):  # fmt: skip
+            _check("moe", moe(x, pk, cfg, **kw, schedule=s), (x, params, cfg), kw)
+            # the router's batch-invariant schedule, so that only the experts' could differ
+            full = moe(x, pk, cfg, **kw, schedule=s, batch_invariant=True)
+            one = moe(x[-1:].clone(), pk, cfg, **kw, schedule=s, batch_invariant=True)
+            assert torch.equal(full[-1:], one)
     x_static = x.clone()
     out = moe(x_static, pack, cfg, **kw)
     torch.cuda.synchronize()

@@ -588,15 +588,19 @@ _MOE_SCHEMAS: dict[str, str] = {
 SCHEMAS.update(_MOE_SCHEMAS)
 OPS = tuple(SCHEMAS)
 
-# "mxfp4_tiles": MXFP4 codes and scales in MoEPack's "tiles" layout (optimized/moe.py)
-_FMT_CODE = {"bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3, "mxfp4_tiles": 2}
+# "mxfp4_tiles": MXFP4 codes and scales in MoEPack's "tiles" layout (optimized/moe.py);
+# "mxfp4_tiles_fold": the same, every scale byte <= 128 (MoEPack.mx_fold)
+_FMT_CODE = {
+    "bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3, "mxfp4_tiles": 2, "mxfp4_tiles_fold": 2,
+}  # fmt: skip
 
 
-def _fmt(fmt: str) -> tuple[int, bool]:
-    """(the kernels' format code, tiles layout) of an operator's ``fmt`` string."""
+def _fmt(fmt: str) -> tuple[int, bool, bool]:
+    """(the kernels' format code, tiles layout, scales foldable into the bf16 decode) of an
+    operator's ``fmt`` string."""
     if fmt not in _FMT_CODE:
         raise InputError(f"fmt: expected one of {tuple(_FMT_CODE)}, got {fmt!r}")
-    return _FMT_CODE[fmt], fmt == "mxfp4_tiles"
+    return _FMT_CODE[fmt], fmt.startswith("mxfp4_tiles"), fmt == "mxfp4_tiles_fold"
 
 
 def _moe_schedule(T: int, batch_invariant: bool, fields: Sequence[int], fmt: str) -> MoESchedule:
@@ -640,7 +644,7 @@ def _routed_into(
     K = topk_ids.shape[1]
     if T == 0:
         return
-    code, tiled = _fmt(fmt)
+    code, tiled, fold = _fmt(fmt)
     inter = w13.shape[1] // 2
     sched = _moe_schedule(T, batch_invariant, schedule, fmt)
     bm = sched.block_m
@@ -654,14 +658,14 @@ def _routed_into(
     moe_gate_up_triton(
         xin, w13, s13, gscale, sorted_slot, block_expert, topk_weights.contiguous(), h,
         fmt=code, inter=inter, top_k=K, limit=limit, tile=sched.gate_up, num_m_blocks=nb,
-        block_m=bm, decode=sched.decode, fp4_join=sched.fp4_join, tiled=tiled,
+        block_m=bm, decode=sched.decode, fp4_join=sched.fp4_join, tiled=tiled, fold=fold,
     )  # fmt: skip
     if act_quant:
         act_quant_triton(h, h)  # in place: each program reads its 128 values before writing
     ws = moe_down_triton(
         h, w2, s2, gscale, sorted_slot, block_expert,
         fmt=code, T=T, D=D, inter=inter, rows_out=T * K, tile=sched.down, num_m_blocks=nb,
-        block_m=bm, decode=sched.decode, fp4_join=sched.fp4_join, tiled=tiled,
+        block_m=bm, decode=sched.decode, fp4_join=sched.fp4_join, tiled=tiled, fold=fold,
     )  # fmt: skip
     moe_reduce_triton(ws, ids, expert_map, shared(), out, w13.shape[0], gscale)
 
@@ -680,7 +684,7 @@ def _shared_expert(
     """The shared expert on every token (the same kernels, one expert): (T, D) in x.dtype, or
     with a K-split down its fp32 partials (split, T, D) for the reduce kernel."""
     T, D = x.shape
-    code, tiled = _fmt(fmt)
+    code, tiled, _ = _fmt(fmt)
     if tiled:  # the shared expert is FP8 or bf16 (optimized/moe.py packs it in rows)
         raise InputError(f"shared_fmt: expected rows (bf16 or fp8), got {fmt!r}")
     inter = w13.shape[1] // 2

@@ -126,6 +126,7 @@ class MoEPack:
     shared_quantized: bool
     max_tokens: int
     layout: str = "rows"
+    mx_fold: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in ("rows", "tiles") or (self.layout == "tiles" and self.fmt != "mxfp4"):
@@ -133,11 +134,19 @@ class MoEPack:
                 f"layout: expected 'rows', or 'tiles' for MXFP4 experts, got {self.layout!r} "
                 f"for {self.fmt!r}"
             )
+        if not isinstance(self.mx_fold, bool) or (self.mx_fold and self.layout != "tiles"):
+            raise InputError(
+                f"mx_fold: expected a bool, True only for the tiles layout, got {self.mx_fold!r} "
+                f"for layout {self.layout!r}"
+            )
 
     @property
     def kernel_fmt(self) -> str:
-        """The routed format as the operators take it: ``fmt``, or "mxfp4_tiles" for tiles."""
-        return "mxfp4_tiles" if self.layout == "tiles" else self.fmt
+        """The routed format as the operators take it: ``fmt``, or for tiles "mxfp4_tiles"
+        ("mxfp4_tiles_fold" with ``mx_fold``)."""
+        if self.layout != "tiles":
+            return self.fmt
+        return "mxfp4_tiles_fold" if self.mx_fold else "mxfp4_tiles"
 
     @property
     def num_local_experts(self) -> int:
@@ -446,12 +455,16 @@ def pack_moe(
         in_place = owned or reuse_expert_memory
         w13, s13 = mx_tiles(w13, s13, interleaved=True, in_place=in_place)
         w2, s2 = mx_tiles(w2, s2, interleaved=False, in_place=in_place)
+    # every e8m0 scale byte <= 128 (scales <= 2, as in real checkpoints): the Gluon GEMMs may
+    # apply the scales in their bf16 decode (exact there: 2**(s - 1) is a normal bf16)
+    fold = layout == "tiles" and max(int(s13.max()), int(s2.max())) <= 128
     return MoEPack(
         fmt=fmt, w13=w13, s13=s13, w2=w2, s2=s2, gscale=gs, expert_map=emap.to(device),
         num_experts=E, hidden_size=D, intermediate_size=inter, quantized=quantized,
         gate_weight=gate.contiguous(), gate_bias=params.gate_bias.to(device, torch.float32),
         shared_fmt=sfmt, shared_w13=sw13, shared_s13=ss13, shared_w2=sw2, shared_s2=ss2,
         shared_quantized=bool(params.shared_quantized), max_tokens=max_tokens, layout=layout,
+        mx_fold=fold,
     )  # fmt: skip
 
 

@@ -427,9 +427,15 @@ def main(argv: list[str] | None = None) -> int:
         if capped:
             break
         weights = [moe_params(shape, fmt, dev, weight_seed=w)[0] for w in range(a.weight_copies)]
-        packs = [pack_moe(w, dev, max_tokens=max(tokens), mxfp4_layout=layout) for w in weights]
+        # "tiles_nofold": the tiles pack with its scales applied in fp32 (MoEPack.mx_fold off)
+        pack_layout = "tiles" if layout == "tiles_nofold" else layout
+        packs = [
+            pack_moe(w, dev, max_tokens=max(tokens), mxfp4_layout=pack_layout) for w in weights
+        ]
+        if layout == "tiles_nofold":
+            packs = [replace(p, mx_fold=False) for p in packs]
         tag = f"{fmt}/{layout}" if layouts else fmt
-        kfmt = "mxfp4_tiles" if layout == "tiles" else fmt
+        kfmt = packs[0].kernel_fmt
         for T in tokens:
             xs = [
                 moe_inputs("moe", T, 100 + i, shape=shape, fmt=fmt, device=dev)[0][0]
@@ -454,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(
                         f"{tag} T={T}: default vs {layouts[0]}'s default rel {rel(want, first):.1e}"
                     )
-                cands = layout_candidates(T, layout, a.dry_run)
+                cands = layout_candidates(T, pack_layout, a.dry_run)
             elif a.mxdot:
                 cands = [candidates(T, a.dry_run)[0], *mxdot_candidates(T, a.dry_run)]
             else:

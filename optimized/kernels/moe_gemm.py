@@ -943,13 +943,17 @@ def _gate_up_gluon(
     top_k: int,
     limit: float,
     tile: GemmTile,
+    fold: bool,
 ) -> None:
     """``decode="gluon"``: the Gluon GEMM's fp32 [gate ; up] partials, then the SwiGLU
     epilogue of the split-K path (``moe_swiglu_kernel``, 128 columns per program)."""
     num_m = block_expert.numel()
     rows = num_m * 8
     part = torch.empty((tile.split_k, rows, 2 * inter), dtype=torch.float32, device=x.device)
-    moe_mx_gluon(x, w13, s13, sorted_slot, block_expert, part, gather=True, top_k=top_k, tile=tile)
+    moe_mx_gluon(
+        x, w13, s13, sorted_slot, block_expert, part, gather=True, top_k=top_k, tile=tile,
+        fold=fold,
+    )  # fmt: skip
     triton_launch(
         moe_swiglu_kernel, IDENTITY=False, BLOCK_M=8, BLOCK_N=128, SPLIT_K=tile.split_k,
         INTERP=INTERPRET, num_warps=4,
@@ -980,10 +984,13 @@ def moe_gate_up_triton(
     decode: str = "f16",
     fp4_join: bool = False,
     tiled: bool = False,
+    fold: bool = False,
 ) -> None:
     """h (num_m_blocks*block_m, I) = clamped SwiGLU of x's rows (see the module doc).  With
     ``tile.split_k`` > 1: fp32 partials, then ``moe_swiglu_kernel``.  ``tiled``: w13 and s13
-    in the ``"tiles"`` layout (gate and up rows interleaved; ``tile.block_n`` counts both)."""
+    in the ``"tiles"`` layout (gate and up rows interleaved; ``tile.block_n`` counts both).
+    ``fold``: every scale byte <= 128, so ``decode="gluon"`` may fold the scales into its bf16
+    decode (kernels/moe_gemm_gluon.py)."""
     T, D = x.shape
     identity = sorted_slot is None
     dummy = gscale
@@ -999,7 +1006,8 @@ def moe_gate_up_triton(
             and gluon_tile_ok(tile, block_m, D, 2 * inter)
         ):
             _gate_up_gluon(x, w13, s13, gscale, sorted_slot, block_expert, topk_weights, h,
-                           inter=inter, top_k=top_k, limit=limit, tile=tile)  # fmt: skip
+                           inter=inter, top_k=top_k, limit=limit, tile=tile,
+                           fold=fold)  # fmt: skip
             return
         decode = "mxstep"
     part = (
@@ -1049,10 +1057,12 @@ def moe_down_triton(
     decode: str = "f16",
     fp4_join: bool = False,
     tiled: bool = False,
+    fold: bool = False,
 ) -> torch.Tensor:
     """y[slot] = h[row] @ w2^T (rows of each M block; see the module doc).  Returns y
-    (rows_out, D) in h's dtype, or with ``tile.split_k`` > 1 the fp32 partials
-    (split_k, rows_out, D), unscaled, for :func:`moe_reduce_triton`."""
+    (rows_out, D) in h's dtype, or with ``tile.split_k`` > 1 or ``decode="gluon"`` the fp32
+    partials (split_k, rows_out, D), unscaled, for :func:`moe_reduce_triton`.  ``tiled`` and
+    ``fold``: as :func:`moe_gate_up_triton`'s."""
     identity = sorted_slot is None
     dummy = gscale
     _check_tiled(tiled, fmt, tile)
@@ -1067,7 +1077,10 @@ def moe_down_triton(
         ):
             # unscaled fp32 partials at the slots, for the reduce (also with one split)
             y = torch.empty((split, rows_out, D), dtype=torch.float32, device=h.device)
-            moe_mx_gluon(h, w2, s2, sorted_slot, block_expert, y, gather=False, top_k=1, tile=tile)
+            moe_mx_gluon(
+                h, w2, s2, sorted_slot, block_expert, y, gather=False, top_k=1, tile=tile,
+                fold=fold,
+            )  # fmt: skip
             return y
         decode = "mxstep"
     if split > 1:

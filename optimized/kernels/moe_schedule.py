@@ -61,6 +61,7 @@ from ._launch import INTERPRET
 
 __all__ = [
     "DECODES",
+    "TILES_FMTS",
     "GemmTile",
     "MoESchedule",
     "check_schedule_shapes",
@@ -70,6 +71,9 @@ __all__ = [
 ]
 
 DECODES = ("f16", "bits", "asm", "mxdot", "mxstep", "gluon")
+# MXFP4 experts in MoEPack's tiles layout, as the operators name them: "mxfp4_tiles_fold" when
+# every e8m0 scale byte is <= 128 (optimized/moe.py, ``MoEPack.mx_fold``)
+TILES_FMTS = ("mxfp4_tiles", "mxfp4_tiles_fold")
 _BLOCK_M = (8, 16, 32, 64, 128)
 
 
@@ -166,7 +170,7 @@ def check_schedule_shapes(
                 f"schedule.{name}: FP8 weights need block_k <= 128 (one scale block per step), "
                 f"got {g.block_k}"
             )
-        if f == "mxfp4_tiles" and g.block_k > 128:
+        if f in TILES_FMTS and g.block_k > 128:
             raise ConfigError(
                 f"schedule.{name}: MXFP4 experts in the tiles layout need block_k <= 128 (a "
                 f"step inside one 128-column block), got {g.block_k}"
@@ -256,7 +260,7 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
     tiles for the tiles layout), 64-column gate/up and 128-column down tiles, one stage, 64-slot
     sort chunks (small shapes, fewer programs).
     """
-    mx = fmt in ("mxfp4", "mxfp4_tiles")
+    mx = fmt == "mxfp4" or fmt in TILES_FMTS
     if INTERPRET:
         # the interpreter's cost is per program: two N tiles per GEMM at the tiny shape (I 128,
         # D 256) keep the tile indexing exercised at half the programs of 32-column tiles
@@ -276,14 +280,14 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
         if batch_invariant or not mx or T > 768:
             # tiles: two stages (whole moe at T 4096 on the H200: 7316 us against 8139 with
             # three, and 8763 for the rows layout's default; moe-h200.md, "The tiles layout")
-            r = dataclasses.replace(t, num_stages=2) if fmt == "mxfp4_tiles" else t
+            r = dataclasses.replace(t, num_stages=2) if fmt in TILES_FMTS else t
             return MoESchedule(
                 64, _gate_up(r, fmt), r, 64, t, t, decode="asm", fp4_join=True, align_chunk=128,
                 align_warps=8, shared_stream=batch_invariant,
             )  # fmt: skip
         # an expert holds ~T * top_k / E rows: a few up to T 256, ~12 at T 512; the Gluon
         # GEMMs (tiles) keep 8-row blocks to T 512
-        m8_max = 512 if fmt == "mxfp4_tiles" else 256
+        m8_max = 768 if fmt in TILES_FMTS else 256
         m8 = m8_max >= T
         r = dataclasses.replace(t, block_n=128, swap_ab=m8)
         return MoESchedule(
@@ -312,7 +316,7 @@ def _gate_up(tile: GemmTile, fmt: str) -> GemmTile:
     rows, and 112.5 / 379.9 / 1323.0 / 2973.4 us for the rows layout's default;
     bench/results/moe-h200.md, "The tiles layout"); the PTX decode's 64-column tiles (above
     T 768, batch invariant) become 128 rows, the same bytes per program."""
-    if fmt != "mxfp4_tiles" or tile.block_n >= 128:
+    if fmt not in TILES_FMTS or tile.block_n >= 128:
         return tile
     return dataclasses.replace(tile, block_n=2 * tile.block_n)
 
@@ -321,6 +325,6 @@ def _mx_decode(fmt: str, *, gluon: bool) -> str:
     """The MXFP4 routed GEMMs' decode: on the tiles layout the Gluon kernel where ``gluon``
     (8-row M blocks), else one load per K step from the contiguous blocks; one load per scale
     group from the checkpoint's rows."""
-    if fmt == "mxfp4_tiles":
+    if fmt in TILES_FMTS:
         return "gluon" if gluon else "mxstep"
     return "mxdot"
