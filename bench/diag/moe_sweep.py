@@ -151,6 +151,8 @@ def layout_candidates(T: int, layout: str, dry: bool) -> list[tuple[str, MoESche
         ]
         if gu.split_k > 1:
             out.append(("gluon_split_half", _routed(d, split_k=gu.split_k // 2)))
+        if T > 8:
+            out.append(("gluon_m16", replace(d, block_m=16)))
         if T > 256:  # the 16-row unswapped "mxstep" blocks the Gluon GEMMs replaced here
             out.append(("mxstep_m16", _routed(replace(d, block_m=16, decode="mxstep"),
                                               swap_ab=False)))  # fmt: skip
@@ -176,8 +178,9 @@ def layout_candidates(T: int, layout: str, dry: bool) -> list[tuple[str, MoESche
     if T > 64:
         out.append(("m8_swap", _routed(replace(d, block_m=8), swap_ab=True)))
     if T > 64:
-        # the Gluon GEMMs on 8-row blocks (the default up to T 512)
-        out.append(("gluon_m8", _routed(replace(d, block_m=8, decode="gluon"), block_n=128)))
+        # the Gluon GEMMs on 8- and 16-row blocks
+        g = _routed(replace(d, decode="gluon"), block_n=128, split_k=1)
+        out += [("gluon_m8", replace(g, block_m=8)), ("gluon_m16", replace(g, block_m=16))]
     if 64 < T <= 768:
         out += [
             ("m16_swap", _routed(d, swap_ab=True)),

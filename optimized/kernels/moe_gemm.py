@@ -943,19 +943,20 @@ def _gate_up_gluon(
     top_k: int,
     limit: float,
     tile: GemmTile,
+    block_m: int,
     fold: bool,
 ) -> None:
     """``decode="gluon"``: the Gluon GEMM's fp32 [gate ; up] partials, then the SwiGLU
     epilogue of the split-K path (``moe_swiglu_kernel``, 128 columns per program)."""
     num_m = block_expert.numel()
-    rows = num_m * 8
+    rows = num_m * block_m
     part = torch.empty((tile.split_k, rows, 2 * inter), dtype=torch.float32, device=x.device)
     moe_mx_gluon(
         x, w13, s13, sorted_slot, block_expert, part, gather=True, top_k=top_k, tile=tile,
-        fold=fold,
+        block_m=block_m, fold=fold,
     )  # fmt: skip
     triton_launch(
-        moe_swiglu_kernel, IDENTITY=False, BLOCK_M=8, BLOCK_N=128, SPLIT_K=tile.split_k,
+        moe_swiglu_kernel, IDENTITY=False, BLOCK_M=block_m, BLOCK_N=128, SPLIT_K=tile.split_k,
         INTERP=INTERPRET, num_warps=4,
     )(
         (num_m, triton.cdiv(inter, 128)), part, gscale, sorted_slot, block_expert,
@@ -1007,7 +1008,7 @@ def moe_gate_up_triton(
         ):
             _gate_up_gluon(x, w13, s13, gscale, sorted_slot, block_expert, topk_weights, h,
                            inter=inter, top_k=top_k, limit=limit, tile=tile,
-                           fold=fold)  # fmt: skip
+                           block_m=block_m, fold=fold)  # fmt: skip
             return
         decode = "mxstep"
     part = (
@@ -1079,7 +1080,7 @@ def moe_down_triton(
             y = torch.empty((split, rows_out, D), dtype=torch.float32, device=h.device)
             moe_mx_gluon(
                 h, w2, s2, sorted_slot, block_expert, y, gather=False, top_k=1, tile=tile,
-                fold=fold,
+                block_m=block_m, fold=fold,
             )  # fmt: skip
             return y
         decode = "mxstep"

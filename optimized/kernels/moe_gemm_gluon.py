@@ -1,7 +1,7 @@
 """The routed MXFP4 expert GEMMs at decode sizes, in Gluon: ``decode="gluon"``.
 
-What it computes: for every 8-row M block of the align kernel's sorted slots (expert e, rows
-r = 8 * block .. + 7), the fp32 product of the block's activation rows and e's MXFP4 weight rows
+What it computes: for every M block of the align kernel's sorted slots (8 or 16 rows: expert
+e, rows r = block_m * block .. + block_m - 1), the fp32 product of the block's activation rows and e's MXFP4 weight rows
 n over the program's K slice, into split-K partials that the Triton epilogues finish:
 
 * gate/up (``gather``): x row = token of slot ``sorted[r]`` (slot // top_k); w13 in the
@@ -333,16 +333,13 @@ def moe_mx_gluon_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-_BLOCK_T = 8  # the M block: mma_v2's N
-
-
 def gluon_tile_ok(tile: GemmTile, block_m: int, K: int, N: int) -> bool:
-    """Whether this kernel runs ``tile`` at this shape: 8-row M blocks, 128-column K steps,
-    ``block_n`` = 16 x (1, 2 or 4) x ``num_warps`` weight rows dividing N, K a multiple of
-    128 x ``split_k``."""
+    """Whether this kernel runs ``tile`` at this shape: 8- or 16-row M blocks (mma_v2's N),
+    128-column K steps, ``block_n`` = 16 x (1, 2 or 4) x ``num_warps`` weight rows dividing N,
+    K a multiple of 128 x ``split_k``."""
     m_tiles, rem = divmod(tile.block_n, 16 * tile.num_warps)
     return (
-        block_m == _BLOCK_T
+        block_m in (8, 16)
         and tile.block_k == 128
         and rem == 0
         and m_tiles in (1, 2, 4)
@@ -362,13 +359,14 @@ def moe_mx_gluon(
     gather: bool,
     top_k: int,
     tile: GemmTile,
+    block_m: int,
     fold: bool = False,
 ) -> None:
     """Write the split-K partials ``part`` (split, rows_part, N) fp32 of x's rows times the
     MXFP4 experts (module doc): gate/up with ``gather`` (x (T, K) read at the slots' tokens,
-    rows of ``part`` = M-block rows, columns [gate ; up]), down without (x = h (blocks * 8, K),
-    rows of ``part`` = slots).  The caller checks :func:`gluon_tile_ok`, the tiles layout and
-    x bf16 contiguous; ``fold`` only for scale bytes <= 128."""
+    rows of ``part`` = M-block rows, columns [gate ; up]), down without (x = h (blocks *
+    block_m, K), rows of ``part`` = slots).  The caller checks :func:`gluon_tile_ok`, the tiles
+    layout and x bf16 contiguous; ``fold`` only for scale bytes <= 128."""
     num_m = block_expert.numel()
     K = x.shape[1]
     N = codes.shape[1]
@@ -376,7 +374,7 @@ def moe_mx_gluon(
     w32 = codes.view(torch.int32)
     s32 = scales.view(torch.int32)
     triton_launch(
-        moe_mx_gluon_kernel, GATHER=gather, BLOCK_T=_BLOCK_T,
+        moe_mx_gluon_kernel, GATHER=gather, BLOCK_T=block_m,
         M_TILES=tile.block_n // (16 * tile.num_warps), SPLIT_K=split, FOLD=fold,
         NUM_WARPS=tile.num_warps, num_warps=tile.num_warps,
     )(
