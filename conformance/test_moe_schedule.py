@@ -443,17 +443,16 @@ def test_mxdot_falls_back_where_it_does_not_apply() -> None:
 @pytest.mark.parametrize("layout", ["rows", "tiles"])
 @pytest.mark.parametrize("T", [1, 64, 128, 300, 700, 1024])
 def test_mxdot_defaults_at_v4_flash_shapes(T: int, layout: str) -> None:
-    """The default's group-scaled dot at V4-Flash experts (D 4096, I 2048, E 256, top-6),
-    MXFP4, in both ``pack_moe`` layouts (``"mxdot"`` on the checkpoint's rows, ``"mxstep"`` on
-    the tiles), within the moe tolerance of the float64 reference: 8-row swapped blocks with K
-    splits (T 1), without (T 64, 128), 16-row unswapped blocks (T 300, 700); and above T 768
-    the PTX decode on 64-row blocks (T 1024; on the tiles 128 interleaved gate/up rows, two
-    stages)."""
+    """The default's group-scaled GEMMs at V4-Flash experts (D 4096, I 2048, E 256, top-6),
+    MXFP4, in both ``pack_moe`` layouts (``"mxdot"`` on the checkpoint's rows, the Gluon GEMMs
+    on the tiles), within the moe tolerance of the float64 reference: 8-row blocks with K
+    splits (T 1), without (T 64, 128), 16-row blocks (T 300, 700, and 1024 on the tiles); on
+    the rows above T 768 the PTX decode on 64-row blocks (T 1024)."""
     (x, params, cfg), kw = moe_inputs("moe", T, 7, shape="flash", fmt="mxfp4", device="cuda")
     pack = pack_moe(params, "cuda", mxfp4_layout=layout)
     s = moe_config(T, batch_invariant=False, fmt=pack.kernel_fmt)
-    group_scaled = "mxdot" if layout == "rows" else "gluon"
-    assert s.decode == (group_scaled if T <= 768 else "asm")
+    group_scaled, top = ("mxdot", 768) if layout == "rows" else ("gluon", 1024)
+    assert s.decode == (group_scaled if T <= top else "asm")
     _check("moe", moe(x, pack, cfg, **kw, schedule=s), (x, params, cfg), kw)
 
 
