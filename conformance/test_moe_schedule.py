@@ -451,8 +451,8 @@ def test_mxdot_defaults_at_v4_flash_shapes(T: int, layout: str) -> None:
     (x, params, cfg), kw = moe_inputs("moe", T, 7, shape="flash", fmt="mxfp4", device="cuda")
     pack = pack_moe(params, "cuda", mxfp4_layout=layout)
     s = moe_config(T, batch_invariant=False, fmt=pack.kernel_fmt)
-    group_scaled, top = ("mxdot", 768) if layout == "rows" else ("gluon", 1024)
-    assert s.decode == (group_scaled if T <= top else "asm")
+    group_scaled, last = ("mxdot", 768) if layout == "rows" else ("gluon", 1024)
+    assert s.decode == (group_scaled if last >= T else "asm")
     _check("moe", moe(x, pack, cfg, **kw, schedule=s), (x, params, cfg), kw)
 
 

@@ -93,7 +93,7 @@ group: the gate/up loop takes 4.2 instructions per weight and thread at the defa
 swapped tiles against 6.2 for ``"asm"`` at 16 x 64 (both 3 programs per SM by registers;
 ``python bench/sm90_resources.py --moe``), and the whole moe 8-10 % less time at T 1-64, up to
 45 % less at T 128-512 where it replaced 64-row tiles (bench/results/moe-h200.md, "The
-group-scaled dot").  ``decode="mxstep"`` (the default on the tiles layout): the same dots on
+group-scaled dot").  ``decode="mxstep"`` (the tiles layout's Triton path): the same dots on
 the same operands (so the same bits), the step's (BLOCK_N, 64) code bytes loaded at once and
 split into the four groups in registers; on the tiles layout the whole moe took 105.4 / 321.9
 / 1059.1 / 2609.3 us at T 1 / 8 / 64 / 512 against the rows layout's 112.5 / 379.9 / 1323.0 /
@@ -109,6 +109,11 @@ to 512); ``"bits"``: the fp32 pattern from integer
 ops and selects, the bf16 taken as the product's high half, 2408 instructions, slower still.
 All three give the same dot operands bit for bit.  The decode-size GEMMs are limited by
 instruction issue, not HBM: a decode with fewer instructions was faster at every T.
+``decode="gluon"`` (the default on the tiles layout up to T 1024) leaves these kernels: the
+routed GEMMs run as the Gluon kernels of kernels/moe_gemm_gluon.py (3.0-3.6 instructions per
+weight, no shared memory), whose fp32 partials (split, rows, N) go through the split-K path's
+``moe_swiglu_kernel`` and ``moe_reduce_kernel`` below, also unsplit; without a compiled launch
+(the interpreter) or outside their shapes they fall back to ``"mxstep"``.
 
 Split-K (``split_k`` > 1): program (m, n, s) covers K slice s; gate/up stores fp32 partials
 (split, NB*BLOCK_M, 2I) and ``moe_swiglu_kernel`` sums them in the order 0..split-1 before the

@@ -1,8 +1,9 @@
 """The routed MXFP4 expert GEMMs at decode sizes, in Gluon: ``decode="gluon"``.
 
-What it computes: for every M block of the align kernel's sorted slots (8 or 16 rows: expert
-e, rows r = block_m * block .. + block_m - 1), the fp32 product of the block's activation rows and e's MXFP4 weight rows
-n over the program's K slice, into split-K partials that the Triton epilogues finish:
+What it computes: for every M block of the align kernel's sorted slots (``block_m`` 8 or 16
+rows: expert e, rows r = block_m * block .. + block_m - 1), the fp32 product of the block's
+activation rows and e's MXFP4 weight rows n over the program's K slice, into split-K partials
+that the Triton epilogues finish:
 
 * gate/up (``gather``): x row = token of slot ``sorted[r]`` (slot // top_k); w13 in the
   ``"tiles"`` layout with gate and up rows interleaved (packed row 2c gate column c, 2c + 1 up
@@ -13,18 +14,22 @@ n over the program's K slice, into split-K partials that the Triton epilogues fi
 
 Shapes and dtypes: x (rows, K) bf16, contiguous, K a multiple of 128 * split; codes (E, N, K/2)
 uint8 and scales (E, N, K/32) e8m0 bytes in the tiles layout (optimized/moe.py, ``mx_tiles``;
-N a multiple of 128); partials (split, rows_part, N) fp32.  Bytes it must move: each active
-block's expert codes and scales once per 128-row tile (9/16 byte per weight), x from L2, the
-partials (4 * split * rows * N bytes, about 1 % of the weights at top-6 decode).
+N a multiple of the program's rows); partials (split, rows_part, N) fp32.  Bytes it must move:
+each active block's expert codes and scales (9/16 byte per weight), x from L2, the partials
+(4 * split * rows * N bytes, about 1 % of the weights at top-6 decode).  Fuses the MXFP4
+decode, the e8m0 scales and the gather of the routed rows into the GEMM.
 
 Why Gluon.  Triton's ``dot_scaled`` version (kernels/moe_gemm.py, ``"mxstep"``) streams the
 tiles at about 2.1-2.3 TB/s: its loop converts each group's e8m0 scales through shared memory
 (barriers every group) and issues 4.3 instructions per weight.  Here the register layout is
-ours (bench/results/moe-h200.md, "A Gluon kernel on the tiles"):
+ours, 3.0 instructions per weight with the fold, 3.6 without; the whole moe on the H200 at
+T 1 / 8 / 64 / 512: 80.2 / 219.5 / 724.5 / 1902 us against 90.6 / 305.2 / 1043.9 / 2625 us
+for ``"mxstep"``, the experts streaming at about 3.5 TB/s at T 64 (bench/results/moe-h200.md,
+"Gluon GEMMs on the tiles"):
 
 * ``mma_v2`` (m16n8k16, bf16 -> fp32) with the weights as operand A (M = 128 weight rows per
-  program: 4 warps x 2 tiles of 16) and the 8 activation rows as B (N = 8).  One MMA chain per
-  32-column scale group (K = 32, ``DotOperandLayout(k_width=4)``).
+  program: 4 warps x 2 tiles of 16) and the block's activation rows as B (N = 8 or 16).  One
+  MMA per 32-column scale group (K = 32, ``DotOperandLayout(k_width=4)``).
 * K permuted inside each group (for the weights and x alike, so the dot is unchanged): thread
   ``lane % 4`` then needs exactly code word ``lane % 4`` (bytes 4w .. 4w + 3) of each row and
   group, one 32-bit load from the tiles layout's 64-byte row of the (128-row, 128-column)
@@ -36,15 +41,18 @@ ours (bench/results/moe-h200.md, "A Gluon kernel on the tiles"):
   multiplies each group's fp32 MMA result (byte 0 is 2**-127, built from bits): exact for every
   scale byte, the rule of ``"mxdot"``; the order of the fp32 sums differs from it (the values
   stay within the pairs' tolerance, not bitwise).  With ``fold`` (a pack whose scale bytes are
-  all <= 128) the multiplier is 2**(s - 1) instead, applying the scale exactly in bf16, and the
-  step's four groups chain in one MMA accumulator: 5-10 % faster.
+  all <= 128: ``MoEPack.mx_fold``, which real checkpoints' scales far below 1 meet) the
+  multiplier is 2**(s - 1) instead, applying the scale exactly in bf16, and the step's four
+  groups chain in one MMA accumulator: the whole moe 5-12 % faster (T 64: 724.5 against
+  796.1 us).
 * Loads: the next 128-column step's code words, scale word and x are loaded into registers
   before the current step computes (one step of register prefetch; two steps measured slower:
-  the registers doubled).  84 registers, no shared memory: about six programs per SM.
+  the registers doubled).  76-88 registers at 8 rows, 128-136 at 16, no shared memory.
 
-Batch invariance: a row's value depends on its expert, the split and the mode only, never on
-the other rows or on T.  No interpreter: Gluon has none, so on the CPU ``"gluon"`` runs as
-``"mxstep"`` (kernels/moe_gemm.py, ``_decode_for``); the GPU tier tests this kernel.
+Batch invariance: a row's value depends on its expert, the split, ``block_m``'s MMA shape and
+the mode only, never on the other rows or on T.  No interpreter: Gluon has none, so on the CPU
+``"gluon"`` runs as ``"mxstep"`` (kernels/moe_gemm.py, ``_decode_for``); the GPU tier tests
+this kernel (conformance/test_moe_schedule.py, ``test_gluon_*``).
 """
 
 from __future__ import annotations

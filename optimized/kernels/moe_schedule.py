@@ -28,7 +28,12 @@ What each knob changes (optimized/kernels/moe_gemm.py, module doc, "Schedule"):
   unscaled e2m1 values, the e8m0 scale applied to the fp32 partial (kernels/moe_gemm.py,
   ``_mx_groups_step``); not value-preserving against the others (the fp32 sums are grouped).
   ``"mxstep"``: the same dots with a K step's codes in one load (the same bits as
-  ``"mxdot"``; what the tiles layout always runs).
+  ``"mxdot"``; what the tiles layout runs in Triton).  ``"gluon"`` (MXFP4 in the tiles
+  layout, 8- or 16-row blocks, compiled launches; else it runs as ``"mxstep"``): the routed
+  GEMMs as the Gluon kernels of kernels/moe_gemm_gluon.py (register-level decode, one MMA per
+  scale group, the scale on the group's fp32 result, or folded into the bf16 decode for a
+  pack whose scale bytes are <= 128), writing fp32 partials that the SwiGLU and reduce
+  kernels finish; not value-preserving against the others (another fp32 summation order).
 * ``fp4_join``: FP4 only.  False: the low and high nibbles feed two dots of half the K step
   against x's even and odd columns (strided loads of x); True: the decoded halves are
   interleaved back in registers (``tl.join``) and one dot reads x contiguously.
@@ -44,9 +49,11 @@ Numerics: for a fixed schedule every row is computed the same way whatever T is 
 invariant).  ``split_k`` and ``block_k`` change the fp32 summation order (allowed: within the
 pairs' tolerance); ``block_m``, ``block_n``, ``num_warps`` and ``swap_ab`` pick the tile and
 so may change the tensor-core instruction (mma.sync below 64 rows, wgmma above) and its internal
-order, and so may ``fp4_join`` (one dot over K where there were two) and ``"mxdot"`` (per-group
-fp32 partials); ``group_m``, ``num_stages``, the other decodes, the align knobs and
-``shared_stream`` change no value (tested bitwise on the CPU; the stream on the GPU).
+order, and so may ``fp4_join`` (one dot over K where there were two), ``"mxdot"`` (per-group
+fp32 partials) and ``"gluon"`` (its own MMA order; with a pack's ``mx_fold`` a step's four
+groups in one MMA chain); ``group_m``, ``num_stages``, the other decodes, the align knobs and
+``shared_stream`` change no value (tested bitwise on the CPU; the stream on the GPU).  The
+Gluon kernels ignore ``num_stages`` and ``swap_ab``.
 """
 
 from __future__ import annotations
@@ -218,7 +225,8 @@ def schedule_from_fields(f: tuple[int, ...]) -> MoESchedule:
 @functools.cache
 def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESchedule:
     """The default schedule of a call with T tokens whose routed experts are in ``fmt``
-    (measured: bench/results/moe-h200.md, "Schedule" and "The group-scaled dot").
+    (measured: bench/results/moe-h200.md, "Schedule", "The group-scaled dot" and "Gluon
+    GEMMs on the tiles").
 
     Every GEMM: 128-column K steps (one FP8 scale block; four MXFP4 scale groups), 4 warps,
     3 stages, the 2-D grid.  By T:
@@ -247,12 +255,17 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
       step, captured, at T 1 / 8 / 64 475.3 / 730.2 / 1469.2 us against 485.2 / 733.2 /
       1496.8 us in order; the eager prefill of 512 / 4096 tokens 5606 / 13125 us against
       5484 / 13139 (``bench/diag/moe_stream_ab.py``, one process, H200).
-    * ``fmt="mxfp4_tiles"`` (``pack_moe``'s default layout for MXFP4): the same structure with
-      ``decode="mxstep"`` (a K step's codes in one load) for the group-scaled dots, 128-row
-      gate/up tiles of interleaved gate and up rows everywhere, and two stages for the routed
-      PTX-decode GEMMs (:func:`_gate_up`; whole moe on the H200 at T 1 / 8 / 64 / 512 / 4096:
-      105.4 / 321.9 / 1059.1 / 2609.3 / 7316.4 us against the rows layout's 112.5 / 379.9 /
-      1323.0 / 2973.4 / 8762.8 us).
+    * ``fmt="mxfp4_tiles"`` / ``"mxfp4_tiles_fold"`` (``pack_moe``'s default layout for
+      MXFP4): the routed GEMMs as the Gluon kernels (``decode="gluon"``,
+      kernels/moe_gemm_gluon.py) up to T 1024, with the K splits above up to T 8, on 8-row
+      blocks up to T 256 and 16-row blocks above (whole moe on the H200, fold, at T 1 / 8 / 64
+      / 512 / 768 / 1024: 80.2 / 219.5 / 724.5 / 1902 / 2395 / 2880 us against the Triton
+      ``"mxstep"`` schedule's 90.6 / 305.2 / 1043.9 / 2625 / 3375 / 3523 us; 16-row blocks
+      lost below T 512: 927.9 against 724.5 us at T 64; moe-h200.md, "Gluon GEMMs on the
+      tiles"); 128-row gate/up tiles of interleaved gate and up rows everywhere; above T 1024
+      the PTX decode with two stages (:func:`_gate_up`; 7328 us at T 4096 against 9766 for
+      the Gluon GEMMs on 16-row blocks).  ``"mxstep"`` (a K step's codes in one load) is the
+      tiles' Triton path: the interpreter's, and what ``"gluon"`` falls back to.
 
     The sort runs in one program up to 128 slots (T 21 at top-6), in 128-slot chunks above,
     8 warps.  Under the interpreter, for every T, the T <= 64 structure of the format at the
@@ -278,7 +291,8 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
     tiles = fmt in TILES_FMTS
     if batch_invariant or T > 64:
         t = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3)
-        if batch_invariant or not mx or T > (1024 if tiles else 768):
+        group_scaled_max = 1024 if tiles else 768  # the last T of the group-scaled GEMMs
+        if batch_invariant or not mx or group_scaled_max < T:
             # tiles: two stages (whole moe at T 4096 on the H200: 7316 us against 8139 with
             # three, and 8763 for the rows layout's default; moe-h200.md, "The tiles layout")
             r = dataclasses.replace(t, num_stages=2) if fmt in TILES_FMTS else t
