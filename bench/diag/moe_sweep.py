@@ -153,6 +153,11 @@ def layout_candidates(T: int, layout: str, dry: bool) -> list[tuple[str, MoESche
             out.append(("gluon_split_half", _routed(d, split_k=gu.split_k // 2)))
         if T > 8:
             out.append(("gluon_m16", replace(d, block_m=16)))
+        # the FP8 shared expert (Triton, beside the routed GEMMs on the side stream up to T 64)
+        # on other M blocks
+        for bm in (8, 32, 64):
+            if bm != d.shared_block_m and (bm < 32 or T > 16):
+                out.append((f"shared_m{bm}", replace(d, shared_block_m=bm)))
         if T > 256:  # the 16-row unswapped "mxstep" blocks the Gluon GEMMs replaced here
             out.append(("mxstep_m16", _routed(replace(d, block_m=16, decode="mxstep"),
                                               swap_ab=False)))  # fmt: skip
