@@ -464,7 +464,7 @@ def test_gluon_values_are_exact_for_every_code_and_scale() -> None:
     the scale multiplies in fp32, byte 0 as 2**-127).  With ``fold`` (scale bytes 0..128, a
     pack's ``mx_fold``) the scale is applied in the bf16 decode, exact too (bytes 0 and 1 give
     bf16 subnormals, which the MMA keeps).  Also two K splits (the partials of the other split
-    are zero), 64-row programs and 16-row M blocks."""
+    are zero), 64-row programs and 16- and 32-row M blocks."""
     N, K = 256, 256
     codes = (torch.arange(N * K // 2) % 256).to(torch.uint8).reshape(1, N, K // 2)
     c = codes[0]
@@ -481,7 +481,11 @@ def test_gluon_values_are_exact_for_every_code_and_scale() -> None:
         sc = (torch.arange(N * K // 32) % top).to(torch.uint8).reshape(1, N, K // 32)
         tc, ts = (t.cuda() for t in mx_tiles(codes, sc, interleaved=False))
         want = w * formats.decode_e8m0(sc[0], dtype=torch.float64).repeat_interleave(32, dim=1)
-        for tile, bm in ((GemmTile(128, 128, swap_ab=True), 8), (GemmTile(64, 128, split_k=2), 16)):
+        for tile, bm in (
+            (GemmTile(128, 128, swap_ab=True), 8),
+            (GemmTile(64, 128, split_k=2), 16),
+            (GemmTile(128, 128), 32),
+        ):
             y = moe_down_triton(
                 h, tc, ts, ones, sorted_slot, block_expert[: K // bm], fmt=FMT_MXFP4, T=K, D=N,
                 inter=K, rows_out=K, num_m_blocks=K // bm, block_m=bm, tile=tile,
@@ -497,7 +501,7 @@ def test_gluon_values_are_exact_for_every_code_and_scale() -> None:
 def test_gluon_gemms_at_v4_flash_shapes(T: int) -> None:
     """The Gluon routed GEMMs at V4-Flash experts (D 4096, I 2048, E 256, top-6), MXFP4
     tiles: within the moe tolerance of the float64 reference under the default and with
-    another split, 64- / 256-row programs and 16-row M blocks; each row's bits the same in
+    another split, 64- / 256-row programs and 16- and 32-row M blocks; each row's bits the same in
     a batch of one (batch invariant for a fixed schedule); a CUDA-graph replay equal to the
     eager call."""
     (x, params, cfg), kw = moe_inputs("moe", T, 11, shape="flash", fmt="mxfp4", device="cuda")
@@ -513,6 +517,7 @@ def test_gluon_gemms_at_v4_flash_shapes(T: int) -> None:
                     down=replace(d.down, block_n=64)),
             replace(d, gate_up=replace(d.gate_up, block_n=256), down=replace(d.down, block_n=256)),
             replace(d, block_m=16),
+            replace(d, block_m=32),
         ):  # fmt: skip
             _check("moe", moe(x, pk, cfg, **kw, schedule=s), (x, params, cfg), kw)
             # the router's batch-invariant schedule, so that only the experts' could differ

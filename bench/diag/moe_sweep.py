@@ -153,6 +153,8 @@ def layout_candidates(T: int, layout: str, dry: bool) -> list[tuple[str, MoESche
             out.append(("gluon_split_half", _routed(d, split_k=gu.split_k // 2)))
         if T > 8:
             out.append(("gluon_m16", replace(d, block_m=16)))
+        if T > 256:
+            out.append(("gluon_m32", replace(d, block_m=32)))
         # the FP8 shared expert (Triton, beside the routed GEMMs on the side stream up to T 64)
         # on other M blocks
         for bm in (8, 32, 64):
@@ -185,7 +187,7 @@ def layout_candidates(T: int, layout: str, dry: bool) -> list[tuple[str, MoESche
     if T > 64:
         # the Gluon GEMMs on 8- and 16-row blocks
         g = _routed(replace(d, decode="gluon"), block_n=128, split_k=1)
-        out += [("gluon_m8", replace(g, block_m=8)), ("gluon_m16", replace(g, block_m=16))]
+        out += [(f"gluon_m{bm}", replace(g, block_m=bm)) for bm in (8, 16, 32)]
     if 64 < T <= 768:
         out += [
             ("m16_swap", _routed(d, swap_ab=True)),

@@ -143,8 +143,8 @@ def _word_layout(m_tiles, num_warps):
 @gluon.constexpr_function
 def _x_layout(block_t, num_warps):
     """(16 bf16x2 words = 32 columns of a group, rows): lane % 4 holds words 4w .. 4w + 3 (one
-    16-byte load) of row lane // 4; every warp the same."""
-    reg = [[1, 0], [2, 0]] + ([[0, 8]] if block_t == 16 else [])
+    16-byte load) of row lane // 4 (rows + 8, + 16 in registers); every warp the same."""
+    reg = [[1, 0], [2, 0]] + [[0, 8 << j] for j in range((block_t // 8).bit_length() - 1)]
     lane = [[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]]
     warp = [[0, 0]] * (num_warps.bit_length() - 1)
     return gl.DistributedLinearLayout(
@@ -342,12 +342,12 @@ def moe_mx_gluon_kernel(
 
 # ----------------------------------------------------------------------------- launcher
 def gluon_tile_ok(tile: GemmTile, block_m: int, K: int, N: int) -> bool:
-    """Whether this kernel runs ``tile`` at this shape: 8- or 16-row M blocks (mma_v2's N),
+    """Whether this kernel runs ``tile`` at this shape: 8-, 16- or 32-row M blocks (mma_v2's N),
     128-column K steps, ``block_n`` = 16 x (1, 2 or 4) x ``num_warps`` weight rows dividing N,
     K a multiple of 128 x ``split_k``."""
     m_tiles, rem = divmod(tile.block_n, 16 * tile.num_warps)
     return (
-        block_m in (8, 16)
+        block_m in (8, 16, 32)
         and tile.block_k == 128
         and rem == 0
         and m_tiles in (1, 2, 4)
