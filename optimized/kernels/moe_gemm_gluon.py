@@ -94,6 +94,7 @@ def _decode_ptx(fold_half: int | None) -> str:
     if fold_half is None:
         head.append("mov.b32 k, 0x7E807E80;")
     else:
+        # this group's half broadcast: ptxas makes it an .H0_H0 / .H1_H1 operand, no instruction
         half = "k0, k0" if fold_half == 0 else "k1, k1"
         head += ["mov.b32 {k0, k1}, $9;", f"mov.b32 k, {{{half}}};"]
     body = [
