@@ -201,11 +201,13 @@ def linear_lines() -> list[str]:
 
 
 def moe_lines() -> list[str]:
-    """The MoE's routed gate/up and down kernels (kernels/moe_gemm.py) for MXFP4 experts at
-    V4-Flash (D 4096, I 2048), bf16 x: the default schedule at T 1, 8, 64, 512 and 4096 in
-    both layouts of ``pack_moe`` (``decode="mxdot"`` on the checkpoint's rows, ``"mxstep"`` on
-    the tiles, up to T 768), ``"mxstep"`` on rows, and, for comparison, the PTX decode on the
-    16-row, 64-column tiles the group-scaled dot replaced at decode sizes."""
+    """The MoE's routed gate/up and down Triton kernels (kernels/moe_gemm.py) for MXFP4 experts
+    at V4-Flash (D 4096, I 2048), bf16 x: the default schedule at T 1, 8, 64, 512 and 4096 on
+    the checkpoint's rows (``decode="mxdot"`` up to T 768), the same tiles as ``"mxstep"`` on
+    the tiles layout (its Triton path: the tiles' default up to T 1024 is the Gluon kernels of
+    kernels/moe_gemm_gluon.py, which ``bench/diag/gluon_mx_probe.py --sass`` reports),
+    ``"mxstep"`` on rows, and, for comparison, the PTX decode on the 16-row, 64-column tiles
+    the group-scaled dot replaced at decode sizes."""
     from dataclasses import replace
 
     from dsv4mtp.optimized.kernels.moe_gemm import (
@@ -228,9 +230,10 @@ def moe_lines() -> list[str]:
     for T in (1, 8, 64, 512, 4096):
         rows = moe_config(T, batch_invariant=False)
         cases.append((f"T={T}", False, rows))
-        cases.append(
-            (f"T={T} tiles", True, moe_config(T, batch_invariant=False, fmt="mxfp4_tiles"))
-        )
+        tiles = moe_config(T, batch_invariant=False, fmt="mxfp4_tiles")
+        if tiles.decode == "gluon":  # the Triton kernels run the tiles as "mxstep"
+            tiles = replace(tiles, decode="mxstep")
+        cases.append((f"T={T} tiles", True, tiles))
         if T == 64:  # the whole-step load on the rows (the tiles always load whole steps)
             cases.append((f"T={T}", False, replace(rows, decode="mxstep")))
     d64 = moe_config(64, batch_invariant=False)

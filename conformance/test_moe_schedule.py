@@ -31,7 +31,14 @@ import triton.language as tl
 
 from dsv4mtp.optimized.kernels._launch import INTERPRET
 from dsv4mtp.optimized.kernels.decode import _e2m1_pair_bf16, _e4m3_bf16
-from dsv4mtp.optimized.kernels.moe_gemm import FMT_FP8, FMT_MXFP4, _decode_for, moe_down_triton
+from dsv4mtp.optimized.kernels.moe_gemm import (
+    FMT_FP8,
+    FMT_MXFP4,
+    _decode_for,
+    moe_down_triton,
+    moe_reduce_triton,
+)
+from dsv4mtp.optimized.kernels.moe_gemm_gluon import gluon_applies, gluon_tile_ok
 from dsv4mtp.optimized.kernels.moe_route import RouteSchedule, route_config, route_triton
 from dsv4mtp.optimized.kernels.moe_schedule import (
     schedule_from_fields,
@@ -384,6 +391,8 @@ def test_tiles_fold_flag_follows_the_scale_bytes(device: str) -> None:
     _check("moe", moe(x, big, cfg, **kw), (x, params, cfg), kw)
     with pytest.raises(InputError, match="mx_fold"):
         replace(rows, mx_fold=True)
+    with pytest.raises(InputError, match="above 128"):
+        replace(big, mx_fold=True)
 
 
 @pytest.mark.gpu
@@ -577,12 +586,70 @@ def test_schedule_validation() -> None:
         s = moe_config(1, batch_invariant=True)
         MoESchedule(16, s.gate_up, s.down, 16, s.shared_gate_up, s.shared_down, decode="lut")
     in_order = replace(moe_config(1, batch_invariant=False), shared_stream=False)
-    for s in (*SCHEDULES.values(), moe_config(1, batch_invariant=False), in_order):
+    gluon = replace(in_order, decode="gluon", block_m=32)
+    for s in (*SCHEDULES.values(), moe_config(1, batch_invariant=False), in_order, gluon):
         assert schedule_from_fields(tuple(schedule_to_fields(s))) == s
     with pytest.raises(ConfigError, match="shared_stream"):
         replace(in_order, shared_stream=1)
     b = moe_config(4096, batch_invariant=True)
     assert all(moe_config(t, batch_invariant=True) == b for t in (1, 8, 64, 512))
+
+
+def test_gluon_applies_only_where_the_kernel_can_run() -> None:
+    """The Gluon GEMMs take a call only at their shapes (8-, 16- or 32-row blocks, 128-wide K
+    steps, 16 x (1, 2, 4) x warps weight rows per program dividing N, K a multiple of 128 x
+    split) and with x and the codes contiguous at 4-byte aligned addresses (they are read as
+    int32 words); anything else runs as ``"mxstep"`` (checked here without a GPU: the
+    launchers decide on these predicates before any launch)."""
+    x = torch.zeros(8, 512, dtype=torch.bfloat16)
+    codes = torch.zeros(2, 256, 256, dtype=torch.uint8)
+    ok = GemmTile(128, 128)
+    assert gluon_applies(x, codes, ok, 8)
+    assert gluon_applies(x, codes, GemmTile(64, 128, split_k=4), 16)
+    assert gluon_applies(x, codes, GemmTile(256, 128, num_warps=4), 32)
+    assert not gluon_applies(x, codes, ok, 64)  # block_m
+    assert not gluon_applies(x, codes, GemmTile(128, 64), 8)  # K step
+    assert not gluon_applies(x, codes, GemmTile(32, 128), 8)  # half an MMA tile per warp
+    assert not gluon_applies(x, codes, GemmTile(64, 128, num_warps=8), 8)
+    assert not gluon_applies(x, codes, GemmTile(128, 128, split_k=8), 8)  # 512 / 8 < 128
+    assert not gluon_applies(x, codes[:, :192], GemmTile(128, 128), 8)  # N % 128
+    odd = torch.zeros(8 * 512 + 1, dtype=torch.bfloat16)[1:].view(8, 512)
+    assert odd.is_contiguous() and not gluon_applies(odd, codes, ok, 8)
+    assert not gluon_applies(x, codes.transpose(1, 2), ok, 8)
+    assert gluon_tile_ok(ok, 8, 512, 256) and not gluon_tile_ok(ok, 8, 512, 192)
+
+
+def test_reduce_takes_one_split_partials(device: str) -> None:
+    """A 3-D down workspace is fp32 partials even with one split (the Gluon down GEMM's
+    output): the reduce applies the down scale and rounds each slot's row as the unsplit down
+    kernel does, then sums in slot order; a 2-D one is rows as the down kernel stored them.
+    The shared expert's rows likewise (3-D: partials, rounded; 2-D: rows)."""
+    T, K, D, E = 5, 3, 256, 4
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32)
+    ids[1, 2] = -1  # a padding slot
+    part = torch.randn(1, T * K, D, generator=g)
+    gscale = torch.rand(E, 3, generator=g) + 0.5
+    shared = torch.randn(T, D, generator=g)
+    dev = torch.device(device)
+    out3 = torch.empty(T, D, dtype=torch.bfloat16, device=dev)
+    moe_reduce_triton(
+        part.to(dev), ids.to(dev), None, shared[None].to(dev), out3, E, gscale.to(dev)
+    )
+    # the rows the unsplit down kernel would have stored: partial x down scale, rounded
+    rows = (part[0].view(T, K, D) * gscale[ids.clamp_min(0).long(), 2][..., None]).to(
+        torch.bfloat16
+    )
+    out2 = torch.empty(T, D, dtype=torch.bfloat16, device=dev)
+    moe_reduce_triton(
+        rows.reshape(T * K, D).to(dev), ids.to(dev), None,
+        shared.to(torch.bfloat16).to(dev), out2, E, gscale.to(dev),
+    )  # fmt: skip
+    assert torch.equal(out3, out2)
+    want = ((rows.float() * (ids >= 0)[..., None]).sum(1) + shared.to(torch.bfloat16).float()).to(
+        torch.bfloat16
+    )
+    assert torch.equal(out3.cpu(), want)
 
 
 def test_schedule_shape_rules_raise(device: str) -> None:

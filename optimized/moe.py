@@ -102,7 +102,10 @@ class MoEPack:
     ``expert_map`` (E,) int32 global -> local id (-1 off this rank).  Router: ``gate_weight``
     (E, D) (bf16 when that is exact, else fp32), ``gate_bias`` (E,) fp32.  Shared expert: the
     same fields with one expert (``shared_fmt`` "fp8" or "bf16").  ``max_tokens``: the largest
-    T a call may pass (the workspace bound).
+    T a call may pass (the workspace bound).  ``mx_fold`` (tiles only): every routed e8m0
+    scale byte is <= 128, so the Gluon GEMMs may apply the scales in their bf16 decode
+    (kernels/moe_gemm_gluon.py; a larger byte would overflow the bf16 multiplier); ``pack_moe``
+    sets it, and a pack claiming it is checked against its scales.
     """
 
     fmt: str
@@ -138,6 +141,11 @@ class MoEPack:
             raise InputError(
                 f"mx_fold: expected a bool, True only for the tiles layout, got {self.mx_fold!r} "
                 f"for layout {self.layout!r}"
+            )
+        if self.mx_fold and _max_scale_byte(self.s13, self.s2) > 128:
+            raise InputError(
+                "mx_fold: the routed e8m0 scales hold a byte above 128 (a scale above 2), which "
+                "the folded decode cannot apply; expected mx_fold=False for these scales"
             )
 
     @property
@@ -457,7 +465,7 @@ def pack_moe(
         w2, s2 = mx_tiles(w2, s2, interleaved=False, in_place=in_place)
     # every e8m0 scale byte <= 128 (scales <= 2, as in real checkpoints): the Gluon GEMMs may
     # apply the scales in their bf16 decode (exact there: 2**(s - 1) is a normal bf16)
-    fold = layout == "tiles" and max(int(s13.max()), int(s2.max())) <= 128
+    fold = layout == "tiles" and _max_scale_byte(s13, s2) <= 128
     return MoEPack(
         fmt=fmt, w13=w13, s13=s13, w2=w2, s2=s2, gscale=gs, expert_map=emap.to(device),
         num_experts=E, hidden_size=D, intermediate_size=inter, quantized=quantized,
@@ -466,6 +474,12 @@ def pack_moe(
         shared_quantized=bool(params.shared_quantized), max_tokens=max_tokens, layout=layout,
         mx_fold=fold,
     )  # fmt: skip
+
+
+def _max_scale_byte(s13: torch.Tensor, s2: torch.Tensor) -> int:
+    """The largest e8m0 byte of the routed scales (one host read: packs are built outside
+    CUDA-graph capture)."""
+    return max(int(s13.max()), int(s2.max()))
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor | None) -> bool:

@@ -800,7 +800,7 @@ def bench(args: argparse.Namespace) -> None:
 
 def _peer_tiles_fn(x, w, s, T, N, K, T_sched):
     """The Triton kernel (``moe_down_triton``, tiles layout, ``moe_config(T_sched)``'s down
-    schedule) over every matrix of ``w`` in one launch: one 8-row M block per matrix holding
+    tile with ``decode="mxstep"``, the Triton path the Gluon kernels replaced) over every matrix of ``w`` in one launch: one 8-row M block per matrix holding
     x's T rows."""
     from dsv4mtp.optimized.kernels.moe_gemm import FMT_MXFP4, moe_down_triton
     from dsv4mtp.optimized.kernels.moe_schedule import moe_config
@@ -817,7 +817,7 @@ def _peer_tiles_fn(x, w, s, T, N, K, T_sched):
     def run() -> None:
         moe_down_triton(
             h, w, s, gscale, sorted_slot, block_expert, fmt=FMT_MXFP4, T=T, D=N, inter=K,
-            rows_out=E * T, num_m_blocks=E, block_m=bm, tile=sc.down, decode=sc.decode,
+            rows_out=E * T, num_m_blocks=E, block_m=bm, tile=sc.down, decode="mxstep",
             fp4_join=sc.fp4_join, tiled=True,
         )  # fmt: skip
 

@@ -124,10 +124,14 @@ def layout_candidates(T: int, layout: str, dry: bool) -> list[tuple[str, MoESche
     default with the shared expert in order on the one stream (``shared_stream`` flipped; the
     default takes the side stream up to T 64).  Rows: the per-group loads (``"mxdot"``) and
     the whole-step load (``"mxstep"``, the same bits).  Tiles (gate and up rows interleaved, so
-    ``block_n`` counts both): the other gate/up tile (256 or 64 rows), 4 or 5 stages, 2 stages,
-    8 warps, 64- and 256-row down tiles; above T 64 swapped 8- and 16-row blocks, 32-row
-    blocks, 64-row gate/up tiles; up to T 64 64-row tiles at 2 warps, a doubled K split and
-    16-row blocks.  ``--names`` keeps only the named ones."""
+    ``block_n`` counts both), where the default is the Gluon GEMMs (up to T 1024): the Triton
+    ``"mxstep"`` schedule they replaced (and its 16-row blocks above T 256), another K split,
+    64- / 256-row programs, 16- and 32-row blocks, the FP8 shared expert on other M blocks.
+    Tiles above T 1024 (the PTX decode): the other gate/up tile (256 or 64 rows), 4 or 5
+    stages, 2 stages, 8 warps, 64- and 256-row down tiles, the Gluon GEMMs on 8-, 16- and
+    32-row blocks, swapped 8- and 16-row blocks, 32-row blocks, 64-row gate/up tiles.  The
+    layout "tiles_nofold" (``main``) is the tiles pack with ``mx_fold`` off.  ``--names``
+    keeps only the named ones."""
     fmt = "mxfp4_tiles" if layout == "tiles" else "mxfp4"
     d = moe_config(T, batch_invariant=False, fmt=fmt)
     flip = "shared_in_order" if d.shared_stream else "shared_side_stream"
@@ -315,7 +319,7 @@ def part_calls(
     code = _FMT[pack.fmt]
     common = dict(
         num_m_blocks=nb, block_m=s.block_m, decode=s.decode, fp4_join=s.fp4_join,
-        tiled=pack.layout == "tiles",
+        tiled=pack.layout == "tiles", fold=pack.mx_fold,
     )  # fmt: skip
     ws = moe_down_triton(
         h, pack.w2, pack.s2, pack.gscale, srt, blk, fmt=code, T=T, D=D, inter=inter,

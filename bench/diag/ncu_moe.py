@@ -2,10 +2,12 @@
 
 For MXFP4 V4-Flash experts (E 256, top-6, I 2048, D 4096) and T in ``--tokens``, one ``moe``
 call per schedule (the default, then the PTX decode on 16-row blocks), in the order printed,
-so the report's gate/up and down kernels line up with the printed labels.  Meant to be run
+so the report's gate/up and down kernels line up with the printed labels (on the tiles layout
+the default's routed GEMMs are ``moe_mx_gluon_kernel``, gate/up then down, and its
+``moe_gate_up_kernel`` / ``moe_down_kernel`` the FP8 shared expert's).  Meant to be run
 from the repository root as
 
-    ncu --clock-control none -k regex:'moe_(gate_up|down)_kernel' --section SpeedOfLight \
+    ncu --clock-control none -k regex:'moe_(gate_up|down|mx_gluon)_kernel' --section SpeedOfLight \
         --section Occupancy --section WarpStateStats --section SchedulerStats \
         --section MemoryWorkloadAnalysis --section LaunchStats \
         python3 bench/diag/ncu_moe.py [--tokens 1,64]
@@ -28,9 +30,9 @@ from dsv4mtp.optimized.moe import moe, moe_config, pack_moe
 
 
 def schedules(T: int, fmt: str) -> list[tuple[str, object]]:
-    """The default of the pack's format (MXFP4 at decode sizes: the group-scaled dot on 8-row
-    swapped blocks, on the tiles layout by default) and the PTX decode on the 16-row,
-    64-column tiles it replaced."""
+    """The default of the pack's format (MXFP4 at decode sizes: the Gluon GEMMs on the tiles
+    layout, the group-scaled dot on the rows) and the PTX decode on the 16-row, 64-column
+    tiles the group-scaled dot replaced."""
     d = moe_config(T, batch_invariant=False, fmt=fmt)
     asm = replace(
         d, decode="asm", block_m=16,

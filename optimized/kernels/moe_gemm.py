@@ -52,7 +52,8 @@ stored in the activation dtype at the row's slot (t*K + k) of a (T*K, D) workspa
 ``moe_reduce_kernel``: out[t] = sum of the valid slots k = 0..K-1 in slot order in fp32 (+ the
 shared expert's row), one rounding; no atomics, so the result is deterministic.
 Bytes per call: the codes and scales of every expert with a routed row, once per M block (once at
-decode sizes), x and h from L2, workspace 2*T*K*D*itemsize.
+decode sizes), x and h from L2, workspace 2*T*K*D*itemsize (fp32 partials instead with a K split
+or the Gluon GEMMs: 4*split*rows*N per GEMM).
 
 Schedule (kernels/moe_schedule.py holds the knobs; ``moe_config`` the defaults).  S = T*K slots;
 the align kernel pads each expert's rows to BLOCK_M, so NB = cdiv(S, BLOCK_M) + min(E, S) M
@@ -143,7 +144,7 @@ from .decode import (
     _e4m3_times_2m8,
 )
 from .moe_common import jit_loop_bounds
-from .moe_gemm_gluon import gluon_tile_ok, moe_mx_gluon
+from .moe_gemm_gluon import gluon_applies, moe_mx_gluon
 from .moe_schedule import DECODES, GemmTile
 
 __all__ = [
@@ -1009,7 +1010,7 @@ def moe_gate_up_triton(
         if (
             sorted_slot is not None
             and block_expert is not None
-            and gluon_tile_ok(tile, block_m, D, 2 * inter)
+            and gluon_applies(x, w13, tile, block_m)
         ):
             _gate_up_gluon(x, w13, s13, gscale, sorted_slot, block_expert, topk_weights, h,
                            inter=inter, top_k=top_k, limit=limit, tile=tile,
@@ -1066,9 +1067,9 @@ def moe_down_triton(
     fold: bool = False,
 ) -> torch.Tensor:
     """y[slot] = h[row] @ w2^T (rows of each M block; see the module doc).  Returns y
-    (rows_out, D) in h's dtype, or with ``tile.split_k`` > 1 or ``decode="gluon"`` the fp32
-    partials (split_k, rows_out, D), unscaled, for :func:`moe_reduce_triton`.  ``tiled`` and
-    ``fold``: as :func:`moe_gate_up_triton`'s."""
+    (rows_out, D) in h's dtype, or with ``tile.split_k`` > 1, or where the Gluon kernel takes
+    ``decode="gluon"``, the fp32 partials (split_k, rows_out, D), unscaled, for
+    :func:`moe_reduce_triton`.  ``tiled`` and ``fold``: as :func:`moe_gate_up_triton`'s."""
     identity = sorted_slot is None
     dummy = gscale
     _check_tiled(tiled, fmt, tile)
@@ -1079,7 +1080,7 @@ def moe_down_triton(
         if (
             sorted_slot is not None
             and block_expert is not None
-            and gluon_tile_ok(tile, block_m, inter, D)
+            and gluon_applies(h, w2, tile, block_m)
         ):
             # unscaled fp32 partials at the slots, for the reduce (also with one split)
             y = torch.empty((split, rows_out, D), dtype=torch.float32, device=h.device)

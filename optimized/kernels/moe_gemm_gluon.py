@@ -1,7 +1,7 @@
 """The routed MXFP4 expert GEMMs at decode sizes, in Gluon: ``decode="gluon"``.
 
-What it computes: for every M block of the align kernel's sorted slots (``block_m`` 8 or 16
-rows: expert e, rows r = block_m * block .. + block_m - 1), the fp32 product of the block's
+What it computes: for every M block of the align kernel's sorted slots (``block_m`` 8, 16 or
+32 rows: expert e, rows r = block_m * block .. + block_m - 1), the fp32 product of the block's
 activation rows and e's MXFP4 weight rows n over the program's K slice, into split-K partials
 that the Triton epilogues finish:
 
@@ -28,7 +28,7 @@ for ``"mxstep"``, the experts streaming at about 3.5 TB/s at T 64 (bench/results
 "Gluon GEMMs on the tiles"):
 
 * ``mma_v2`` (m16n8k16, bf16 -> fp32) with the weights as operand A (M = 128 weight rows per
-  program: 4 warps x 2 tiles of 16) and the block's activation rows as B (N = 8 or 16).  One
+  program: 4 warps x 2 tiles of 16) and the block's activation rows as B (N = 8, 16 or 32).  One
   MMA per 32-column scale group (K = 32, ``DotOperandLayout(k_width=4)``).
 * K permuted inside each group (for the weights and x alike, so the dot is unchanged): thread
   ``lane % 4`` then needs exactly code word ``lane % 4`` (bytes 4w .. 4w + 3) of each row and
@@ -47,7 +47,8 @@ for ``"mxstep"``, the experts streaming at about 3.5 TB/s at T 64 (bench/results
   796.1 us).
 * Loads: the next 128-column step's code words, scale word and x are loaded into registers
   before the current step computes (one step of register prefetch; two steps measured slower:
-  the registers doubled).  76-88 registers at 8 rows, 128-136 at 16, no shared memory.
+  the registers doubled).  76-88 registers at 8 rows, 128-136 at 16, 239-255 at 32 (two
+  programs per SM), no shared memory.
 
 Batch invariance: a row's value depends on its expert, the split, ``block_m``'s MMA shape and
 the mode only, never on the other rows or on T.  No interpreter: Gluon has none, so on the CPU
@@ -65,7 +66,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from ._launch import triton_launch
 from .moe_schedule import GemmTile
 
-__all__ = ["gluon_tile_ok", "moe_mx_gluon"]
+__all__ = ["gluon_applies", "gluon_tile_ok", "moe_mx_gluon"]
 
 
 # ----------------------------------------------------------------------------- decode PTX
@@ -354,6 +355,19 @@ def gluon_tile_ok(tile: GemmTile, block_m: int, K: int, N: int) -> bool:
         and m_tiles in (1, 2, 4)
         and N % tile.block_n == 0
         and K % (128 * tile.split_k) == 0
+    )
+
+
+def gluon_applies(x: torch.Tensor, codes: torch.Tensor, tile: GemmTile, block_m: int) -> bool:
+    """Whether :func:`moe_mx_gluon` takes this call: :func:`gluon_tile_ok` at x's K and the
+    codes' N, and x and the codes contiguous at 4-byte aligned addresses (the kernel reads
+    them as int32 words; a view at an odd bf16 offset, valid for the Triton kernels, is not)."""
+    return (
+        gluon_tile_ok(tile, block_m, x.shape[1], codes.shape[1])
+        and x.is_contiguous()
+        and codes.is_contiguous()
+        and x.data_ptr() % 4 == 0
+        and codes.data_ptr() % 4 == 0
     )
 
 

@@ -29,7 +29,7 @@ What each knob changes (optimized/kernels/moe_gemm.py, module doc, "Schedule"):
   ``_mx_groups_step``); not value-preserving against the others (the fp32 sums are grouped).
   ``"mxstep"``: the same dots with a K step's codes in one load (the same bits as
   ``"mxdot"``; what the tiles layout runs in Triton).  ``"gluon"`` (MXFP4 in the tiles
-  layout, 8- or 16-row blocks, compiled launches; else it runs as ``"mxstep"``): the routed
+  layout, 8-, 16- or 32-row blocks, compiled launches; else it runs as ``"mxstep"``): the routed
   GEMMs as the Gluon kernels of kernels/moe_gemm_gluon.py (register-level decode, one MMA per
   scale group, the scale on the group's fp32 result, or folded into the bf16 decode for a
   pack whose scale bytes are <= 128), writing fp32 partials that the SwiGLU and reduce
@@ -259,9 +259,10 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
       MXFP4): the routed GEMMs as the Gluon kernels (``decode="gluon"``,
       kernels/moe_gemm_gluon.py) up to T 1024, with the K splits above up to T 8, on 8-row
       blocks up to T 256 and 16-row blocks above (whole moe on the H200, fold, at T 1 / 8 / 64
-      / 512 / 768 / 1024: 80.2 / 219.5 / 724.5 / 1902 / 2395 / 2880 us against the Triton
-      ``"mxstep"`` schedule's 90.6 / 305.2 / 1043.9 / 2625 / 3375 / 3523 us; 16-row blocks
-      lost below T 512: 927.9 against 724.5 us at T 64; moe-h200.md, "Gluon GEMMs on the
+      / 512 / 768 / 1024: 80.2 / 219.5 / 724.5 / 1902 / 2395 / 2880 us against 90.6 / 305.2
+      / 1043.9 / 2625 / 3375 us for the Triton ``"mxstep"`` schedule and 3523 us for the PTX
+      decode at T 1024; 16-row blocks lost up to T 256: 927.9 against 724.5 us at T 64, 1458
+      against 1323 at T 256; 32-row blocks gained nothing; moe-h200.md, "Gluon GEMMs on the
       tiles"); 128-row gate/up tiles of interleaved gate and up rows everywhere; above T 1024
       the PTX decode with two stages (:func:`_gate_up`; 7328 us at T 4096 against 9766 for
       the Gluon GEMMs on 16-row blocks).  ``"mxstep"`` (a K step's codes in one load) is the
@@ -302,7 +303,7 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
             )  # fmt: skip
         # an expert holds ~T * top_k / E rows: a few up to T 256, ~12 at T 512, ~24 at T 1024;
         # 8-row blocks up to T 256, 16-row blocks above (the Gluon GEMMs on the tiles: whole
-        # moe at T 512 / 1024 1902 / 2880 us against 1990 / 3485 with 8-row blocks)
+        # moe at T 512 / 1024 1902 / 2880 us against 1994 / 3485 with 8-row blocks)
         m8 = T <= 256
         r = dataclasses.replace(t, block_n=128, swap_ab=m8)
         return MoESchedule(
@@ -337,9 +338,9 @@ def _gate_up(tile: GemmTile, fmt: str) -> GemmTile:
 
 
 def _mx_decode(fmt: str, *, gluon: bool) -> str:
-    """The MXFP4 routed GEMMs' decode: on the tiles layout the Gluon kernel where ``gluon``
-    (8-row M blocks), else one load per K step from the contiguous blocks; one load per scale
-    group from the checkpoint's rows."""
+    """The MXFP4 routed GEMMs' decode: on the tiles layout the Gluon kernels where ``gluon``
+    (the compiled defaults up to T 1024), else one load per K step from the contiguous blocks
+    (the interpreter); one load per scale group from the checkpoint's rows."""
     if fmt in TILES_FMTS:
         return "gluon" if gluon else "mxstep"
     return "mxdot"
