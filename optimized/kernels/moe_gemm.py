@@ -935,6 +935,23 @@ def _check_tiled(tiled: bool, fmt: int, tile: GemmTile) -> None:
         )
 
 
+def _gluon_or_mxstep(
+    decode: str,
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    sorted_slot: torch.Tensor | None,
+    tile: GemmTile,
+    block_m: int,
+) -> str:
+    """A routed GEMM whose decode resolved to ``"gluon"`` (:func:`_decode_for`) runs the Gluon
+    kernel where it applies to these operands and this (split-fitted) tile
+    (``gluon_applies``), else ``"mxstep"``; other decodes, and the shared expert (no sort),
+    pass through."""
+    if decode != "gluon" or (sorted_slot is not None and gluon_applies(x, codes, tile, block_m)):
+        return decode
+    return "mxstep"
+
+
 def _gate_up_gluon(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -1006,17 +1023,13 @@ def moe_gate_up_triton(
     tile = _fit_split(tile, D)
     split = tile.split_k
     rows = num_m_blocks * block_m
+    decode = _gluon_or_mxstep(decode, x, w13, sorted_slot, tile, block_m)
     if decode == "gluon":
-        if (
-            sorted_slot is not None
-            and block_expert is not None
-            and gluon_applies(x, w13, tile, block_m)
-        ):
-            _gate_up_gluon(x, w13, s13, gscale, sorted_slot, block_expert, topk_weights, h,
-                           inter=inter, top_k=top_k, limit=limit, tile=tile,
-                           block_m=block_m, fold=fold)  # fmt: skip
-            return
-        decode = "mxstep"
+        assert sorted_slot is not None and block_expert is not None
+        _gate_up_gluon(x, w13, s13, gscale, sorted_slot, block_expert, topk_weights, h,
+                       inter=inter, top_k=top_k, limit=limit, tile=tile, block_m=block_m,
+                       fold=fold)  # fmt: skip
+        return
     part = (
         torch.empty((split, rows, 2 * inter), dtype=torch.float32, device=x.device)
         if split > 1
@@ -1076,20 +1089,16 @@ def moe_down_triton(
     decode = _decode_for(decode, fmt, h.dtype, s2, tile.block_k, tiled)
     tile = _fit_split(tile, inter)
     split = tile.split_k
+    decode = _gluon_or_mxstep(decode, h, w2, sorted_slot, tile, block_m)
     if decode == "gluon":
-        if (
-            sorted_slot is not None
-            and block_expert is not None
-            and gluon_applies(h, w2, tile, block_m)
-        ):
-            # unscaled fp32 partials at the slots, for the reduce (also with one split)
-            y = torch.empty((split, rows_out, D), dtype=torch.float32, device=h.device)
-            moe_mx_gluon(
-                h, w2, s2, sorted_slot, block_expert, y, gather=False, top_k=1, tile=tile,
-                block_m=block_m, fold=fold,
-            )  # fmt: skip
-            return y
-        decode = "mxstep"
+        assert sorted_slot is not None and block_expert is not None
+        # unscaled fp32 partials at the slots, for the reduce (also with one split)
+        y = torch.empty((split, rows_out, D), dtype=torch.float32, device=h.device)
+        moe_mx_gluon(
+            h, w2, s2, sorted_slot, block_expert, y, gather=False, top_k=1, tile=tile,
+            block_m=block_m, fold=fold,
+        )  # fmt: skip
+        return y
     if split > 1:
         y = torch.empty((split, rows_out, D), dtype=torch.float32, device=h.device)
     else:

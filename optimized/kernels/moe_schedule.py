@@ -286,8 +286,8 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
             )
         gu_s, dn_s = dataclasses.replace(gu, swap_ab=True), dataclasses.replace(dn, swap_ab=True)
         return MoESchedule(
-            8, _gate_up(gu_s, fmt), dn_s, 16, gu, dn, decode=_mx_decode(fmt, gluon=False),
-            fp4_join=True, align_chunk=64, align_warps=4,
+            8, _gate_up(gu_s, fmt), dn_s, 16, gu, dn, decode=_mx_decode(fmt), fp4_join=True,
+            align_chunk=64, align_warps=4,
         )  # fmt: skip
     tiles = fmt in TILES_FMTS
     if batch_invariant or T > 64:
@@ -296,7 +296,7 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
         if batch_invariant or not mx or group_scaled_max < T:
             # tiles: two stages (whole moe at T 4096 on the H200: 7316 us against 8139 with
             # three, and 8763 for the rows layout's default; moe-h200.md, "The tiles layout")
-            r = dataclasses.replace(t, num_stages=2) if fmt in TILES_FMTS else t
+            r = dataclasses.replace(t, num_stages=2) if tiles else t
             return MoESchedule(
                 64, _gate_up(r, fmt), r, 64, t, t, decode="asm", fp4_join=True, align_chunk=128,
                 align_warps=8, shared_stream=batch_invariant,
@@ -307,7 +307,7 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
         m8 = T <= 256
         r = dataclasses.replace(t, block_n=128, swap_ab=m8)
         return MoESchedule(
-            8 if m8 else 16, _gate_up(r, fmt), r, 64, t, t, decode=_mx_decode(fmt, gluon=True),
+            8 if m8 else 16, _gate_up(r, fmt), r, 64, t, t, decode=_mx_decode(fmt),
             fp4_join=True, align_chunk=128, align_warps=8, shared_stream=False,
         )  # fmt: skip
     split = 4 if T <= 2 else (2 if T <= 8 else 1)
@@ -319,7 +319,7 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
         )  # fmt: skip
     routed = dataclasses.replace(shared, block_n=128, swap_ab=True)
     return MoESchedule(
-        8, _gate_up(routed, fmt), routed, 16, shared, shared, decode=_mx_decode(fmt, gluon=True),
+        8, _gate_up(routed, fmt), routed, 16, shared, shared, decode=_mx_decode(fmt),
         fp4_join=T > 2, align_chunk=128, align_warps=8,
     )  # fmt: skip
 
@@ -337,10 +337,10 @@ def _gate_up(tile: GemmTile, fmt: str) -> GemmTile:
     return dataclasses.replace(tile, block_n=2 * tile.block_n)
 
 
-def _mx_decode(fmt: str, *, gluon: bool) -> str:
-    """The MXFP4 routed GEMMs' decode: on the tiles layout the Gluon kernels where ``gluon``
-    (the compiled defaults up to T 1024), else one load per K step from the contiguous blocks
-    (the interpreter); one load per scale group from the checkpoint's rows."""
+def _mx_decode(fmt: str) -> str:
+    """The MXFP4 routed GEMMs' decode: on the tiles layout the Gluon kernels (compiled
+    launches), one load per K step from the contiguous blocks under the interpreter (Gluon has
+    none); one load per scale group from the checkpoint's rows."""
     if fmt in TILES_FMTS:
-        return "gluon" if gluon else "mxstep"
+        return "mxstep" if INTERPRET else "gluon"
     return "mxdot"
