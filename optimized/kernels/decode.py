@@ -117,15 +117,27 @@ def _ptx(consts: str, body: list[str], codes: str) -> str:
     return "\n".join([*head, *body, "}"])
 
 
-# E4M3 (out $0, $1; codes $2): magnitude 7 bits << 4 under bf16's exponent, sign bit 7 << 8,
-# times 2**120 (bf16 0x7B80).
+# E4M3 (out $0, $1; codes $2): one prmt per pair puts code j in the low byte of a 16-bit half
+# and its sign replicated (prmt's sign mode) in the high byte; << 4 and a mask leave sign << 15
+# | (code & 0x7f) << 4, the bf16 pattern of the value times 2**-120 (the low half's sign byte
+# spills into bits 16..19, which the mask clears): four instructions per pair, the multiply by
+# 2**120 (bf16 0x7B80) included.
+_E4M3_PAIRS = [
+    "{",
+    ".reg .b32 t, u, k;",
+    "prmt.b32 t, $2, $2, 0x9180;",
+    "prmt.b32 u, $2, $2, 0xB3A2;",
+    "shl.b32 t, t, 4;",
+    "shl.b32 u, u, 4;",
+    "and.b32 t, t, 0x87F087F0;",
+    "and.b32 u, u, 0x87F087F0;",
+]
 _ASM_E4M3 = tl.constexpr(
-    _ptx(
-        "0x7B807B80",
-        [_ptx_pair(src, 0x07F007F0, 4, 8, out, "k") for src, out in (("a", "$0"), ("b", "$1"))],
-        "$2",
+    "\n".join(
+        [*_E4M3_PAIRS, "mov.b32 k, 0x7B807B80;", "mul.rn.bf16x2 $0, t, k;",
+         "mul.rn.bf16x2 $1, u, k;", "}"]
     )
-)
+)  # fmt: skip
 # E2M1 (low nibbles out $0, $1, high nibbles $2, $3; codes $4; scales $5, $6): magnitude 3 bits
 # to bits 6..8, sign to bit 15, times 2**126 (bf16 0x7E80), times the code's group scale.
 _E2M1_PAIRS = (  # (magnitude shift, sign shift, source, output, scale operand)

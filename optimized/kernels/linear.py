@@ -11,11 +11,13 @@ G groups), ``y`` (R, G, N).
 rows [m*BLOCK_M, +BLOCK_M) x columns [n*BLOCK_N, +BLOCK_N) of group g over the K blocks of split
 s (each split a contiguous run of ceil(KB / SPLIT_K) of the KB = ceil(K/128) blocks).  Per
 128-wide K block: the x tile (BLOCK_M, 128) and the codes (BLOCK_N, 128) are loaded, the codes
-decoded to bf16 in registers (kernels/decode.py, ``_e4m3_bf16``: PTX, about three instructions
-per weight), one tensor-core dot with a fresh fp32 accumulator, and that fp32 partial multiplied
+decoded to bf16 in registers (kernels/decode.py, ``_e4m3_bf16``: PTX, two instructions per
+weight), one tensor-core dot with a fresh fp32 accumulator, and that fp32 partial multiplied
 by the block's fp32 scale before it is added to the running sum (an fp32 scale is not exact in
 bf16, so it never touches the dot's operands; BLOCK_N divides 128, so one scale per tile and K
-block).  SPLIT_K == 1 rounds the sum once to y's dtype.  SPLIT_K > 1, in the same launch: each
+block).  Folding a power-of-two scale into the decode instead, one dot chain over all K blocks,
+was measured (bench/results/linear-h200.md, "The Gluon kernel"): 26 % slower at 1-8 rows and
+only 4 % faster at 64, so the rescale stays.  SPLIT_K == 1 rounds the sum once to y's dtype.  SPLIT_K > 1, in the same launch: each
 program stores its fp32 partial at ``part[s]`` and takes a ticket from its output tile's int32
 counter (one atomic add per program, acquire-release at gpu scope); the program that draws
 ticket SPLIT_K - 1, the tile's last split to finish, loads ``part[0..SPLIT_K-1]`` from L2, adds

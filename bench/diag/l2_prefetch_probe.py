@@ -1,0 +1,175 @@
+"""Does warming the L2 ahead of a decode linear shorten it?  (optimized/kernels/l2_prefetch.py)
+
+A decode linear reads its 6-34 MB weight once, at 0.9-2.6 TB/s, because of its start (linear-
+h200.md).  In the layer the kernels before it are latency-bound.  This probe stands in for them
+with a spin kernel of S microseconds (``torch.cuda._sleep``) and times, per V4-Flash linear and
+row count, one CUDA graph cycling over enough weight copies (>= 256 MB) that each call's weight
+starts cold:
+
+- ``lin``: the linear alone; ``spin``: the spin alone;
+- ``chain``: spin, then the linear; ``pf m/p S``: prefetch (mode m, pieces of p bytes), spin S
+  us, the linear;
+- pairs (``wo_a`` then ``wo_b``, as after the attention; ``wq_a+wkv`` then ``wq_b``): both weights
+  prefetched, only the first, or none, before one spin.
+
+The number that matters is the linear's share of the chain: chain - spin, us per call.
+
+    python3 bench/diag/l2_prefetch_probe.py [--tokens 1,8,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from h200_mhc import copy_bandwidth, graph_time_us
+from linear_sweep import SHAPES
+
+from dsv4mtp.optimized.kernels.l2_prefetch import l2_prefetch_kernel
+from dsv4mtp.optimized.kernels.linear import FMT_FP8, linear_schedule, linear_triton
+
+COLD_BYTES = 256 << 20
+_SIDE: torch.cuda.Stream
+CHUNK = 256 << 10
+CYCLES_PER_US = 1980  # the spin's clock; the measured spin time is printed beside it
+
+
+def prefetch(w: torch.Tensor, mode: int, piece: int) -> None:
+    n = w.numel() * w.element_size()
+    grid = (math.ceil(n / CHUNK),)
+    l2_prefetch_kernel[grid](w.view(-1).view(torch.uint8), n, CHUNK=CHUNK, PIECE=piece, MODE=mode)
+
+
+def weights(N: int, K: int, G: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for _ in range(copies):
+        w = torch.randint(0, 126, (G, N, K), dtype=torch.uint8, device="cuda")
+        w |= torch.randint(0, 2, w.shape, dtype=torch.uint8, device="cuda") << 7
+        e = torch.randint(118, 122, (G, math.ceil(N / 128), math.ceil(K / 128)), device="cuda")
+        out.append((w, torch.exp2(e.float() - 127)))
+    return out
+
+
+class Lin:
+    """One linear shape at ``rows`` rows, with enough copies to be cold."""
+
+    def __init__(self, name: str, N: int, K: int, G: int, rows: int, copies: int) -> None:
+        self.name, self.rows = name, rows
+        self.ws = weights(N, K, G, copies)
+        self.x = torch.randn(rows, G, K, device="cuda").to(torch.bfloat16)
+        self.ys = [torch.empty(rows, G, N, device="cuda", dtype=torch.bfloat16) for _ in self.ws]
+        self.sched = linear_schedule(rows, N, K, G, False)
+
+    def call(self, i: int) -> None:
+        w, s = self.ws[i]
+        linear_triton(self.x, w, s, self.ys[i], fmt=FMT_FP8, sched=self.sched)
+
+
+def spin(us: float) -> None:
+    if us > 0:
+        torch.cuda._sleep(int(us * CYCLES_PER_US))
+
+
+def t(steps: list, n: int) -> float:
+    calls = [lambda i=i: [f(i) for f in steps] for i in range(n)]
+    return graph_time_us(calls, 2 * n, 10)
+
+
+def side(fn) -> None:
+    """Run ``fn`` on a side stream forked from and joined into the current one later."""
+    cur = torch.cuda.current_stream()
+    _SIDE.wait_stream(cur)
+    with torch.cuda.stream(_SIDE):
+        fn()
+
+
+def join() -> None:
+    torch.cuda.current_stream().wait_stream(_SIDE)
+
+
+def single(name: str, N: int, K: int, G: int, rows: int, variants: list[tuple[int, int]]) -> None:
+    copies = max(2, math.ceil(COLD_BYTES / (G * N * K)))
+    L = Lin(name, N, K, G, rows, copies)
+    L.call(0)
+    ref = L.ys[0].clone()
+    lin = t([L.call], copies)
+    hot = t([lambda i: L.call(0)], copies)
+    row = [f"| {name} | {rows} | {lin:.1f} | {hot:.1f}"]
+    for mode, piece in variants:
+        alone = t([lambda i, m=mode, p=piece: prefetch(L.ws[i][0], m, p)], copies)
+        serial = t([lambda i, m=mode, p=piece: prefetch(L.ws[i][0], m, p), L.call], copies)
+        cells = [f"{alone:.1f}", f"{serial:.1f}"]
+        for S in (5, 10, 20):
+            sp = t([lambda i, S=S: spin(S)], copies)
+            chain = t([lambda i, S=S: spin(S), L.call], copies)
+            pf = t([lambda i, m=mode, p=piece: side(lambda: prefetch(L.ws[i][0], m, p)),
+                    lambda i, S=S: spin(S), lambda i: join(), L.call], copies)  # fmt: skip
+            cells.append(f"S{S}: {chain - sp:.1f} -> {pf - sp:.1f}")
+        row.append(f"{mode}:{piece} " + " / ".join(cells))
+    L.call(0)
+    torch.cuda.synchronize()
+    assert torch.equal(L.ys[0], ref)
+    print(" | ".join(row) + " |", flush=True)
+
+
+def pair(a: tuple, b: tuple, rows: tuple[int, int], S: float, mode: int, piece: int) -> None:
+    nb = a[1] * a[2] * a[3] + b[1] * b[2] * b[3]
+    copies = max(2, math.ceil(COLD_BYTES / nb))
+    A = Lin(a[0], *a[1:4], rows[0], copies)
+    B = Lin(b[0], *b[1:4], rows[1], copies)
+    sp = t([lambda i: spin(S)], copies)
+    none = t([lambda i: spin(S), A.call, B.call], copies)
+    first = t([lambda i: side(lambda: prefetch(A.ws[i][0], mode, piece)), lambda i: spin(S),
+               lambda i: join(), A.call, B.call], copies)  # fmt: skip
+    both = t([lambda i: side(lambda: (prefetch(A.ws[i][0], mode, piece),
+                                      prefetch(B.ws[i][0], mode, piece))),
+              lambda i: spin(S), lambda i: join(), A.call, B.call], copies)  # fmt: skip
+    # the second weight's prefetch beside the first linear (joined before the second)
+    staged = t([lambda i: side(lambda: prefetch(A.ws[i][0], mode, piece)), lambda i: spin(S),
+                lambda i: join(), lambda i: side(lambda: prefetch(B.ws[i][0], mode, piece)),
+                A.call, lambda i: join(), B.call], copies)  # fmt: skip
+    print(
+        f"| {a[0]} + {b[0]} | {rows[0]} | S {S} (spin {sp:.1f}) | none {none - sp:.1f} | "
+        f"first {first - sp:.1f} | both {both - sp:.1f} | staged {staged - sp:.1f} |",
+        flush=True,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1,8,64")
+    ap.add_argument("--modes", default="0:4096,2:128")
+    args = ap.parse_args()
+    variants = [(int(m), int(p)) for m, p in (v.split(":") for v in args.modes.split(","))]
+    global _SIDE
+    _SIDE = torch.cuda.Stream()
+    props = torch.cuda.get_device_properties(0)
+    print(f"# {props.name}, L2 {props.L2_cache_size / 2**20:.0f} MiB, copy "
+          f"{copy_bandwidth() / 1e12:.3f} TB/s; variants (mode:piece) {variants}")  # fmt: skip
+    print(
+        "| linear | rows | cold | hot | per variant: prefetch alone / prefetch then linear / "
+        "per spin S: chain - spin -> with the prefetch on a side stream - spin |"
+    )
+    print("|---|---|---|---|---|---|")
+    shapes = {s[0]: s for s in SHAPES}
+    for T in (int(v) for v in args.tokens.split(",")):
+        for name, N, K, G, per in SHAPES:
+            if T * per <= 64:
+                single(name, N, K, G, T * per, variants)
+    print("\n| pair | rows | spin | none | first | both | staged |\n|---|---|---|---|---|---|---|")
+    best = variants[0]
+    for T in (int(v) for v in args.tokens.split(",")):
+        torch.cuda.empty_cache()
+        pair(shapes["wo_a (G 8)"], shapes["wo_b"], (T, T), 15, *best)
+        pair(shapes["wq_a+wkv"], shapes["wq_b"], (T, T), 8, *best)
+        pair(shapes["e_proj"], shapes["h_proj"], (T, 4 * T), 6, *best)
+
+
+if __name__ == "__main__":
+    main()
