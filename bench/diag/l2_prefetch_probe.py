@@ -1,4 +1,4 @@
-"""Does warming the L2 ahead of a decode linear shorten it?  (optimized/kernels/l2_prefetch.py)
+"""Does warming the L2 ahead of a decode linear shorten it?  (H200; answer: no)
 
 A decode linear reads its 6-34 MB weight once, at 0.9-2.6 TB/s, because of its start (linear-
 h200.md).  In the layer the kernels before it are latency-bound.  This probe stands in for them
@@ -6,15 +6,26 @@ with a spin kernel of S microseconds (``torch.cuda._sleep``) and times, per V4-F
 row count, one CUDA graph cycling over enough weight copies (>= 256 MB) that each call's weight
 starts cold:
 
-- ``lin``: the linear alone; ``spin``: the spin alone;
-- ``chain``: spin, then the linear; ``pf m/p S``: prefetch (mode m, pieces of p bytes), spin S
-  us, the linear;
-- pairs (``wo_a`` then ``wo_b``, as after the attention; ``wq_a+wkv`` then ``wq_b``): both weights
-  prefetched, only the first, or none, before one spin.
+- ``cold``: the linear alone; ``hot``: one copy replayed (its weight in the L2);
+- per prefetch variant (mode m, pieces of p bytes): the prefetch alone, the prefetch then the
+  linear, and per spin S the linear's share of "spin, linear" against the same with the
+  prefetch on a side stream beside the spin (joined before the linear);
+- pairs (``wo_a`` then ``wo_b``, as after the attention; ``wq_a+wkv`` then ``wq_b``; ``e_proj``
+  then ``h_proj``): both weights prefetched beside one spin, only the first, none, or the
+  second beside the first linear ("staged").
 
 The number that matters is the linear's share of the chain: chain - spin, us per call.
 
     python3 bench/diag/l2_prefetch_probe.py [--tokens 1,8,64]
+
+The prefetch kernel: one program issues ``CHUNK // PIECE`` bulk prefetches
+(``cp.async.bulk.prefetch.L2``, sm_90's bulk copy engine, no registers, nothing to wait for).
+``MODE`` 0: plain bulk prefetch; 1: the same with an L2 evict-last policy; 2: one
+``prefetch.global.L2::evict_last`` per 128-byte line.  Measured (2026-12-01, H200,
+bench/results/linear-h200.md, "Warming the L2"): the prefetch takes 2.4-8 us for 6-32 MB, about
+the bytes at HBM speed, and a linear reading a warm L2 ("hot") is only 1-1.7 us faster than
+from HBM, so no placement of the prefetch shortens a decode linear: its time is its own start
+and finish.
 """
 
 from __future__ import annotations
@@ -25,14 +36,63 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from h200_mhc import copy_bandwidth, graph_time_us
 from linear_sweep import SHAPES
 
-from dsv4mtp.optimized.kernels.l2_prefetch import l2_prefetch_kernel
 from dsv4mtp.optimized.kernels.linear import FMT_FP8, linear_schedule, linear_triton
+
+# A bulk prefetch's size must be a multiple of 16 bytes, its address 16-byte aligned.
+ALIGN = 16
+
+_BULK = tl.constexpr("""{
+.reg .pred p;
+setp.gt.s32 p, $2, 0;
+@p cp.async.bulk.prefetch.L2.global [$1], $2;
+mov.b32 $0, 0;
+}""")
+
+_BULK_LAST = tl.constexpr("""{
+.reg .pred p;
+.reg .b64 pol;
+setp.gt.s32 p, $2, 0;
+createpolicy.fractional.L2::evict_last.b64 pol, 1.0;
+@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol;
+mov.b32 $0, 0;
+}""")
+
+_LINE_LAST = tl.constexpr("""{
+.reg .pred p;
+setp.gt.s32 p, $2, 0;
+@p prefetch.global.L2::evict_last [$1];
+mov.b32 $0, 0;
+}""")
+
+
+@triton.jit
+def l2_prefetch_kernel(ptr, nbytes, CHUNK: tl.constexpr, PIECE: tl.constexpr, MODE: tl.constexpr):
+    """Program p prefetches bytes [p * CHUNK, (p + 1) * CHUNK) of ``ptr`` (uint8), clipped to
+    ``nbytes`` (a multiple of 16 for the bulk modes)."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * CHUNK + tl.arange(0, CHUNK // PIECE).to(tl.int64) * PIECE
+    size = tl.minimum(nbytes - offs, PIECE).to(tl.int32)  # <= 0 past the end: no prefetch
+    if MODE == 0:
+        tl.inline_asm_elementwise(
+            _BULK, "=r,l,r", [ptr + offs, size], dtype=tl.int32, is_pure=False, pack=1
+        )
+    elif MODE == 1:
+        tl.inline_asm_elementwise(
+            _BULK_LAST, "=r,l,r", [ptr + offs, size], dtype=tl.int32, is_pure=False, pack=1
+        )
+    else:
+        tl.inline_asm_elementwise(
+            _LINE_LAST, "=r,l,r", [ptr + offs, size], dtype=tl.int32, is_pure=False, pack=1
+        )
+
 
 COLD_BYTES = 256 << 20
 _SIDE: torch.cuda.Stream
