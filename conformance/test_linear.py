@@ -255,7 +255,7 @@ def test_pack_decides_once_whether_the_weight_is_exact_in_bf16(device: str) -> N
     scales only when each is a power of two from 2^-100 to 2^100; never for bf16 weights."""
     e8m0 = linear_weight(1, 256, 256, "fp8_e8m0", seed=22)
     assert opt.pack_linear(e8m0, device).exact_bf16
-    assert opt.pack_linear(e8m0, device).op_fmt == "fp8_fold"  # its scales fold too
+    assert opt.pack_linear(e8m0, device).op_fmt == "fp8_exact"
     f32 = linear_weight(1, 256, 256, "fp8_f32", seed=22)
     assert not opt.pack_linear(f32, device).exact_bf16
     assert opt.pack_linear(f32, device).op_fmt == "fp8"
@@ -271,31 +271,6 @@ def test_pack_decides_once_whether_the_weight_is_exact_in_bf16(device: str) -> N
         assert opt.pack_linear(pow2, device).exact_bf16 == exact, exp
     half = QuantizedWeight("fp8_f32", e8m0.data, torch.full((2, 2), 0.75), e8m0.shape)
     assert not opt.pack_linear(half, device).exact_bf16
-
-
-def test_pack_decides_once_whether_the_scales_fold_into_the_bf16_decode(device: str) -> None:
-    """``fold_bf16`` (format "fp8_fold", the Gluon decode kernel's, which also takes the prefill
-    path): an FP8 pack whose scales 2^e all have -117 <= e <= 7; one scale past either end
-    keeps "fp8_exact" (or "fp8" past 2^-100).  A pack built or replaced by hand with the flag
-    and a scale outside the range is refused, naming the field."""
-    e8m0 = linear_weight(1, 256, 256, "fp8_e8m0", seed=22)
-    assert e8m0.scale is not None
-    for exp, fold in ((7, True), (-117, True), (8, False), (-118, False), (-100, True)):
-        scale = e8m0.scale.clone()
-        scale[0, 1] = 127 + exp
-        pack = opt.pack_linear(dataclasses.replace(e8m0, scale=scale), device)
-        assert pack.exact_bf16 == (abs(exp) <= 100)
-        assert pack.fold_bf16 == fold, exp
-        assert pack.op_fmt == ("fp8_fold" if fold else "fp8_exact" if exp > 0 else "fp8"), exp
-        if not fold:
-            with pytest.raises(InputError, match="fold_bf16"):
-                dataclasses.replace(pack, fold_bf16=True)
-    f32 = opt.pack_linear(linear_weight(1, 256, 256, "fp8_f32", seed=22), device)
-    assert not f32.fold_bf16
-    with pytest.raises(InputError, match="fold_bf16"):
-        dataclasses.replace(f32, fold_bf16=True)
-    dense = opt.pack_linear(linear_weight(1, 128, 256, "bf16", seed=22), device)
-    assert not dense.fold_bf16
 
 
 def test_dequant_mm_selection() -> None:
@@ -566,116 +541,3 @@ def test_flash_prefill_path_on_the_gpu(shape: str) -> None:
             xs, ws = (x[:, g], w[g]) if G else (x, w)
             os_, gs = (out[:, g], got[:, g]) if G else (out, got)
             _agree_to_summation_order(os_, gs, _summation_order_bound(xs, ws))
-
-
-def _one_hot_rows(cols: torch.Tensor, G: int, K: int) -> torch.Tensor:
-    """x (len(cols), G, K) bf16: row t is 1 at column cols[t] of every group, 0 elsewhere."""
-    x = torch.zeros(cols.numel(), G, K, dtype=BF16)
-    x[torch.arange(cols.numel()), :, cols] = 1
-    return x
-
-
-@pytest.mark.gpu
-def test_gluon_linear_values_are_exact_for_every_code_and_scale() -> None:
-    """The Gluon kernel (kernels/linear_gluon.py) on one-hot rows of x: each output is one weight,
-    code x scale, which the fold keeps exact, so the kernel must return it bit for bit.  Every
-    finite e4m3 code in every row of 2 groups of 256 x 2048, block scales 2^e over the whole
-    fold range (-117 .. 7, both ends included); every column of K read by some row (64-row
-    calls, splits 1 and 2); 8-, 16- and 32-row M blocks (1 to 64 rows), K splits 1, 2, 4 and 8
-    (each split's partial, zero or the value, summed by the tile's last split)."""
-    from dsv4mtp.optimized.kernels._sync import counters
-    from dsv4mtp.optimized.kernels.linear_gluon import GluonLinearSchedule, linear_fp8_gluon
-
-    G, N, K = 2, 256, 2048
-    finite = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
-    g = torch.Generator().manual_seed(31)
-    codes = finite[torch.randint(0, 254, (G, N, K), generator=g)]
-    for r in range(N):  # every code in every row, at a column that moves with the row
-        codes[:, r, (torch.arange(254) * 7 + r) % K] = finite
-    exps = torch.randint(-117, 8, (G, N // 128, K // 128), generator=g)
-    exps[0, 0, 0], exps[1, 1, 15] = -117, 7
-    scale = torch.exp2(exps.to(FP32))
-    want = _fp8_values(codes, scale).to(BF16)  # exact: 4 significant bits, normal in bf16
-    assert torch.equal(want.to(FP32), _fp8_values(codes, scale))
-    w, s = codes.cuda(), scale.cuda()
-    perm = torch.randperm(K, generator=g)
-    for block_t, rows in ((8, 1), (8, 8), (16, 13), (32, 32), (32, 64)):
-        for split in (1, 2, 4, 8):
-            sched = GluonLinearSchedule(block_t, split)
-            cnt = counters(torch.device("cuda"), -(-rows // block_t) * (N // 128) * G)
-            part = torch.empty(split * rows * G * N, device="cuda", dtype=FP32)
-            full = (block_t, rows) == (32, 64) and split <= 2  # every column of K
-            for c0 in range(0, K if full else 4 * rows, rows):
-                cols = perm[c0 : c0 + rows]
-                if cols.numel() < rows:
-                    cols = torch.cat([cols, perm[: rows - cols.numel()]])
-                x = _one_hot_rows(cols, G, K).cuda()
-                y = torch.full((rows, G, N), float("nan"), dtype=BF16, device="cuda")
-                linear_fp8_gluon(x, w, s, y, sched=sched, counters=cnt, part=part)
-                expect = want[:, :, cols].permute(2, 0, 1)  # (rows, G, N)
-                assert torch.equal(y.cpu(), expect), (block_t, rows, split, c0)
-            assert int(cnt.abs().sum()) == 0  # every tile's count set back to zero
-
-
-_GLUON_ROWS = [1, 4, 13, 32, 64]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["e_proj", "wqa_wkv", "wq_b", "wo_b", "wo_a"])
-def test_gluon_linears_at_v4_flash_shapes(shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Gluon kernel at V4-Flash's shapes, 1-64 rows at its schedules: within the fp32
-    summation-order bound of the Triton kernel on the same pack (format "fp8"), within the
-    declared tolerance of the float64 oracle, the same bits twice.  The operators on an e8m0
-    pack (format "fp8_fold") take it for 1-4 rows except wq_b (256 tiles: the Triton kernel),
-    never for 5; a CUDA graph of such a call replays the eager bits with the input changed."""
-    from dsv4mtp.optimized import _ops
-    from dsv4mtp.optimized.kernels._sync import counters
-    from dsv4mtp.optimized.kernels.linear_gluon import gluon_linear_schedule, linear_fp8_gluon
-
-    G, N, K = LINEAR_SHAPES[shape]
-    qw = linear_weight(max(G, 1), N, K, "fp8_e8m0", seed=33, device="cuda")
-    pack = opt.pack_linear(qw, "cuda", groups=G or None)
-    assert pack.fold_bf16 and pack.op_fmt == "fp8_fold"
-    fn = opt.grouped_linear if G else opt.linear
-    op = torch.ops.dsv4mtp.grouped_linear.default if G else torch.ops.dsv4mtp.linear.default
-    op_name = "grouped_linear" if G else "linear"
-    w = pack.dequantize(BF16)
-    G1 = max(G, 1)
-    for rows in _GLUON_ROWS:
-        x = _x(*((rows, G, K) if G else (rows, K)), device="cuda", seed=rows)
-        sched = gluon_linear_schedule(rows, N, K, G1)
-        cnt = counters(torch.device("cuda"), -(-rows // sched.block_t) * (N // 128) * G1)
-        part = torch.empty(sched.split_k * rows * G1 * N, device="cuda", dtype=FP32)
-        runs = []
-        for _ in range(2):
-            y = torch.full((rows, G1, N), float("nan"), dtype=BF16, device="cuda")
-            linear_fp8_gluon(x.view(rows, G1, K), pack.weight, pack.scale, y, sched=sched,
-                             counters=cnt, part=part)  # fmt: skip
-            runs.append(y if G else y.view(rows, N))
-        got = runs[0]
-        assert torch.equal(got, runs[1])
-        _check(op_name, got, x, qw)
-        kernel = op(x, pack.weight, pack.scale, "fp8", False, False, counters=pack.counters)
-        for gi in range(G1):
-            xs, ws = (x[:, gi], w[gi]) if G else (x, w)
-            gs, ks = (got[:, gi], kernel[:, gi]) if G else (got, kernel)
-            _agree_to_summation_order(gs, ks, _summation_order_bound(xs, ws))
-    calls: list[int] = []
-    real = _ops.linear_fp8_gluon
-    monkeypatch.setattr(_ops, "linear_fp8_gluon", lambda *a, **k: calls.append(1) or real(*a, **k))
-    for rows in (1, 4, 5):
-        x = _x(*((rows, G, K) if G else (rows, K)), device="cuda", seed=rows + 7)
-        n = len(calls)
-        got = fn(x, pack)
-        assert (len(calls) > n) == (rows <= 4 and shape != "wq_b"), rows
-        out = torch.full_like(got, float("nan"))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn(x, pack, out=out)
-        x2 = _x(*x.shape, device="cuda", seed=rows + 100)
-        x.copy_(x2)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, fn(x2, pack)), rows
-    assert int(pack.counters.abs().sum()) == 0

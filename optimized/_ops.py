@@ -32,7 +32,7 @@ import torch
 from dsv4mtp.errors import InputError
 
 from .kernels import _flashinfer as fi
-from .kernels._launch import INTERPRET, triton_kernel, workspace
+from .kernels._launch import triton_kernel, workspace
 
 if TYPE_CHECKING:
     from .kernels.mhc_collapse import CollapseConfig, mhc_collapse
@@ -1004,33 +1004,20 @@ _ATTN_LIB = _register(_ATTN_SCHEMAS)
 # "fp8_exact" is "fp8" whose every code x scale product is exact in bf16 (power-of-two scales,
 # decided once by pack_linear: LinearPack.exact_bf16); with bf16 x, not batch-invariant, from
 # DEQUANT_MM_MIN_ROWS rows on, such a call dequantizes the weight to bf16 and runs one cuBLAS
-# GEMM (kernels/linear.py, dequant_mm_selected, linear_dequant_mm).  "fp8_fold" is "fp8_exact"
-# whose scales also fold into a bf16 multiply (LinearPack.fold_bf16): with bf16 x, not
-# batch-invariant, up to 64 rows, compiled, such a call runs the Gluon kernel
-# (kernels/linear_gluon.py).  Everything else runs the Triton kernel, which computes the same
-# math for all three FP8 formats.
+# GEMM (kernels/linear.py, dequant_mm_selected, linear_dequant_mm); everything else runs the
+# Triton kernel, which computes the same math for "fp8" and "fp8_exact".
 if TYPE_CHECKING:
-    from .kernels._sync import counters as stream_counters
     from .kernels.linear import (
         dequant_mm_selected,
         linear_dequant_mm,
         linear_schedule,
         linear_triton,
     )
-    from .kernels.linear_gluon import (
-        gluon_linear_applies,
-        gluon_linear_schedule,
-        linear_fp8_gluon,
-    )
 else:
     dequant_mm_selected = triton_kernel("linear", "dequant_mm_selected")
     linear_dequant_mm = triton_kernel("linear", "linear_dequant_mm")
     linear_schedule = triton_kernel("linear", "linear_schedule")
     linear_triton = triton_kernel("linear", "linear_triton")
-    gluon_linear_applies = triton_kernel("linear_gluon", "gluon_linear_applies")
-    gluon_linear_schedule = triton_kernel("linear_gluon", "gluon_linear_schedule")
-    linear_fp8_gluon = triton_kernel("linear_gluon", "linear_fp8_gluon")
-    stream_counters = triton_kernel("_sync", "counters")
 
 _LINEAR_ARGS = (
     "Tensor x, Tensor weight, Tensor scale, str fmt, bool act_quant, bool batch_invariant"
@@ -1048,8 +1035,7 @@ OPS = tuple(SCHEMAS)
 
 _LINEAR_FMT = {"bf16": 0, "fp8": 1}
 _FP8_EXACT = "fp8_exact"  # linear / grouped_linear only (the LM head packs its own formats)
-_FP8_FOLD = "fp8_fold"
-_LINEAR_OP_FMT = {**_LINEAR_FMT, _FP8_EXACT: 1, _FP8_FOLD: 1}
+_LINEAR_OP_FMT = {**_LINEAR_FMT, _FP8_EXACT: 1}
 
 
 def _linear_into(
@@ -1081,27 +1067,8 @@ def _linear_into(
     if act_quant:
         xin = _act_quant(xin.view(R * G, K)).view(R, G, K)
     w, s = weight.contiguous(), scale.contiguous()
-    if dequant_mm_selected(R, fmt in (_FP8_EXACT, _FP8_FOLD), x.dtype, batch_invariant):
+    if dequant_mm_selected(R, fmt == _FP8_EXACT, x.dtype, batch_invariant):
         linear_dequant_mm(xin, w, s, out)
-        return
-    if (
-        fmt == _FP8_FOLD
-        and not batch_invariant
-        and not INTERPRET
-        and xin.is_cuda
-        and out.is_contiguous()
-        and gluon_linear_applies(xin, w)
-    ):
-        gsched = gluon_linear_schedule(R, w.shape[1], K, G)
-        tiles = -(-R // gsched.block_t) * (w.shape[1] // 128) * G
-        cnt = counters if counters.numel() >= tiles else stream_counters(x.device, tiles)
-        part = (
-            workspace("linear_part", (gsched.split_k * R * G * w.shape[1],), torch.float32,
-                      x.device)
-            if gsched.split_k > 1
-            else out
-        )  # fmt: skip
-        linear_fp8_gluon(xin, w, s, out, sched=gsched, counters=cnt, part=part)
         return
     sched = linear_schedule(R, weight.shape[1], K, G, batch_invariant)
     linear_triton(

@@ -56,10 +56,6 @@ _FP8_FORMATS = ("fp8_e8m0", "fp8_f32")
 # batch-invariant calls one per 64 rows; counters for 16 M blocks cost 64 B per 64 columns.
 _COUNTER_TILE_N = 64
 _COUNTER_M_BLOCKS = 16
-# An FP8 pack's scales fold into the Gluon kernel's bf16 decode multiplier 2^(120 + e) when
-# -117 <= e <= 7 (optimized/kernels/linear_gluon.py, module doc); kept here so that packing
-# needs no triton.
-FOLD_LOG2_MIN, FOLD_LOG2_MAX = -117, 7
 # An FP8 pack is exact in bf16 when every block scale is 2^e with |e| <= 100: a nonzero e4m3
 # value has at most 4 significant bits and a magnitude from 2^-9 to 448, so a nonzero
 # code x scale lies in [2^-109, 448 * 2^100], inside bf16's normal range (2^-126 to ~2^128):
@@ -91,13 +87,6 @@ class LinearPack:
     2^100 (checked once by :func:`pack_linear`), so each code x scale is exact in bf16: the
     bf16 weight is the weight, and prefill-sized calls take the dequantize + cuBLAS path
     (optimized/kernels/linear.py, module doc; ``op_fmt`` names the format to the operators).
-
-    ``fold_bf16``: an "fp8" pack whose block scales are all 2^e with -117 <= e <= 7 (decided by
-    :func:`pack_linear`, checked again when a pack is built or replaced by hand): the scale then
-    folds into the bf16 multiply of the e4m3 decode, and decode-sized calls with bf16 x run the
-    Gluon kernel (optimized/kernels/linear_gluon.py; op format "fp8_fold").  Every code x scale
-    is then a bf16 normal number too (>= 2^-9 * 2^-117), so prefill-sized calls take the
-    dequantize + cuBLAS path as for ``exact_bf16``.
     """
 
     fmt: str
@@ -108,15 +97,6 @@ class LinearPack:
     row_splits: tuple[int, ...] | None = None
     name: str = ""
     exact_bf16: bool = False
-    fold_bf16: bool = False
-
-    def __post_init__(self) -> None:
-        if self.fold_bf16 and not (self.fmt == "fp8" and _fold_in_bf16(self.scale)):
-            raise InputError(
-                f"fold_bf16: set on a pack whose block scales are not all 2^e with "
-                f"{FOLD_LOG2_MIN} <= e <= {FOLD_LOG2_MAX} (format {self.fmt!r}); "
-                "pack_linear decides it"
-            )
 
     @property
     def groups(self) -> int:
@@ -137,11 +117,8 @@ class LinearPack:
 
     @property
     def op_fmt(self) -> str:
-        """The format as the operators take it (optimized/_ops.py): ``fmt``, "fp8_exact" for an
-        FP8 pack whose products are exact in bf16 (``exact_bf16``), "fp8_fold" for one whose
-        scales also fold into the bf16 decode (``fold_bf16``)."""
-        if self.fold_bf16:
-            return "fp8_fold"
+        """The format as the operators take it (optimized/_ops.py): ``fmt``, or "fp8_exact" for
+        an FP8 pack whose products are exact in bf16 (``exact_bf16``)."""
         return "fp8_exact" if self.exact_bf16 else self.fmt
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -172,16 +149,6 @@ def _exact_in_bf16(scale: torch.Tensor) -> bool:
     return bool(ok.all())
 
 
-def _fold_in_bf16(scale: torch.Tensor) -> bool:
-    """Every fp32 block scale 2^e with FOLD_LOG2_MIN <= e <= FOLD_LOG2_MAX; one host sync."""
-    if scale.numel() == 0:
-        return False
-    mantissa, exponent = torch.frexp(scale)
-    e = exponent - 1
-    ok = (mantissa == 0.5) & (e >= FOLD_LOG2_MIN) & (e <= FOLD_LOG2_MAX)
-    return bool(ok.all())
-
-
 def _dense_weight(name: str, t: torch.Tensor) -> torch.Tensor:
     if not t.is_floating_point():
         raise InputError(f"{name}: expected a floating-point weight, got {t.dtype}")
@@ -208,8 +175,7 @@ def pack_linear(
     per group).  ``exact_bf16`` is decided here, once: True for FP8 with every block scale a
     power of two in [2^-100, 2^100] (V4-Flash's e8m0 scales; an ``fp8_f32`` weight too when its
     scales happen to be such powers), which lets prefill-sized calls run on the
-    bf16-dequantized weight (:func:`linear`); ``fold_bf16`` too (powers 2^-117 .. 2^7), which
-    sends decode-sized calls to the Gluon kernel.
+    bf16-dequantized weight (:func:`linear`).
     """
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise InputError("weight: pack_linear cannot run during CUDA-graph capture; pack before")
@@ -288,7 +254,7 @@ def pack_linear(
     exact = fmt == "fp8" and _exact_in_bf16(s3)
     return LinearPack(
         fmt, w3, s3, counters, grouped=groups is not None, row_splits=row_splits, name=name,
-        exact_bf16=exact, fold_bf16=fmt == "fp8" and _fold_in_bf16(s3),
+        exact_bf16=exact,
     )  # fmt: skip
 
 

@@ -15,14 +15,14 @@ decoded to bf16 in registers (kernels/decode.py, ``_e4m3_bf16``: PTX, two instru
 weight), one tensor-core dot with a fresh fp32 accumulator, and that fp32 partial multiplied
 by the block's fp32 scale before it is added to the running sum (an fp32 scale is not exact in
 bf16, so it never touches the dot's operands; BLOCK_N divides 128, so one scale per tile and K
-block).  Folding a power-of-two scale into the decode instead, one dot chain over all K blocks,
-was measured (bench/results/linear-h200.md, "The Gluon kernel"): 26 % slower at 1-8 rows and
-only 4 % faster at 64, so the rescale stays.  SPLIT_K == 1 rounds the sum once to y's dtype.  SPLIT_K > 1, in the same launch: each
-program stores its fp32 partial at ``part[s]`` and takes a ticket from its output tile's int32
-counter (one atomic add per program, acquire-release at gpu scope); the program that draws
-ticket SPLIT_K - 1, the tile's last split to finish, loads ``part[0..SPLIT_K-1]`` from L2, adds
-them to fp32 zeros in the order 0, 1, ..., SPLIT_K - 1, rounds once to y's dtype, writes y and
-sets the counter back to zero.  Which program reduces depends on timing, the arithmetic does
+block; folding a power-of-two scale into the decode instead, one dot chain over all K blocks,
+measured 26 % slower at 1-8 rows and 4 % faster at 64: bench/results/linear-h200.md, "Three
+ways to speed the decode linears").  SPLIT_K == 1 rounds the sum once to y's dtype.  SPLIT_K >
+1, in the same launch: each program stores its fp32 partial at ``part[s]`` and takes a ticket
+from its output tile's int32 counter (one atomic add per program, acquire-release at gpu
+scope); the program that draws ticket SPLIT_K - 1, the tile's last split to finish, loads
+``part[0..SPLIT_K-1]`` from L2, adds them to fp32 zeros in the order 0, 1, ..., SPLIT_K - 1,
+rounds once to y's dtype, writes y and sets the counter back to zero.  Which program reduces depends on timing, the arithmetic does
 not: the sum is always taken in split order, so the result is deterministic and a row's bits
 depend only on the schedule (BLOCK_M, BLOCK_N, SPLIT_K, warps), never on the other rows.  No
 program waits for another, so nothing depends on how many programs are resident.  The counters

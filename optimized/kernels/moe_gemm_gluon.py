@@ -168,13 +168,6 @@ def _decode_group(wd, ks, FOLD: gl.constexpr, HI: gl.constexpr, BLOCK_N: gl.cons
         o = gl.inline_asm_elementwise(
             _DECODE, _OUT8 + ",r", [wd], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1
         )
-    return _group_tile(o, BLOCK_N)
-
-
-@gluon.jit
-def _group_tile(o, BLOCK_N: gl.constexpr):
-    """A decode's eight bf16 outputs per (row, word) (output 2i + h = column 8 w + i + 4 h of
-    the group) -> the A tile (BLOCK_N, 32) in permuted-K order, registers renamed only."""
     # output 4c + 2a + h -> dims (w, h, a, c) -> (c, w, a, h)
     q0 = gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3]))
     q1 = gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7]))
