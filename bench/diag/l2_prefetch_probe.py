@@ -21,11 +21,11 @@ The number that matters is the linear's share of the chain: chain - spin, us per
 The prefetch kernel: one program issues ``CHUNK // PIECE`` bulk prefetches
 (``cp.async.bulk.prefetch.L2``, sm_90's bulk copy engine, no registers, nothing to wait for).
 ``MODE`` 0: plain bulk prefetch; 1: the same with an L2 evict-last policy; 2: one
-``prefetch.global.L2::evict_last`` per 128-byte line.  Measured (2026-12-01, H200,
-bench/results/linear-h200.md, "Warming the L2"): the prefetch takes 2.4-8 us for 6-32 MB, about
-the bytes at HBM speed, and a linear reading a warm L2 ("hot") is only 1-1.7 us faster than
-from HBM, so no placement of the prefetch shortens a decode linear: its time is its own start
-and finish.
+``prefetch.global.L2::evict_last`` per 128-byte line.  Measured (2026-12-01, H200;
+bench/results/linear-h200.md, "Three ways to speed the decode linears"): the prefetch takes
+2.4-8 us for 6-32 MB, about the bytes at HBM speed, and a linear reading a warm L2 ("hot") is
+only 1-1.7 us faster than from HBM, so no placement of the prefetch shortens a decode linear:
+its time is its own start and finish.
 """
 
 from __future__ import annotations
