@@ -396,12 +396,19 @@ def test_tiles_fold_flag_follows_the_scale_bytes(device: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fork", ["router", "align", "gate_up"])
 @pytest.mark.parametrize("T", [1, 8, 64, 512])
-def test_shared_expert_side_stream_changes_no_bit(T: int) -> None:
+def test_shared_expert_side_stream_changes_no_bit(
+    T: int, fork: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``shared_stream`` (the default: the shared expert on a side stream, joined before the
     reduce) against the shared expert in order, at V4-Flash experts (MXFP4 tiles, the FP8
-    shared expert): bitwise equal eagerly and from a captured CUDA graph's replays, with the
-    input changed between replays (so a missing join would read a stale or partial row)."""
+    shared expert), forking at each point of the routed chain (``SHARED_FORK``): bitwise equal
+    eagerly and from a captured CUDA graph's replays, with the input changed between replays
+    (so a missing join would read a stale or partial row)."""
+    from dsv4mtp.optimized import _ops
+
+    monkeypatch.setattr(_ops, "SHARED_FORK", fork)
     (x, params, cfg), kw = moe_inputs("moe", T, 3, shape="flash", fmt="mxfp4", device="cuda")
     pack = pack_moe(params, "cuda")
     default = moe_config(T, batch_invariant=False, fmt=pack.kernel_fmt)

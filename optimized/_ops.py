@@ -637,9 +637,11 @@ def _routed_into(
     schedule: Sequence[int],
     shared: Callable[[], torch.Tensor | None],
     out: torch.Tensor,
+    fork: Callable[[], None] = lambda: None,
 ) -> None:
     """The routed experts into ``out``; ``shared()`` gives the shared expert's rows (or None)
-    to the reduce, called just before it (it may join a side stream there)."""
+    to the reduce, called just before it (it may join a side stream there); ``fork()`` starts
+    the shared expert on its side stream, called at :data:`SHARED_FORK`."""
     T, D = x.shape
     K = topk_ids.shape[1]
     if T == 0:
@@ -650,9 +652,13 @@ def _routed_into(
     bm = sched.block_m
     xin = _act_quant(x.contiguous()) if act_quant else x.contiguous()
     ids = topk_ids.contiguous()
+    if SHARED_FORK == "router":
+        fork()
     sorted_slot, block_expert = moe_align_triton(
         ids, expert_map, w13.shape[0], bm, chunk=sched.align_chunk, num_warps=sched.align_warps
     )
+    if SHARED_FORK == "align":
+        fork()
     nb = block_expert.numel()
     h = torch.empty((nb * bm, inter), dtype=x.dtype, device=x.device)
     moe_gate_up_triton(
@@ -660,6 +666,8 @@ def _routed_into(
         fmt=code, inter=inter, top_k=K, limit=limit, tile=sched.gate_up, num_m_blocks=nb,
         block_m=bm, decode=sched.decode, fp4_join=sched.fp4_join, tiled=tiled, fold=fold,
     )  # fmt: skip
+    if SHARED_FORK == "gate_up":
+        fork()
     if act_quant:
         act_quant_triton(h, h)  # in place: each program reads its 128 values before writing
     ws = moe_down_triton(
@@ -811,30 +819,42 @@ def _moe_out(
     side = _side_stream(x.device) if sched.shared_stream else None
     if side is None:
         rows = _shared_expert(*shared_args)
-        shared: Callable[[], torch.Tensor | None] = lambda: rows  # noqa: E731
-    else:
-        # The shared expert on a side stream, beside the sort and the routed GEMMs (it forks
-        # after the router): at decode sizes neither fills the H200 (the routed GEMMs stream
-        # their experts at about half the copy bandwidth), so the shared expert's 25 MB (FP8)
-        # overlap them instead of following them.  The reduce waits for it.  Captured into a
-        # CUDA graph the fork and join become the graph's edges; the values are the same.
-        cur = torch.cuda.current_stream(x.device)
+        _routed_into(
+            x, ids, weights, expert_map, w13, s13, w2, s2, gscale, fmt, limit, act_quant,
+            batch_invariant, schedule, lambda: rows, out,
+        )  # fmt: skip
+        return
+    # The shared expert on a side stream, beside the routed GEMMs (forking at SHARED_FORK): at
+    # decode sizes neither fills the H200 (the routed GEMMs stream their experts at about half
+    # the copy bandwidth), so the shared expert's 25 MB (FP8) overlap them instead of following
+    # them.  The reduce waits for it.  Captured into a CUDA graph the fork and join become the
+    # graph's edges; the values are the same.
+    cur = torch.cuda.current_stream(x.device)
+    box: list[torch.Tensor] = []
+
+    def fork() -> None:
         side.wait_stream(cur)
         with torch.cuda.stream(side):
-            rows = _shared_expert(*shared_args)
+            box.append(_shared_expert(*shared_args))
 
-        def shared() -> torch.Tensor:
-            cur.wait_stream(side)
-            rows.record_stream(cur)  # allocated on the side stream, read on this one
-            return rows
+    def shared() -> torch.Tensor:
+        cur.wait_stream(side)
+        (rows,) = box
+        rows.record_stream(cur)  # allocated on the side stream, read on this one
+        return rows
 
     _routed_into(
         x, ids, weights, expert_map, w13, s13, w2, s2, gscale, fmt, limit, act_quant,
-        batch_invariant, schedule, shared, out,
+        batch_invariant, schedule, shared, out, fork,
     )  # fmt: skip
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+# Where the moe forks the shared expert onto its side stream, in the routed chain's launch
+# order: "router" (right after the top-k), "align" (after the sort), "gate_up" (after the routed
+# gate/up GEMM).  The branch launched first takes the SMs first when both become ready;
+# bench/diag/moe_stream_ab.py measures the three.
+SHARED_FORK = "router"
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:

@@ -1,4 +1,5 @@
-"""Does the MoE's shared expert on a side stream shorten the whole draft step?  (H200)
+"""Does the MoE's shared expert on a side stream shorten the whole draft step, and where should
+it fork?  (H200)
 
 ``MoESchedule.shared_stream`` (the default up to T 64) runs the shared expert on a second CUDA
 stream beside the sort and the routed GEMMs (it forks after the router).  ``bench/diag/moe_sweep.py`` times the moe
@@ -14,12 +15,16 @@ bench/results/mtp-h200.md) cancels:
 * prefill: one sequence of 512 and of 4096 tokens, eager (host-paced), wall clock, rounds
   alternating likewise.
 
-The setting is switched by wrapping the operators' ``moe_config`` (its schedule with
-``shared_stream`` set), so the layer and its packs are the same objects in both.  Outputs are
-compared bitwise between the settings (the stream changes no value).
+The settings: the side stream forking after the router ("router"), after the sort ("align")
+or after the routed gate/up GEMM ("gate_up"; optimized/_ops.py, ``SHARED_FORK``), and no side
+stream ("in order").  A setting is switched by wrapping the operators' ``moe_config`` (its
+schedule with ``shared_stream`` set) and setting ``SHARED_FORK``, so the layer and its packs
+are the same objects in all.  Outputs are compared bitwise between the settings (the stream
+changes no value).  The prefill part compares the side stream (forking after the router)
+with none.
 
 Run (GPU machine, repository root, after the README's install):
-``python3 bench/diag/moe_stream_ab.py [--rounds 5]`` (about a minute and a half).
+``python3 bench/diag/moe_stream_ab.py [--rounds 5] [--no-prefill]`` (about two minutes).
 """
 
 from __future__ import annotations
@@ -47,14 +52,24 @@ from dsv4mtp.optimized.mtp import DecodeGraphs
 _DEFAULT = _ops.moe_config
 
 
-def set_shared_stream(on: bool) -> None:
-    """The operators' default MoE schedules with ``shared_stream`` = ``on``."""
+_FORK = _ops.SHARED_FORK
+SETTINGS = {"router": True, "align": True, "gate_up": True, "in order": False}
+
+
+def settings(names: str) -> dict[str, bool]:
+    return {k: SETTINGS[k] for k in names.split(",")}
+
+
+def set_shared_stream(on: bool, fork: str = _FORK) -> None:
+    """The operators' default MoE schedules with ``shared_stream`` = ``on``, forking at
+    ``fork``."""
 
     def config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> Any:
         s = _DEFAULT(T, batch_invariant=batch_invariant, fmt=fmt)
         return dataclasses.replace(s, shared_stream=on)
 
     _ops.moe_config = config  # type: ignore[assignment]
+    _ops.SHARED_FORK = fork
 
 
 def rounds(calls: dict[str, Callable[[], float]], n: int) -> dict[str, float]:
@@ -69,7 +84,10 @@ def rounds(calls: dict[str, Callable[[], float]], n: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated")
     args = ap.parse_args(argv)
+    chosen = settings(args.settings)
     torch.manual_seed(0)
     g = torch.Generator(device="cuda").manual_seed(0)
     ckdir = tempfile.mkdtemp(prefix="v4flash-")
@@ -80,12 +98,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{layer.layers[0].ffn.layout}")  # fmt: skip
     graphs: dict[str, DecodeGraphs] = {}
     cache = layer.new_device_cache(max(DECODE_T))
-    for name, on in (("side stream", True), ("in order", False)):
-        set_shared_stream(on)
+    for name, on in chosen.items():
+        set_shared_stream(on, name if on else _FORK)
         graphs[name] = DecodeGraphs(layer, cache, buckets=DECODE_T, logits=False)
+    set_shared_stream(True)
     fill_cache(layer, cache, max(DECODE_T), W - 1, g)
-    print("| step | T | side stream (us) | in order (us) | side / in order | outputs equal |")
-    print("|---|---|---|---|---|---|")
+    names = " | ".join(f"{k} (us)" for k in chosen)
+    print(f"| step | T | {names} | outputs equal |")
+    print("|---|---|" + "---|" * len(chosen) + "---|")
     for T in DECODE_T:
         ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda", generator=g)
         pos = torch.full((T,), W - 1, dtype=torch.int64, device="cuda")
@@ -95,15 +115,21 @@ def main(argv: list[str] | None = None) -> int:
         for gr in graphs.values():
             cache.rollback(slots, pos - 1)
             outs.append([t.clone() for t in gr.step(ids, pos, prev, slots)[:2]])
-        same = all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+        same = all(all(torch.equal(a, b) for a, b in zip(outs[0], o, strict=True)) for o in outs)
         replays = {k: gr.graphs[T].replay for k, gr in graphs.items()}
         for r in replays.values():
             for _ in range(3):
                 r()
         t = rounds({k: (lambda r=r: median_ms(r, 20) * 1e3) for k, r in replays.items()},
                    args.rounds)  # fmt: skip
-        a, b = t["side stream"], t["in order"]
-        print(f"| decode (greedy, graph) | {T} | {a:.1f} | {b:.1f} | {a / b:.3f} | {same} |")
+        cells = " | ".join(f"{t[k]:.1f}" for k in chosen)
+        print(f"| decode (greedy, graph) | {T} | {cells} | {same} |", flush=True)
+    if args.no_prefill:
+        set_shared_stream(True)
+        _ops.moe_config = _DEFAULT  # type: ignore[assignment]
+        return 0
+    print("| step | T | side stream (us) | in order (us) | side / in order | outputs equal |")
+    print("|---|---|---|---|---|---|")
     pcache = layer.new_device_cache(1)
     for T in (512, 4096):
         call = prefill_call(layer, pcache, T, g)
