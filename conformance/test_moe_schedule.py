@@ -395,6 +395,20 @@ def test_tiles_fold_flag_follows_the_scale_bytes(device: str) -> None:
         replace(big, mx_fold=True)
 
 
+def test_shared_fork_default_by_the_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared expert forks onto its side stream after the sort up to 8 rows and after the
+    router above (measured: bench/results/moe-h200.md, "Where the shared expert forks");
+    ``SHARED_FORK`` overrides it for every T, and a name it does not know is an InputError."""
+    from dsv4mtp.optimized import _ops
+
+    assert [_ops.shared_fork(T) for T in (1, 2, 8, 9, 64, 4096)] == (["align"] * 3 + ["router"] * 3)
+    monkeypatch.setattr(_ops, "SHARED_FORK", "gate_up")
+    assert {_ops.shared_fork(T) for T in (1, 64)} == {"gate_up"}
+    monkeypatch.setattr(_ops, "SHARED_FORK", "down")
+    with pytest.raises(InputError, match="SHARED_FORK"):
+        _ops.shared_fork(1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fork", ["router", "align", "gate_up"])
 @pytest.mark.parametrize("T", [1, 8, 64, 512])

@@ -641,7 +641,7 @@ def _routed_into(
 ) -> None:
     """The routed experts into ``out``; ``shared()`` gives the shared expert's rows (or None)
     to the reduce, called just before it (it may join a side stream there); ``fork()`` starts
-    the shared expert on its side stream, called at :data:`SHARED_FORK`."""
+    the shared expert on its side stream, called where :func:`shared_fork` says."""
     T, D = x.shape
     K = topk_ids.shape[1]
     if T == 0:
@@ -652,12 +652,13 @@ def _routed_into(
     bm = sched.block_m
     xin = _act_quant(x.contiguous()) if act_quant else x.contiguous()
     ids = topk_ids.contiguous()
-    if SHARED_FORK == "router":
+    at = shared_fork(T)
+    if at == "router":
         fork()
     sorted_slot, block_expert = moe_align_triton(
         ids, expert_map, w13.shape[0], bm, chunk=sched.align_chunk, num_warps=sched.align_warps
     )
-    if SHARED_FORK == "align":
+    if at == "align":
         fork()
     nb = block_expert.numel()
     h = torch.empty((nb * bm, inter), dtype=x.dtype, device=x.device)
@@ -666,7 +667,7 @@ def _routed_into(
         fmt=code, inter=inter, top_k=K, limit=limit, tile=sched.gate_up, num_m_blocks=nb,
         block_m=bm, decode=sched.decode, fp4_join=sched.fp4_join, tiled=tiled, fold=fold,
     )  # fmt: skip
-    if SHARED_FORK == "gate_up":
+    if at == "gate_up":
         fork()
     if act_quant:
         act_quant_triton(h, h)  # in place: each program reads its 128 values before writing
@@ -824,7 +825,7 @@ def _moe_out(
             batch_invariant, schedule, lambda: rows, out,
         )  # fmt: skip
         return
-    # The shared expert on a side stream, beside the routed GEMMs (forking at SHARED_FORK): at
+    # The shared expert on a side stream, beside the routed GEMMs (forking at shared_fork): at
     # decode sizes neither fills the H200 (the routed GEMMs stream their experts at about half
     # the copy bandwidth), so the shared expert's 25 MB (FP8) overlap them instead of following
     # them.  The reduce waits for it.  Captured into a CUDA graph the fork and join become the
@@ -852,9 +853,25 @@ def _moe_out(
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 # Where the moe forks the shared expert onto its side stream, in the routed chain's launch
 # order: "router" (right after the top-k), "align" (after the sort), "gate_up" (after the routed
-# gate/up GEMM).  The branch launched first takes the SMs first when both become ready;
-# bench/diag/moe_stream_ab.py measures the three.
-SHARED_FORK = "router"
+# gate/up GEMM).  The branch launched first takes the SMs first when both become ready.
+# Measured on the H200 (bench/diag/moe_stream_ab.py, the whole step in one process, two runs;
+# bench/results/moe-h200.md, "Where the shared expert forks"): at T 8 "align" 630.3 / 625.2 us
+# against "router" 642.4 / 638.5; at T 1 all within 0.5 us; at T 64 "router" 1205.0 / 1201.9
+# against "align" 1211.0 / 1211.4 and "gate_up" 1232.0.  None: the default of the row count
+# (:func:`shared_fork`); a name overrides it (the benchmark's switch).
+SHARED_FORK: str | None = None
+SHARED_FORK_ALIGN_MAX_T = 8
+_FORKS = ("router", "align", "gate_up")
+
+
+def shared_fork(T: int) -> str:
+    """Where the shared expert forks at T rows (:data:`SHARED_FORK`): after the sort up to
+    :data:`SHARED_FORK_ALIGN_MAX_T` rows, after the router above."""
+    if SHARED_FORK is not None:
+        if SHARED_FORK not in _FORKS:
+            raise InputError(f"SHARED_FORK: expected one of {_FORKS} or None, got {SHARED_FORK!r}")
+        return SHARED_FORK
+    return "align" if SHARED_FORK_ALIGN_MAX_T >= T else "router"
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:

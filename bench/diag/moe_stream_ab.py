@@ -16,8 +16,8 @@ bench/results/mtp-h200.md) cancels:
   alternating likewise.
 
 The settings: the side stream forking after the router ("router"), after the sort ("align")
-or after the routed gate/up GEMM ("gate_up"; optimized/_ops.py, ``SHARED_FORK``), and no side
-stream ("in order").  A setting is switched by wrapping the operators' ``moe_config`` (its
+or after the routed gate/up GEMM ("gate_up"; optimized/_ops.py, ``SHARED_FORK``, whose default
+picks by T), and no side stream ("in order").  A setting is switched by wrapping the operators' ``moe_config`` (its
 schedule with ``shared_stream`` set) and setting ``SHARED_FORK``, so the layer and its packs
 are the same objects in all.  Outputs are compared bitwise between the settings (the stream
 changes no value).  The prefill part compares the side stream (forking after the router)
@@ -52,7 +52,7 @@ from dsv4mtp.optimized.mtp import DecodeGraphs
 _DEFAULT = _ops.moe_config
 
 
-_FORK = _ops.SHARED_FORK
+_FORK = _ops.SHARED_FORK  # None: the default by T
 SETTINGS = {"router": True, "align": True, "gate_up": True, "in order": False}
 
 
@@ -60,7 +60,7 @@ def settings(names: str) -> dict[str, bool]:
     return {k: SETTINGS[k] for k in names.split(",")}
 
 
-def set_shared_stream(on: bool, fork: str = _FORK) -> None:
+def set_shared_stream(on: bool, fork: str | None = _FORK) -> None:
     """The operators' default MoE schedules with ``shared_stream`` = ``on``, forking at
     ``fork``."""
 
