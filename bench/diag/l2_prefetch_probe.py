@@ -42,6 +42,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from h200_mhc import copy_bandwidth, graph_time_us
+from linear_decode_sweep import cold_weights
 from linear_sweep import SHAPES
 
 from dsv4mtp.optimized.kernels.linear import FMT_FP8, linear_schedule, linear_triton
@@ -106,22 +107,12 @@ def prefetch(w: torch.Tensor, mode: int, piece: int) -> None:
     l2_prefetch_kernel[grid](w.view(-1).view(torch.uint8), n, CHUNK=CHUNK, PIECE=piece, MODE=mode)
 
 
-def weights(N: int, K: int, G: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    out = []
-    for _ in range(copies):
-        w = torch.randint(0, 126, (G, N, K), dtype=torch.uint8, device="cuda")
-        w |= torch.randint(0, 2, w.shape, dtype=torch.uint8, device="cuda") << 7
-        e = torch.randint(118, 122, (G, math.ceil(N / 128), math.ceil(K / 128)), device="cuda")
-        out.append((w, torch.exp2(e.float() - 127)))
-    return out
-
-
 class Lin:
     """One linear shape at ``rows`` rows, with enough copies to be cold."""
 
     def __init__(self, name: str, N: int, K: int, G: int, rows: int, copies: int) -> None:
         self.name, self.rows = name, rows
-        self.ws = weights(N, K, G, copies)
+        self.ws = cold_weights(N, K, G, copies)
         self.x = torch.randn(rows, G, K, device="cuda").to(torch.bfloat16)
         self.ys = [torch.empty(rows, G, N, device="cuda", dtype=torch.bfloat16) for _ in self.ws]
         self.sched = linear_schedule(rows, N, K, G, False)

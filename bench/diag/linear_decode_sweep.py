@@ -75,15 +75,22 @@ def label(c: LinearSchedule) -> str:
     return f"{c.block_m}x{c.block_n} split {c.split_k} w{c.num_warps} s{c.num_stages}"
 
 
-def sweep(name: str, N: int, K: int, G: int, rows: int, deadline: float) -> tuple[float, float]:
-    nbytes = G * N * K
-    copies = max(2, math.ceil(COLD_BYTES / nbytes))
-    ws = []
+def cold_weights(N: int, K: int, G: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``copies`` random FP8 weights (G, N, K): finite e4m3 codes of both signs and e8m0-like
+    block scales 2^-9 .. 2^-6, on the GPU."""
+    out = []
     for _ in range(copies):
         w = torch.randint(0, 126, (G, N, K), dtype=torch.uint8, device="cuda")
         w |= torch.randint(0, 2, w.shape, dtype=torch.uint8, device="cuda") << 7
         e = torch.randint(118, 122, (G, math.ceil(N / 128), math.ceil(K / 128)), device="cuda")
-        ws.append((w, torch.exp2(e.float() - 127)))
+        out.append((w, torch.exp2(e.float() - 127)))
+    return out
+
+
+def sweep(name: str, N: int, K: int, G: int, rows: int, deadline: float) -> tuple[float, float]:
+    nbytes = G * N * K
+    copies = max(2, math.ceil(COLD_BYTES / nbytes))
+    ws = cold_weights(N, K, G, copies)
     x = torch.randn(rows, G, K, device="cuda").to(torch.bfloat16)
     ys = [torch.empty(rows, G, N, device="cuda", dtype=torch.bfloat16) for _ in ws]
     want: list[torch.Tensor] = []
