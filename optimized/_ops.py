@@ -637,28 +637,31 @@ def _routed_into(
     schedule: Sequence[int],
     shared: Callable[[], torch.Tensor | None],
     out: torch.Tensor,
-    fork: Callable[[], None] = lambda: None,
+    fork: Callable[[], None] | None = None,
 ) -> None:
     """The routed experts into ``out``; ``shared()`` gives the shared expert's rows (or None)
-    to the reduce, called just before it (it may join a side stream there); ``fork()`` starts
-    the shared expert on its side stream, called where :func:`shared_fork` says."""
+    to the reduce, called just before it (it may join a side stream there); ``fork()`` (when
+    given) starts the shared expert on its side stream where :func:`shared_fork` says: the
+    side stream then waits for everything this stream launched up to that point."""
     T, D = x.shape
     K = topk_ids.shape[1]
     if T == 0:
         return
+    at = shared_fork(T) if fork is not None else None
+    if at == "router":
+        assert fork is not None
+        fork()
     code, tiled, fold = _fmt(fmt)
     inter = w13.shape[1] // 2
     sched = _moe_schedule(T, batch_invariant, schedule, fmt)
     bm = sched.block_m
     xin = _act_quant(x.contiguous()) if act_quant else x.contiguous()
     ids = topk_ids.contiguous()
-    at = shared_fork(T)
-    if at == "router":
-        fork()
     sorted_slot, block_expert = moe_align_triton(
         ids, expert_map, w13.shape[0], bm, chunk=sched.align_chunk, num_warps=sched.align_warps
     )
     if at == "align":
+        assert fork is not None
         fork()
     nb = block_expert.numel()
     h = torch.empty((nb * bm, inter), dtype=x.dtype, device=x.device)
@@ -668,6 +671,7 @@ def _routed_into(
         block_m=bm, decode=sched.decode, fp4_join=sched.fp4_join, tiled=tiled, fold=fold,
     )  # fmt: skip
     if at == "gate_up":
+        assert fork is not None
         fork()
     if act_quant:
         act_quant_triton(h, h)  # in place: each program reads its 128 values before writing
@@ -851,14 +855,17 @@ def _moe_out(
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-# Where the moe forks the shared expert onto its side stream, in the routed chain's launch
-# order: "router" (right after the top-k), "align" (after the sort), "gate_up" (after the routed
-# gate/up GEMM).  The branch launched first takes the SMs first when both become ready.
-# Measured on the H200 (bench/diag/moe_stream_ab.py, the whole step in one process, two runs;
+# Where the moe forks the shared expert onto its side stream, in the routed chain: "router"
+# (right after the top-k), "align" (after the sort), "gate_up" (after the routed gate/up GEMM).
+# The fork is a stream wait, so the shared expert then starts after that kernel has finished
+# and is launched after it: at "align" the routed chain's sort runs before the shared expert's
+# first GEMM takes SMs, at "gate_up" the two no longer overlap in the gate/up GEMM.  Measured
+# on the H200 (bench/diag/moe_stream_ab.py, the whole step in one process, two runs;
 # bench/results/moe-h200.md, "Where the shared expert forks"): at T 8 "align" 630.3 / 625.2 us
-# against "router" 642.4 / 638.5; at T 1 all within 0.5 us; at T 64 "router" 1205.0 / 1201.9
-# against "align" 1211.0 / 1211.4 and "gate_up" 1232.0.  None: the default of the row count
-# (:func:`shared_fork`); a name overrides it (the benchmark's switch).
+# against "router" 642.4 / 638.5; at T 1 "router" and "align" within 0.5 us ("gate_up" 5 us
+# slower); at T 64 "router" 1205.0 / 1201.9 against "align" 1211.0 / 1211.4 and "gate_up"
+# 1232.0.  None: the default of the row count (:func:`shared_fork`); a name overrides it (the
+# benchmark's switch).
 SHARED_FORK: str | None = None
 SHARED_FORK_ALIGN_MAX_T = 8
 _FORKS = ("router", "align", "gate_up")

@@ -47,9 +47,8 @@ from linear_sweep import SHAPES
 
 from dsv4mtp.optimized.kernels.linear import FMT_FP8, linear_schedule, linear_triton
 
-# A bulk prefetch's size must be a multiple of 16 bytes, its address 16-byte aligned.
-ALIGN = 16
-
+# A bulk prefetch's size must be a multiple of 16 bytes, its address 16-byte aligned (the
+# weights' codes are: 128-column rows).
 _BULK = tl.constexpr("""{
 .reg .pred p;
 setp.gt.s32 p, $2, 0;
@@ -98,13 +97,18 @@ def l2_prefetch_kernel(ptr, nbytes, CHUNK: tl.constexpr, PIECE: tl.constexpr, MO
 COLD_BYTES = 256 << 20
 _SIDE: torch.cuda.Stream
 CHUNK = 256 << 10
-CYCLES_PER_US = 1980  # the spin's clock; the measured spin time is printed beside it
+CYCLES_PER_US = 1980  # the spin's clock (H200 boost); the pairs' table prints the spin's time
 
 
 def prefetch(w: torch.Tensor, mode: int, piece: int) -> None:
     n = w.numel() * w.element_size()
     grid = (math.ceil(n / CHUNK),)
-    l2_prefetch_kernel[grid](w.view(-1).view(torch.uint8), n, CHUNK=CHUNK, PIECE=piece, MODE=mode)
+    # one thread per piece at most: a tensor smaller than the program's threads is replicated
+    # over them, and each copy of a side-effecting asm would issue its prefetch again
+    warps = max(1, min(4, CHUNK // piece // 32))
+    l2_prefetch_kernel[grid](
+        w.view(-1).view(torch.uint8), n, CHUNK=CHUNK, PIECE=piece, MODE=mode, num_warps=warps
+    )
 
 
 class Lin:

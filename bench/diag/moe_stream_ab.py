@@ -2,8 +2,8 @@
 it fork?  (H200)
 
 ``MoESchedule.shared_stream`` (the default up to T 64) runs the shared expert on a second CUDA
-stream beside the sort and the routed GEMMs (it forks after the router).  ``bench/diag/moe_sweep.py`` times the moe
-alone; this script times what the issue's targets count, the whole layer, both ways in one
+stream beside the routed GEMMs (optimized/_ops.py, ``shared_fork``).  ``bench/diag/moe_sweep.py``
+times the moe alone; this script times what the issue's targets count, the whole layer, both ways in one
 process, so machine-to-machine spread (the step's times moved 2-3 % between GPU machines,
 bench/results/mtp-h200.md) cancels:
 

@@ -103,10 +103,10 @@ itself was within 6 % of ``"mxdot"``, its registers 252 against 157 at T 64).  `
 (every other format, and above T 768): PTX on
 four codes at a time (``prmt`` into bf16x2 pairs, shift/mask into bf16 bit patterns, exact
 ``mul.rn.bf16x2`` by a power of two and by the group scale), about three instructions per
-weight, 1280 instructions for the kernel; ``"f16"``: and/shift/or into an fp16 pattern, fp16 ->
-fp32, fp32 multiply by the group scale, fp32 -> bf16 (two conversions per weight), 1952
-instructions, the whole moe 1.3-1.8x slower than with ``"asm"`` at the same tiles (MXFP4, T 1
-to 512); ``"bits"``: the fp32 pattern from integer
+weight for FP4 (two for FP8), 1280 instructions for the kernel; ``"f16"``: and/shift/or into
+an fp16 pattern, fp16 -> fp32, fp32 multiply by the group scale, fp32 -> bf16 (two
+conversions per weight), 1952 instructions, the whole moe 1.3-1.8x slower than with
+``"asm"`` at the same tiles (MXFP4, T 1 to 512); ``"bits"``: the fp32 pattern from integer
 ops and selects, the bf16 taken as the product's high half, 2408 instructions, slower still.
 All three give the same dot operands bit for bit.  The decode-size GEMMs are limited by
 instruction issue, not HBM: a decode with fewer instructions was faster at every T.

@@ -38,8 +38,9 @@ What each knob changes (optimized/kernels/moe_gemm.py, module doc, "Schedule"):
   against x's even and odd columns (strided loads of x); True: the decoded halves are
   interleaved back in registers (``tl.join``) and one dot reads x contiguously.
 * ``shared_stream`` (``moe`` only): the shared expert runs on a side CUDA stream beside the
-  sort and the routed GEMMs (forked after the router), joined before the reduce (False:
-  first, in order); no value changes either way.  Ignored on the CPU.
+  routed GEMMs (forked after the sort up to T 8, after the router above: optimized/_ops.py,
+  ``shared_fork``), joined before the reduce (False: first, in order); no value changes
+  either way.  Ignored on the CPU.
 * ``align_chunk``: the sort's slot chunk (optimized/kernels/moe_align.py): S = T*K slots up to
   min(``align_chunk``, 128) are sorted by one program, more by ``cdiv(S, align_chunk)``
   programs of that many slots (a chunk x chunk rank compare each, hence <= 256);
