@@ -648,9 +648,9 @@ def _routed_into(
     if T == 0:
         return
     at = shared_fork(T) if fork is not None else None
+    start_shared = fork if fork is not None else (lambda: None)
     if at == "router":
-        assert fork is not None
-        fork()
+        start_shared()
     code, tiled, fold = _fmt(fmt)
     inter = w13.shape[1] // 2
     sched = _moe_schedule(T, batch_invariant, schedule, fmt)
@@ -661,8 +661,7 @@ def _routed_into(
         ids, expert_map, w13.shape[0], bm, chunk=sched.align_chunk, num_warps=sched.align_warps
     )
     if at == "align":
-        assert fork is not None
-        fork()
+        start_shared()
     nb = block_expert.numel()
     h = torch.empty((nb * bm, inter), dtype=x.dtype, device=x.device)
     moe_gate_up_triton(
@@ -671,8 +670,7 @@ def _routed_into(
         block_m=bm, decode=sched.decode, fp4_join=sched.fp4_join, tiled=tiled, fold=fold,
     )  # fmt: skip
     if at == "gate_up":
-        assert fork is not None
-        fork()
+        start_shared()
     if act_quant:
         act_quant_triton(h, h)  # in place: each program reads its 128 values before writing
     ws = moe_down_triton(

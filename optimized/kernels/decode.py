@@ -80,12 +80,12 @@ def _e4m3_f32(b):
 
 # ``decode="asm"`` (GPU only): PTX on four codes at a time, every step an integer op or an
 # exact bf16x2 multiply, 2 (E4M3) to 3 (E2M1) instructions per weight against ~8 for the
-# float-conversion decodes.  A code goes into a bf16 bit pattern whose value is the code's value times a power
-# of two (E4M3: byte & 0x7f under bf16's exponent, times 2**-120; E2M1: nibble & 7 at bits
-# 6..8, times 2**-126, code 1 landing on a bf16 subnormal), the sign to bit 15; one
-# ``mul.rn.bf16x2`` by 2**120 / 2**126 restores the value exactly (sm_90's bf16 arithmetic
-# keeps subnormals), and FP4 codes take a second exact multiply by the group scale.  prmt
-# spreads bytes 0,1 (2,3) of the packed word into the low bytes of two 16-bit halves so each
+# float-conversion decodes.  A code goes into a bf16 bit pattern whose value is the code's
+# value times a power of two (E4M3: byte & 0x7f under bf16's exponent, times 2**-120; E2M1:
+# nibble & 7 at bits 6..8, times 2**-126, code 1 landing on a bf16 subnormal), the sign to
+# bit 15; one ``mul.rn.bf16x2`` by 2**120 / 2**126 restores the value exactly (sm_90's bf16
+# arithmetic keeps subnormals), and FP4 codes take a second exact multiply by the group scale.
+# prmt spreads bytes 0,1 (2,3) of the packed word into the low bytes of two 16-bit halves so each
 # shift/mask works on a bf16x2 pair (E4M3's prmt also fills the high bytes with the signs).
 def _ptx_pair(
     src: str, mag_mask: int, mag_shift: int, sign_shift: int, out: str, *muls: str
@@ -122,22 +122,24 @@ def _ptx(consts: str, body: list[str], codes: str) -> str:
 # | (code & 0x7f) << 4, the bf16 pattern of the value times 2**-120 (the low half's sign byte
 # spills into bits 16..19, which the mask clears): four instructions per pair, the multiply by
 # 2**120 (bf16 0x7B80) included.
-_E4M3 = [
-    "{",
-    ".reg .b32 t, u, k;",
-    "prmt.b32 t, $2, $2, 0x9180;",
-    "prmt.b32 u, $2, $2, 0xB3A2;",
-    "shl.b32 t, t, 4;",
-    "shl.b32 u, u, 4;",
-    "and.b32 t, t, 0x87F087F0;",
-    "and.b32 u, u, 0x87F087F0;",
-]
 _ASM_E4M3 = tl.constexpr(
     "\n".join(
-        [*_E4M3, "mov.b32 k, 0x7B807B80;", "mul.rn.bf16x2 $0, t, k;",
-         "mul.rn.bf16x2 $1, u, k;", "}"]
+        [
+            "{",
+            ".reg .b32 t, u, k;",
+            "prmt.b32 t, $2, $2, 0x9180;",
+            "prmt.b32 u, $2, $2, 0xB3A2;",
+            "shl.b32 t, t, 4;",
+            "shl.b32 u, u, 4;",
+            "and.b32 t, t, 0x87F087F0;",
+            "and.b32 u, u, 0x87F087F0;",
+            "mov.b32 k, 0x7B807B80;",
+            "mul.rn.bf16x2 $0, t, k;",
+            "mul.rn.bf16x2 $1, u, k;",
+            "}",
+        ]
     )
-)  # fmt: skip
+)
 # E2M1 (low nibbles out $0, $1, high nibbles $2, $3; codes $4; scales $5, $6): magnitude 3 bits
 # to bits 6..8, sign to bit 15, times 2**126 (bf16 0x7E80), times the code's group scale.
 _E2M1_PAIRS = (  # (magnitude shift, sign shift, source, output, scale operand)
