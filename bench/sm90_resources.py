@@ -431,7 +431,7 @@ def rope_lines() -> list[str]:
 
     sig = dict(
         x_ptr="*bf16", w_ptr="*bf16", pos_ptr="*i64", freq_ptr="*fp32", out_ptr="*bf16", T="i32",
-        H="i32", stride_t="i32", stride_h="i32", eps="fp32",
+        H="i32", stride_t="i32", stride_h="i32", ostride_t="i32", ostride_h="i32", eps="fp32",
     )  # fmt: skip
     cases = [  # name, D, DN, H, norm, fp8, vllm_order, inverse
         ("q_head_norm_rope", 512, 448, 64, NORM_HEAD, False, False, False),
@@ -447,6 +447,7 @@ def rope_lines() -> list[str]:
         num_warps = meta.pop("num_warps")
         meta["INTERP"] = False
         aligned = ["x_ptr", "w_ptr", "pos_ptr", "freq_ptr", "out_ptr", "stride_t", "stride_h"]
+        aligned += ["ostride_t", "ostride_h"]
         aligned += ["H"] if H % 16 == 0 else []
         line = resources(kernel, sig, meta, num_warps=num_warps, ints=aligned)
         lines.append(f"{name} (tile {sched.block_t} x {sched.block_h}): {line}")

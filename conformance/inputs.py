@@ -55,6 +55,7 @@ __all__ = [
     "attention_inputs",
     "attention_shape",
     "cache_attention_inputs",
+    "embed_norms_inputs",
     "linear_inputs",
     "linear_shape",
     "linear_weight",
@@ -76,7 +77,10 @@ ATTENTION_OPS = ("sink_attention", "sink_attention_varlen")
 LINEAR_OPS = ("linear", "grouped_linear")
 ROPE_OPS = ("apply_rope", "q_head_norm_rope", "kv_norm_rope")
 CACHE_OPS = ("sink_attention_cache",)
-OPS = ("rms_norm", *MHC_OPS, *MOE_OPS, *ATTENTION_OPS, *LINEAR_OPS, *ROPE_OPS, *CACHE_OPS)
+OPS = (
+    "rms_norm", "embed_norms", *MHC_OPS, *MOE_OPS, *ATTENTION_OPS, *LINEAR_OPS, *ROPE_OPS,
+    *CACHE_OPS,
+)  # fmt: skip
 
 Inputs = tuple[tuple[torch.Tensor, ...], dict[str, Any]]
 
@@ -113,6 +117,37 @@ def norm_inputs(
     x = r.normal(T, D) * magnitude
     w = r.normal(D, std=0.5, mean=1.0).to(dtype)
     return (r.zero_rows(x, zero_rows).to(dtype), w), dict(eps=EPS)
+
+
+#: The vocabulary of embed_norms' cases: the gather's offsets are the same code at V4's
+#: 129280 rows (V * D < 2^31 at D 7168 too), and 1000 rows keep a GPU case at D 7168 small.
+EMBED_VOCAB = 1000
+
+
+def embed_norms_inputs(
+    T: int,
+    D: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    seed: int,
+    *,
+    n: int = 4,
+    magnitude: float = 1.0,
+    zero_rows: float = 0.0,
+    vocab: int = EMBED_VOCAB,
+) -> Inputs:
+    """``embed_norms(input_ids, positions, embed, prev_hidden, enorm, hnorm, eps=EPS)``: ids in
+    [0, vocab) (repeats likely at T > 30), positions in [0, 3) (a third at 0, where mask_pos0
+    zeroes the row), embed (vocab, D) and prev_hidden (T, n, D) at ``magnitude``, some hidden
+    tokens zero; weights N(1, 0.5^2); floats in ``dtype``."""
+    r = _Draw(device, seed)
+    ids = torch.randint(0, vocab, (T,), generator=r.g, device=r.device)
+    positions = torch.randint(0, 3, (T,), generator=r.g, device=r.device)
+    embed = (r.normal(vocab, D) * magnitude).to(dtype)
+    prev = r.zero_rows(r.normal(T, n, D) * magnitude, zero_rows).to(dtype)
+    enorm = r.normal(D, std=0.5, mean=1.0).to(dtype)
+    hnorm = r.normal(D, std=0.5, mean=1.0).to(dtype)
+    return (ids, positions, embed, prev, enorm, hnorm), dict(eps=EPS)
 
 
 def mhc_inputs(
@@ -205,6 +240,10 @@ def op_inputs(
         )  # fmt: skip
     if op == "rms_norm":
         return norm_inputs(T, D, dtype, device, seed, magnitude=magnitude, zero_rows=zero_rows)
+    if op == "embed_norms":
+        return embed_norms_inputs(
+            T, D, dtype, device, seed, n=n, magnitude=magnitude, zero_rows=zero_rows
+        )
     if op in LM_HEAD_OPS:
         return lm_head_inputs(
             op, T, seed, D=D, dtype=dtype, device=device, magnitude=magnitude, zero_rows=zero_rows
@@ -235,6 +274,8 @@ def token_rows(op: str, args: tuple[torch.Tensor, ...], index: Any) -> tuple[tor
         return (args[0][index], args[1], args[2][index], args[3])
     if op in GUARD_OPS:  # ids, positions, prev_hidden, slots, real, vocab_size, max_positions
         return (*(a[index] for a in args[:5]), *args[5:])
+    if op == "embed_norms":  # ids, positions, embed, prev_hidden, enorm, hnorm
+        return (args[0][index], args[1][index], args[2], args[3][index], *args[4:])
     return (args[0][index], *args[1:])
 
 

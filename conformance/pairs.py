@@ -92,6 +92,13 @@ _NORM_BF16_VLLM = Tolerance(
 # fp32 output, different reduction order: a few fp32 ulps (in either order).
 _NORM_FP32 = Tolerance(2e-6, 1e-5, "fp32 output: reduction-order rounding only")
 
+_NORM_TOLERANCES = {
+    (BF16, "math"): _NORM_BF16,
+    (FP32, "math"): _NORM_FP32,
+    (BF16, "vllm"): _NORM_BF16_VLLM,
+    (FP32, "vllm"): _NORM_FP32,
+}
+
 register(
     OpPair(
         name="rms_norm",
@@ -100,12 +107,37 @@ register(
         build=partial(_build, "rms_norm"),
         facts=_norm_facts,
         switches=lambda s: {"order": s.norm_order},
-        tolerances={
-            (BF16, "math"): _NORM_BF16,
-            (FP32, "math"): _NORM_FP32,
-            (BF16, "vllm"): _NORM_BF16_VLLM,
-            (FP32, "vllm"): _NORM_FP32,
-        },
+        tolerances=_NORM_TOLERANCES,
+    )
+)
+
+
+# --------------------------------------------------------------------------- embed_norms
+@st.composite
+def embed_norms_case(draw: Any, dtype: torch.dtype, device: str, max_tokens: int) -> Case:
+    T = draw(_tokens(device, max_tokens))
+    n = draw(st.sampled_from([4, 4, 1, 3]))
+    return draw(_drawn("embed_norms", dtype, device, T, n, draw(_hidden(device))))
+
+
+def _embed_facts(case: Case) -> Facts:
+    ids, _, embed, prev = case.args[:4]
+    return Facts(ids.device, (embed.dtype, prev.dtype), n=prev.shape[1], D=embed.shape[1])
+
+
+# Each output row is one rms_norm row (the gathered, maybe zeroed, embedding row or one hidden
+# row) computed by rms_norm's Triton row body: rms_norm's bounds and their reasons apply as
+# they are.  The vllm preset turns mask_pos0 on as well as its norm order.
+register(
+    OpPair(
+        name="embed_norms",
+        concept="norm",
+        strategy=embed_norms_case,
+        build=partial(_build, "embed_norms"),
+        facts=_embed_facts,
+        switches=lambda s: {"order": s.norm_order, "mask_pos0": s.mask_pos0},
+        outputs=("e", "h"),
+        tolerances=_NORM_TOLERANCES,
     )
 )
 
@@ -964,15 +996,16 @@ register(
 # prev_hidden value (NaN, +-inf, in random columns), ids and positions out of range (negative,
 # at the limit, past it, the int64 extremes), several defects in one row, finite rows holding
 # the dtype's largest value, and filler rows (real False) that are bad too.  The strategy also
-# draws the fractions: no bad row, every row bad, all rows filler.  On CPU H up to 4100 (two
-# of the kernel's 4096-wide steps); on CUDA V4's hc_mult * D (16384, 28672) and small H.
+# draws the fractions: no bad row, every row bad, all rows filler.  On CPU H up to 32800 (two
+# of the kernel's 32768-wide steps); on CUDA V4's hc_mult * D (16384, 28672: one step) and
+# small H.
 @st.composite
 def _guard_case(draw: Any, dtype: torch.dtype, device: str, max_tokens: int) -> Case:
     from dsv4mtp.conformance.inputs import step_guard_inputs
 
     if device == "cpu":
         T = draw(_CPU_T)
-        H = draw(st.sampled_from([1, 3, 64, 300, 4100]))
+        H = draw(st.sampled_from([1, 3, 64, 300, 4100, 32800]))
     else:
         T = draw(st.one_of(st.sampled_from([0, 1, 8, 256]), st.integers(0, min(4096, max_tokens))))
         H = draw(st.sampled_from([1, 300, 16384, 28672]))

@@ -235,6 +235,30 @@ def test_out_and_pack_cache() -> None:
     assert torch.equal(ref_out, ref_attention(x, pos, params, CFG))
 
 
+def test_compiled_attention_has_no_graph_breaks() -> None:
+    """torch.compile(fullgraph=True) traces the sublayer (its output's inverse rotation is
+    then assigned, not written in place through a strided out=, which dynamo refuses) and
+    gives eager's bits."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    g = torch.Generator().manual_seed(7)
+    pack = pack_attention(layer_params(BF16), DEV)
+    x = torch.randn(5, D, generator=g).to(BF16).to(DEV)
+    pos = torch.arange(5, device=DEV)
+
+    def sublayer(x: torch.Tensor) -> torch.Tensor:
+        return _opt_attention(x, pos, pack, CFG)
+
+    eager = sublayer(x)
+    torch._dynamo.reset()
+    counters.clear()
+    got = torch.compile(sublayer, fullgraph=True, backend="aot_eager")(x)
+    assert dict(counters["graph_break"]) == {}
+    assert torch.equal(got, eager)
+    torch._dynamo.reset()
+
+
 def test_empty_call_matches_reference() -> None:
     params = layer_params(BF16)
     x, pos = torch.zeros(0, D, dtype=BF16), torch.zeros(0, dtype=torch.int64)

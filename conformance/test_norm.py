@@ -1,5 +1,5 @@
-"""RMSNorm: properties of the reference, then tests of the optimized kernel beyond the generated
-op contract (conformance/test_contract.py)."""
+"""RMSNorm and the layer's entry norms (embed_norms): properties of the reference, then tests of the
+optimized kernels beyond the generated op contract (conformance/test_contract.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dsv4mtp.optimized as opt
-from dsv4mtp.conformance.inputs import norm_inputs
-from dsv4mtp.reference import InputError, rms_norm
+from dsv4mtp.conformance.inputs import embed_norms_inputs, norm_inputs
+from dsv4mtp.reference import InputError, embed_norms, rms_norm
 
 F64 = torch.float64
 
@@ -123,3 +123,110 @@ def test_optimized_rms_norm_rejects_bad_input(device: str) -> None:
     buf = torch.full_like(x, float("nan"))
     assert opt.rms_norm(x, w, 1e-6, out=buf).data_ptr() == buf.data_ptr()
     assert not bool(torch.isnan(buf).any())
+
+
+# --------------------------------------------------------------------------- embed_norms
+# The contract (differential against float64 under both presets, T = 0, out=, batch
+# invariance, graph replay, typed errors) comes from the registry; here the op-pair property
+# (bitwise the composition it replaces), the rows a gather can get wrong, and the operators.
+def _composed(
+    args: tuple[torch.Tensor, ...], order: str, mask_pos0: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the layer ran before the pair: the gather, the mask's where, two optimized norms."""
+    ids, pos, embed, prev, enorm, hnorm = args
+    e = embed[ids]
+    if mask_pos0:
+        e = torch.where(pos[:, None] == 0, torch.zeros_like(e), e)
+    return (
+        opt.rms_norm(e, enorm, 1e-6, order=order),  # type: ignore[arg-type]
+        opt.rms_norm(prev, hnorm, 1e-6, order=order),  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("order", "mask_pos0"), [("official", False), ("vllm", True)])
+def test_embed_norms_is_bitwise_the_composition(
+    dtype: torch.dtype, order: str, mask_pos0: bool, device: str
+) -> None:
+    """Each row runs rms_norm's Triton row body with its chunk and warps: e and h are bitwise
+    the gather, the mask and two rms_norm calls (zero rows, repeated ids and, on CUDA, V4's
+    widths and a 1000-row batch included)."""
+    shapes = [(7, 4, 64), (1, 4, 256)] if device == "cpu" else [(1, 4, 4096), (1000, 4, 7168)]
+    for T, n, D in shapes:
+        args, _ = embed_norms_inputs(T, D, dtype, device, seed=T, n=n, zero_rows=0.3)
+        args[2][args[0][:1]] = 0  # one gathered row all zeros, mask or not
+        kw = {"order": order, "mask_pos0": mask_pos0}
+        got = opt.embed_norms(*args, 1e-6, **kw)
+        want = _composed(args, order, mask_pos0)
+        for name, g, w in zip(("e", "h"), got, want, strict=True):
+            assert torch.equal(g, w), f"{name} at T={T} D={D}"
+
+
+def test_embed_norms_masks_position_zero_and_poisons_bad_ids(device: str) -> None:
+    """mask_pos0 zeroes exactly the rows at position 0; an id outside [0, V) gives a NaN row of
+    e (the kernel reads nothing for it) and leaves every other row as it was; the reference
+    refuses that id with an InputError."""
+    args, _ = embed_norms_inputs(6, 64, torch.float32, device, seed=5, vocab=50)
+    ids, pos = args[0], args[1]
+    pos.copy_(torch.tensor([0, 1, 0, 2, 1, 1]))
+    e, h = opt.embed_norms(*args, 1e-6, mask_pos0=True)
+    zero = (e == 0).all(dim=1).cpu().tolist()
+    assert zero == [True, False, True, False, False, False]
+    ids[3], ids[4] = 50, -1
+    e2, h2 = opt.embed_norms(*args, 1e-6, mask_pos0=True)
+    assert torch.isnan(e2).all(dim=1).cpu().tolist() == [False] * 3 + [True] * 2 + [False]
+    keep = [0, 1, 2, 5]
+    assert torch.equal(e2[keep], e[keep]) and torch.equal(h2, h)
+    with pytest.raises(InputError, match=r"^input_ids: expected ids in \[0, 50\), got 50"):
+        embed_norms(*(a.cpu() for a in args), 1e-6)
+
+
+def test_embed_norms_reads_the_embedding_through_its_row_stride(device: str) -> None:
+    """An embedding that is a column slice of a wider table (row stride > D) is read in place,
+    with the same bits as its contiguous copy."""
+    args, _ = embed_norms_inputs(5, 64, torch.bfloat16, device, seed=2)
+    wide = torch.cat([args[2], args[2].flip(0)], dim=1)[:, :64]  # (V, 64), row stride 128
+    assert wide.stride() == (128, 1)
+    got = opt.embed_norms(args[0], args[1], wide, *args[3:], 1e-6)
+    want = opt.embed_norms(args[0], args[1], wide.contiguous(), *args[3:], 1e-6)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_embed_norms_rejects_bad_input(device: str) -> None:
+    args, _ = embed_norms_inputs(3, 64, torch.float32, device, seed=0)
+    ids, pos, embed, prev, enorm, hnorm = args
+    bad = {
+        r"^input_ids: expected dtype": (ids.int(), pos, embed, prev, enorm, hnorm),
+        r"^positions: expected shape \(3,\)": (ids, pos[:2], embed, prev, enorm, hnorm),
+        r"^embed: expected dtype .*dsv4mtp.reference": (ids, pos, embed.double(), prev, enorm,
+                                                        hnorm),
+        r"^prev_hidden: expected shape \(3, \*, 64\)": (ids, pos, embed, prev[..., :32], enorm,
+                                                       hnorm),
+        r"^enorm: expected shape \(64,\)": (ids, pos, embed, prev, enorm[:5], hnorm),
+    }  # fmt: skip
+    for match, call in bad.items():
+        with pytest.raises(InputError, match=match):
+            opt.embed_norms(*call, 1e-6)
+    with pytest.raises(InputError, match=r"^order"):
+        opt.embed_norms(*args, 1e-6, order="other")  # type: ignore[arg-type]
+    with pytest.raises(InputError, match=r"^mask_pos0: expected a bool"):
+        opt.embed_norms(*args, 1e-6, mask_pos0=1)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match=r"^out\[1\]: expected shape \(3, 4, 64\)"):
+        opt.embed_norms(*args, 1e-6, out=(torch.empty_like(prev[:, 0]), torch.empty_like(prev[0])))
+    with pytest.raises(InputError, match=r"^out: expected a 2-tuple"):
+        opt.embed_norms(*args, 1e-6, out=torch.empty_like(prev))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("variant", ["", "_out"])
+@pytest.mark.parametrize("order", ["official", "vllm"])
+def test_embed_norms_opcheck(variant: str, order: str, device: str) -> None:
+    """Schema (no undeclared mutation or aliasing), fake kernel vs real outputs and AOT
+    dispatch, for the functional and the out operator."""
+    args, _ = embed_norms_inputs(5, 32, torch.bfloat16, device, seed=1, n=4)
+    call = (*args, 1e-6, order, order == "vllm")
+    ops = torch.ops.dsv4mtp
+    if variant:
+        outs = {"e_out": torch.empty_like(args[3][:, 0]), "h_out": torch.empty_like(args[3])}
+        torch.library.opcheck(ops.embed_norms_out.default, call, outs)
+    else:
+        torch.library.opcheck(ops.embed_norms.default, call, {})

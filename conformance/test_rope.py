@@ -132,6 +132,46 @@ def test_inverse_undoes_forward(dtype, device) -> None:
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32])
+def test_apply_rope_in_place_on_the_output_view(dtype, device) -> None:
+    """The attention output's inverse rotation: ``out=`` the strided view ``o[..., Dn:]``
+    itself rotates it in place, bitwise the out-of-place result, and leaves ``o[..., :Dn]``
+    alone; an out without unit stride along the rotated dim is refused.  (torch.compile refuses
+    a strided out=: the attention sublayer then assigns the rotated copy instead.)"""
+    opt = _opt()
+    (view, pos, freqs), _ = rope_inputs("apply_rope", 9, 5, dtype=dtype, device=device)
+    o = view._base  # the builder's output o (T, H, Dh); view = o[..., Dn:]
+    assert o is not None and o.shape == (9, H, DH) and not view.is_contiguous()
+    want = opt.apply_rope(view, pos, freqs, inverse=True)
+    nope = o[..., : DH - DR].clone()
+    got = opt.apply_rope(view, pos, freqs, inverse=True, out=view)
+    assert got.data_ptr() == view.data_ptr()
+    assert torch.equal(o[..., DH - DR :], want) and torch.equal(o[..., : DH - DR], nope)
+    cols = torch.empty(9, H, 2 * DR, dtype=dtype, device=device)[..., ::2]  # stride 2 along Dr
+    with pytest.raises(InputError, match=r"^out: expected a contiguous tensor"):
+        opt.apply_rope(view, pos, freqs, inverse=True, out=cols)
+    with pytest.raises(InputError, match=r"^out: expected shape \(9, 4, 16\), got \(9, 3, 16\)"):
+        opt.apply_rope(view, pos, freqs, inverse=True, out=view[:, :3])
+    shared = torch.zeros(9, 1, DR, dtype=dtype, device=device).expand(9, H, DR)  # one row
+    with pytest.raises(InputError, match=r"^out: expected rows that do not overlap"):
+        opt.apply_rope(view, pos, freqs, inverse=True, out=shared)
+    with pytest.raises(InputError, match=r"^out: expected a torch.Tensor"):
+        opt.apply_rope(view, pos, freqs, out=[1, 2])  # type: ignore[arg-type]
+
+
+def test_rope_kernel_in_place_over_many_programs(device) -> None:
+    """One token and one head per program (the interpreter otherwise runs one program): the
+    in-place rotation of o[..., Dn:] over 36 programs is bitwise the out-of-place one."""
+    _opt()
+    from dsv4mtp.optimized.kernels.rope import RopeSchedule, norm_rope_triton
+
+    (view, pos, freqs), _ = rope_inputs("apply_rope", 9, 6, dtype=BF16, device=device)
+    kw = {"rope_dim": DR, "inverse": True, "schedule": RopeSchedule(1, 1)}
+    want = norm_rope_triton(view, None, pos, freqs, torch.empty_like(view.contiguous()), **kw)
+    got = norm_rope_triton(view, None, pos, freqs, view, **kw)
+    assert got is view and torch.equal(view, want)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
 def test_positions_up_to_2_pow_20(dtype, device) -> None:
     """Positions near 2**20 (V4's 1M context): the angle is fp32(pos) * f rounded to fp32 in
     both implementations, so they agree as at small positions (an exact angle would be off by up
@@ -312,3 +352,26 @@ def test_optimized_v4_flash_shapes(op: str, T: int) -> None:
     torch.cuda.synchronize()
     assert torch.equal(out, got)
     assert math.isfinite(float(out.float().abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 4096])
+def test_in_place_inverse_rotation_at_v4_flash_shapes(T: int) -> None:
+    """The attention output's in-place inverse rotation (out= the view o[..., 448:] itself) at
+    V4-Flash shapes: bitwise the out-of-place rotation, eagerly and replayed in a CUDA graph."""
+    opt = _opt()
+    (view, pos, freqs), _ = rope_inputs(
+        "apply_rope", T, 17, shape="flash", dtype=BF16, device="cuda", mode="yarn"
+    )
+    want = opt.apply_rope(view, pos, freqs, inverse=True)
+    before = view.clone()
+    opt.apply_rope(view, pos, freqs, inverse=True, out=view)
+    assert torch.equal(view, want)
+    view.copy_(before)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.apply_rope(view, pos, freqs, inverse=True, out=view)
+    view.copy_(before)  # the capture ran nothing; start from the input again
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(view, want)

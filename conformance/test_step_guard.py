@@ -85,11 +85,16 @@ def test_out_lowers_the_record_across_calls(device: str) -> None:
     assert rec.item() == 9
 
 
-@pytest.mark.parametrize("H", [4096 + 5, 3 * 4096])
+@pytest.mark.parametrize("H", [4096 + 5, 28672, 32768 + 5, 2 * 32768 + 100])
 def test_non_finite_in_the_last_step_of_a_long_row(H: int, device: str) -> None:
-    """The kernel reads a row in 4096-wide steps: a NaN in the last column, past the first
-    step, and a row whose stride exceeds H (a column slice) are both read right."""
+    """The kernel reads a row in one piece up to 32768 values (V4-Pro's 28672 among them) and
+    in 32768-wide steps past that: a NaN in the last column (past the first step where there
+    are several) and a row whose stride exceeds H (a column slice) are both read right."""
     from dsv4mtp.optimized import step_guard
+    from dsv4mtp.optimized.kernels.step_guard import guard_schedule
+
+    steps = -(-H // guard_schedule(H)[0])
+    assert steps == (1 if H <= 32768 else 2 if H <= 65536 else 3)  # the cases above
 
     wide = torch.zeros(3, H + 64, device=device)
     wide[1, H - 1] = NAN

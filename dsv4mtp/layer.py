@@ -155,10 +155,11 @@ class LayerOps(NamedTuple):
     """The ops an implementation's layer runs, each with the op pairs' one signature: the
     reference's (float64-exact PyTorch) or the optimized ones (Triton kernels).
 
-    ``hc_post_pre`` (the attention sublayer's hc_post, then the MoE sublayer's hc_pre) and
-    ``hc_post_head`` (the layer's last hc_post, then hc_head) are the op pairs the layer runs
-    back to back: the reference's are the plain compositions of its ops, the optimized ones
-    fuse where it pays."""
+    ``hc_post_pre`` (the attention sublayer's hc_post, then the MoE sublayer's hc_pre),
+    ``hc_post_head`` (the layer's last hc_post, then hc_head) and ``embed_norms`` (the
+    embedding gather through enorm beside hnorm over the previous hidden streams) are the op
+    pairs the layer runs back to back: the reference's are the plain compositions of its ops,
+    the optimized ones fuse where it pays."""
 
     rms_norm: Callable[..., torch.Tensor]
     linear: Callable[..., torch.Tensor]
@@ -168,6 +169,7 @@ class LayerOps(NamedTuple):
     moe: Callable[..., torch.Tensor]
     hc_post_pre: Callable[..., Any]
     hc_post_head: Callable[..., Any]
+    embed_norms: Callable[..., Any]
 
 
 # ---------------------------------------------------------------------- the checked API
@@ -258,11 +260,20 @@ class MTPLayerAPI:
         )
         q_dense = sem.act_quant and p.dense_quantized
 
-        e = self.embed[input_ids]  # (T, D)
-        if sem.mask_pos0:
-            e = torch.where(positions[:, None] == 0, torch.zeros_like(e), e)
-        e = o.rms_norm(e, p.enorm, eps, order=sem.norm_order, **bi)
-        h = o.rms_norm(prev_hidden.view(T, n, D), p.hnorm, eps, order=sem.norm_order, **bi)
+        # the embedding through enorm (zeroed at position 0 under mask_pos0), the previous
+        # hidden streams through hnorm: one op pair
+        e, h = o.embed_norms(
+            input_ids,
+            positions,
+            self.embed,
+            prev_hidden.view(T, n, D),
+            p.enorm,
+            p.hnorm,
+            eps,
+            order=sem.norm_order,
+            mask_pos0=sem.mask_pos0,
+            **bi,
+        )  # fmt: skip  (T, D), (T, n, D)
         x = (
             o.linear(h, p.h_proj, act_quant=q_dense, **bi)  # per stream
             + o.linear(e, p.e_proj, act_quant=q_dense, **bi)[:, None, :]

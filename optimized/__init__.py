@@ -22,11 +22,11 @@ from .linear import LinearPack, grouped_linear, linear, pack_linear
 from .mhc import CollapseSchedule, hc_head, hc_post, hc_post_head, hc_post_pre, hc_pre
 from .moe import MoEPack, fused_experts, moe, pack_moe, route
 from .mtp import MTPLayer, MTPLayerPack
-from .norm import rms_norm
+from .norm import embed_norms, rms_norm
 from .rope import apply_rope, kv_norm_rope, q_head_norm_rope
 
 __all__ += ["CollapseSchedule", "hc_head", "hc_post", "hc_post_head", "hc_post_pre", "hc_pre"]
-__all__ += ["rms_norm"]
+__all__ += ["embed_norms", "rms_norm"]
 
 __all__ += ["MoEPack", "fused_experts", "moe", "pack_moe", "route"]
 

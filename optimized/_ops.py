@@ -1241,9 +1241,16 @@ def _apply_rope_out(
     if x.numel() == 0:
         return
     x3 = _rows3(x)
+    # out: contiguous, or a (T, H, Dr) view with unit stride along Dr (optimized/rope.py checks;
+    # x itself for the attention output's in-place inverse rotation)
+    if out.is_contiguous():
+        out3 = out.view(x3.shape)
+    else:
+        assert out.dim() == 3 and out.stride(-1) == 1, "apply_rope checks a strided out"
+        out3 = out
     norm_rope_triton(
-        x3, None, positions.contiguous(), freqs.contiguous(), out.view(x3.shape),
-        rope_dim=x.shape[-1], inverse=inverse,
+        x3, None, positions.contiguous(), freqs.contiguous(), out3, rope_dim=x.shape[-1],
+        inverse=inverse,
     )  # fmt: skip
 
 
@@ -1710,3 +1717,78 @@ _KERNELS.update(
 
 
 _GUARD_LIB = _register(_GUARD_SCHEMAS)
+
+
+# ------------------------------------------------------------------------------ embed_norms
+# The MTP layer's entry (optimized/norm.py validates): the embedding gather with enorm and
+# hnorm over the previous hidden streams, one launch of optimized/kernels/rms_norm.py.
+if TYPE_CHECKING:
+    from .kernels.rms_norm import embed_norms_triton
+else:
+    embed_norms_triton = triton_kernel("rms_norm", "embed_norms_triton")
+
+_EMBED_ARGS = (
+    "Tensor input_ids, Tensor positions, Tensor embed, Tensor prev_hidden, Tensor enorm, "
+    "Tensor hnorm, float eps, str order, bool mask_pos0"
+)
+_EMBED_SCHEMAS: dict[str, str] = {
+    "embed_norms": f"embed_norms({_EMBED_ARGS}) -> (Tensor, Tensor)",
+    "embed_norms_out": (
+        f"embed_norms_out({_EMBED_ARGS}, *, Tensor(a!) e_out, Tensor(b!) h_out) -> ()"
+    ),
+}
+SCHEMAS.update(_EMBED_SCHEMAS)
+OPS = tuple(SCHEMAS)
+
+
+def _embed_norms_out(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    embed: torch.Tensor,
+    prev_hidden: torch.Tensor,
+    enorm: torch.Tensor,
+    hnorm: torch.Tensor,
+    eps: float,
+    order: str,
+    mask_pos0: bool,
+    *,
+    e_out: torch.Tensor,
+    h_out: torch.Tensor,
+) -> None:
+    D = embed.shape[1]
+    if input_ids.shape[0] == 0 or D == 0:
+        return
+    # The kernel writes its outputs through their base pointers: optimized/norm.py checks that
+    # they are contiguous.  prev_hidden's rows, like rms_norm's, are made contiguous here; the
+    # embedding (1 GB at V4-Flash) is read through its row stride, never copied.
+    emb = embed if embed.stride(1) == 1 else embed.contiguous()
+    embed_norms_triton(
+        input_ids.contiguous(), positions.contiguous(), emb,
+        prev_hidden.contiguous().view(-1, D), enorm.contiguous(), hnorm.contiguous(), eps,
+        e_out, h_out.view(-1, D), vllm_order=(order == "vllm"), mask_pos0=mask_pos0,
+    )  # fmt: skip
+
+
+def _embed_norms_fake(
+    input_ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor,
+    prev_hidden: torch.Tensor, *args: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    e = embed.new_empty((input_ids.shape[0], embed.shape[1]))
+    return e, prev_hidden.new_empty(prev_hidden.shape)
+
+
+def _embed_norms(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    e, h = _embed_norms_fake(*args)
+    _embed_norms_out(*args, e_out=e, h_out=h)
+    return e, h
+
+
+_KERNELS.update(
+    {
+        "embed_norms": (_embed_norms, _embed_norms_fake),
+        "embed_norms_out": (_embed_norms_out, _out_fake),
+    }
+)
+
+
+_EMBED_LIB = _register(_EMBED_SCHEMAS)

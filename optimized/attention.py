@@ -1149,6 +1149,11 @@ def _ring_prefill(
 _write_out = torch.ops.dsv4mtp.kv_cache_write_out.default
 _FREQS: dict[tuple[object, ...], torch.Tensor] = {}
 
+#: The output's inverse rotation written in place (one launch) rather than into a new tensor
+#: copied back into o (two launches; the same bits).  The switch exists for
+#: bench/diag/fusion_ab.py, which times the whole step both ways.
+INVERSE_ROPE_IN_PLACE = True
+
 
 def _rope_table(config: DSV4Config, rope_mode: RopeMode, dev: torch.device) -> torch.Tensor:
     """The fp32 RoPE frequency table of a config, mode and device, built once: a captured call
@@ -1409,8 +1414,14 @@ def attention(
     else:
         o = _host_cache_core(q, kv, positions, lens, host, pack.attn_sink, W, bi, dev)
 
-    # output path: undo the values' rotation (query position), grouped wo_a, wo_b
-    o[..., Dn:] = apply_rope(o[..., Dn:], positions, freqs, inverse=True, batch_invariant=bi)
+    # output path: undo the values' rotation (query position), grouped wo_a, wo_b.  In place
+    # (out= the view: no copy back into o, one elementwise launch fewer), except under
+    # torch.compile: dynamo refuses a strided out=, so the copy stays there.
+    if torch.compiler.is_compiling() or not INVERSE_ROPE_IN_PLACE:
+        o[..., Dn:] = apply_rope(o[..., Dn:], positions, freqs, inverse=True, batch_invariant=bi)
+    else:
+        o_rope = o[..., Dn:]  # (T, H, rope_dim), rows Dh apart
+        apply_rope(o_rope, positions, freqs, inverse=True, batch_invariant=bi, out=o_rope)
     z = grouped_linear(o.view(T, G, (H // G) * Dh), pack.wo_a, batch_invariant=bi)  # (T, G, Ro)
     z = z.view(T, G * config.o_lora_rank)
     return linear(z, pack.wo_b, act_quant=act_quant, batch_invariant=bi, out=out)

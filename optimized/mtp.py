@@ -62,7 +62,7 @@ from .linear import LinearPack, linear, pack_linear
 from .lm_head import HeadPack, lm_head_argmax, lm_head_logits, pack_head
 from .mhc import hc_head, hc_post, hc_post_head, hc_post_pre, hc_pre
 from .moe import MoEPack, moe, pack_moe
-from .norm import rms_norm
+from .norm import embed_norms, rms_norm
 from .step_guard import NO_BAD_ROW, step_guard
 
 __all__ = ["BUCKETS", "DecodeGraphs", "MTPLayer", "MTPLayerPack"]
@@ -158,6 +158,7 @@ class MTPLayer(MTPLayerAPI):
     ops = LayerOps(
         rms_norm=rms_norm, linear=linear, hc_pre=hc_pre, hc_post=hc_post, attention=attention,
         moe=moe, hc_post_pre=hc_post_pre, hc_post_head=hc_post_head,
+        embed_norms=embed_norms,
     )  # fmt: skip
 
     def __init__(

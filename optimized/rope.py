@@ -76,12 +76,17 @@ def apply_rope(
     x bf16 / fp32 with unit stride along Dr (a strided view such as ``o[..., Dn:]`` is read in
     place when its middle dims flatten into one stride); positions (T,) int32 / int64; freqs
     (Dr/2,) bf16 / fp32 (``rope_frequencies``, any mode).  ``inverse=True`` rotates by the
-    negative angle.  Returns x's shape and dtype; ``out`` (the same, contiguous) is written in
-    place and returned.  Angle and rotation in fp32 (kernels/rope.py, "Numerics").
+    negative angle.  Returns x's shape and dtype; ``out`` (the same shape and dtype) is written
+    in place and returned: contiguous, or a 3-D (T, H, Dr) view with unit stride along Dr and
+    rows that do not overlap.  ``out`` is x itself (each stored pair is computed from the
+    values loaded at its own addresses) or shares no memory with x.
+    Angle and rotation in fp32 (kernels/rope.py, "Numerics").
 
     One launch, one pass: reads x and writes out once, 2 * T * (...) * Dr * itemsize bytes (the
     output's rope dims at V4-Flash: 8 KiB each way per token).  The attention output's inverse
-    rotation is this op on ``o[..., Dn:]``; the attention kernel's epilogue could fuse it.
+    rotation is this op on ``o[..., Dn:]`` in place (``out=`` the same view), which saves the
+    copy back into ``o`` a separate output would need; the attention kernel's epilogue could
+    fuse it.
     """
 
     def build() -> str:
@@ -96,15 +101,45 @@ def apply_rope(
         named = [("x", x), ("positions", positions), ("freqs", freqs)]
         dev = _choose("apply_rope", named, backend)
         if out is not None:
-            check_out("out", out, tuple(x.shape), x.dtype, dev)
+            _check_rope_out(out, x, dev)
         return "triton"
 
-    key = signature("apply_rope", x, positions, freqs, inverse, batch_invariant, backend, out=out)
+    # out's strides are in the key: a strided out passes only as a 3-D view with unit stride
+    # and rows that do not overlap
+    out_strides = out.stride() if isinstance(out, torch.Tensor) else None
+    key = signature(
+        "apply_rope", x, positions, freqs, inverse, batch_invariant, backend, out_strides,
+        out=out,
+    )  # fmt: skip
     choice = _planned(key, build)
     if out is None:
         return _ops_rope(x, positions, freqs, inverse, choice)  # type: ignore[no-any-return]
     _ops_rope_out(x, positions, freqs, inverse, choice, out=out)
     return out
+
+
+def _check_rope_out(out: torch.Tensor, x: torch.Tensor, dev: torch.device) -> None:
+    """apply_rope's ``out``: x's shape and dtype on x's device, contiguous, or a 3-D view with
+    unit stride along the rotated dim whose rows do not overlap (x itself, for an in-place
+    rotation)."""
+    if not (isinstance(out, torch.Tensor) and out.dim() == 3 and out.stride(-1) == 1):
+        check_out("out", out, tuple(x.shape), x.dtype, dev)  # the contiguous form
+        return
+    T, H, Dr = out.shape
+    if tuple(out.shape) != tuple(x.shape):
+        raise InputError(f"out: expected shape {tuple(x.shape)}, got {tuple(out.shape)}")
+    if out.dtype != x.dtype:
+        name = str(x.dtype).removeprefix("torch.")
+        raise InputError(f"out: expected dtype {name}, got {str(out.dtype).removeprefix('torch.')}")
+    if out.device != dev:
+        raise InputError(f"out: expected device {dev}, got {out.device}")
+    head_ok = H == 1 or out.stride(1) >= Dr
+    token_ok = T == 1 or out.stride(0) >= (H - 1) * out.stride(1) + Dr
+    if not (head_ok and token_ok):
+        raise InputError(
+            f"out: expected rows that do not overlap, got shape {tuple(out.shape)} and strides "
+            f"{out.stride()}"
+        )
 
 
 # ------------------------------------------------------------------------------ q path

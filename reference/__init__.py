@@ -35,7 +35,7 @@ from dsv4mtp.formats import (
 )
 
 # --- the ops of the oracle
-from .norm import rms_norm
+from .norm import embed_norms, rms_norm
 from .mhc import hc_head, hc_post, hc_post_head, hc_post_pre, hc_pre, sinkhorn
 from .rope import apply_rope, rope_frequencies
 from .linear import grouped_linear, linear
@@ -115,6 +115,7 @@ __all__ = [
     "dequantize_fp8_block",
     "dequantize_mxfp4",
     "dequantize_nvfp4",
+    "embed_norms",
     "encode_e2m1",
     "encode_e4m3",
     "encode_e8m0",

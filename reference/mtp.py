@@ -38,7 +38,7 @@ from .attention import attention
 from .linear import linear
 from .mhc import hc_head, hc_post, hc_post_head, hc_post_pre, hc_pre
 from .moe import moe
-from .norm import rms_norm
+from .norm import embed_norms, rms_norm
 
 __all__ = ["PRESETS", "MTPLayer", "MTPLayerParams", "Semantics", "resolve_semantics"]
 
@@ -58,6 +58,7 @@ class MTPLayer(MTPLayerAPI):
     ops = LayerOps(
         rms_norm=rms_norm, linear=linear, hc_pre=hc_pre, hc_post=hc_post, attention=attention,
         moe=moe, hc_post_pre=hc_post_pre, hc_post_head=hc_post_head,
+        embed_norms=embed_norms,
     )  # fmt: skip
 
     def __init__(

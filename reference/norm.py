@@ -1,4 +1,5 @@
-"""RMSNorm and its two weight orders (``docs/semantics.md``, "RMSNorm")."""
+"""RMSNorm and its two weight orders (``docs/semantics.md``, "RMSNorm"), and the MTP layer's
+entry: the embedding through ``enorm`` and the previous hidden streams through ``hnorm``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dsv4mtp.checks import (
 from dsv4mtp.errors import InputError
 from dsv4mtp.semantics import NormOrder
 
-__all__ = ["rms_norm"]
+__all__ = ["embed_norms", "rms_norm"]
 
 
 def rms_norm(
@@ -52,3 +53,49 @@ def rms_norm(
     if order == "official":
         return (weight.to(cd) * normed).to(x.dtype)
     return normed.to(x.dtype) * weight.to(x.dtype)
+
+
+def embed_norms(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    embed: torch.Tensor,
+    prev_hidden: torch.Tensor,
+    enorm: torch.Tensor,
+    hnorm: torch.Tensor,
+    eps: float,
+    *,
+    order: NormOrder = "official",
+    mask_pos0: bool = False,
+    batch_invariant: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MTP layer's two entry norms -> ``(e (T, D) in embed.dtype, h (T, n, D) in
+    prev_hidden.dtype)`` (docs/semantics.md, "The MTP layer end to end").
+
+    input_ids, positions: (T,) int64, ids in [0, V); embed: (V, D); prev_hidden: (T, n, D);
+    enorm, hnorm: (D,).  ``e = rms_norm(embed[input_ids], enorm)``, the gathered row zeroed
+    first where ``mask_pos0`` and its position is 0; ``h = rms_norm(prev_hidden, hnorm)``.
+    ``order`` and ``batch_invariant`` as :func:`rms_norm`'s.
+    """
+    check_dtype("input_ids", input_ids, (torch.int64,))
+    check_shape("input_ids", input_ids, (None,))
+    T = input_ids.shape[0]
+    check_dtype("positions", positions, (torch.int64,))
+    check_shape("positions", positions, (T,))
+    check_dtype("embed", embed, FLOAT_DTYPES)
+    check_shape("embed", embed, (None, None))
+    V, D = embed.shape
+    check_dtype("prev_hidden", prev_hidden, FLOAT_DTYPES)
+    check_shape("prev_hidden", prev_hidden, (T, None, D))
+    for name, w in (("enorm", enorm), ("hnorm", hnorm)):
+        check_dtype(name, w, FLOAT_DTYPES)
+        check_shape(name, w, (D,))
+    check_instance("mask_pos0", mask_pos0, bool)
+    if T and not (int(input_ids.min()) >= 0 and int(input_ids.max()) < V):
+        bad = input_ids[(input_ids < 0) | (input_ids >= V)][0]
+        raise InputError(f"input_ids: expected ids in [0, {V}), got {int(bad)}")
+    e = embed[input_ids]  # (T, D)
+    if mask_pos0:
+        e = torch.where(positions[:, None] == 0, torch.zeros_like(e), e)
+    e = rms_norm(e, enorm, eps, order=order, batch_invariant=batch_invariant)
+    h = rms_norm(prev_hidden, hnorm, eps, order=order, batch_invariant=batch_invariant)
+    return e, h  # (T, D), (T, n, D)

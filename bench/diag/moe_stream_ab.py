@@ -81,31 +81,20 @@ def rounds(calls: dict[str, Callable[[], float]], n: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in seen.items()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--no-prefill", action="store_true")
-    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated")
-    args = ap.parse_args(argv)
-    chosen = settings(args.settings)
-    torch.manual_seed(0)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ckdir = tempfile.mkdtemp(prefix="v4flash-")
-    make_fullsize_checkpoint(ckdir, "flash", expert_format="mxfp4", device="cuda")
-    layer = MTPLayer.from_checkpoint(ckdir, device="cuda", max_num_tokens=4096, max_batch=64)
+def decode_table(
+    layer: MTPLayer,
+    cache: Any,
+    graphs: dict[str, DecodeGraphs],
+    g: torch.Generator,
+    n_rounds: int,
+) -> None:
+    """Fill ``cache``'s windows, then per T of ``DECODE_T`` (random ids, full windows): the
+    step's outputs (ids, hidden) compared bitwise across the settings' graphs, and their
+    replays timed in ``n_rounds`` alternating rounds; one markdown row per T."""
     cfg, W = layer.config, layer.config.sliding_window
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; MoE layout "
-          f"{layer.layers[0].ffn.layout}")  # fmt: skip
-    graphs: dict[str, DecodeGraphs] = {}
-    cache = layer.new_device_cache(max(DECODE_T))
-    for name, on in chosen.items():
-        set_shared_stream(on, name if on else _FORK)
-        graphs[name] = DecodeGraphs(layer, cache, buckets=DECODE_T, logits=False)
-    set_shared_stream(True)
     fill_cache(layer, cache, max(DECODE_T), W - 1, g)
-    names = " | ".join(f"{k} (us)" for k in chosen)
-    print(f"| step | T | {names} | outputs equal |")
-    print("|---|---|" + "---|" * len(chosen) + "---|")
+    print("| step | T | " + " | ".join(f"{k} (us)" for k in graphs) + " | outputs equal |")
+    print("|---|---|" + "---|" * len(graphs) + "---|")
     for T in DECODE_T:
         ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda", generator=g)
         pos = torch.full((T,), W - 1, dtype=torch.int64, device="cuda")
@@ -121,9 +110,32 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(3):
                 r()
         t = rounds({k: (lambda r=r: median_ms(r, 20) * 1e3) for k, r in replays.items()},
-                   args.rounds)  # fmt: skip
-        cells = " | ".join(f"{t[k]:.1f}" for k in chosen)
+                   n_rounds)  # fmt: skip
+        cells = " | ".join(f"{t[k]:.1f}" for k in graphs)
         print(f"| decode (greedy, graph) | {T} | {cells} | {same} |", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated")
+    args = ap.parse_args(argv)
+    chosen = settings(args.settings)
+    torch.manual_seed(0)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ckdir = tempfile.mkdtemp(prefix="v4flash-")
+    make_fullsize_checkpoint(ckdir, "flash", expert_format="mxfp4", device="cuda")
+    layer = MTPLayer.from_checkpoint(ckdir, device="cuda", max_num_tokens=4096, max_batch=64)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; MoE layout "
+          f"{layer.layers[0].ffn.layout}")  # fmt: skip
+    graphs: dict[str, DecodeGraphs] = {}
+    cache = layer.new_device_cache(max(DECODE_T))
+    for name, on in chosen.items():
+        set_shared_stream(on, name if on else _FORK)
+        graphs[name] = DecodeGraphs(layer, cache, buckets=DECODE_T, logits=False)
+    set_shared_stream(True)
+    decode_table(layer, cache, graphs, g, args.rounds)
     if args.no_prefill:
         set_shared_stream(True)
         _ops.moe_config = _DEFAULT  # type: ignore[assignment]

@@ -3,12 +3,15 @@
 sinks" ("Query", "Key/value latent", "RoPE") and "Activation and KV quantization".
 
 One kernel, three uses.  Rows of width D, viewed as x (T, H, D) with row strides
-(``stride_t``, ``stride_h``; unit stride along D), out (T, H, D) contiguous, positions (T,)
-int32 / int64, freqs (Dr/2,) bf16 / fp32.  Columns ``[0, DN)`` are the non-rotary dims,
+(``stride_t``, ``stride_h``; unit stride along D), out (T, H, D) likewise (``ostride_t``,
+``ostride_h``; contiguous, or x itself for an in-place rotation), positions (T,) int32 / int64,
+freqs (Dr/2,) bf16 / fp32.  Columns ``[0, DN)`` are the non-rotary dims,
 ``[DN, D)`` the Dr = D - DN rotary dims in interleaved pairs ``(x[DN+2i], x[DN+2i+1])``.
 
 * ``apply_rope``: NORM 0, DN 0: rotate every pair of the row by ``pos * f_i`` (``-pos * f_i``
-  with INVERSE).  x may be a strided view (the output's rope dims ``o[..., Dn:]``).
+  with INVERSE).  x may be a strided view (the output's rope dims ``o[..., Dn:]``), and out
+  the same view: every stored pair is computed from the values loaded at its own addresses,
+  and the programs' rows are disjoint when out's rows do not overlap (optimized/rope.py checks).
 * ``q_head_norm_rope``: NORM 1 on q (T, H, Dh): the unweighted per-head RMS norm with the
   reference's rounding after each op (square, mean, rsqrt, product, each rounded to the
   activation dtype), then RoPE of the last Dr dims.
@@ -130,6 +133,8 @@ def norm_rope_kernel(
     H,
     stride_t,
     stride_h,
+    ostride_t,
+    ostride_h,
     eps,
     D: tl.constexpr,
     DN: tl.constexpr,
@@ -152,7 +157,7 @@ def norm_rope_kernel(
     t64 = t.to(tl.int64)
     rows = (t < T)[:, None] & (h < H)[None, :]  # (BT, BH)
     row_in = t64[:, None] * stride_t + h[None, :].to(tl.int64) * stride_h
-    row_out = (t64[:, None] * H + h[None, :]) * D
+    row_out = t64[:, None] * ostride_t + h[None, :].to(tl.int64) * ostride_h
     rows3 = rows[:, :, None]
 
     # the rotary tile, split into its pairs (a, b) = (x[DN + 2i], x[DN + 2i + 1])
@@ -236,11 +241,11 @@ class RopeSchedule:
 
 
 # About this many elements per program: a V4-Flash q program holds 8 heads of 512 (32 fp32
-# values per thread at 4 warps; 165 registers on sm_90, no spill), an output-rope program 64
-# heads of 64 (54 registers).  A program of several tokens computes cos / sin per token row
+# values per thread at 4 warps; 161 registers on sm_90, no spill), an output-rope program 64
+# heads of 64 (55 registers).  A program of several tokens computes cos / sin per token row
 # (libdevice's sinf / cosf inlined per row), which costs registers: a kv program of 8 tokens of
 # 512 at 4 warps needs 255 registers and spills, so multi-token tiles take half the elements
-# and 8 warps (kv: 4 tokens, 102 registers, no spill).  bench/sm90_resources.py --rope prints
+# and 8 warps (kv: 4 tokens, 101 registers, no spill).  bench/sm90_resources.py --rope prints
 # these counts.  The interpreter pays per operation, not per element (~30 ms per program): there
 # one program takes up to 64 Ki elements, so a CPU-tier call is one or two programs.
 _TILE_ELEMENTS = 65536 if INTERPRET else 4096
@@ -300,9 +305,12 @@ def norm_rope_triton(
     inverse: bool = False,
     schedule: RopeSchedule | None = None,
 ) -> torch.Tensor:
-    """Launch :func:`norm_rope_kernel` over x (T, H, D) (unit stride along D) into out (T, H, D)
-    contiguous; the last ``rope_dim`` columns are rotated.  ``weight`` (D,) contiguous, for
-    ``norm=NORM_RMS`` only; positions (T,) and freqs (rope_dim/2,) contiguous."""
+    """Launch :func:`norm_rope_kernel` over x (T, H, D) into out (T, H, D), both with unit
+    stride along D (out may be x itself: every stored element is computed from the values
+    loaded at its own addresses; out's rows must not overlap); the last ``rope_dim`` columns
+    are rotated.  ``weight`` (D,)
+    contiguous, for ``norm=NORM_RMS`` only; positions (T,) and freqs (rope_dim/2,)
+    contiguous."""
     T, H, D = x.shape
     if T == 0 or H == 0:
         return out
@@ -314,5 +322,8 @@ def norm_rope_triton(
         launch = _LAUNCHES[key] = rope_launch(*key)
     grid = (cdiv(T, sched.block_t), cdiv(H, sched.block_h))
     w = weight if weight is not None else freqs
-    launch(grid, x, w, positions, freqs, out, T, H, x.stride(0), x.stride(1), float(eps))
+    launch(
+        grid, x, w, positions, freqs, out, T, H, x.stride(0), x.stride(1), out.stride(0),
+        out.stride(1), float(eps),
+    )  # fmt: skip
     return out

@@ -1,11 +1,18 @@
 """The decode step's input guard in one launch (docs/semantics.md, "The decode step's input
 guard").
 
-One program per row b of the step: it reads the row's prev_hidden (H values, in BLOCK_H pieces)
-and its id, position, slot and ``real`` flag, writes ``ok[b]`` and the masked id, position and
+One program per row b of the step: it reads the row's id, position, slot and ``real`` flag and
+its prev_hidden (H values, in BLOCK_H pieces), writes ``ok[b]`` and the masked id, position and
 slot, and, for a real row that is not ok, lowers the record to ``b * 4 + reason`` with an
 atomic min.  Min is order-independent, so the record does not depend on which program runs
 first; every other write belongs to one program, so the kernel is batch invariant.
+
+The kernel heads the captured decode step, so every other kernel waits for it: it is built for
+latency.  The four scalar loads are issued first, and V4's whole row (H = hc_mult * D: 16384 /
+28672) is one piece of BLOCK_H = next_pow2(H) over 16 warps, so the program waits for memory
+once.  A loop over 4096-wide pieces (its bound H is a runtime value) would wait once per piece,
+and scalars loaded after it once more: five dependent round trips at V4-Flash's 16384 in the
+sm_90 SASS.  Rows past 32768 values loop over 32768-wide pieces.
 
 Shapes: ids, positions, slots (B,) int64; real and ok (B,) bool; prev_hidden (B, H) bf16 / fp32
 with unit stride along H (rows ``stride`` apart); record (1,) int64.  Bytes: B * H * itemsize
@@ -21,11 +28,19 @@ import triton.language as tl
 from ._launch import TritonLaunch, next_pow2, triton_launch
 from .moe_common import jit_loop_bounds
 
-__all__ = ["step_guard_triton"]
+__all__ = ["guard_schedule", "step_guard_triton"]
 
-# Elements of prev_hidden per loop step: 4096 fp32 over 4 warps is 32 per thread; V4-Pro's
-# hc_mult * D = 28672 takes 7 steps.
-_MAX_BLOCK_H = 4096
+# Elements of prev_hidden per loop step: up to 32768 (V4-Pro's 28672 in one step: 64 values
+# per thread at 16 warps, 32 at V4-Flash's 16384).
+_MAX_BLOCK_H = 32768
+
+
+def guard_schedule(H: int) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) for rows of H values: the whole row in one piece up to
+    ``_MAX_BLOCK_H``, BLOCK_H / 1024 warps clamped to 4..16 (16 at V4's rows: 32 / 64 values
+    per thread)."""
+    block_h = min(_MAX_BLOCK_H, next_pow2(H))
+    return block_h, max(4, min(16, block_h // 1024))
 
 
 @jit_loop_bounds("H")
@@ -47,6 +62,11 @@ def step_guard_kernel(
     BLOCK_H: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
+    # the scalars first: their loads are in flight while the row's are issued
+    real = tl.load(real_ptr + b) != 0
+    token = tl.load(ids_ptr + b)
+    pos = tl.load(pos_ptr + b)
+    slot = tl.load(slots_ptr + b)
     offs = tl.arange(0, BLOCK_H)
     row = prev_ptr + b * stride
     # 1 where a value is NaN or +-inf (|x| < inf is false for both); masked lanes read 0
@@ -55,10 +75,6 @@ def step_guard_kernel(
         x = tl.load(row + h0 + offs, mask=h0 + offs < H, other=0.0).to(tl.float32)
         nonfinite = nonfinite | (tl.abs(x) < float("inf")).to(tl.int32) ^ 1
     finite = tl.max(nonfinite, 0) == 0
-    real = tl.load(real_ptr + b) != 0
-    token = tl.load(ids_ptr + b)
-    pos = tl.load(pos_ptr + b)
-    slot = tl.load(slots_ptr + b)
     id_ok = (token >= 0) & (token < vocab_size)
     pos_ok = (pos >= 0) & (pos < max_positions)
     ok = real & finite & id_ok & pos_ok
@@ -70,7 +86,7 @@ def step_guard_kernel(
     tl.atomic_min(record_ptr, b * 4 + reason, mask=real & (ok == 0))
 
 
-_LAUNCHES: dict[int, TritonLaunch] = {}
+_LAUNCHES: dict[tuple[int, int], TritonLaunch] = {}
 
 
 def step_guard_triton(
@@ -92,10 +108,11 @@ def step_guard_triton(
     B, H = prev_hidden.shape
     if B == 0:
         return
-    block_h = min(_MAX_BLOCK_H, next_pow2(H))
-    launch = _LAUNCHES.get(block_h)
+    key = guard_schedule(H)
+    launch = _LAUNCHES.get(key)
     if launch is None:
-        launch = _LAUNCHES[block_h] = triton_launch(step_guard_kernel, BLOCK_H=block_h, num_warps=4)
+        block_h, warps = key
+        launch = _LAUNCHES[key] = triton_launch(step_guard_kernel, BLOCK_H=block_h, num_warps=warps)
     launch(
         (B,), input_ids, positions, prev_hidden, slots, real, ok, ids_out, pos_out, slots_out,
         record, H, prev_hidden.stride(0), vocab_size, max_positions,

@@ -1,0 +1,182 @@
+"""Do the optimized layer's fused op pairs, its latency-first step guard and its in-place
+inverse rotation shorten the whole draft step?  (H200)
+
+The layer runs its fused op pairs through :attr:`MTPLayer.ops` (``dsv4mtp/layer.py``,
+``LayerOps``).  A fused pair is bitwise its composition, so its only possible effect is time,
+and the time that counts is the whole step's: a launch saved on the step's dependent chain of
+~40 small kernels is worth its launch gap and ramp, a few microseconds, which a kernel's own
+timing does not show.  This script captures the V4-Flash-shaped greedy decode step of
+``bench/h200_mtp.py`` (random checkpoint written on the GPU, MXFP4 experts) once per setting,
+in one process, and times the replays in rounds that alternate the settings (A B A B ...), so
+machine-to-machine spread cancels; each cell is the median over rounds of the median of 20
+CUDA-event timed replays.  The outputs (ids and hidden) are compared bitwise between settings.
+
+The settings: "shipped" (the layer as it is), one "composed: <pair>" per pair in
+:data:`COMPOSED` (the layer with that pair run as the ops it replaces), "guard in 4096 pieces"
+(:data:`guard_in_pieces`: the step guard's kernel and schedule before it read the row in one
+piece, kernels/step_guard.py) and "rope copied back" (the attention
+output's inverse rotation into a new tensor, then copied into o: ``attention.
+INVERSE_ROPE_IN_PLACE``).  Each is swapped in only while its setting's graphs are captured (the
+graphs keep what they captured).
+
+Run (GPU machine, repository root, after the README's install):
+``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms] [--no-guard] [--no-rope]``
+(about two minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from h200_mtp import DECODE_T
+from moe_stream_ab import decode_table
+
+from dsv4mtp.checkpoint.fullsize import make_fullsize_checkpoint
+from dsv4mtp.optimized import MTPLayer, rms_norm
+from dsv4mtp.optimized.kernels import step_guard as guard_kernels
+from dsv4mtp.optimized.kernels.moe_common import jit_loop_bounds
+from dsv4mtp.optimized.mtp import DecodeGraphs
+
+# the module (the package exports its function ``attention`` under the same name)
+attention_module = importlib.import_module("dsv4mtp.optimized.attention")
+
+
+def composed_embed_norms(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    embed: torch.Tensor,
+    prev_hidden: torch.Tensor,
+    enorm: torch.Tensor,
+    hnorm: torch.Tensor,
+    eps: float,
+    *,
+    order: Any = "official",
+    mask_pos0: bool = False,
+    batch_invariant: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launches embed_norms replaces: the gather, the mask's where, two rms_norm calls."""
+    e = embed[input_ids]
+    if mask_pos0:
+        e = torch.where(positions[:, None] == 0, torch.zeros_like(e), e)
+    bi = {"order": order, "batch_invariant": batch_invariant}
+    return rms_norm(e, enorm, eps, **bi), rms_norm(prev_hidden, hnorm, eps, **bi)
+
+
+#: pair -> its composition from the optimized ops (what the layer ran before the pair)
+COMPOSED: dict[str, Callable[..., Any]] = {"embed_norms": composed_embed_norms}
+
+SHIPPED_GUARD = guard_kernels.guard_schedule, guard_kernels.step_guard_kernel
+
+
+@jit_loop_bounds("H")
+def pieces_step_guard_kernel(
+    ids_ptr,
+    pos_ptr,
+    prev_ptr,
+    slots_ptr,
+    real_ptr,
+    ok_ptr,
+    ids_out_ptr,
+    pos_out_ptr,
+    slots_out_ptr,
+    record_ptr,
+    H,
+    stride,
+    vocab_size,
+    max_positions,
+    BLOCK_H: tl.constexpr,
+):
+    """The step guard as it was before it read its row in one piece: the row's 4096-wide
+    pieces first, then the scalars (the same outputs)."""
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    row = prev_ptr + b * stride
+    nonfinite = tl.zeros([BLOCK_H], dtype=tl.int32)
+    for h0 in range(0, H, BLOCK_H):
+        x = tl.load(row + h0 + offs, mask=h0 + offs < H, other=0.0).to(tl.float32)
+        nonfinite = nonfinite | (tl.abs(x) < float("inf")).to(tl.int32) ^ 1
+    finite = tl.max(nonfinite, 0) == 0
+    real = tl.load(real_ptr + b) != 0
+    token = tl.load(ids_ptr + b)
+    pos = tl.load(pos_ptr + b)
+    slot = tl.load(slots_ptr + b)
+    id_ok = (token >= 0) & (token < vocab_size)
+    pos_ok = (pos >= 0) & (pos < max_positions)
+    ok = real & finite & id_ok & pos_ok
+    tl.store(ok_ptr + b, ok)
+    tl.store(ids_out_ptr + b, tl.where(ok, token, 0))
+    tl.store(pos_out_ptr + b, tl.where(ok, pos, 0))
+    tl.store(slots_out_ptr + b, tl.where(ok, slot, -1))
+    reason = tl.where(finite, tl.where(id_ok, 3, 2), 1).to(tl.int64)
+    tl.atomic_min(record_ptr, b * 4 + reason, mask=real & (ok == 0))
+
+
+def pieces_schedule(H: int) -> tuple[int, int]:
+    """Its schedule: 4096-wide pieces over 4 warps."""
+    return min(4096, 1 << max(0, (H - 1).bit_length())), 4
+
+
+guard_in_pieces = pieces_schedule, pieces_step_guard_kernel
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--pairs", default=",".join(COMPOSED), help="comma-separated")
+    ap.add_argument("--no-guard", action="store_true", help="leave out the guard's setting")
+    ap.add_argument("--no-rope", action="store_true", help="leave out the rotation's setting")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ckdir = tempfile.mkdtemp(prefix="v4flash-")
+    make_fullsize_checkpoint(ckdir, "flash", expert_format="mxfp4", device="cuda")
+    layer = MTPLayer.from_checkpoint(ckdir, device="cuda", max_num_tokens=4096, max_batch=64)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    shipped = MTPLayer.ops
+    # name -> (the layer's ops, the guard's schedule, the inverse rotation in place)
+    settings = {"shipped": (shipped, SHIPPED_GUARD, True)}
+    for name in filter(None, args.pairs.split(",")):
+        ops = shipped._replace(**{name: COMPOSED[name]})
+        settings[f"composed: {name}"] = (ops, SHIPPED_GUARD, True)
+    if not args.no_guard:
+        settings["guard in 4096 pieces"] = (shipped, guard_in_pieces, True)
+    if not args.no_rope:
+        settings["rope copied back"] = (shipped, SHIPPED_GUARD, False)
+    graphs: dict[str, DecodeGraphs] = {}
+    cache = layer.new_device_cache(max(DECODE_T))
+    # the guard's launches are cached by schedule: kept aside so that no setting reuses
+    # another's kernel, and put back afterwards
+    guard_launches = dict(guard_kernels._LAUNCHES)
+    in_place = attention_module.INVERSE_ROPE_IN_PLACE
+    try:
+        for name, (ops, guard, rope_in_place) in settings.items():
+            MTPLayer.ops = ops  # type: ignore[misc]
+            # the launcher looks both up when it first meets a schedule
+            guard_kernels.guard_schedule, guard_kernels.step_guard_kernel = guard
+            guard_kernels._LAUNCHES.clear()
+            attention_module.INVERSE_ROPE_IN_PLACE = rope_in_place
+            graphs[name] = DecodeGraphs(layer, cache, buckets=DECODE_T, logits=False)
+    finally:
+        MTPLayer.ops = shipped  # type: ignore[misc]
+        guard_kernels.guard_schedule, guard_kernels.step_guard_kernel = SHIPPED_GUARD
+        guard_kernels._LAUNCHES.clear()
+        guard_kernels._LAUNCHES.update(guard_launches)
+        attention_module.INVERSE_ROPE_IN_PLACE = in_place
+    decode_table(layer, cache, graphs, g, args.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
