@@ -7,7 +7,7 @@ and the actual value.  ``optimized`` imports these rather than keeping its own c
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal, TypeGuard
 
 import torch
@@ -18,6 +18,7 @@ __all__ = [
     "check_device_arg",
     "check_dtype",
     "check_dtype_arg",
+    "check_embed_norms_args",
     "check_eps",
     "check_finite",
     "check_finite_at",
@@ -234,3 +235,31 @@ def check_positions(name: str, t: object, length: int | None = None) -> None:
         raise InputError(f"{name}: expected a 1-D int64 / int32 tensor, got {got}")
     if length is not None and t.shape[0] != length:
         raise InputError(f"{name}: expected shape ({length},), got {tuple(t.shape)}")
+
+
+def check_embed_norms_args(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    embed: torch.Tensor,
+    prev_hidden: torch.Tensor,
+    enorm: torch.Tensor,
+    hnorm: torch.Tensor,
+    float_check: Callable[[str, torch.Tensor], None],
+) -> tuple[int, int]:
+    """embed_norms' tensors (metadata only): ids and positions (T,) int64, embed (V, D),
+    prev_hidden (T, n, D), enorm / hnorm (D,), each float checked by ``float_check(name, t)``
+    (the reference's dtypes or the kernels').  -> (T, D)."""
+    check_dtype("input_ids", input_ids, (torch.int64,))
+    check_shape("input_ids", input_ids, (None,))
+    T = input_ids.shape[0]
+    check_dtype("positions", positions, (torch.int64,))
+    check_shape("positions", positions, (T,))
+    float_check("embed", embed)
+    check_shape("embed", embed, (None, None))
+    D = embed.shape[1]
+    float_check("prev_hidden", prev_hidden)
+    check_shape("prev_hidden", prev_hidden, (T, None, D))
+    for name, w in (("enorm", enorm), ("hnorm", hnorm)):
+        float_check(name, w)
+        check_shape(name, w, (D,))
+    return T, D

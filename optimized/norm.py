@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from dsv4mtp.checks import check_dtype, check_eps, check_instance, check_shape
+from dsv4mtp.checks import check_embed_norms_args, check_eps, check_instance, check_shape
 from dsv4mtp.errors import InputError
 from dsv4mtp.semantics import NormOrder
 
@@ -167,19 +167,9 @@ def _embed_norms_plan(
     out: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[()]:
     """Every check of embed_norms' arguments (metadata only: no host sync)."""
-    check_dtype("input_ids", input_ids, (torch.int64,))
-    check_shape("input_ids", input_ids, (None,))
-    T = input_ids.shape[0]
-    check_dtype("positions", positions, (torch.int64,))
-    check_shape("positions", positions, (T,))
-    check_kernel_dtype("embed", embed)
-    check_shape("embed", embed, (None, None))
-    D = embed.shape[1]
-    check_kernel_dtype("prev_hidden", prev_hidden)
-    check_shape("prev_hidden", prev_hidden, (T, None, D))
-    for name, w in (("enorm", enorm), ("hnorm", hnorm)):
-        check_kernel_dtype(name, w)
-        check_shape(name, w, (D,))
+    T, D = check_embed_norms_args(
+        input_ids, positions, embed, prev_hidden, enorm, hnorm, check_kernel_dtype
+    )
     check_eps("eps", eps)
     if order not in ("official", "vllm"):
         raise InputError(f"order: expected 'official' or 'vllm', got {order!r}")

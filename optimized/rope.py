@@ -122,17 +122,11 @@ def _check_rope_out(out: torch.Tensor, x: torch.Tensor, dev: torch.device) -> No
     """apply_rope's ``out``: x's shape and dtype on x's device, contiguous, or a 3-D view with
     unit stride along the rotated dim whose rows do not overlap (x itself, for an in-place
     rotation)."""
-    if not (isinstance(out, torch.Tensor) and out.dim() == 3 and out.stride(-1) == 1):
-        check_out("out", out, tuple(x.shape), x.dtype, dev)  # the contiguous form
+    strided = isinstance(out, torch.Tensor) and out.dim() == 3 and out.stride(-1) == 1
+    check_out("out", out, tuple(x.shape), x.dtype, dev, contiguous=not strided)
+    if not strided:
         return
     T, H, Dr = out.shape
-    if tuple(out.shape) != tuple(x.shape):
-        raise InputError(f"out: expected shape {tuple(x.shape)}, got {tuple(out.shape)}")
-    if out.dtype != x.dtype:
-        name = str(x.dtype).removeprefix("torch.")
-        raise InputError(f"out: expected dtype {name}, got {str(out.dtype).removeprefix('torch.')}")
-    if out.device != dev:
-        raise InputError(f"out: expected device {dev}, got {out.device}")
     head_ok = H == 1 or out.stride(1) >= Dr
     token_ok = T == 1 or out.stride(0) >= (H - 1) * out.stride(1) + Dr
     if not (head_ok and token_ok):

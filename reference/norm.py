@@ -8,6 +8,7 @@ import torch
 from dsv4mtp.checks import (
     FLOAT_DTYPES,
     check_dtype,
+    check_embed_norms_args,
     check_eps,
     check_instance,
     check_shape,
@@ -76,19 +77,11 @@ def embed_norms(
     first where ``mask_pos0`` and its position is 0; ``h = rms_norm(prev_hidden, hnorm)``.
     ``order`` and ``batch_invariant`` as :func:`rms_norm`'s.
     """
-    check_dtype("input_ids", input_ids, (torch.int64,))
-    check_shape("input_ids", input_ids, (None,))
-    T = input_ids.shape[0]
-    check_dtype("positions", positions, (torch.int64,))
-    check_shape("positions", positions, (T,))
-    check_dtype("embed", embed, FLOAT_DTYPES)
-    check_shape("embed", embed, (None, None))
-    V, D = embed.shape
-    check_dtype("prev_hidden", prev_hidden, FLOAT_DTYPES)
-    check_shape("prev_hidden", prev_hidden, (T, None, D))
-    for name, w in (("enorm", enorm), ("hnorm", hnorm)):
-        check_dtype(name, w, FLOAT_DTYPES)
-        check_shape(name, w, (D,))
+    T, _ = check_embed_norms_args(
+        input_ids, positions, embed, prev_hidden, enorm, hnorm,
+        lambda name, t: check_dtype(name, t, FLOAT_DTYPES),
+    )  # fmt: skip
+    V = embed.shape[0]
     check_instance("mask_pos0", mask_pos0, bool)
     if T and not (int(input_ids.min()) >= 0 and int(input_ids.max()) < V):
         bad = input_ids[(input_ids < 0) | (input_ids >= V)][0]

@@ -102,9 +102,16 @@ def check_device(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
 
 
 def check_out(
-    name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    name: str,
+    t: object,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    contiguous: bool = True,
 ) -> torch.Tensor:
-    """A preallocated output must match exactly and be contiguous (kernels write it in place)."""
+    """A preallocated output must match exactly and be contiguous (kernels write it in place);
+    ``contiguous=False`` for a kernel that writes through the output's strides."""
     if not isinstance(t, torch.Tensor):
         raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if tuple(t.shape) != tuple(shape):
@@ -116,7 +123,7 @@ def check_out(
         )
     if t.device != device:
         raise InputError(f"{name}: expected device {device}, got {t.device}")
-    if not t.is_contiguous():
+    if contiguous and not t.is_contiguous():
         raise InputError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
     return t
 
