@@ -10,7 +10,9 @@ experts, FP8 dense linears, bf16 embedding and head), loads it with
 * the same step run eagerly (wall time per step, CUDA synchronized), whose excess over the
   replay is the host overhead the graphs remove;
 * prefill of one sequence of 512 and of 4096 tokens into an empty cache, logits of its last
-  row only (eager: the prefill path reads its lengths on the host; wall time, synchronized);
+  row only: eager (the eager prefill reads its lengths on the host; wall time, synchronized),
+  then the same inputs through ``capture_prefill``'s graphs (:class:`PrefillGraphs`: wall time
+  of ``step``, inputs copied in; its logits compared with the eager call's bit for bit);
 * the floor of each: max(bytes / copy bandwidth, FLOPs / bf16 GEMM peak), both measured in
   the same run.  Bytes from the real tensors: every dense weight the step reads (FP8 codes +
   scales, norms, mHC parameters), the routed experts the step's router actually selected
@@ -47,7 +49,7 @@ from h200_mhc import copy_bandwidth
 from dsv4mtp.checkpoint.fullsize import make_fullsize_checkpoint
 from dsv4mtp.config import DSV4Config
 from dsv4mtp.optimized import MTPLayer, pack_head, route
-from dsv4mtp.optimized.mtp import DecodeGraphs
+from dsv4mtp.optimized.mtp import DecodeGraphs, PrefillGraphs
 
 BF16 = torch.bfloat16
 DECODE_T = (1, 8, 64)
@@ -250,15 +252,23 @@ def bench_decode(layer: MTPLayer, graph: DecodeGraphs, fixed: dict[str, int], T:
     return row
 
 
-def prefill_call(layer: MTPLayer, cache: Any, T: int, g: torch.Generator) -> Callable[[], Any]:
-    """The timed prefill: one sequence of T random tokens into the emptied slot 0 of ``cache``,
-    logits of its last row (eager)."""
+def prefill_inputs(layer: MTPLayer, T: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """One sequence of T random tokens at positions 0..T-1 -> (ids, positions, prev_hidden)."""
     cfg = layer.config
     ids = torch.randint(0, cfg.vocab_size, (T,), device="cuda", generator=g)
     pos = torch.arange(T, device="cuda")
     prev = torch.randn(T, cfg.hc_dim, device="cuda", generator=g).to(layer.dtype)
+    return ids, pos, prev
+
+
+def prefill_call(
+    layer: MTPLayer, cache: Any, inputs: tuple[torch.Tensor, ...]
+) -> Callable[[], Any]:
+    """The timed prefill: ``inputs`` into the emptied slot 0 of ``cache``, logits of its last
+    row (eager)."""
+    ids, pos, prev = inputs
     slots = torch.zeros(1, dtype=torch.int64, device="cuda")
-    lens = torch.tensor([T], device="cuda")
+    lens = torch.tensor([ids.shape[0]], device="cuda")
 
     def prefill() -> torch.Tensor:
         cache.reset(slots)
@@ -272,8 +282,10 @@ def bench_prefill(layer: MTPLayer, cache: Any, fixed: dict[str, int], T: int,
                   g: torch.Generator, bw: float, peak: float) -> dict[str, Any]:  # fmt: skip
     """One sequence of T tokens into an empty slot, logits of its last row (eager)."""
     cfg, W = layer.config, layer.config.sliding_window
-    prefill = prefill_call(layer, cache, T, g)
-    finite = bool(torch.isfinite(prefill()).all())
+    inputs = prefill_inputs(layer, T, g)
+    prefill = prefill_call(layer, cache, inputs)
+    logits = prefill()
+    finite = bool(torch.isfinite(logits).all())
     distinct, slots_n = count_experts(layer, prefill)
     us = wall_ms(prefill, 5) * 1e3
     by = step_bytes(layer, fixed, T, T, 0, distinct, 1)
@@ -281,9 +293,40 @@ def bench_prefill(layer: MTPLayer, cache: Any, fixed: dict[str, int], T: int,
     floor = max(by / bw, fl / peak) * 1e6
     print(f"prefill T {T}: {us:.0f} us, floor {floor:.0f} us ({us / floor:.2f}x)")
     return {
-        "kind": "prefill", "T": T, "us": us, "eager_us": us, "floor_us": floor,
-        "ratio": us / floor, "bytes": by, "flops": fl, "distinct_experts": distinct,
-        "logits_finite": finite, "profile": profile_replay(prefill, top=16, reps=2),
+        "kind": "prefill", "variant": "eager", "T": T, "us": us, "eager_us": us,
+        "floor_us": floor, "ratio": us / floor, "bytes": by, "flops": fl,
+        "distinct_experts": distinct, "logits_finite": finite,
+        "profile": profile_replay(prefill, top=16, reps=2), "_inputs": inputs, "_logits": logits,
+    }  # fmt: skip
+
+
+def bench_prefill_graph(
+    layer: MTPLayer, pg: PrefillGraphs, eager: dict[str, Any]
+) -> dict[str, Any]:
+    """``eager``'s prefill (the same inputs, one sequence into slot 0 of the graphs' cache,
+    emptied first by a one-row fill) through :class:`PrefillGraphs`: wall time of ``step``
+    (inputs copied into the graph's buffers, the offsets to the device, the replay), the same
+    floor; ``equals_eager``: its last-row logits against the eager call's, bit for bit."""
+    ids, pos, prev = eager["_inputs"]
+    T = ids.shape[0]
+    slots = torch.zeros(1, dtype=torch.int64, device="cuda")
+
+    def call() -> Any:
+        pg.cache.pos[0].fill_(-1)
+        return pg.step(ids, pos, prev, [T], slots)
+
+    tok, _, logits = call()
+    same = bool(torch.equal(logits, eager["_logits"]))
+    us = wall_ms(call, 5) * 1e3
+    pg.check()
+    print(f"prefill graph T {T}: {us:.0f} us ({us / eager['floor_us']:.2f}x), "
+          f"equals eager {same}, bucket {pg.bucket(T)}")  # fmt: skip
+    return {
+        "kind": "prefill", "variant": "graph", "T": T, "us": us, "eager_us": eager["us"],
+        "floor_us": eager["floor_us"],
+        "ratio": us / eager["floor_us"], "bytes": eager["bytes"], "flops": eager["flops"],
+        "distinct_experts": eager["distinct_experts"], "equals_eager": same,
+        "token": int(tok[0]), "profile": profile_replay(call, top=16, reps=2),
     }  # fmt: skip
 
 
@@ -334,7 +377,7 @@ def markdown(result: dict[str, Any]) -> str:
     for r in rows:
         target = TARGETS[r["kind"]]
         met = "met" if r["ratio"] <= target else "missed"
-        eager = f"{r['eager_us']:.0f}" if "eager_us" in r and r["kind"] == "decode" else "-"
+        eager = f"{r['eager_us']:.0f}" if "eager_us" in r else "-"
         kind = r["kind"] + (f" ({r['variant']})" if "variant" in r else " (eager)")
         out.append(
             f"| {kind} | {r['T']} | {r['us']:.1f} | {eager} | {r['floor_us']:.1f} | "
@@ -347,7 +390,7 @@ def markdown(result: dict[str, Any]) -> str:
     steps = {r["T"]: r["us"] for r in rows if r.get("variant") == "greedy"}
     profiles = [(f"decode T {T} (greedy, 5 replays)", steps.get(int(T)), prof)
                 for T, prof in result["breakdown"].items()]  # fmt: skip
-    profiles += [(f"prefill T {r['T']} (eager, 2 calls)", r["us"], r["profile"])
+    profiles += [(f"prefill T {r['T']} ({r['variant']}, 2 calls)", r["us"], r["profile"])
                  for r in rows if "profile" in r]  # fmt: skip
     for what, step_us, prof in profiles:
         idle = f", {step_us - prof['kernel_us']:.0f} us outside kernels" if step_us else ""
@@ -482,6 +525,16 @@ def main(argv: list[str] | None = None) -> int:
         for T in PREFILL_T:
             rows.append(bench_prefill(layer, cache, fixed, T, g, bw, peak))
             write(args.out, result)
+        # the same prefills through CUDA graphs (one per token bucket, up to 8 sequences)
+        torch.cuda.synchronize()
+        mem0 = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        pg = layer.capture_prefill(tokens=PREFILL_T, cache=cache)
+        meta["prefill_capture_s"] = time.perf_counter() - t0
+        meta["prefill_graph_pool_GB"] = (torch.cuda.memory_allocated() - mem0) / 1e9
+        for r in [r for r in rows if r["kind"] == "prefill"]:
+            rows.append(bench_prefill_graph(layer, pg, r))
+            write(args.out, result)
 
     # peers: the reference layer on the GPU
     if args.reference or args.compile:
@@ -502,8 +555,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write(out: str, result: dict[str, Any]) -> None:
+    # keys starting with "_" are the run's tensors (a prefill's inputs and logits), not results
+    rows = [{k: v for k, v in r.items() if not k.startswith("_")} for r in result["rows"]]
     with open(os.path.join(out, "mtp-h200.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
+        json.dump({**result, "rows": rows}, f, indent=1, default=str)
     with open(os.path.join(out, "mtp-h200-table.md"), "w") as f:
         f.write(markdown(result))
     with open(os.path.join(out, "mtp-h200.svg"), "w") as f:

@@ -313,10 +313,11 @@ def test_bad_params_and_dtypes() -> None:
 def test_signature_extends_the_reference() -> None:
     """The reference's parameters, in order, with the same kinds and defaults, then the
     optimized-only keywords: ``cache_slots`` (for a DeviceKVCache), ``block_table`` and
-    ``slot_mapping`` (for a PagedKVCache); the sublayer has no backend of its own."""
+    ``slot_mapping`` (for a PagedKVCache), ``query_start_loc`` and ``seq_flags`` (a prefill
+    with its offsets on the device); the sublayer has no backend of its own."""
     import inspect
 
-    extra = ("cache_slots", "block_table", "slot_mapping")
+    extra = ("cache_slots", "block_table", "slot_mapping", "query_start_loc", "seq_flags")
     ref = inspect.signature(ref_attention).parameters
     opt = inspect.signature(_opt_attention).parameters
     sig = [(p.name, p.kind, p.default) for p in opt.values()]

@@ -737,3 +737,80 @@ def test_ring_prefill_over_a_repeated_position_raises_the_varlen_check(device: s
         opt_attention(
             x, pos, pack, CFG, seq_lens=[2], kv_cache=cache, cache_slots=_slots([0], device)
         )
+
+
+def test_device_offset_prefill_is_the_host_prefill_with_failed_sequences_as_padding(
+    device: str,
+) -> None:
+    """``attention(query_start_loc=..., seq_flags=...)`` (offsets on the device, no host read,
+    capturable) on random calls, valid or broken one way: each sequence's flags are the index's
+    (bit 0 where the host checks refuse it), and the output and both rings are bit for bit the
+    host-lens prefill's with every flagged sequence made padding (slot -1: nothing read or
+    written, output zero).  Last, a ring holding one position twice: flagged (bit 1) and
+    padding, where the host-lens prefill raises the varlen check."""
+    g = torch.Generator().manual_seed(33)
+    pack = pack_attention(layer_params(BF16), device)
+    flagged = 0
+    for case in range(6):
+        cache, lens, pos, slots = _random_ring_call(g, device)
+        live = [b for b, s in enumerate(slots.tolist()) if s >= 0 and lens[b]]
+        bounds = [0, *itertools.accumulate(lens)]
+        if case % 3 == 1 and live:  # positions falling inside a live sequence
+            b = live[-1]
+            pos[bounds[b + 1] - 1] = pos[bounds[b]] - 1
+        elif case % 3 == 2:
+            slots[0] = cache.num_seqs  # a slot past the cache
+        twin = DeviceKVCache(CFG, num_seqs=cache.num_seqs, dtype=BF16, device=device)
+        twin.kv.copy_(cache.kv)
+        twin.pos.copy_(cache.pos)
+        x = _rows(g, pos.shape[0], BF16, device) * 4
+        B = slots.shape[0]
+        flags = torch.full((B,), -7, dtype=torch.int64, device=device)
+        cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+        got = opt_attention(
+            x, pos, pack, CFG, kv_cache=cache, cache_slots=slots, query_start_loc=cu,
+            seq_flags=flags,
+        )  # fmt: skip
+        want_flags = _attn._ring_index(pos, lens, twin, slots).stats[:, 2]
+        assert torch.equal(flags, want_flags), case
+        flagged += int((flags != 0).sum())
+        padded = torch.where(flags != 0, -1, slots)
+        want = opt_attention(x, pos, pack, CFG, seq_lens=lens, kv_cache=twin, cache_slots=padded)
+        assert torch.equal(got, want), case
+        assert torch.equal(cache.pos, twin.pos) and torch.equal(cache.kv, twin.kv), case
+    assert flagged >= 2
+    cache = DeviceKVCache(CFG, num_seqs=1, dtype=BF16, device=device)
+    cache.pos[0, 3], cache.pos[0, 4] = 3, 3
+    before = cache.pos.clone()
+    flags = torch.empty(1, dtype=torch.int64, device=device)
+    out = opt_attention(
+        torch.ones(2, D, dtype=BF16, device=device), torch.tensor([5, 6], device=device), pack,
+        CFG, kv_cache=cache, cache_slots=_slots([0], device),
+        query_start_loc=torch.tensor([0, 2], dtype=torch.int32, device=device), seq_flags=flags,
+    )  # fmt: skip
+    assert flags.tolist() == [2] and torch.equal(cache.pos, before)
+    assert not out.any()  # padding: wo_b(wo_a(0)) = 0
+
+
+def test_device_offset_prefill_rejects_bad_metadata(device: str) -> None:
+    """The offsets and the flags buffer are checked on the host (their values are not read):
+    only with a DeviceKVCache and without seq_lens, (B+1,) int32 and (B,) int64 on x's device."""
+    pack = pack_attention(layer_params(BF16), device)
+    cache = DeviceKVCache(CFG, num_seqs=2, dtype=BF16, device=device)
+    x = torch.zeros(3, D, dtype=BF16, device=device)
+    pos = torch.arange(3, device=device)
+    slots = _slots([0, 1], device)
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
+    flags = torch.zeros(2, dtype=torch.int64, device=device)
+    ok = dict(kv_cache=cache, cache_slots=slots, query_start_loc=cu, seq_flags=flags)
+    for bad, match in (
+        (dict(kv_cache=None, cache_slots=None), "query_start_loc: expected a DeviceKVCache"),
+        (dict(seq_lens=[1, 2]), "seq_lens: expected None with query_start_loc"),
+        (dict(query_start_loc=cu.long()), r"query_start_loc: expected a contiguous \(3,\)"),
+        (dict(query_start_loc=cu[:2]), r"query_start_loc: expected a contiguous \(3,\)"),
+        (dict(seq_flags=None), r"seq_flags: expected a contiguous \(2,\) torch.int64"),
+        (dict(seq_flags=flags.int()), "seq_flags"),
+        (dict(cache_slots=slots.float()), "cache_slots: expected a 1-D int64"),
+    ):
+        with pytest.raises(InputError, match=match):
+            opt_attention(x, pos, pack, CFG, **{**ok, **bad})

@@ -5,9 +5,12 @@ On the tiny config from a synthetic checkpoint (MXFP4 experts, ``math``): the gr
 ``draft`` against the reference's (teacher forcing, logits per step within the optimized
 layer's tolerance); a step padded to its bucket against the same rows without filler (filler
 rows write no KV and change no real row); bad rows inside a step (non-finite ``prev_hidden``,
-out-of-range ids) poisoned and reported at :meth:`DecodeGraphs.check`.  Without CUDA the steps
-run eagerly (``capture=False``, the same code the graphs capture); the GPU tier adds capture and
-replay, which must equal the eager step at the padded size bit for bit.
+out-of-range ids) poisoned and reported at :meth:`DecodeGraphs.check`.  The captured prefill
+(:class:`~dsv4mtp.optimized.mtp.PrefillGraphs`): chunks of several sequences against the
+eager ``forward`` with host lengths, bad rows and failed ring checks turning their sequence
+into padding.  Without CUDA the steps run eagerly (``capture=False``, the same code the graphs
+capture); the GPU tier adds capture and replay, which must equal the eager step at the padded
+size bit for bit.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dsv4mtp.config import DSV4Config
 from dsv4mtp.conformance._routing import draft_steps_kept, record_moe_inputs
 from dsv4mtp.errors import InputError
 from dsv4mtp.optimized import MTPLayer as OptLayer
-from dsv4mtp.optimized.mtp import DecodeGraphs
+from dsv4mtp.optimized.mtp import DecodeGraphs, PrefillGraphs
 from dsv4mtp.reference import MTPLayer as RefLayer
 
 BF16 = torch.bfloat16
@@ -310,3 +313,155 @@ def test_consume_repacks_the_experts_in_place_to_the_same_packs(tmp_path, device
         )
     with pytest.raises(InputError, match="consume"):
         OptLayer.from_loaded(load_mtp_checkpoint(path), consume=1, **kw)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- captured prefill
+def _prefill_graphs(opt: OptLayer, cache, capture: bool) -> PrefillGraphs:
+    return PrefillGraphs(opt, cache, tokens=(8, 16), max_seqs=4, capture=capture)
+
+
+def _chunks(device: str):
+    """Two prefill chunks of three sequences: lens [5, 7, 2] from positions 0 / 3 / 6 into
+    empty rings (slots 0, 2, 5), then [3, 4, 1] continuing each (the rings now hold rows)."""
+    g = torch.Generator().manual_seed(7)
+    slots = torch.tensor([0, 2, 5], device=device)
+    out, start = [], [0, 3, 6]
+    for lens in ([5, 7, 2], [3, 4, 1]):
+        T = sum(lens)
+        ids = torch.randint(0, CFG.vocab_size, (T,), generator=g).to(device)
+        prev = torch.randn(T, CFG.hc_dim, generator=g).to(BF16).to(device)
+        pos = torch.cat([torch.arange(s, s + n) for s, n in zip(start, lens, strict=True)])
+        start = [s + n for s, n in zip(start, lens, strict=True)]
+        out.append((ids, pos.to(device), prev, lens, slots))
+    return out
+
+
+@pytest.mark.parametrize("capture", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_prefill_graphs_give_the_eager_forward(loaded, device, capture) -> None:
+    """Under ``batch_invariant`` two chunks through :class:`PrefillGraphs` (padded to the 16
+    bucket, then 8: filler rows in a padding sequence) give the bits of the eager ``forward``
+    with host lengths on a twin cache, and of ``compute_logits`` on each sequence's last row:
+    hidden, logits, greedy ids and both caches.  With ``capture`` the replays equal the same
+    steps run eagerly (``capture=False``) bit for bit, the default schedules included."""
+    for bi in (True, False) if capture else (True,):
+        opt = OptLayer.from_loaded(loaded, dtype=BF16, device=device, max_num_tokens=32,
+                                   max_batch=8, batch_invariant=bi)  # fmt: skip
+        cache, twin, eager_cache = (opt.new_device_cache() for _ in range(3))
+        graphs = _prefill_graphs(opt, cache, capture)
+        eager = _prefill_graphs(opt, eager_cache, False) if capture else None
+        for ids, pos, prev, lens, slots in _chunks(device):
+            tok, hidden, logits = (t.clone() for t in graphs.step(ids, pos, prev, lens, slots))
+            last = torch.tensor(lens).cumsum(0).to(device) - 1
+            if eager is not None:  # replay against the same step run eagerly
+                want = eager.step(ids, pos, prev, lens, slots)
+                for a, b in zip((tok, hidden, logits), want, strict=True):
+                    assert torch.equal(a, b), bi
+                assert torch.equal(cache.kv, eager_cache.kv)
+                assert torch.equal(cache.pos, eager_cache.pos)
+            if not bi:
+                continue
+            h = opt.forward(ids, pos, prev, seq_lens=torch.tensor(lens), kv_cache=twin,
+                            cache_slots=slots)  # fmt: skip
+            assert torch.equal(hidden, h)
+            assert torch.equal(logits, opt.compute_logits(h[last]))
+            assert torch.equal(tok, logits.argmax(-1))
+            assert torch.equal(cache.kv, twin.kv) and torch.equal(cache.pos, twin.pos)
+        graphs.check()  # nothing recorded
+
+
+def test_prefill_bad_row_and_failed_check_make_their_sequence_padding(loaded, device) -> None:
+    """Inside a prefill: a non-finite prev_hidden row (sequence 1) and positions that do not
+    rise (sequence 2): those sequences' ids are -1 and their rings unchanged, sequence 0 gives
+    the clean call's bits, and check() raises the bad row first, then (next check) nothing:
+    one check clears both records.  A sequence prefilled twice at the same positions (not past
+    its ring's newest row) is reported as a failed ring check."""
+    opt = OptLayer.from_loaded(loaded, dtype=BF16, device=device, max_num_tokens=32,
+                               max_batch=8, batch_invariant=True)  # fmt: skip
+    (ids, pos, prev, lens, slots), _ = _chunks(device)
+    clean_cache, cache = opt.new_device_cache(), opt.new_device_cache()
+    clean = [t.clone() for t in
+             _prefill_graphs(opt, clean_cache, False).step(ids, pos, prev, lens, slots)]  # fmt: skip
+    graphs = _prefill_graphs(opt, cache, False)
+    prev, pos = prev.clone(), pos.clone()
+    prev[6, 3] = float("inf")  # row 6: sequence 1 (rows 5..11)
+    pos[13] = pos[12]  # sequence 2 (rows 12, 13) does not rise
+    tok, hidden, _ = graphs.step(ids, pos, prev, lens, slots)
+    assert tok.tolist() == [int(clean[0][0]), -1, -1]
+    assert torch.equal(hidden[:5], clean[1][:5])
+    assert torch.equal(cache.pos[0], clean_cache.pos[0])
+    assert (cache.pos[[2, 5]] == -1).all()  # nothing written for the bad sequences
+    with pytest.raises(InputError, match=r"prev_hidden: non-finite value in row 6 .*prefill"):
+        graphs.check()
+    graphs.check()  # both records cleared
+    (ids, pos, prev, lens, slots), _ = _chunks(device)
+    graphs.step(ids[:5], pos[:5], prev[:5], [5], slots[:1])  # slot 0 again, positions 0..4
+    with pytest.raises(InputError, match=r"sequence 0: a failed ring check"):
+        graphs.check()
+
+
+def test_prefill_step_argument_errors(loaded, device) -> None:
+    _, opt = layers(loaded, device)
+    graphs = _prefill_graphs(opt, opt.new_device_cache(), False)
+    (ids, pos, prev, lens, slots), _ = _chunks(device)
+    for args, match in (
+        ((ids, pos, prev, [5, 7, 1], slots), "seq_lens: expected 1..4 lengths >= 1 summing"),
+        ((ids, pos, prev, [5, 0, 7, 2], slots), "seq_lens"),
+        ((ids, pos, prev, [2, 3, 3, 3, 3], slots), "seq_lens: expected 1..4"),
+        ((ids, pos, prev, lens, slots[:2]), r"slots: expected shape \(3,\)"),
+        ((ids, pos, prev.float(), lens, slots), "prev_hidden: expected torch.bfloat16"),
+        ((ids, pos[:3], prev, lens, slots), "positions"),
+        ((ids.repeat(2), pos.repeat(2), prev.repeat(2, 1), lens * 2, slots.repeat(2)),
+         "seq_lens: expected 1..4"),
+        ((ids.repeat(2), pos.repeat(2), prev.repeat(2, 1), [14, 14], slots[:2]),
+         "exceed the largest token bucket 16"),
+        ((ids, pos, prev, "5,7,2", slots), "seq_lens"),
+    ):  # fmt: skip
+        with pytest.raises(InputError, match=match):
+            graphs.step(*args)
+    with pytest.raises(InputError, match="tokens"):
+        PrefillGraphs(opt, opt.new_device_cache(), tokens=(0,), capture=False)
+    with pytest.raises(InputError, match="max_seqs"):
+        PrefillGraphs(opt, opt.new_device_cache(), max_seqs=0, capture=False)
+    if device == "cpu":
+        with pytest.raises(InputError, match="CUDA"):
+            opt.capture_prefill()
+
+
+@pytest.mark.parametrize("capture", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_draft_replays_the_prefill_graphs_for_step_0(loaded, device, capture) -> None:
+    """With prefill graphs over the decode graphs' cache, ``draft`` replays them for its step 0:
+    under ``batch_invariant`` the drafted ids and logits are bit for bit those with an eager
+    step 0 (greedy; with ``capture`` three steps, and teacher-forced too).  A call whose rows
+    exceed the largest token bucket runs step 0 eagerly (the same drafts, no replay).  The CPU
+    tier drafts one token (step 0 alone: the interpreter's time)."""
+    opt = OptLayer.from_loaded(loaded, dtype=BF16, device=device, max_num_tokens=32,
+                               max_batch=8, batch_invariant=True)  # fmt: skip
+    ids, pos, prev, lens = prefix(1, [5, 7, 2], device)
+    if capture:
+        opt.capture_decode(buckets=(1, 2, 4))
+    else:
+        opt.graphs = eager_graphs(opt, buckets=(1, 2, 4))
+    k = 3 if capture else 1
+    greedy = dict(seq_lens=lens, num_tokens=k, return_logits=True)
+    want = opt.draft(ids, pos, prev, **greedy)
+    forced = dict(seq_lens=lens, num_tokens=k, forced_tokens=want[0].flip(0), return_logits=True)
+    want_forced = opt.draft(ids, pos, prev, **forced) if capture else None
+    calls = []
+    for tokens, replays in (((16,), 1 + capture), ((8,), 0)):  # T = 14 fits 16, not 8
+        if capture:
+            opt.capture_prefill(tokens=tokens, max_seqs=4)
+        else:
+            opt.prefill_graphs = PrefillGraphs(
+                opt, opt.graphs[0].cache, tokens=tokens, max_seqs=4, capture=False
+            )
+        pg = opt.prefill_graphs
+        assert pg is not None
+        step = pg.step
+        pg.step = lambda *a, step=step: calls.append(1) or step(*a)  # type: ignore[method-assign]
+        got = opt.draft(ids, pos, prev, **greedy)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), tokens
+        if want_forced is not None and replays:
+            got = opt.draft(ids, pos, prev, **forced)
+            assert torch.equal(got[0], want_forced[0]) and torch.equal(got[1], want_forced[1])
+        assert len(calls) == replays, tokens
+        calls.clear()

@@ -204,7 +204,7 @@ class MTPLayerAPI:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         prev_hidden: torch.Tensor,
-        lens: list[int],
+        lens: list[int] | None,
         caches: Sequence[KVCache] | Any,
         spec_step: int,
         *,
@@ -219,7 +219,7 @@ class MTPLayerAPI:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         prev_hidden: torch.Tensor,
-        lens: list[int],
+        lens: list[int] | None,
         caches: Sequence[KVCache] | Any,
         spec_step: int,
         *,
@@ -233,7 +233,7 @@ class MTPLayerAPI:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         prev_hidden: torch.Tensor,
-        lens: list[int],
+        lens: list[int] | None,
         caches: Sequence[KVCache] | Any,
         spec_step: int,
         *,
@@ -247,7 +247,8 @@ class MTPLayerAPI:
         (the optimized layer's device KV cache slots and padding-row mask).  ``head=True``
         returns ``(hidden (T, nD), head_input (T, D))``, head_input = hc_head of the output
         with the layer's ``hc_head_*`` (what ``compute_logits`` normalizes next), from the
-        ``hc_post_head`` pair."""
+        ``hc_post_head`` pair.  ``lens``: the sequences' lengths, passed to the attention as
+        ``seq_lens`` (None where ``attn_extra`` gives the attention its offsets itself)."""
         cfg, sem, o = self.config, self.semantics, self.ops
         p = self.layers[spec_step % len(self.layers)]
         T, n, D, eps = input_ids.shape[0], cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps

@@ -1115,6 +1115,84 @@ def _ring_keys(
     )  # fmt: skip
 
 
+def _check_device_offsets(
+    ring: DeviceKVCache | None,
+    seq_lens: object,
+    query_start_loc: torch.Tensor | None,
+    seq_flags: torch.Tensor | None,
+    cache_slots: torch.Tensor | None,
+    dev: torch.device,
+) -> None:
+    """The metadata of a prefill with device offsets (values are the kernels' to check)."""
+    if ring is None:
+        raise InputError("query_start_loc: expected a DeviceKVCache kv_cache with it")
+    if seq_lens is not None:
+        raise InputError("seq_lens: expected None with query_start_loc (the offsets say it)")
+    check_positions("cache_slots", cache_slots)
+    assert cache_slots is not None
+    B = cache_slots.shape[0]
+    for name, t, shape, dtype in (
+        ("query_start_loc", query_start_loc, (B + 1,), torch.int32),
+        ("seq_flags", seq_flags, (B,), torch.int64),
+    ):
+        if (
+            not isinstance(t, torch.Tensor)
+            or tuple(t.shape) != shape
+            or t.dtype != dtype
+            or t.device != dev
+            or not t.is_contiguous()
+        ):
+            raise InputError(
+                f"{name}: expected a contiguous {shape} {dtype} tensor on {dev} with "
+                f"query_start_loc, got {t!r:.80}"
+            )
+    assert query_start_loc is not None
+    check_device([("query_start_loc", query_start_loc), ("cache_slots", cache_slots)])
+
+
+def _ring_prefill_device(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    cu_q: torch.Tensor,
+    cache: DeviceKVCache,
+    slots: torch.Tensor,
+    attn_sink: torch.Tensor,
+    batch_invariant: bool,
+    seq_flags: torch.Tensor,
+) -> torch.Tensor:
+    """A ring prefill with the sequences' row offsets on the device (``query_start_loc``): no
+    host read, every size from T, B and the ring's C, so CUDA-graph capturable.
+
+    The index kernel kills a sequence whose checks fail or whose ring repeats a position (it is
+    then a padding sequence: no keys, no ring write, output zero) and its flags are copied to
+    ``seq_flags`` (B,) int64 for the caller.  The key offsets are the prefix sum of the
+    index's per-sequence key rows, on the device; the keys buffer holds the most any call of
+    this T and B can need, T + B * C rows (a live sequence's keys are its visible ring rows, at
+    most C, then its new rows), and the varlen launch reads only each sequence's
+    ``[cu_k[b], cu_k[b + 1])``.  So each row attends to the same keys, in the same order, as in
+    the eager prefill: the same bits."""
+    T, B = q.shape[0], slots.shape[0]
+    C = cache.pos.shape[1]
+    # every sequence's rows are checked (its new rows loop to its own length; T bounds it)
+    order, key_pos, stats = _ring_index_triton(
+        positions, cu_q, slots, cache.pos, cache.window, T, 3
+    )
+    seq_flags.copy_(stats[:, 2])
+    cu_k = torch.zeros(B + 1, dtype=torch.int32, device=q.device)
+    torch.cumsum(stats[:, 1], 0, out=cu_k[1:])  # (B+1,) key offsets
+    index = _RingIndex(cu_q, slots, order, key_pos, stats)
+    plan = _RingPlan(index, cu_k, T + B * C, -1, True, T + C)  # cached: not known on the host
+    keys, k_pos, owners = _ring_keys(kv, positions, cache, plan)
+    tail = (cache.window, q.shape[2] ** -0.5, batch_invariant, None, "auto", None)
+    o = _call(
+        "sink_attention_varlen", q, positions, keys, k_pos, attn_sink, (cu_q, cu_k), *tail,
+        check_values=False,
+    )  # fmt: skip
+    _write_out(kv, positions, owners, cache_kv=cache.kv, cache_pos=cache.pos)
+    return o
+
+
 def _ring_prefill(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -1188,6 +1266,8 @@ def attention(
     cache_slots: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    seq_flags: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MTP attention sublayer: x (T, D) bf16 / fp32 (already ``attn_norm``-ed) -> (T, D).
 
@@ -1228,7 +1308,13 @@ def attention(
       in their rings, then one ``sink_attention_cache`` launch; device indices only, no host
       read.  Prefill, some sequence longer than one row: eager, each ring's visible rows
       gathered in position order before the new rows, one ``sink_attention_varlen`` launch,
-      then the rows written; refused during capture.
+      then the rows written; refused during capture.  With ``query_start_loc`` (B+1,) int32,
+      the sequences' row offsets on the device (vLLM's name; ``seq_lens`` None), the prefill
+      reads nothing on the host and is capturable (:func:`_ring_prefill_device`): a sequence
+      that fails the checks below is not raised but treated as padding (no cache row read or
+      written, output zero), and every sequence's check flags go to ``seq_flags`` (B,) int64
+      (0: passed; bit 0 a failed check, bit 1 a ring that holds a position twice), which the
+      caller must read (``PrefillGraphs.check`` does).
 
     * :class:`PagedKVCache` (docs/semantics.md, "The paged cache"), an engine's pool in vLLM's
       convention: ``block_table`` (B, M) int32 / int64, sequence b's blocks (entry j: its
@@ -1289,20 +1375,26 @@ def attention(
         raise InputError(f"seq_lens: expected a sequence of ints, got {seq_lens!r}")
     H, Dh, Dr = config.num_attention_heads, config.head_dim, config.qk_rope_head_dim
     Dn, G, W, eps = Dh - Dr, config.o_groups, config.sliding_window, config.rms_norm_eps
-    if seq_lens is not None:
+    device_offsets = query_start_loc is not None or seq_flags is not None
+    if device_offsets:
+        _check_device_offsets(ring, seq_lens, query_start_loc, seq_flags, cache_slots, dev)
+    if device_offsets:
+        lens = []  # on the device only: query_start_loc
+    elif seq_lens is not None:
         lens = [int(n) for n in seq_lens]
     else:
         lens = [1] * T if ring is not None or paged is not None else [T]
-    if any(n < 0 for n in lens) or sum(lens) != T:
+    if not device_offsets and (any(n < 0 for n in lens) or sum(lens) != T):
         raise InputError(f"seq_lens: expected lengths summing to T={T}, got {lens}")
     if host is not None and len(host) != len(lens):
         raise InputError(
             f"kv_cache: expected one cache per sequence ({len(lens)}), got {len(host)}"
         )
     capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    decode = all(n == 1 for n in lens)
+    decode = not device_offsets and all(n == 1 for n in lens)
     if ring is not None:
-        check_positions("cache_slots", cache_slots, len(lens))
+        if not device_offsets:
+            check_positions("cache_slots", cache_slots, len(lens))
         assert cache_slots is not None
         check_device([("x", x), ("cache_slots", cache_slots)])
         if (ring.head_dim, ring.window, ring.dtype, ring.device) != (Dh, W, x.dtype, dev):
@@ -1310,10 +1402,11 @@ def attention(
                 f"kv_cache: expected a DeviceKVCache of Dh={Dh}, window={W} in {x.dtype} on "
                 f"{dev}, got {ring!r}"
             )
-        if capturing and not decode:
+        if capturing and not decode and not device_offsets:
             raise InputError(
-                "kv_cache: a prefill (a sequence of more than one row) with a DeviceKVCache is "
-                "eager only (not during capture); decode steps are capturable"
+                "kv_cache: a prefill (a sequence of more than one row) with a DeviceKVCache and "
+                "host seq_lens is eager only (not during capture); decode steps, and a prefill "
+                "with its offsets on the device (query_start_loc=), are capturable"
             )
     elif paged is not None:
         _check_paged_args(paged, block_table, slot_mapping, len(lens), T, x, (Dh, W), capturing,
@@ -1333,7 +1426,7 @@ def attention(
             f"{pack.wo_a.groups} of {pack.wo_a.out_features}"
         )
     ring_plan: _RingPlan | None = None  # a ring prefill's keys, sized by its checks' host read
-    if not capturing and not torch.compiler.is_compiling():
+    if not capturing and not torch.compiler.is_compiling() and not device_offsets:
         if ring is not None:
             assert cache_slots is not None
             ring_plan = _check_ring_sequences(positions, lens, ring, cache_slots, not decode)
@@ -1395,6 +1488,11 @@ def attention(
             None,
             check_values=False,
         )  # fmt: skip  (T, H, Dh)
+    elif ring is not None and device_offsets:
+        assert cache_slots is not None and query_start_loc is not None and seq_flags is not None
+        o = _ring_prefill_device(
+            q, kv, positions, query_start_loc, ring, cache_slots, pack.attn_sink, bi, seq_flags
+        )  # fmt: skip
     elif ring is not None:
         assert cache_slots is not None
         o = _ring_prefill(

@@ -65,10 +65,20 @@ from .moe import MoEPack, moe, pack_moe
 from .norm import embed_norms, rms_norm
 from .step_guard import NO_BAD_ROW, step_guard
 
-__all__ = ["BUCKETS", "DecodeGraphs", "MTPLayer", "MTPLayerPack"]
+__all__ = [
+    "BUCKETS",
+    "PREFILL_TOKENS",
+    "DecodeGraphs",
+    "MTPLayer",
+    "MTPLayerPack",
+    "PrefillGraphs",
+]  # fmt: skip
 
 #: The batch sizes a decode step is captured for (a call pads to the next one).
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+#: The token counts a prefill is captured for (a call pads its rows to the next one).
+PREFILL_TOKENS = (512, 4096)
 
 # The kernels' activation dtypes (float64 and float16 stay the reference's).
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -215,6 +225,7 @@ class MTPLayer(MTPLayerAPI):
         ]
         #: the captured decode steps, one per MTP layer (:meth:`capture_decode`)
         self.graphs: list[DecodeGraphs] = []
+        self.prefill_graphs: PrefillGraphs | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -404,6 +415,34 @@ class MTPLayer(MTPLayerAPI):
         ]
         return self.graphs
 
+    def capture_prefill(
+        self,
+        tokens: Sequence[int] = PREFILL_TOKENS,
+        *,
+        max_seqs: int = 8,
+        cache: DeviceKVCache | None = None,
+        logits: bool = True,
+    ) -> PrefillGraphs:
+        """Capture the first MTP layer's prefill for the token counts ``tokens`` (up to
+        ``max_seqs`` sequences per call) as a :class:`PrefillGraphs` over ``cache`` (default:
+        the first decode graphs' cache when :meth:`capture_decode` ran, so a draft's decode
+        steps continue from the prefilled rings, else a new one of ``max_batch`` slots), kept
+        as :attr:`prefill_graphs`: ``draft`` then replays it for its step 0 when it is over
+        the decode graphs' cache and the call fits (see :meth:`_draft`).  CUDA only; the
+        graphs' memory pool holds the largest bucket's activations (0.59 GB at V4-Flash for
+        the default buckets, bench/results/mtp-h200.md)."""
+        if self.device.type != "cuda":
+            raise InputError(
+                f"capture_prefill: CUDA graphs need a CUDA layer, this one is on {self.device}"
+            )
+        if cache is None:
+            cache = self.graphs[0].cache if self.graphs else self.new_device_cache()
+        check_instance("cache", cache, DeviceKVCache)
+        self.prefill_graphs = PrefillGraphs(
+            self, cache, tokens=tokens, max_seqs=max_seqs, logits=logits
+        )
+        return self.prefill_graphs
+
     def _draft(
         self,
         input_ids: torch.Tensor,
@@ -418,8 +457,11 @@ class MTPLayer(MTPLayerAPI):
         return_logits: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """With captured graphs (and B within the largest bucket and every cache's slots):
-        step 0 eagerly through layer 0 into its device cache, then one graph replay per step.
-        Otherwise the shared host loop."""
+        step 0 through layer 0 into its device cache, then one graph replay per step.  Step 0
+        replays :attr:`prefill_graphs` when they are over that cache and the call fits (B <=
+        ``max_seqs``, the rows within the largest token bucket, no empty sequence; logits
+        captured if the draft needs them), else runs eagerly.  Otherwise the shared host
+        loop."""
         B = len(lens)
         graphs = self.graphs
         needs_logits = return_logits or not (greedy or forced_tokens is not None)
@@ -435,14 +477,35 @@ class MTPLayer(MTPLayerAPI):
         slots = torch.arange(B, device=self.device)
         for g in graphs:
             g.cache.reset(slots)
-        hidden = self._run(
-            input_ids, positions, prev_hidden, lens, graphs[0].cache, 0,
-            attn_extra={"cache_slots": slots},
-        )  # fmt: skip
         last = device_ints(lens, self.device).cumsum(0) - 1  # (B,) last row per sequence
-        hidden, pos = hidden[last], positions[last]
-        logits = self._logits(hidden, 0)  # (B, V)
-        token = self._pick(logits, 0, greedy, temperature, generator, forced_tokens)
+        pos = positions[last]
+        pg = self.prefill_graphs
+        if (
+            pg is not None
+            and pg.cache is graphs[0].cache
+            and pg.max_seqs >= B
+            and pg.max_tokens >= sum(lens)
+            and min(lens) >= 1
+            and (pg.logits or not needs_logits)
+        ):
+            # step 0 by replay: the inputs were checked on the host, so its records stay empty
+            # unless the cache was tampered with (checked below with the decode graphs')
+            tok0, hidden, logits = (t.clone() for t in pg.step(
+                input_ids, positions, prev_hidden, lens, slots
+            ))  # fmt: skip
+            hidden = hidden[last]
+            token = (
+                tok0
+                if greedy and forced_tokens is None
+                else self._pick(logits, 0, greedy, temperature, generator, forced_tokens)
+            )  # forced tokens need no logits; sampling has them (needs_logits)
+        else:
+            hidden = self._run(
+                input_ids, positions, prev_hidden, lens, graphs[0].cache, 0,
+                attn_extra={"cache_slots": slots},
+            )[last]  # fmt: skip
+            logits = self._logits(hidden, 0)  # (B, V)
+            token = self._pick(logits, 0, greedy, temperature, generator, forced_tokens)
         drafted, step_logits = [token], [logits]
         for k in range(1, num_tokens):
             # the step's outputs are views of its graph's buffers, overwritten by its next
@@ -459,6 +522,8 @@ class MTPLayer(MTPLayerAPI):
                 step_logits.append(logits.clone())
         for g in graphs:
             g.check()
+        if pg is not None:
+            pg.check()
         tokens = torch.stack(drafted, dim=1)  # (B, num_tokens)
         return tokens, torch.stack(step_logits, dim=1) if return_logits else None
 
@@ -519,6 +584,54 @@ class MTPLayer(MTPLayerAPI):
         if head.format == "fp8":
             return lm_head_logits(y, head, batch_invariant=self.batch_invariant).argmax(-1)
         return lm_head_argmax(y, head, batch_invariant=self.batch_invariant)
+
+
+def _capture(
+    dev: torch.device, buckets: Sequence[int], body: Any
+) -> tuple[dict[int, Any], dict[int, torch.cuda.CUDAGraph]]:
+    """Run ``body(b)`` once per bucket on a side stream (its inputs hold filler rows only:
+    Triton compiles and the plan caches fill, nothing is written to a cache), then capture it
+    per bucket into one shared memory pool -> (outputs, graphs) by bucket."""
+    side = torch.cuda.Stream(device=dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for b in buckets:
+            body(b)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    torch.cuda.synchronize(dev)
+    pool = torch.cuda.graph_pool_handle()
+    outputs, graphs = {}, {}
+    for b in buckets:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[b] = body(b)
+        graphs[b] = graph
+    return outputs, graphs
+
+
+def _bucket(buckets: Sequence[int], n: int, what: str) -> int:
+    """The smallest of the sorted ``buckets`` >= n rows."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise InputError(f"input_ids: {n} rows exceed the largest {what} {buckets[-1]}")
+
+
+def _head(
+    layer: MTPLayer,
+    hidden: torch.Tensor,
+    spec_step: int,
+    logits: bool,
+    head_input: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A captured step's head over hidden (R, nD) -> (greedy ids (R,), logits (R, V) fp32):
+    the logits and their argmax, or with ``logits=False`` the logit-free argmax
+    (:meth:`MTPLayer._greedy`) and an empty (R, 0) in place of the logits."""
+    if logits:
+        out = layer._logits(hidden, spec_step, head_input)
+        return out.argmax(-1), out
+    empty = hidden.new_empty(hidden.shape[0], 0, dtype=torch.float32)  # none computed
+    return layer._greedy(hidden, spec_step, head_input), empty
 
 
 def _check_bound(name: str, v: object) -> int:
@@ -588,19 +701,7 @@ class DecodeGraphs:
         self.logits = logits
         if not capture:
             return
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for b in self.buckets:  # warm-up: filler rows only
-                self._body(b)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        torch.cuda.synchronize(dev)
-        pool = torch.cuda.graph_pool_handle()
-        for b in self.buckets:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self._body(b)
-            self.graphs[b] = graph
+        self.outputs, self.graphs = _capture(dev, self.buckets, self._body)
         self.bad.fill_(NO_BAD_ROW)
 
     def _body(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -629,20 +730,12 @@ class DecodeGraphs:
             moe_extra={"row_mask": ok},
             head=True,
         )  # fmt: skip  (b, nD), hc_head's (b, D) from the fused hc_post_head
-        if self.logits:
-            logits = L._logits(hidden, self.spec_step, y)  # (b, V) fp32
-            tokens = logits.argmax(-1)
-        else:
-            logits = hidden.new_empty(b, 0, dtype=torch.float32)  # none computed
-            tokens = L._greedy(hidden, self.spec_step, y)
+        tokens, logits = _head(L, hidden, self.spec_step, self.logits, y)
         return torch.where(ok, tokens, -1), hidden, logits
 
     def bucket(self, B: int) -> int:
         """The smallest captured bucket >= B."""
-        for b in self.buckets:
-            if b >= B:
-                return b
-        raise InputError(f"input_ids: {B} rows exceed the largest bucket {self.max_batch}")
+        return _bucket(self.buckets, B, "bucket")
 
     def step(
         self,
@@ -694,3 +787,206 @@ class DecodeGraphs:
         self.bad.fill_(NO_BAD_ROW)
         row, reason = divmod(key, 4)
         raise InputError(f"{self._REASONS[reason]} in row {row} (inside a CUDA-graph decode step)")
+
+
+class PrefillGraphs:
+    """One MTP layer's prefill captured as CUDA graphs, one per token bucket: up to
+    ``max_seqs`` sequences of consecutive rows, T rows in all, each against its slot of
+    :attr:`cache` (its visible ring rows, then its new rows; the last ``C`` rows written).
+
+    A call takes ``input_ids`` (T,) int64, ``positions`` (T,), ``prev_hidden`` (T, hc_mult*D)
+    in the layer dtype, ``seq_lens`` (B host ints, summing to T) and ``slots`` (B,) int64 on
+    the device, and computes the layer's ``forward`` over the T rows, then ``compute_logits``
+    and the greedy id of each sequence's last row (what a draft's first step needs).  The rows
+    are padded to the next bucket: the filler rows form one more sequence with slot -1 (no KV
+    read or written, output zero) and a false MoE ``row_mask`` (no routed expert read), and
+    unused sequence entries have no rows.  The row offsets go to the device as
+    ``query_start_loc`` (one small host-to-device copy per call, no host read), and the
+    attention's keys are sized from T, B and the ring's C (``attention``'s device-offset
+    prefill), so a replay reads no host value.  Replay equals :meth:`step` run eagerly at the
+    padded size (``capture=False``) bit for bit; the padded rows change no other row's bits
+    where ``batch_invariant`` is set (the default schedules may pick by the padded T).
+
+    Bad input inside a graph: a row with a non-finite ``prev_hidden`` row, an id outside
+    [0, vocab) or a position outside [0, max_position_embeddings) is recorded by
+    :func:`step_guard` (``row * 4 + reason``) and makes its whole sequence padding (no KV read
+    or written: a sequence is cached whole or not at all); a sequence whose slot or positions
+    fail the ring's checks (a slot >= num_seqs or repeated, positions not rising, or not past
+    its ring's newest row) is padding too, recorded as ``sequence * 4 + flags``.  The greedy id
+    of such a sequence is -1.  :meth:`check` reads both records (one host sync) and raises the
+    :class:`InputError`.
+    """
+
+    _ROW_REASONS = DecodeGraphs._REASONS
+    _SEQ_REASONS = ("", "a failed ring check (a slot >= num_seqs or repeated, positions not "
+                    "rising or outside [0, 2^31), or not past its ring's newest row)",
+                    "its ring holds a position twice", "a failed ring check")  # fmt: skip
+
+    def __init__(
+        self,
+        layer: MTPLayer,
+        cache: DeviceKVCache,
+        *,
+        spec_step: int = 0,
+        tokens: Sequence[int] = PREFILL_TOKENS,
+        max_seqs: int = 8,
+        capture: bool = True,
+        logits: bool = True,
+    ) -> None:
+        if not tokens or any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tokens
+        ):
+            raise InputError(f"tokens: expected ints >= 1, got {tokens!r}")
+        check_int("max_seqs", max_seqs, 1)
+        self.layer, self.cache, self.spec_step = layer, cache, check_step("spec_step", spec_step)
+        self.buckets = tuple(sorted(set(tokens)))
+        self.max_tokens, self.max_seqs = self.buckets[-1], max_seqs
+        cfg, dev, n, S = layer.config, layer.device, self.buckets[-1], max_seqs + 1
+        self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.prev = torch.zeros(n, cfg.hc_dim, dtype=layer.dtype, device=dev)
+        self.real = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.rows = torch.arange(n, dtype=torch.int32, device=dev)
+        # S = max_seqs + 1 sequence entries: the last one owns a bucket's filler rows
+        self.cu = torch.zeros(len(self.buckets), S + 1, dtype=torch.int32, device=dev)
+        self.slots = torch.full((S,), -1, dtype=torch.int64, device=dev)
+        self.flags = torch.zeros(S, dtype=torch.int64, device=dev)
+        self.bad = torch.full((1,), NO_BAD_ROW, dtype=torch.int64, device=dev)
+        self.bad_seq = torch.full((1,), NO_BAD_ROW, dtype=torch.int64, device=dev)
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.captured, self.logits = capture, logits
+        for i, b in enumerate(self.buckets):  # filler only: every row in the last sequence
+            self.cu[i, -1] = b
+        if not capture:
+            return
+        if dev.type != "cuda":
+            raise InputError(f"PrefillGraphs: CUDA graphs need a CUDA layer, got {dev}")
+        self.outputs, self.graphs = _capture(dev, self.buckets, self._body)
+        self.bad.fill_(NO_BAD_ROW)
+        self.bad_seq.fill_(NO_BAD_ROW)
+
+    def _body(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The captured prefill of bucket b -> (ids (S,), hidden (b, nD), logits (S, V) fp32
+        or (S, 0)), S = max_seqs + 1 sequence entries."""
+        L, cfg = self.layer, self.layer.config
+        ids, pos, prev, real = self.ids[:b], self.pos[:b], self.prev[:b], self.real[:b]
+        cu = self.cu[self.buckets.index(b)]  # (S+1,) int32 row offsets
+        S = self.slots.shape[0]
+        ok = torch.empty(b, dtype=torch.bool, device=ids.device)
+        ids_ok, pos_ok, unused = (torch.empty_like(ids) for _ in range(3))
+        step_guard(
+            ids, pos, prev, torch.zeros_like(ids), real, cfg.vocab_size,
+            cfg.max_position_embeddings, batch_invariant=L.batch_invariant,
+            out=(ok, ids_ok, pos_ok, unused, self.bad),
+        )  # fmt: skip
+        # a sequence with a bad row is padding as a whole: its slot -1 (no KV read or written)
+        seq = torch.searchsorted(cu[1:], self.rows[:b], right=True)  # (b,) sequence of a row
+        dead = torch.zeros(S, dtype=torch.int32, device=ids.device)
+        dead.scatter_reduce_(0, seq, (real & ~ok).to(torch.int32), "amax")
+        slots = torch.where(dead.bool(), -1, self.slots)
+        hidden = L._run(
+            ids_ok,
+            pos_ok,
+            prev,
+            None,
+            self.cache,
+            self.spec_step,
+            attn_extra={"cache_slots": slots, "query_start_loc": cu, "seq_flags": self.flags},
+            moe_extra={"row_mask": ok},
+        )  # (b, nD)
+        failed = self.flags != 0
+        key = torch.where(failed, torch.arange(S, device=ids.device) * 4 + self.flags, NO_BAD_ROW)
+        torch.minimum(self.bad_seq, key.amin().view(1), out=self.bad_seq)
+        last = (cu[1:].long() - 1).clamp_min(0)  # (S,) each sequence's last row
+        h_last = hidden.index_select(0, last)  # (S, nD)
+        tokens, logits = _head(L, h_last, self.spec_step, self.logits)
+        live = (cu[1:] > cu[:-1]) & ~dead.bool() & ~failed & (self.slots >= 0)
+        return torch.where(live, tokens, -1), hidden, logits
+
+    def bucket(self, T: int) -> int:
+        """The smallest captured token bucket >= T."""
+        return _bucket(self.buckets, T, "token bucket")
+
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        seq_lens: Sequence[int],
+        slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prefill B sequences of T rows in all -> (ids (B,) int64: each sequence's greedy id
+        after its last row, -1 for a bad sequence; hidden (T, nD); logits (B, V) fp32, or
+        (B, 0) with ``logits=False``), views of the graph's outputs (overwritten by the next
+        replay of the bucket: clone what you keep).  ``seq_lens``: host ints (each >= 1);
+        shapes, dtypes and devices are checked on the host, values are not read."""
+        T = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) else -1
+        cfg, dev = self.layer.config, self.layer.device
+        if isinstance(seq_lens, torch.Tensor) and seq_lens.device.type != "cpu":
+            raise InputError("seq_lens: expected host ints (a list or a CPU tensor)")
+        try:
+            lens = [int(n) for n in seq_lens]
+        except (TypeError, ValueError):
+            raise InputError(f"seq_lens: expected host ints, got {seq_lens!r:.80}") from None
+        B = len(lens)
+        if not 1 <= B <= self.max_seqs or any(n < 1 for n in lens) or sum(lens) != T:
+            raise InputError(
+                f"seq_lens: expected 1..{self.max_seqs} lengths >= 1 summing to T={T}, got {lens}"
+            )
+        for name, t, shape in (
+            ("input_ids", input_ids, (T,)),
+            ("positions", positions, (T,)),
+            ("slots", slots, (B,)),
+            ("prev_hidden", prev_hidden, (T, cfg.hc_dim)),
+        ):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.device != dev:
+                raise InputError(f"{name}: expected shape {shape} on {dev}, got {t!r:.80}")
+        if prev_hidden.dtype != self.layer.dtype:
+            raise InputError(f"prev_hidden: expected {self.layer.dtype}, got {prev_hidden.dtype}")
+        b = self.bucket(T)
+        S = self.max_seqs + 1
+        offsets = [0] * (S + 1)
+        for i, n in enumerate(lens):
+            offsets[i + 1] = offsets[i] + n
+        for i in range(B + 1, S):
+            offsets[i] = T
+        offsets[S] = b  # the filler sequence: rows T..b
+        self.cu[self.buckets.index(b)].copy_(device_ints(offsets, dev, torch.int32))
+        self.ids[:T].copy_(input_ids)
+        self.pos[:T].copy_(positions)
+        self.prev[:T].copy_(prev_hidden)
+        self.real[:T].fill_(True)
+        self.slots[:B].copy_(slots)
+        self.slots[B:].fill_(-1)
+        if b > T:
+            self.ids[T:b].zero_()
+            self.pos[T:b].zero_()
+            self.prev[T:b].zero_()
+            self.real[T:b].fill_(False)
+        if self.captured:
+            self.graphs[b].replay()
+            out = self.outputs[b]
+        else:
+            out = self._body(b)
+        return out[0][:B], out[1][:T], out[2][:B]
+
+    def check(self) -> None:
+        """One host read of both bad-input records: raise the :class:`InputError` of the lowest
+        bad row, else of the lowest failing sequence, since the last check (and clear them)."""
+        row_key, seq_key = (int(v) for v in torch.cat([self.bad, self.bad_seq]).tolist())
+        if row_key == NO_BAD_ROW and seq_key == NO_BAD_ROW:
+            return
+        self.bad.fill_(NO_BAD_ROW)
+        self.bad_seq.fill_(NO_BAD_ROW)
+        if row_key != NO_BAD_ROW:
+            row, reason = divmod(row_key, 4)
+            raise InputError(
+                f"{self._ROW_REASONS[reason]} in row {row} (inside a CUDA-graph prefill; its "
+                "sequence was not cached)"
+            )
+        seq, flags = divmod(seq_key, 4)
+        raise InputError(
+            f"positions / cache_slots: sequence {seq}: {self._SEQ_REASONS[flags]} (inside a "
+            "CUDA-graph prefill; the sequence was not cached)"
+        )

@@ -20,7 +20,13 @@ eager prefill on the H200's host, where the attention's kernels take 0.2 ms
   is the ring row of rank r and ``key_pos[b, r]`` its position; a flag when two visible rows
   hold one position (the keys would not rise: the varlen launch then checks them);
 * ``stats[b] = (seen, key rows, flags)``: visible rows (0 unless live), seen + new rows for a
-  live sequence (0 otherwise), bit 0 a failed check, bit 1 a repeated position.
+  live sequence (0 otherwise), bit 0 a failed check, bit 1 a repeated position.  ``KILL``
+  (runtime): the flags that make a sequence dead, as a padding one (no keys, no ring write,
+  output zero).  The eager prefill passes 0: it reads the flags on the host and raises before
+  any key is built.  The device-offset prefill (``attention(query_start_loc=...)``), which
+  never reads the host, passes 3: a sequence that fails a check, or whose ring repeats a
+  position (its keys would not rise, and no launch may check them on the host), reads and
+  writes nothing, and the caller reads the flags later.
 
 ``ring_keys_kernel``, grid (B, row blocks): sequence b's key rows ``[cu_k[b], cu_k[b+1])``,
 the visible ring rows by rank then the new rows, each ``Dh`` wide (1 KiB in bf16 at Dh 512),
@@ -65,6 +71,7 @@ def ring_index_kernel(
     S,
     C,
     W,
+    KILL,
     BLOCK_C: tl.constexpr,
     BLOCK_I: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -111,12 +118,14 @@ def ring_index_kernel(
         rank += tl.sum((vi[:, None] & lower).to(tl.int32), axis=0)
         same = (ri[:, None] == rp[None, :]) & (ii[:, None] != j[None, :])
         dup = dup | _any(tl.reshape(vi[:, None] & vis[None, :] & same, [BLOCK_I * BLOCK_C]))
-    seen = tl.sum(vis.to(tl.int64), axis=0)
+    flags = bad.to(tl.int64) | (dup.to(tl.int64) << 1)
+    live = live & ((flags & KILL) == 0)
+    seen = tl.where(live, tl.sum(vis.to(tl.int64), axis=0), 0)
     tl.store(order_ptr + b * C + rank, j, mask=vis)
     tl.store(kpos_ptr + b * C + rank, rp, mask=vis)
     tl.store(stats_ptr + b * 3, seen)
     tl.store(stats_ptr + b * 3 + 1, tl.where(live, seen + n, 0))
-    tl.store(stats_ptr + b * 3 + 2, bad.to(tl.int64) | (dup.to(tl.int64) << 1))
+    tl.store(stats_ptr + b * 3 + 2, flags)
 
 
 @triton.jit
@@ -187,11 +196,13 @@ def ring_index_triton(
     cache_pos: torch.Tensor,
     window: int,
     max_n: int,
+    kill: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """positions (T,) int, cu_q (B+1,) int32 row offsets, slots (B,) int, cache_pos (S, C)
-    int32, ``max_n`` the most rows of one sequence -> (order (B, C) int32, key_pos (B, C)
-    int64, stats (B, 3) int64); see the module doc.  Entries of order / key_pos past a
-    sequence's ``seen`` are not written."""
+    int32, ``max_n`` the most rows of one sequence (an upper bound will do: the loop stops at
+    each sequence's own length), ``kill`` the flags that make a sequence dead -> (order (B, C)
+    int32, key_pos (B, C) int64, stats (B, 3) int64); see the module doc.  Entries of order /
+    key_pos past a sequence's ``seen`` are not written."""
     B = slots.shape[0]
     S, C = cache_pos.shape
     dev = positions.device
@@ -205,7 +216,7 @@ def ring_index_triton(
         )  # fmt: skip
         launch(
             (B,), positions, cu_q, slots, cache_pos, order, key_pos, stats, B, max_n, S, C,
-            window,
+            window, kill,
         )  # fmt: skip
     return order, key_pos, stats
 
