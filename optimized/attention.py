@@ -1390,7 +1390,13 @@ def attention(
         raise InputError(
             f"kv_cache: expected one cache per sequence ({len(lens)}), got {len(host)}"
         )
-    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    # (under torch.compile the host checks below are skipped anyway, and dynamo cannot trace
+    # the capture query: it returns a host bool)
+    capturing = (
+        dev.type == "cuda"
+        and not torch.compiler.is_compiling()
+        and torch.cuda.is_current_stream_capturing()
+    )
     decode = not device_offsets and all(n == 1 for n in lens)
     if ring is not None:
         if not device_offsets:

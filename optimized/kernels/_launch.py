@@ -511,7 +511,7 @@ def device_ints(
     the stream's queued kernels (PyTorch synchronizes a blocking host-to-device copy), so the
     values go through pinned memory with a non-blocking copy (the caching host allocator keeps
     the pinned buffer until the copy has run)."""
-    t = torch.tensor(values, dtype=dtype)
-    if dev.type != "cuda":
-        return t.to(dev)
-    return t.pin_memory().to(dev, non_blocking=True)
+    if dev.type != "cuda" or torch.compiler.is_compiling():
+        # (dynamo cannot trace pin_memory; a traced call makes the ints a constant of the graph)
+        return torch.tensor(values, dtype=dtype, device=dev)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(dev, non_blocking=True)

@@ -173,22 +173,27 @@ def _exact_to(w, ty: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, USE_F32: tl.constexpr):
-    if USE_F32:
+def _dot(a, b, acc, USE_F32: tl.constexpr, INTERP: tl.constexpr):
+    if INTERP:
+        # numpy's BLAS (the interpreter's tl.dot) rounds a row by where it sits in the tile, so
+        # a token's bits would depend on the batch (batch invariance fails on the CPU tier);
+        # a broadcast product summed over K is row-independent (as kernels/linear.py's _dot)
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    elif USE_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
 
 
 @triton.jit
-def _dot_xw(x, w, USE_F32: tl.constexpr, SWAP: tl.constexpr):
+def _dot_xw(x, w, USE_F32: tl.constexpr, SWAP: tl.constexpr, INTERP: tl.constexpr):
     """x (M, K) times w (N, K)^T in fp32: (M, N), or with SWAP computed as w @ x^T: (N, M)."""
     if SWAP:
         acc = tl.zeros((w.shape[0], x.shape[0]), dtype=tl.float32)
-        return _dot(w, tl.trans(x), acc, USE_F32)
+        return _dot(w, tl.trans(x), acc, USE_F32, INTERP)
     else:
         acc = tl.zeros((x.shape[0], w.shape[0]), dtype=tl.float32)
-        return _dot(x, tl.trans(w), acc, USE_F32)
+        return _dot(x, tl.trans(w), acc, USE_F32, INTERP)
 
 
 @triton.jit
@@ -278,17 +283,17 @@ def _k_step(
                 w = tl.join(lo, hi).reshape(BLOCK_N, BLOCK_K)
                 kk = k0 + tl.arange(0, BLOCK_K)
                 x = tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
-                return _dot_xw(x, w, USE_F32, SWAP)
+                return _dot_xw(x, w, USE_F32, SWAP, INTERP)
             else:
                 # x read contiguously, even and odd columns split in registers
                 kk = k0 + tl.arange(0, BLOCK_K)
                 x = tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
                 xe, xo = tl.split(x.reshape(x.shape[0], BKH, 2))
-                acc = _dot_xw(xe, lo, USE_F32, SWAP)
+                acc = _dot_xw(xe, lo, USE_F32, SWAP, INTERP)
                 if SWAP:
-                    return _dot(hi, tl.trans(xo), acc, USE_F32)
+                    return _dot(hi, tl.trans(xo), acc, USE_F32, INTERP)
                 else:
-                    return _dot(xo, tl.trans(hi), acc, USE_F32)
+                    return _dot(xo, tl.trans(hi), acc, USE_F32, INTERP)
         if BITS:
             if FMT == 2:  # e8m0 2**(s-127); byte 0 is 2**-127 (fp32 subnormal 0x400000)
                 sf = tl.where(sraw == 0, 0x400000, sraw << 23).to(tl.float32, bitcast=True)
@@ -312,15 +317,15 @@ def _k_step(
             w = tl.join(lo, hi).reshape(BLOCK_N, BLOCK_K)
             kk = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
-            return _dot_xw(x, _exact_to(w, x.dtype, BITS), USE_F32, SWAP)
+            return _dot_xw(x, _exact_to(w, x.dtype, BITS), USE_F32, SWAP, INTERP)
         else:
             xe = tl.load(x_rows + (k0 + 2 * jj)[None, :], mask=xm, other=0.0)
             xo = tl.load(x_rows + (k0 + 2 * jj + 1)[None, :], mask=xm, other=0.0)
-            acc = _dot_xw(xe, _exact_to(lo, xe.dtype, BITS), USE_F32, SWAP)
+            acc = _dot_xw(xe, _exact_to(lo, xe.dtype, BITS), USE_F32, SWAP, INTERP)
             if SWAP:
-                acc = _dot(_exact_to(hi, xo.dtype, BITS), tl.trans(xo), acc, USE_F32)
+                acc = _dot(_exact_to(hi, xo.dtype, BITS), tl.trans(xo), acc, USE_F32, INTERP)
             else:
-                acc = _dot(xo, tl.trans(_exact_to(hi, xo.dtype, BITS)), acc, USE_F32)
+                acc = _dot(xo, tl.trans(_exact_to(hi, xo.dtype, BITS)), acc, USE_F32, INTERP)
             return acc
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -330,13 +335,13 @@ def _k_step(
             b8 = tl.load(wp, mask=nm[:, None], other=0)
             b = b8.to(tl.int32)
             if ASM:
-                acc = _dot_xw(x, _e4m3_bf16(b8, INTERP), USE_F32, SWAP)
+                acc = _dot_xw(x, _e4m3_bf16(b8, INTERP), USE_F32, SWAP, INTERP)
                 s = tl.load(s_base + (n // 128) * (KDIM // 128) + k0 // 128, mask=nm, other=0.0)
             elif BITS:
-                acc = _dot_xw(x, _exact_to(_e4m3_f32(b), x.dtype, BITS), USE_F32, SWAP)
+                acc = _dot_xw(x, _exact_to(_e4m3_f32(b), x.dtype, BITS), USE_F32, SWAP, INTERP)
                 s = tl.load(s_base + (n // 128) * (KDIM // 128) + k0 // 128, mask=nm, other=0.0)
             else:
-                acc = _dot_xw(x, _e4m3_times_2m8(b).to(x.dtype), USE_F32, SWAP)
+                acc = _dot_xw(x, _e4m3_times_2m8(b).to(x.dtype), USE_F32, SWAP, INTERP)
                 s = tl.load(s_base + (n // 128) * (KDIM // 128) + k0 // 128, mask=nm, other=0.0)
                 s = s * 256.0
             if SWAP:
@@ -345,7 +350,7 @@ def _k_step(
                 return acc * s[None, :]
         else:
             w = tl.load(wp, mask=nm[:, None], other=0.0)
-            return _dot_xw(x, w.to(x.dtype), USE_F32, SWAP)
+            return _dot_xw(x, w.to(x.dtype), USE_F32, SWAP, INTERP)
 
 
 @triton.jit
@@ -386,7 +391,8 @@ def _mx_groups_step(
     instead of a bf16 multiply per weight pair.  The e8m0 scale is applied in fp32 (byte 0 as
     the subnormal 2**-127), so every scale byte is exact.  The interpreter has no
     ``dot_scaled``: it runs the same group structure with the integer e2m1 decode and an fp32
-    dot (the same products and partial sums)."""
+    product summed over K (the same products and partial sums; a row's bits independent of its
+    place in the tile, see ``_dot``)."""
     kb = tl.arange(0, 16)
     kx = tl.arange(0, 32)
     if SWAP:
@@ -417,10 +423,7 @@ def _mx_groups_step(
         if INTERP:
             c32 = codes.to(tl.int32)
             w = tl.join(_e2m1_f32(c32 & 15), _e2m1_f32(c32 >> 4)).reshape(BLOCK_N, 32)
-            if SWAP:
-                part = tl.dot(w, tl.trans(x.to(tl.float32)), input_precision="ieee")
-            else:
-                part = tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+            part = _dot_xw(x, w, True, SWAP, True)  # row-independent sum (see _dot)
         else:
             if SWAP:
                 part = tl.dot_scaled(codes, None, "e2m1", tl.trans(x), None, "bf16")
