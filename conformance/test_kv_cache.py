@@ -773,6 +773,8 @@ def test_device_offset_prefill_is_the_host_prefill_with_failed_sequences_as_padd
         )  # fmt: skip
         want_flags = _attn._ring_index(pos, lens, twin, slots).stats[:, 2]
         assert torch.equal(flags, want_flags), case
+        refused = _outcome(_attn._ring_sequences_host, pos, lens, twin, slots) != "ok"
+        assert refused == bool((flags & 1).any()), case  # the host checks agree
         flagged += int((flags != 0).sum())
         padded = torch.where(flags != 0, -1, slots)
         want = opt_attention(x, pos, pack, CFG, seq_lens=lens, kv_cache=twin, cache_slots=padded)
@@ -793,8 +795,9 @@ def test_device_offset_prefill_is_the_host_prefill_with_failed_sequences_as_padd
 
 
 def test_device_offset_prefill_rejects_bad_metadata(device: str) -> None:
-    """The offsets and the flags buffer are checked on the host (their values are not read):
-    only with a DeviceKVCache and without seq_lens, (B+1,) int32 and (B,) int64 on x's device."""
+    """The offsets and the flags buffer are checked on the host: only with a DeviceKVCache and
+    without seq_lens, (B+1,) int32 and (B,) int64 on x's device; eagerly the offsets' values
+    too (0 first, T last, never falling), which a kernel would otherwise read past."""
     pack = pack_attention(layer_params(BF16), device)
     cache = DeviceKVCache(CFG, num_seqs=2, dtype=BF16, device=device)
     x = torch.zeros(3, D, dtype=BF16, device=device)
@@ -811,6 +814,10 @@ def test_device_offset_prefill_rejects_bad_metadata(device: str) -> None:
         (dict(seq_flags=None), r"seq_flags: expected a contiguous \(2,\) torch.int64"),
         (dict(seq_flags=flags.int()), "seq_flags"),
         (dict(cache_slots=slots.float()), "cache_slots: expected a 1-D int64"),
+        # the values, read eagerly: a row outside every sequence, a sequence past T, falling
+        (dict(query_start_loc=cu.new_tensor([0, 1, 2])), r"from 0 to T=3, .*\[0, 1, 2\]"),
+        (dict(query_start_loc=cu.new_tensor([0, 1, 4])), "query_start_loc: expected row offsets"),
+        (dict(query_start_loc=cu.new_tensor([0, 3, 1])), "query_start_loc: expected row offsets"),
     ):
         with pytest.raises(InputError, match=match):
             opt_attention(x, pos, pack, CFG, **{**ok, **bad})

@@ -379,8 +379,8 @@ def test_prefill_bad_row_and_failed_check_make_their_sequence_padding(loaded, de
                                max_batch=8, batch_invariant=True)  # fmt: skip
     (ids, pos, prev, lens, slots), _ = _chunks(device)
     clean_cache, cache = opt.new_device_cache(), opt.new_device_cache()
-    clean = [t.clone() for t in
-             _prefill_graphs(opt, clean_cache, False).step(ids, pos, prev, lens, slots)]  # fmt: skip
+    clean_graphs = _prefill_graphs(opt, clean_cache, False)
+    clean = [t.clone() for t in clean_graphs.step(ids, pos, prev, lens, slots)]
     graphs = _prefill_graphs(opt, cache, False)
     prev, pos = prev.clone(), pos.clone()
     prev[6, 3] = float("inf")  # row 6: sequence 1 (rows 5..11)
@@ -415,6 +415,8 @@ def test_prefill_step_argument_errors(loaded, device) -> None:
         ((ids.repeat(2), pos.repeat(2), prev.repeat(2, 1), [14, 14], slots[:2]),
          "exceed the largest token bucket 16"),
         ((ids, pos, prev, "5,7,2", slots), "seq_lens"),
+        ((ids.float(), pos, prev, lens, slots), "input_ids: expected torch.int64 or torch.int32"),
+        ((ids, pos, prev, lens, slots.float()), "slots: expected torch.int64"),
     ):  # fmt: skip
         with pytest.raises(InputError, match=match):
             graphs.step(*args)
@@ -465,3 +467,20 @@ def test_draft_replays_the_prefill_graphs_for_step_0(loaded, device, capture) ->
             assert torch.equal(got[0], want_forced[0]) and torch.equal(got[1], want_forced[1])
         assert len(calls) == replays, tokens
         calls.clear()
+
+
+def test_draft_raises_a_bad_prefill_sequence_once(loaded, device) -> None:
+    """Positions that do not rise inside a sequence reach ``draft``'s replayed step 0 (the host
+    checks of ``draft`` do not read them): the draft raises the prefill's failed ring check, not
+    the decode step's report of the -1 id it fed on, and every record is cleared, so the next
+    valid draft runs."""
+    _, opt = layers(loaded, device)
+    opt.graphs = eager_graphs(opt, buckets=(1, 2))
+    opt.prefill_graphs = PrefillGraphs(opt, opt.graphs[0].cache, tokens=(8,), max_seqs=2,
+                                       capture=False)  # fmt: skip
+    ids, pos, prev, lens = prefix(2, [3, 2], device)
+    bad = pos.clone()
+    bad[4] = bad[3]
+    with pytest.raises(InputError, match=r"^positions / cache_slots: sequence 1: a failed ring"):
+        opt.draft(ids, bad, prev, seq_lens=lens, num_tokens=2)
+    assert opt.draft(ids, pos, prev, seq_lens=lens, num_tokens=2).shape == (2, 2)

@@ -1116,6 +1116,7 @@ def _ring_keys(
 
 
 def _check_device_offsets(
+    T: int,
     ring: DeviceKVCache | None,
     seq_lens: object,
     query_start_loc: torch.Tensor | None,
@@ -1123,7 +1124,11 @@ def _check_device_offsets(
     cache_slots: torch.Tensor | None,
     dev: torch.device,
 ) -> None:
-    """The metadata of a prefill with device offsets (values are the kernels' to check)."""
+    """The metadata of a prefill with device offsets; eagerly also the offsets' values, with one
+    host read (0 first, T last, never falling: a row outside every sequence, or a sequence past
+    T, would make the kernels read and write outside their tensors).  During capture or
+    tracing the values cannot be read: the caller guarantees them (``PrefillGraphs`` builds
+    them from lengths it checked)."""
     if ring is None:
         raise InputError("query_start_loc: expected a DeviceKVCache kv_cache with it")
     if seq_lens is not None:
@@ -1148,6 +1153,15 @@ def _check_device_offsets(
             )
     assert query_start_loc is not None
     check_device([("query_start_loc", query_start_loc), ("cache_slots", cache_slots)])
+    if torch.compiler.is_compiling() or (
+        dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    ):
+        return
+    cu = [int(v) for v in query_start_loc.tolist()]
+    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in itertools.pairwise(cu)):
+        raise InputError(
+            f"query_start_loc: expected row offsets from 0 to T={T}, never falling, got {cu}"
+        )
 
 
 def _ring_prefill_device(
@@ -1377,7 +1391,7 @@ def attention(
     Dn, G, W, eps = Dh - Dr, config.o_groups, config.sliding_window, config.rms_norm_eps
     device_offsets = query_start_loc is not None or seq_flags is not None
     if device_offsets:
-        _check_device_offsets(ring, seq_lens, query_start_loc, seq_flags, cache_slots, dev)
+        _check_device_offsets(T, ring, seq_lens, query_start_loc, seq_flags, cache_slots, dev)
     if device_offsets:
         lens = []  # on the device only: query_start_loc
     elif seq_lens is not None:
@@ -1446,6 +1460,8 @@ def attention(
     freqs = _rope_table(config, rope_mode, dev)
     bi = batch_invariant
     if T == 0:  # no rows: nothing to launch; the caches are extended by nothing, as the reference
+        if seq_flags is not None:
+            seq_flags.zero_()  # no rows: no sequence is checked
         if host is not None:
             for cache in host:
                 cache.append(x.new_zeros(0, Dh), positions[:0])

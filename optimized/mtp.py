@@ -483,23 +483,24 @@ class MTPLayer(MTPLayerAPI):
         if (
             pg is not None
             and pg.cache is graphs[0].cache
+            and pg.spec_step == 0
             and pg.max_seqs >= B
             and pg.max_tokens >= sum(lens)
             and min(lens) >= 1
             and (pg.logits or not needs_logits)
         ):
-            # step 0 by replay: the inputs were checked on the host, so its records stay empty
-            # unless the cache was tampered with (checked below with the decode graphs')
-            tok0, hidden, logits = (t.clone() for t in pg.step(
-                input_ids, positions, prev_hidden, lens, slots
-            ))  # fmt: skip
-            hidden = hidden[last]
+            # step 0 by replay: what the host did not check (positions rising within a
+            # sequence) is recorded by the graph and raised after the steps (below)
+            tok0, out_hidden, logits = pg.step(input_ids, positions, prev_hidden, lens, slots)
+            tok0, logits = tok0.clone(), logits.clone()
+            hidden = out_hidden.index_select(0, last)  # (B, nD), a copy
             token = (
                 tok0
                 if greedy and forced_tokens is None
                 else self._pick(logits, 0, greedy, temperature, generator, forced_tokens)
             )  # forced tokens need no logits; sampling has them (needs_logits)
         else:
+            pg = None  # step 0 eagerly: it raises its errors itself
             hidden = self._run(
                 input_ids, positions, prev_hidden, lens, graphs[0].cache, 0,
                 attn_extra={"cache_slots": slots},
@@ -520,10 +521,17 @@ class MTPLayer(MTPLayerAPI):
             drafted.append(token.clone())
             if return_logits:
                 step_logits.append(logits.clone())
-        for g in graphs:
-            g.check()
-        if pg is not None:
-            pg.check()
+        # every record is read and cleared; the first step's error is the one raised (a bad
+        # prefill sequence's id -1 is recorded again by the decode steps it feeds)
+        errors = []
+        records: list[PrefillGraphs | DecodeGraphs] = [*([pg] if pg is not None else []), *graphs]
+        for checked in records:
+            try:
+                checked.check()
+            except InputError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
         tokens = torch.stack(drafted, dim=1)  # (B, num_tokens)
         return tokens, torch.stack(step_logits, dim=1) if return_logits else None
 
@@ -607,6 +615,32 @@ def _capture(
             outputs[b] = body(b)
         graphs[b] = graph
     return outputs, graphs
+
+
+def _check_step_inputs(
+    layer: MTPLayer,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    prev_hidden: torch.Tensor,
+    slots: torch.Tensor,
+    T: int,
+    B: int,
+) -> None:
+    """A captured step's inputs on the host (shapes, dtypes, devices; values are not read):
+    ids and positions (T,) and slots (B,) int64 / int32, prev_hidden (T, hc_dim) in the
+    layer dtype, all on the layer's device."""
+    dev, H = layer.device, layer.config.hc_dim
+    for name, t, shape in (
+        ("input_ids", input_ids, (T,)),
+        ("positions", positions, (T,)),
+        ("slots", slots, (B,)),
+        ("prev_hidden", prev_hidden, (T, H)),
+    ):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.device != dev:
+            raise InputError(f"{name}: expected shape {shape} on {dev}, got {t!r:.80}")
+        want = (layer.dtype,) if name == "prev_hidden" else (torch.int64, torch.int32)
+        if t.dtype not in want:
+            raise InputError(f"{name}: expected {' or '.join(map(str, want))}, got {t.dtype}")
 
 
 def _bucket(buckets: Sequence[int], n: int, what: str) -> int:
@@ -748,17 +782,7 @@ class DecodeGraphs:
         logits (B, V) fp32), views of the graph's outputs.  Shapes, dtypes and devices are
         checked on the host; values are not read (see the class docstring)."""
         B = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) else -1
-        cfg, dev = self.layer.config, self.layer.device
-        for name, t, shape in (
-            ("input_ids", input_ids, (B,)),
-            ("positions", positions, (B,)),
-            ("slots", slots, (B,)),
-            ("prev_hidden", prev_hidden, (B, cfg.hc_dim)),
-        ):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.device != dev:
-                raise InputError(f"{name}: expected shape {shape} on {dev}, got {t!r:.80}")
-        if prev_hidden.dtype != self.layer.dtype:
-            raise InputError(f"prev_hidden: expected {self.layer.dtype}, got {prev_hidden.dtype}")
+        _check_step_inputs(self.layer, input_ids, positions, prev_hidden, slots, B, B)
         b = self.bucket(B)
         self.ids[:B].copy_(input_ids)
         self.pos[:B].copy_(positions)
@@ -885,6 +909,7 @@ class PrefillGraphs:
         dead = torch.zeros(S, dtype=torch.int32, device=ids.device)
         dead.scatter_reduce_(0, seq, (real & ~ok).to(torch.int32), "amax")
         slots = torch.where(dead.bool(), -1, self.slots)
+        row_mask = ok & ~dead.bool()[seq]  # a dead sequence's rows read no routed expert
         hidden = L._run(
             ids_ok,
             pos_ok,
@@ -893,7 +918,7 @@ class PrefillGraphs:
             self.cache,
             self.spec_step,
             attn_extra={"cache_slots": slots, "query_start_loc": cu, "seq_flags": self.flags},
-            moe_extra={"row_mask": ok},
+            moe_extra={"row_mask": row_mask},
         )  # (b, nD)
         failed = self.flags != 0
         key = torch.where(failed, torch.arange(S, device=ids.device) * 4 + self.flags, NO_BAD_ROW)
@@ -920,9 +945,11 @@ class PrefillGraphs:
         after its last row, -1 for a bad sequence; hidden (T, nD); logits (B, V) fp32, or
         (B, 0) with ``logits=False``), views of the graph's outputs (overwritten by the next
         replay of the bucket: clone what you keep).  ``seq_lens``: host ints (each >= 1);
-        shapes, dtypes and devices are checked on the host, values are not read."""
+        a negative slot makes its sequence padding on purpose (no KV read or written, id -1,
+        nothing recorded); shapes, dtypes and devices are checked on the host, values are
+        not read."""
         T = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) else -1
-        cfg, dev = self.layer.config, self.layer.device
+        dev = self.layer.device
         if isinstance(seq_lens, torch.Tensor) and seq_lens.device.type != "cpu":
             raise InputError("seq_lens: expected host ints (a list or a CPU tensor)")
         try:
@@ -934,16 +961,7 @@ class PrefillGraphs:
             raise InputError(
                 f"seq_lens: expected 1..{self.max_seqs} lengths >= 1 summing to T={T}, got {lens}"
             )
-        for name, t, shape in (
-            ("input_ids", input_ids, (T,)),
-            ("positions", positions, (T,)),
-            ("slots", slots, (B,)),
-            ("prev_hidden", prev_hidden, (T, cfg.hc_dim)),
-        ):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.device != dev:
-                raise InputError(f"{name}: expected shape {shape} on {dev}, got {t!r:.80}")
-        if prev_hidden.dtype != self.layer.dtype:
-            raise InputError(f"prev_hidden: expected {self.layer.dtype}, got {prev_hidden.dtype}")
+        _check_step_inputs(self.layer, input_ids, positions, prev_hidden, slots, T, B)
         b = self.bucket(T)
         S = self.max_seqs + 1
         offsets = [0] * (S + 1)
