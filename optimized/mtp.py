@@ -21,12 +21,16 @@ Two ways to run it:
 * CUDA graphs: :meth:`MTPLayer.capture_decode` captures one decode step (one row per sequence
   against its device-cache slot: forward, logits, greedy ids) per batch bucket
   (:data:`BUCKETS`) as a :class:`DecodeGraphs`; a call pads its B rows to the next bucket
-  (filler rows touch no routed expert and write no KV).  Once captured, ``draft`` runs step 0
-  eagerly into the device cache and replays a graph for each later step, with no host sync
-  between steps.  Inputs inside a graph cannot be checked on the host: non-finite
-  ``prev_hidden`` rows and out-of-range ids or positions are recorded on the device (flag and
-  first bad row), their drafted ids are -1 and they write no KV, and the error is raised at the
-  next host read (:meth:`DecodeGraphs.check`, which ``draft`` calls once at its end).
+  (filler rows touch no routed expert and write no KV).  :meth:`MTPLayer.capture_prefill`
+  captures the prefill (up to ``max_seqs`` sequences, their row offsets on the device) per
+  token bucket (:data:`PREFILL_TOKENS`) as a :class:`PrefillGraphs`.  Once captured, ``draft``
+  runs step 0 into the device cache (a prefill graph's replay when the call fits one, else
+  eagerly) and replays a decode graph for each later step, with no host sync between steps.
+  Inputs inside a graph cannot be checked on the host: non-finite ``prev_hidden`` rows and
+  out-of-range ids or positions are recorded on the device (flag and first bad row), their
+  drafted ids are -1 and they write no KV (a prefill sequence with such a row writes none),
+  and the error is raised at the next host read (``check``, which ``draft`` calls once at its
+  end).
 """
 
 from __future__ import annotations
