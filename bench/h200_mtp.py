@@ -300,9 +300,7 @@ def bench_prefill(layer: MTPLayer, cache: Any, fixed: dict[str, int], T: int,
     }  # fmt: skip
 
 
-def bench_prefill_graph(
-    layer: MTPLayer, pg: PrefillGraphs, eager: dict[str, Any]
-) -> dict[str, Any]:
+def bench_prefill_graph(pg: PrefillGraphs, eager: dict[str, Any]) -> dict[str, Any]:
     """``eager``'s prefill (the same inputs, one sequence into slot 0 of the graphs' cache,
     emptied first by a one-row fill) through :class:`PrefillGraphs`: wall time of ``step``
     (inputs copied into the graph's buffers, the offsets to the device, the replay), the same
@@ -533,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         meta["prefill_capture_s"] = time.perf_counter() - t0
         meta["prefill_graph_pool_GB"] = (torch.cuda.memory_allocated() - mem0) / 1e9
         for r in [r for r in rows if r["kind"] == "prefill"]:
-            rows.append(bench_prefill_graph(layer, pg, r))
+            rows.append(bench_prefill_graph(pg, r))
             write(args.out, result)
 
     # peers: the reference layer on the GPU

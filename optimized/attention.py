@@ -1123,6 +1123,7 @@ def _check_device_offsets(
     seq_flags: torch.Tensor | None,
     cache_slots: torch.Tensor | None,
     dev: torch.device,
+    capturing: bool,
 ) -> None:
     """The metadata of a prefill with device offsets; eagerly also the offsets' values, with one
     host read (0 first, T last, never falling: a row outside every sequence, or a sequence past
@@ -1153,9 +1154,7 @@ def _check_device_offsets(
             )
     assert query_start_loc is not None
     check_device([("query_start_loc", query_start_loc), ("cache_slots", cache_slots)])
-    if torch.compiler.is_compiling() or (
-        dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    ):
+    if capturing or torch.compiler.is_compiling():
         return
     cu = [int(v) for v in query_start_loc.tolist()]
     if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in itertools.pairwise(cu)):
@@ -1164,47 +1163,35 @@ def _check_device_offsets(
         )
 
 
-def _ring_prefill_device(
-    q: torch.Tensor,
-    kv: torch.Tensor,
+def _device_ring_plan(
     positions: torch.Tensor,
     cu_q: torch.Tensor,
     cache: DeviceKVCache,
     slots: torch.Tensor,
-    attn_sink: torch.Tensor,
-    batch_invariant: bool,
     seq_flags: torch.Tensor,
-) -> torch.Tensor:
-    """A ring prefill with the sequences' row offsets on the device (``query_start_loc``): no
+) -> _RingPlan:
+    """The plan of a ring prefill with its row offsets on the device (``query_start_loc``): no
     host read, every size from T, B and the ring's C, so CUDA-graph capturable.
 
     The index kernel kills a sequence whose checks fail or whose ring repeats a position (it is
     then a padding sequence: no keys, no ring write, output zero) and its flags are copied to
-    ``seq_flags`` (B,) int64 for the caller.  The key offsets are the prefix sum of the
-    index's per-sequence key rows, on the device; the keys buffer holds the most any call of
-    this T and B can need, T + B * C rows (a live sequence's keys are its visible ring rows, at
-    most C, then its new rows), and the varlen launch reads only each sequence's
+    ``seq_flags`` (B,) int64 for the caller; the visible rows left are distinct, so the plan is
+    trusted (the varlen launch checks nothing on the host).  The key offsets are the prefix
+    sum of the index's per-sequence key rows, on the device; the keys buffer holds the most any
+    call of this T and B can need, T + B * C rows (a live sequence's keys are its visible ring
+    rows, at most C, then its new rows), and the varlen launch reads only each sequence's
     ``[cu_k[b], cu_k[b + 1])``.  So each row attends to the same keys, in the same order, as in
     the eager prefill: the same bits."""
-    T, B = q.shape[0], slots.shape[0]
-    C = cache.pos.shape[1]
+    T, B, C = positions.shape[0], slots.shape[0], cache.pos.shape[1]
     # every sequence's rows are checked (its new rows loop to its own length; T bounds it)
     order, key_pos, stats = _ring_index_triton(
         positions, cu_q, slots, cache.pos, cache.window, T, 3
     )
     seq_flags.copy_(stats[:, 2])
-    cu_k = torch.zeros(B + 1, dtype=torch.int32, device=q.device)
+    cu_k = torch.zeros(B + 1, dtype=torch.int32, device=positions.device)
     torch.cumsum(stats[:, 1], 0, out=cu_k[1:])  # (B+1,) key offsets
     index = _RingIndex(cu_q, slots, order, key_pos, stats)
-    plan = _RingPlan(index, cu_k, T + B * C, -1, True, T + C)  # cached: not known on the host
-    keys, k_pos, owners = _ring_keys(kv, positions, cache, plan)
-    tail = (cache.window, q.shape[2] ** -0.5, batch_invariant, None, "auto", None)
-    o = _call(
-        "sink_attention_varlen", q, positions, keys, k_pos, attn_sink, (cu_q, cu_k), *tail,
-        check_values=False,
-    )  # fmt: skip
-    _write_out(kv, positions, owners, cache_kv=cache.kv, cache_pos=cache.pos)
-    return o
+    return _RingPlan(index, cu_k, T + B * C, -1, True, T + C)  # cached: not known on the host
 
 
 def _ring_prefill(
@@ -1218,10 +1205,11 @@ def _ring_prefill(
     batch_invariant: bool,
     plan: _RingPlan | None,
 ) -> torch.Tensor:
-    """Eager prefill against a ring cache: each sequence's visible cached rows in position
-    order, then its new rows, as the keys of one varlen launch; then the new rows written.
-    ``plan``: from the call's checks (their one host read also sized the keys), or None (the
-    checks were skipped) for one host read here.  No other host read or sync."""
+    """Prefill against a ring cache: each sequence's visible cached rows in position order,
+    then its new rows, as the keys of one varlen launch; then the new rows written.  ``plan``:
+    from the call's checks (their one host read also sized the keys), from
+    :func:`_device_ring_plan` (no host read: capturable), or None (the checks were skipped) for
+    one host read here.  No other host read or sync."""
     if plan is None:
         _, plan = _ring_plan(_ring_index(positions, lens, cache, slots), lens)
     W, Dh = cache.window, q.shape[2]
@@ -1324,7 +1312,7 @@ def attention(
       gathered in position order before the new rows, one ``sink_attention_varlen`` launch,
       then the rows written; refused during capture.  With ``query_start_loc`` (B+1,) int32,
       the sequences' row offsets on the device (vLLM's name; ``seq_lens`` None), the prefill
-      reads nothing on the host and is capturable (:func:`_ring_prefill_device`): a sequence
+      reads nothing on the host and is capturable (:func:`_device_ring_plan`): a sequence
       that fails the checks below is not raised but treated as padding (no cache row read or
       written, output zero), and every sequence's check flags go to ``seq_flags`` (B,) int64
       (0: passed; bit 0 a failed check, bit 1 a ring that holds a position twice), which the
@@ -1389,10 +1377,18 @@ def attention(
         raise InputError(f"seq_lens: expected a sequence of ints, got {seq_lens!r}")
     H, Dh, Dr = config.num_attention_heads, config.head_dim, config.qk_rope_head_dim
     Dn, G, W, eps = Dh - Dr, config.o_groups, config.sliding_window, config.rms_norm_eps
+    # (under torch.compile the host checks below are skipped anyway, and dynamo cannot trace
+    # the capture query: it returns a host bool)
+    capturing = (
+        dev.type == "cuda"
+        and not torch.compiler.is_compiling()
+        and torch.cuda.is_current_stream_capturing()
+    )
     device_offsets = query_start_loc is not None or seq_flags is not None
     if device_offsets:
-        _check_device_offsets(T, ring, seq_lens, query_start_loc, seq_flags, cache_slots, dev)
-    if device_offsets:
+        _check_device_offsets(
+            T, ring, seq_lens, query_start_loc, seq_flags, cache_slots, dev, capturing
+        )
         lens = []  # on the device only: query_start_loc
     elif seq_lens is not None:
         lens = [int(n) for n in seq_lens]
@@ -1404,13 +1400,6 @@ def attention(
         raise InputError(
             f"kv_cache: expected one cache per sequence ({len(lens)}), got {len(host)}"
         )
-    # (under torch.compile the host checks below are skipped anyway, and dynamo cannot trace
-    # the capture query: it returns a host bool)
-    capturing = (
-        dev.type == "cuda"
-        and not torch.compiler.is_compiling()
-        and torch.cuda.is_current_stream_capturing()
-    )
     decode = not device_offsets and all(n == 1 for n in lens)
     if ring is not None:
         if not device_offsets:
@@ -1510,13 +1499,11 @@ def attention(
             None,
             check_values=False,
         )  # fmt: skip  (T, H, Dh)
-    elif ring is not None and device_offsets:
-        assert cache_slots is not None and query_start_loc is not None and seq_flags is not None
-        o = _ring_prefill_device(
-            q, kv, positions, query_start_loc, ring, cache_slots, pack.attn_sink, bi, seq_flags
-        )  # fmt: skip
     elif ring is not None:
         assert cache_slots is not None
+        if device_offsets:  # no host read: the plan from the device offsets
+            assert query_start_loc is not None and seq_flags is not None
+            ring_plan = _device_ring_plan(positions, query_start_loc, ring, cache_slots, seq_flags)
         o = _ring_prefill(
             q, kv, positions, lens, ring, cache_slots, pack.attn_sink, bi, ring_plan
         )  # fmt: skip

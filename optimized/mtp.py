@@ -647,6 +647,12 @@ def _check_step_inputs(
             raise InputError(f"{name}: expected {' or '.join(map(str, want))}, got {t.dtype}")
 
 
+def _check_buckets(name: str, buckets: Sequence[int]) -> None:
+    """Captured sizes: a non-empty sequence of ints >= 1."""
+    if not buckets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets):
+        raise InputError(f"{name}: expected ints >= 1, got {buckets!r}")
+
+
 def _bucket(buckets: Sequence[int], n: int, what: str) -> int:
     """The smallest of the sorted ``buckets`` >= n rows."""
     for b in buckets:
@@ -718,10 +724,7 @@ class DecodeGraphs:
         capture: bool = True,
         logits: bool = True,
     ) -> None:
-        if not buckets or any(
-            isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets
-        ):
-            raise InputError(f"buckets: expected ints >= 1, got {buckets!r}")
+        _check_buckets("buckets", buckets)
         self.layer, self.cache, self.spec_step = layer, cache, check_step("spec_step", spec_step)
         self.buckets = tuple(sorted(set(buckets)))
         self.max_batch = self.buckets[-1]
@@ -861,10 +864,7 @@ class PrefillGraphs:
         capture: bool = True,
         logits: bool = True,
     ) -> None:
-        if not tokens or any(
-            isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tokens
-        ):
-            raise InputError(f"tokens: expected ints >= 1, got {tokens!r}")
+        _check_buckets("tokens", tokens)
         check_int("max_seqs", max_seqs, 1)
         self.layer, self.cache, self.spec_step = layer, cache, check_step("spec_step", spec_step)
         self.buckets = tuple(sorted(set(tokens)))
