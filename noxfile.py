@@ -36,10 +36,17 @@ def _install_cpu(session: nox.Session, extras: str = "dev") -> None:
 
 @nox.session
 def conformance(session: nox.Session) -> None:
-    """CPU tier: reference properties + optimized Triton kernels under TRITON_INTERPRET=1."""
+    """CPU tier: reference properties + optimized Triton kernels under TRITON_INTERPRET=1.
+
+    Two pytest-xdist workers (CI has two cores; the interpreter runs a kernel's programs one
+    by one in one Python thread), tests handed out as workers free up (``worksteal``: a few
+    tests take a minute, most a second).  ``-n 0`` in the posargs runs in one process."""
     _install_cpu(session)
     session.run(
-        "pytest", "conformance", "-m", "not slow", "--durations=15", *session.posargs, env=CPU_ENV
+        *("pytest", "conformance", "-m", "not slow", "--durations=15"),
+        *("-n", "2", "--dist", "worksteal"),
+        *session.posargs,
+        env={**CPU_ENV, "OMP_NUM_THREADS": "1"},
     )
 
 

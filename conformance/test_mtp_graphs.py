@@ -204,6 +204,69 @@ def test_step_argument_errors(loaded, device) -> None:
             opt.capture_decode()
 
 
+@pytest.mark.parametrize(
+    ("T", "B", "b", "S", "H", "itype"),
+    [(3, 3, 4, 4, 48, torch.int64), (5, 2, 8, 9, 40, torch.int32), (4, 4, 4, 4, 16, torch.int64),
+     (2, 1, 2, 4, 24, torch.int32), (3, 3, 3, 3, 20000, torch.int64)],
+)  # fmt: skip
+def test_stage_inputs_copies_rows_pads_and_leaves_the_rest(device, T, B, b, S, H, itype) -> None:
+    """The steps' one-launch input staging (optimized/kernels/step_inputs.py) against the torch
+    ops it replaces: T rows copied (ids and positions widened to int64, strided inputs read
+    through their strides), rows T..b-1 zeros and not real, slot entries B..S-1 -1; nothing
+    written past row b or entry S (the rows of a larger bucket keep what they held).  The
+    last case's rows take several BLOCK_H pieces."""
+    from dsv4mtp.optimized.kernels.step_inputs import stage_inputs_triton
+
+    g = torch.Generator().manual_seed(T * 100 + H)
+    ids_in = torch.randint(0, 100, (2 * T,), dtype=itype, generator=g)[::2].to(device)
+    pos_in = torch.randint(0, 100, (T,), dtype=itype, generator=g).to(device)
+    prev_in = torch.randn(T, H + 3, generator=g).to(BF16).to(device)[:, :H]
+    slots_in = torch.randint(0, 9, (B,), dtype=itype, generator=g).to(device)
+    n = 10
+    ids, pos, slots = (torch.full((n,), 77, dtype=torch.int64, device=device) for _ in range(3))
+    prev = torch.full((n, H), float("nan"), dtype=BF16, device=device)
+    real = torch.ones(n, dtype=torch.bool, device=device)
+    stage_inputs_triton(ids_in, pos_in, prev_in, slots_in, ids, pos, prev, real, slots, b, S)
+    want_prev = torch.zeros(b, H, dtype=BF16, device=device)
+    want_prev[:T] = prev_in
+    assert torch.equal(prev[:b], want_prev) and torch.isnan(prev[b:].float()).all()
+    for got, src in ((ids, ids_in), (pos, pos_in)):
+        want = torch.zeros(b, dtype=torch.int64, device=device)
+        want[:T] = src
+        assert torch.equal(got[:b], want) and (got[b:] == 77).all()
+    assert torch.equal(real[:b], torch.arange(b, device=device) < T) and real[b:].all()
+    want_slots = torch.full((S,), -1, dtype=torch.int64, device=device)
+    want_slots[:B] = slots_in
+    assert torch.equal(slots[:S], want_slots) and (slots[S:] == 77).all()
+
+
+@pytest.mark.gpu
+def test_prefill_offsets_survive_reuse_of_their_pinned_buffers(loaded) -> None:
+    """Ten captured prefill steps queued without a host read, each with its own lengths (the
+    row offsets go through a ring of four pinned buffers, reused after their copy has run):
+    every step equals the same step run eagerly."""
+    opt = OptLayer.from_loaded(loaded, dtype=BF16, device="cuda", max_num_tokens=32,
+                               max_batch=8, batch_invariant=True)  # fmt: skip
+    graphs = _prefill_graphs(opt, opt.new_device_cache(), True)
+    eager = _prefill_graphs(opt, opt.new_device_cache(), False)
+    g = torch.Generator().manual_seed(11)
+    slots = torch.tensor([0, 1, 2, 3], device="cuda")
+    steps, got = [], []
+    for i in range(10):
+        lens = [1 + (i + j) % 4 for j in range(1 + i % 4)]
+        T = sum(lens)
+        ids = torch.randint(0, CFG.vocab_size, (T,), generator=g).cuda()
+        prev = torch.randn(T, CFG.hc_dim, generator=g).to(BF16).cuda()
+        pos = torch.cat([torch.arange(4 * i, 4 * i + n) for n in lens]).cuda()
+        steps.append((ids, pos, prev, lens, slots[: len(lens)]))
+        got.append([t.clone() for t in graphs.step(*steps[-1])])
+    for step, out in zip(steps, got, strict=True):
+        want = eager.step(*step)
+        for a, b in zip(out, want, strict=True):
+            assert torch.equal(a, b)
+    graphs.check()
+
+
 @pytest.mark.gpu
 def test_replay_equals_the_eager_step_bitwise(loaded) -> None:
     """Each bucket's replay against the eager step at the same padded size, from identical

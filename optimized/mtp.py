@@ -38,7 +38,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -60,7 +60,7 @@ from dsv4mtp.params import MTPLayerParams, build_layer_params
 from dsv4mtp.semantics import Semantics
 
 from .attention import AttentionPack, attention, pack_attention, pack_attention_weights
-from .kernels._launch import check_device, device_ints
+from .kernels._launch import check_device, device_ints, triton_kernel
 from .kv_cache import DeviceKVCache
 from .linear import LinearPack, linear, pack_linear
 from .lm_head import HeadPack, lm_head_argmax, lm_head_logits, pack_head
@@ -68,6 +68,11 @@ from .mhc import hc_head, hc_post, hc_post_head, hc_post_pre, hc_pre
 from .moe import MoEPack, moe, pack_moe
 from .norm import embed_norms, rms_norm
 from .step_guard import NO_BAD_ROW, step_guard
+
+if TYPE_CHECKING:
+    from .kernels.step_inputs import stage_inputs_triton
+else:  # loaded on the first step: triton is optional (the `gpu` extra)
+    stage_inputs_triton = triton_kernel("step_inputs", "stage_inputs_triton")
 
 __all__ = [
     "BUCKETS",
@@ -697,9 +702,10 @@ class DecodeGraphs:
 
     Capture (in the constructor) runs every bucket once eagerly with filler rows only (Triton
     compiles, plan caches fill; nothing is written to the cache), then captures each bucket into
-    one shared memory pool.  :meth:`step` copies the inputs into the static buffers and replays;
-    its results are views of the graph's outputs, overwritten by the next replay of the same
-    bucket (clone what you keep).  Replay equals the same step run eagerly at the padded size
+    one shared memory pool.  :meth:`step` copies the inputs into the static buffers and pads
+    the bucket in one launch (kernels/step_inputs.py), then replays; its results are views of
+    the graph's outputs, overwritten by the next replay of the same bucket (clone what you
+    keep).  Replay equals the same step run eagerly at the padded size
     bit for bit (``capture=False`` runs :meth:`step` eagerly, for that comparison).
 
     Bad input inside a graph (a non-finite ``prev_hidden`` row, an id outside [0, vocab), a
@@ -791,17 +797,11 @@ class DecodeGraphs:
         B = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) else -1
         _check_step_inputs(self.layer, input_ids, positions, prev_hidden, slots, B, B)
         b = self.bucket(B)
-        self.ids[:B].copy_(input_ids)
-        self.pos[:B].copy_(positions)
-        self.prev[:B].copy_(prev_hidden)
-        self.slots[:B].copy_(slots)
-        self.real[:B].fill_(True)
-        if b > B:
-            self.ids[B:b].zero_()
-            self.pos[B:b].zero_()
-            self.prev[B:b].zero_()
-            self.slots[B:b].fill_(-1)
-            self.real[B:b].fill_(False)
+        # rows B..b-1 are filler: zeros, slot -1, not real (one launch)
+        stage_inputs_triton(
+            input_ids, positions, prev_hidden, slots, self.ids, self.pos, self.prev, self.real,
+            self.slots, b, b,
+        )  # fmt: skip
         if self.captured:
             self.graphs[b].replay()
             out = self.outputs[b]
@@ -832,7 +832,8 @@ class PrefillGraphs:
     are padded to the next bucket: the filler rows form one more sequence with slot -1 (no KV
     read or written, output zero) and a false MoE ``row_mask`` (no routed expert read), and
     unused sequence entries have no rows.  The row offsets go to the device as
-    ``query_start_loc`` (one small host-to-device copy per call, no host read), and the
+    ``query_start_loc`` (one small copy per call from a ring of pinned host buffers, no host
+    read; the inputs and the padding are staged in one launch), and the
     attention's keys are sized from T, B and the ring's C (``attention``'s device-offset
     prefill), so a replay reads no host value.  Replay equals :meth:`step` run eagerly at the
     padded size (``capture=False``) bit for bit; the padded rows change no other row's bits
@@ -886,6 +887,12 @@ class PrefillGraphs:
         self.captured, self.logits = capture, logits
         for i, b in enumerate(self.buckets):  # filler only: every row in the last sequence
             self.cu[i, -1] = b
+        # pinned host buffers for the row offsets of a step (:meth:`_send_offsets`)
+        pinned = dev.type == "cuda"
+        self._ring: list[tuple[torch.Tensor, torch.cuda.Event | None]] = [
+            (torch.zeros(S + 1, dtype=torch.int32, pin_memory=pinned), None) for _ in range(4)
+        ]
+        self._ring_next = 0
         if not capture:
             return
         if dev.type != "cuda":
@@ -974,24 +981,36 @@ class PrefillGraphs:
         for i in range(B + 1, S):
             offsets[i] = T
         offsets[S] = b  # the filler sequence: rows T..b
-        self.cu[self.buckets.index(b)].copy_(device_ints(offsets, dev, torch.int32))
-        self.ids[:T].copy_(input_ids)
-        self.pos[:T].copy_(positions)
-        self.prev[:T].copy_(prev_hidden)
-        self.real[:T].fill_(True)
-        self.slots[:B].copy_(slots)
-        self.slots[B:].fill_(-1)
-        if b > T:
-            self.ids[T:b].zero_()
-            self.pos[T:b].zero_()
-            self.prev[T:b].zero_()
-            self.real[T:b].fill_(False)
+        self._send_offsets(self.cu[self.buckets.index(b)], offsets)
+        # rows T..b-1 are the filler sequence's: zeros, not real; slots B..S-1 are -1
+        stage_inputs_triton(
+            input_ids, positions, prev_hidden, slots, self.ids, self.pos, self.prev, self.real,
+            self.slots, b, S,
+        )  # fmt: skip
         if self.captured:
             self.graphs[b].replay()
             out = self.outputs[b]
         else:
             out = self._body(b)
         return out[0][:B], out[1][:T], out[2][:B]
+
+    def _send_offsets(self, cu: torch.Tensor, offsets: list[int]) -> None:
+        """``cu`` (S+1,) int32 on the device = ``offsets``, without a sync: written into the
+        next of a few pinned host buffers and copied asynchronously.  A buffer is reused only
+        once the copy that last read it has run (its event; a step later, it long has):
+        ``device_ints`` would pin a new buffer per call, 50-70 us of host time."""
+        if cu.device.type != "cuda":
+            cu.copy_(torch.tensor(offsets, dtype=torch.int32))
+            return
+        i = self._ring_next = (self._ring_next + 1) % len(self._ring)
+        buf, done = self._ring[i]
+        if done is not None:
+            done.synchronize()
+        buf.numpy()[:] = offsets
+        cu.copy_(buf, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._ring[i] = (buf, event)
 
     def check(self) -> None:
         """One host read of both bad-input records: raise the :class:`InputError` of the lowest

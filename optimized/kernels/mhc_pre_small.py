@@ -334,11 +334,13 @@ def pre_fma_config(n: int, D: int) -> PreFmaConfig:
     Reducers take 2 tokens each, the apply 4 tokens x 256 columns (hc_head's FMA tile).
     Timed as the default on the H200 (bench/results/mhc-h200.md, "hc_pre at small T": 9.7 us
     at T 1, D 4096); other tiles not swept yet (bench/diag/hc_pre_small_t.py --fma-tiles
-    times them).  Under the interpreter: narrower slices, so that the CPU tier's small D has
-    several.
+    times them).  Under the interpreter the apply's slices are narrower, 128 columns, so that
+    the CPU tier's D 256 still has two of them (the mix has four of 64); every program is
+    interpreted op by op, so the CPU tier's time goes with the program count, not the tile size
+    (narrower tiles: ``test_optimized_hc_pre_fma_schedules_compute_one_function``).
     """
-    block_d = min(16 if INTERPRET else 64, max(16, next_pow2(D)))
-    block_da = min(32 if INTERPRET else 256, max(16, next_pow2(D)))
+    block_d = min(64, max(16, next_pow2(D)))
+    block_da = min(128 if INTERPRET else 256, max(16, next_pow2(D)))
     return PreFmaConfig(rows=8, block_t=16, block_d=block_d, tpp=2, block_ta=4,
                         block_da=block_da, num_warps=4)  # fmt: skip
 
