@@ -16,6 +16,7 @@ import importlib
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -200,23 +201,54 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# Under pytest-xdist the differential tests run in the workers: each sends its SUMMARY back
+# with its results (``workeroutput``), and the controller merges them before its summary.
+_WORKER_SUMMARIES: list[dict[tuple[str, str, str, str], list[float]]] = []
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)  # set in xdist workers only
+    differential = sys.modules.get("dsv4mtp.conformance.differential")
+    if workeroutput is not None and differential is not None:
+        workeroutput["dsv4_summary"] = [[*k, *v] for k, v in differential.SUMMARY.items()]
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook (controller side), absent without xdist
+def pytest_testnodedown(node: Any, error: object) -> None:
+    rows = getattr(node, "workeroutput", {}).get("dsv4_summary", [])
+    _WORKER_SUMMARIES.append({tuple(r[:4]): list(r[4:]) for r in rows})
+
+
+def _merged_summary() -> dict[tuple[str, str, str, str], list[float]]:
+    """This process's SUMMARY and the workers': cases and by-own counts add, the worst errors
+    are the largest."""
+    differential = sys.modules.get("dsv4mtp.conformance.differential")
+    merged: dict[tuple[str, str, str, str], list[float]] = {}
+    for part in [dict(differential.SUMMARY) if differential else {}, *_WORKER_SUMMARIES]:
+        for key, (n, rel, mab, by_own) in part.items():
+            m = merged.setdefault(key, [0, 0.0, 0.0, 0])
+            m[0], m[1], m[2], m[3] = m[0] + n, max(m[1], rel), max(m[2], mab), m[3] + by_own
+    return merged
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # type: ignore[no-untyped-def]
     # Only when differential tests ran: a run of other tests (bench/) need not import the suite.
-    differential = sys.modules.get("dsv4mtp.conformance.differential")
-    if differential is None or not differential.SUMMARY:
+    summary = _merged_summary()
+    if not summary:
         return
+    import dsv4mtp.conformance.pairs  # noqa: F401  (declares the pairs, in the xdist controller too)
     from dsv4mtp.conformance.registry import REGISTRY
 
     tr = terminalreporter
     tr.section("conformance: worst error seen per op, dtype, preset and output (vs float64)")
-    w = max(14, 1 + max(len(key[0]) for key in differential.SUMMARY))  # the longest op name
+    w = max(14, 1 + max(len(key[0]) for key in summary))  # the longest op name
     # "by own": cases outside the declared bounds that passed within Tolerance.own_factor times
     # the reference-in-dtype's own error on the same case (registry docstring).
     tr.write_line(
         f"{'op':<{w}}{'dtype':<10}{'preset':<9}{'output':<13}{'cases':>6}{'rel':>11}{'tol':>9}"
         f"{'max_abs':>11}{'tol':>9}{'by own':>8}"
     )
-    for (op, dt, preset, out), (n, rel, mab, by_own) in sorted(differential.SUMMARY.items()):
+    for (op, dt, preset, out), (n, rel, mab, by_own) in sorted(summary.items()):
         tol = REGISTRY[op].tolerance(getattr(torch, dt), preset)
         own = f"{int(by_own):>8}" if tol.own_factor > 0 else f"{'-':>8}"
         tr.write_line(

@@ -38,6 +38,17 @@ from dsv4mtp.errors import InputError
 
 _KIND = {"test_typed_error": "backend"}
 
+# Contracts that leave the CPU tier (``slow``; the GPU tier runs them): under the interpreter
+# each takes about a minute, and the math preset's contract of the same op runs the same
+# kernels (the presets differ in the shared expert's clamp and the activation rounding, which
+# the CPU tier's differential contracts of these ops check in both presets).
+_SLOW_ON_CPU = {
+    "test_batch_invariance": {
+        "moe-triton-bfloat16-official",
+        "fused_experts-triton-bfloat16-official",
+    },
+}
+
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "contract" not in metafunc.fixturenames:
@@ -47,7 +58,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if name == "test_differential":
         impl_ops = metafunc.config.stash.get(IMPL_KEY, {})
     params = contracts(_KIND.get(name, "case"), impl_ops)
-    metafunc.parametrize("contract", [pytest.param(c, id=c.id) for c in params], indirect=True)
+    slow = _SLOW_ON_CPU.get(name, set())
+    metafunc.parametrize(
+        "contract",
+        [
+            pytest.param(c, id=c.id, marks=[pytest.mark.slow] if c.id in slow else [])
+            for c in params
+        ],
+        indirect=True,
+    )
 
 
 @pytest.fixture

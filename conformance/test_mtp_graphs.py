@@ -207,21 +207,23 @@ def test_step_argument_errors(loaded, device) -> None:
 @pytest.mark.parametrize(
     ("T", "B", "b", "S", "H", "itype"),
     [(3, 3, 4, 4, 48, torch.int64), (5, 2, 8, 9, 40, torch.int32), (4, 4, 4, 4, 16, torch.int64),
-     (2, 1, 2, 4, 24, torch.int32), (3, 3, 3, 3, 20000, torch.int64)],
+     (2, 1, 2, 4, 24, torch.int32), (5, 2, 8, 3, 40, torch.int32), (0, 0, 2, 2, 16, torch.int64),
+     (3, 3, 3, 3, 20000, torch.int64)],
 )  # fmt: skip
 def test_stage_inputs_copies_rows_pads_and_leaves_the_rest(device, T, B, b, S, H, itype) -> None:
-    """The steps' one-launch input staging (optimized/kernels/step_inputs.py) against the torch
-    ops it replaces: T rows copied (ids and positions widened to int64, strided inputs read
-    through their strides), rows T..b-1 zeros and not real, slot entries B..S-1 -1; nothing
-    written past row b or entry S (the rows of a larger bucket keep what they held).  The
-    last case's rows take several BLOCK_H pieces."""
+    """The steps' one-launch input staging (optimized/kernels/step_inputs.py) against the
+    equivalent torch ops: T rows copied (ids, positions and slots widened to int64, negative
+    slots kept, strided inputs read through their strides), rows T..b-1 zeros and not real,
+    slot entries B..S-1 -1; nothing written past row b or entry S (the rows of a larger bucket
+    keep what they held), also with more rows than slot entries (a prefill's bucket) and for an
+    empty step.  The last case's rows take several BLOCK_H pieces."""
     from dsv4mtp.optimized.kernels.step_inputs import stage_inputs_triton
 
     g = torch.Generator().manual_seed(T * 100 + H)
     ids_in = torch.randint(0, 100, (2 * T,), dtype=itype, generator=g)[::2].to(device)
-    pos_in = torch.randint(0, 100, (T,), dtype=itype, generator=g).to(device)
+    pos_in = torch.randint(0, 100, (3 * T,), dtype=itype, generator=g).to(device)[::3]
     prev_in = torch.randn(T, H + 3, generator=g).to(BF16).to(device)[:, :H]
-    slots_in = torch.randint(0, 9, (B,), dtype=itype, generator=g).to(device)
+    slots_in = torch.randint(-2, 9, (2 * B,), dtype=itype, generator=g).to(device)[::2]
     n = 10
     ids, pos, slots = (torch.full((n,), 77, dtype=torch.int64, device=device) for _ in range(3))
     prev = torch.full((n, H), float("nan"), dtype=BF16, device=device)
@@ -242,16 +244,17 @@ def test_stage_inputs_copies_rows_pads_and_leaves_the_rest(device, T, B, b, S, H
 
 @pytest.mark.gpu
 def test_prefill_offsets_survive_reuse_of_their_pinned_buffers(loaded) -> None:
-    """Ten captured prefill steps queued without a host read, each with its own lengths (the
-    row offsets go through a ring of four pinned buffers, reused after their copy has run):
-    every step equals the same step run eagerly."""
+    """Ten captured prefill steps queued behind a long GPU sleep, so that no copy has run when
+    the host sends the next offsets: the ring of four pinned buffers must wait before it
+    rewrites one (its event), or a step would read a later step's offsets.  Each step, each
+    with its own lengths, equals the same step run eagerly."""
     opt = OptLayer.from_loaded(loaded, dtype=BF16, device="cuda", max_num_tokens=32,
                                max_batch=8, batch_invariant=True)  # fmt: skip
     graphs = _prefill_graphs(opt, opt.new_device_cache(), True)
     eager = _prefill_graphs(opt, opt.new_device_cache(), False)
     g = torch.Generator().manual_seed(11)
     slots = torch.tensor([0, 1, 2, 3], device="cuda")
-    steps, got = [], []
+    steps = []
     for i in range(10):
         lens = [1 + (i + j) % 4 for j in range(1 + i % 4)]
         T = sum(lens)
@@ -259,7 +262,9 @@ def test_prefill_offsets_survive_reuse_of_their_pinned_buffers(loaded) -> None:
         prev = torch.randn(T, CFG.hc_dim, generator=g).to(BF16).cuda()
         pos = torch.cat([torch.arange(4 * i, 4 * i + n) for n in lens]).cuda()
         steps.append((ids, pos, prev, lens, slots[: len(lens)]))
-        got.append([t.clone() for t in graphs.step(*steps[-1])])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time in front of every step below
+    got = [[t.clone() for t in graphs.step(*step)] for step in steps]
     for step, out in zip(steps, got, strict=True):
         want = eager.step(*step)
         for a, b in zip(out, want, strict=True):

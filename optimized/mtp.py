@@ -705,8 +705,8 @@ class DecodeGraphs:
     one shared memory pool.  :meth:`step` copies the inputs into the static buffers and pads
     the bucket in one launch (kernels/step_inputs.py), then replays; its results are views of
     the graph's outputs, overwritten by the next replay of the same bucket (clone what you
-    keep).  Replay equals the same step run eagerly at the padded size
-    bit for bit (``capture=False`` runs :meth:`step` eagerly, for that comparison).
+    keep).  Replay equals the same step run eagerly at the padded size bit for bit
+    (``capture=False`` runs :meth:`step` eagerly, for that comparison).
 
     Bad input inside a graph (a non-finite ``prev_hidden`` row, an id outside [0, vocab), a
     position outside [0, max_position_embeddings)): the row is treated as filler (no KV write,
@@ -833,9 +833,9 @@ class PrefillGraphs:
     read or written, output zero) and a false MoE ``row_mask`` (no routed expert read), and
     unused sequence entries have no rows.  The row offsets go to the device as
     ``query_start_loc`` (one small copy per call from a ring of pinned host buffers, no host
-    read; the inputs and the padding are staged in one launch), and the
-    attention's keys are sized from T, B and the ring's C (``attention``'s device-offset
-    prefill), so a replay reads no host value.  Replay equals :meth:`step` run eagerly at the
+    read; the inputs and the padding are staged in one launch), and the attention's keys are
+    sized from T, B and the ring's C (``attention``'s device-offset prefill), so a replay
+    reads no host value.  Replay equals :meth:`step` run eagerly at the
     padded size (``capture=False``) bit for bit; the padded rows change no other row's bits
     where ``batch_invariant`` is set (the default schedules may pick by the padded T).
 
@@ -888,10 +888,12 @@ class PrefillGraphs:
         for i, b in enumerate(self.buckets):  # filler only: every row in the last sequence
             self.cu[i, -1] = b
         # pinned host buffers for the row offsets of a step (:meth:`_send_offsets`)
-        pinned = dev.type == "cuda"
-        self._ring: list[tuple[torch.Tensor, torch.cuda.Event | None]] = [
-            (torch.zeros(S + 1, dtype=torch.int32, pin_memory=pinned), None) for _ in range(4)
-        ]
+        self._ring: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        if dev.type == "cuda":
+            self._ring = [
+                (torch.zeros(S + 1, dtype=torch.int32, pin_memory=True), torch.cuda.Event())
+                for _ in range(4)
+            ]
         self._ring_next = 0
         if not capture:
             return
@@ -960,7 +962,6 @@ class PrefillGraphs:
         nothing recorded); shapes, dtypes and devices are checked on the host, values are
         not read."""
         T = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) else -1
-        dev = self.layer.device
         if isinstance(seq_lens, torch.Tensor) and seq_lens.device.type != "cpu":
             raise InputError("seq_lens: expected host ints (a list or a CPU tensor)")
         try:
@@ -996,21 +997,20 @@ class PrefillGraphs:
 
     def _send_offsets(self, cu: torch.Tensor, offsets: list[int]) -> None:
         """``cu`` (S+1,) int32 on the device = ``offsets``, without a sync: written into the
-        next of a few pinned host buffers and copied asynchronously.  A buffer is reused only
-        once the copy that last read it has run (its event; a step later, it long has):
-        ``device_ints`` would pin a new buffer per call, 50-70 us of host time."""
+        next of four pinned host buffers and copied asynchronously on the current stream.  A
+        buffer is rewritten only once the copy that last read it has run (the event recorded
+        behind that copy), i.e. four calls later: a host more than four prefill steps ahead of
+        the GPU waits there.  ``device_ints`` would pin a new buffer per call, 50-70 us of host
+        time."""
         if cu.device.type != "cuda":
             cu.copy_(torch.tensor(offsets, dtype=torch.int32))
             return
         i = self._ring_next = (self._ring_next + 1) % len(self._ring)
         buf, done = self._ring[i]
-        if done is not None:
-            done.synchronize()
+        done.synchronize()  # a no-op while never recorded
         buf.numpy()[:] = offsets
         cu.copy_(buf, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._ring[i] = (buf, event)
+        done.record(torch.cuda.current_stream(cu.device))
 
     def check(self) -> None:
         """One host read of both bad-input records: raise the :class:`InputError` of the lowest

@@ -18,11 +18,14 @@ from ._launch import INTERPRET
 __all__ = ["jit_loop_bounds"]
 
 
-def jit_loop_bounds(*names: str) -> Callable[[Callable[..., Any]], Any]:
-    """``triton.jit``, with the arguments ``names`` made constexpr under the interpreter."""
+def jit_loop_bounds(
+    *names: str, do_not_specialize: tuple[str, ...] = ()
+) -> Callable[[Callable[..., Any]], Any]:
+    """``triton.jit``, with the arguments ``names`` made constexpr under the interpreter
+    (``do_not_specialize``: passed on to ``triton.jit``)."""
 
     def deco(fn: Callable[..., Any]) -> Any:
-        kernel = triton.jit(fn)
+        kernel = triton.jit(fn, do_not_specialize=do_not_specialize or None)
         if INTERPRET:
             # The interpreter reads constexpr-ness off the annotations of the function it
             # re-creates from the source on each launch; mark the loop bounds there.

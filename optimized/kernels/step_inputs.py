@@ -3,9 +3,9 @@
 A CUDA graph reads its inputs from the addresses it was captured with, so ``DecodeGraphs.step``
 and ``PrefillGraphs.step`` (optimized/mtp.py) first copy the caller's tensors into static
 buffers and fill the padding rows of the bucket.  As separate torch ops that is up to ten
-launches (five copies, five fills), each 10-25 us of host time on the H200 machine while the
-GPU waits for the replay: 0.5-0.8 ms in front of a 2.8 ms prefill replay.  One launch does it
-all here.
+launches (five copies, five fills), 10-25 us of host time each, during which the GPU waits for
+the replay.  One launch does it all here: 28-105 us less per decode ``step`` and 38-124 us
+less per prefill ``step`` on the H200 (bench/results/mtp-h200.md, "What changed").
 
 ``stage_inputs_kernel``: grid (max(b, S),); program r, for r < b (the bucket's rows), copies
 row r of the caller's ids, positions and prev_hidden (H values, in BLOCK_H pieces) when r < T
@@ -16,8 +16,12 @@ int64 whatever the caller's integer type.
 
 Shapes: ids_in, pos_in (T,), slots_in (B,) int32 / int64 with any stride; prev_in (T, H) with
 unit stride along H; ids, pos (>= b,) int64, prev (>= b, H) contiguous, real (>= b,) bool,
-slots (>= S,) int64.  Bytes: 2 * b * H * itemsize (the rows in and out, zeros out for
-padding), about 2 * 8 * (b + S) of scalars.
+slots (>= S,) int64.  Bytes: (T + b) * H * itemsize (T rows in, b rows out), about
+2 * 8 * (b + S) of scalars.  T = 0 and B = 0 (an empty decode step) load nothing.
+
+The int arguments T, B, b and S change from call to call and are not specialized on (Triton
+would compile a variant for a value of 1 or a multiple of 16 the first time one came up, in
+the middle of serving).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ __all__ = ["stage_inputs_triton"]
 _BLOCK_H = 8192
 
 
-@jit_loop_bounds("H")
+@jit_loop_bounds("H", do_not_specialize=("T", "B", "b", "S"))
 def stage_inputs_kernel(
     ids_in,
     pos_in,
@@ -60,8 +64,8 @@ def stage_inputs_kernel(
     if r < b:
         live = r < T
         row = tl.where(live, r, 0)
-        token = tl.load(ids_in + row * s_ids).to(tl.int64)
-        p = tl.load(pos_in + row * s_pos).to(tl.int64)
+        token = tl.load(ids_in + row * s_ids, mask=live, other=0).to(tl.int64)
+        p = tl.load(pos_in + row * s_pos, mask=live, other=0).to(tl.int64)
         tl.store(ids + r, tl.where(live, token, 0))
         tl.store(pos + r, tl.where(live, p, 0))
         tl.store(real + r, live)
@@ -72,7 +76,7 @@ def stage_inputs_kernel(
             tl.store(prev + r * H + h0 + offs, x, mask=m)
     if r < S:
         has = r < B
-        slot = tl.load(slots_in + tl.where(has, r, 0) * s_slots).to(tl.int64)
+        slot = tl.load(slots_in + tl.where(has, r, 0) * s_slots, mask=has, other=0).to(tl.int64)
         tl.store(slots + r, tl.where(has, slot, -1))
 
 
@@ -91,7 +95,7 @@ def stage_inputs_triton(
 ) -> None:
     """Copy T = len(ids_in) rows and B = len(slots_in) slots into the static buffers, padding
     rows T..b-1 and slot entries B..S-1 (module doc).  The caller checked shapes, dtypes and
-    devices (``_check_step_inputs``), and T >= 1, B >= 1, b >= T, S >= B."""
+    devices (``_check_step_inputs``), and b >= T, S >= B (T or B may be 0)."""
     T, H = prev_in.shape
     if prev_in.stride(1) != 1:
         prev_in = prev_in.contiguous()
