@@ -113,6 +113,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 IMPL_KEY = pytest.StashKey[dict[str, str]]()
+# The items a run collected and then deselected (``-m "not slow"`` on the CPU tier): generated
+# and present, only not run here; test_registry.py counts them as collected.
+DESELECTED_KEY = pytest.StashKey[list[pytest.Item]]()
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    if items:
+        items[0].config.stash.setdefault(DESELECTED_KEY, []).extend(items)
 
 
 def pytest_configure(config: pytest.Config) -> None:

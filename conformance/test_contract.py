@@ -39,13 +39,14 @@ from dsv4mtp.errors import InputError
 _KIND = {"test_typed_error": "backend"}
 
 # Contracts that leave the CPU tier (``slow``; the GPU tier runs them): under the interpreter
-# each takes about a minute, and the math preset's contract of the same op runs the same
-# kernels (the presets differ in the shared expert's clamp and the activation rounding, which
-# the CPU tier's differential contracts of these ops check in both presets).
+# each takes about a minute.  moe's math contract stays: it runs the routed GEMM kernels of
+# fused_experts and the shared expert's (the presets differ in the shared expert's clamp and
+# the activation rounding, which the CPU tier's differential contracts check in both presets).
 _SLOW_ON_CPU = {
     "test_batch_invariance": {
         "moe-triton-bfloat16-official",
         "fused_experts-triton-bfloat16-official",
+        "fused_experts-triton-bfloat16-math",
     },
 }
 

@@ -332,7 +332,13 @@ def loaded_fp8(tmp_path_factory):
     return load_mtp_checkpoint(make_synthetic_checkpoint(root / "fp8", CFG, expert_format="fp8"))
 
 
-@pytest.mark.parametrize("capture", [False, pytest.param(True, marks=pytest.mark.gpu)])
+# Without capture this is a minute under the interpreter, and the CPU tier has its parts: the
+# draft through eager graphs (test_graph_draft_matches_the_reference), the official layer
+# (test_mtp_optimized.py, fp8-official) and the FP8 ring (test_kv_cache.py).
+@pytest.mark.parametrize(
+    "capture",
+    [pytest.param(False, marks=pytest.mark.slow), pytest.param(True, marks=pytest.mark.gpu)],
+)
 def test_graph_draft_under_the_official_preset(loaded_fp8, device, capture) -> None:
     """FP8 experts with the ``official`` preset (act_quant, fp8_kv: the ring stores FP8-rounded
     rows, mask_pos0, the official norm order): the draft through the device cache and the

@@ -19,7 +19,7 @@ import dsv4mtp.optimized as optimized
 import dsv4mtp.reference as reference
 from dsv4mtp.conformance.contract import contracts
 from dsv4mtp.conformance.inputs import op_inputs
-from dsv4mtp.conformance.plugin import SOURCE_ROOT
+from dsv4mtp.conformance.plugin import DESELECTED_KEY, SOURCE_ROOT
 from dsv4mtp.conformance.registry import REGISTRY, Case
 from dsv4mtp.optimized import _dispatch
 from dsv4mtp.semantics import PRESETS
@@ -119,7 +119,8 @@ def _pytest(tmp: Path, module: str, *args: str) -> subprocess.CompletedProcess[s
 
 def _collected_ids(request: pytest.FixtureRequest, module: str, tmp: Path) -> list[str]:
     path = (HERE / f"{module}.py").resolve()
-    ids = [item.nodeid for item in request.session.items if item.path.resolve() == path]
+    items = [*request.session.items, *request.config.stash.get(DESELECTED_KEY, [])]
+    ids = [item.nodeid for item in items if item.path.resolve() == path]
     if ids:
         return ids
     out = _pytest(tmp, module, "--collect-only", "-q")
