@@ -58,19 +58,18 @@ def _lighter_interpreter_patching() -> None:
     original = getattr(interpreter, "_patch_builtin", None)
     if triton.__version__ != "3.6.0" or original is None or hasattr(original, "names"):
         return
-    names: dict[int, tuple[object, list[str]]] = {}  # id(module) -> (module, builtin names)
+    names: dict[object, list[str]] = {}  # module (or class) -> its builtins' names
 
     def _patch_builtin(pkg, builder, scope):  # type: ignore[no-untyped-def]
-        entry = names.get(id(pkg))
-        if entry is None or entry[0] is not pkg:
+        listed = names.get(pkg)
+        if listed is None:
             listed = [n for n, m in inspect.getmembers(pkg) if tl.core.is_builtin(m)]
             if not listed:  # already swapped (or none): as the original, nothing to do
                 return
-            entry = names[id(pkg)] = (pkg, listed)
-        first = getattr(pkg, entry[1][0], None)
-        if not tl.core.is_builtin(first):
+            names[pkg] = listed
+        if not tl.core.is_builtin(getattr(pkg, listed[0], None)):
             return  # inside a launch's patching: every builtin is swapped already
-        for name in entry[1]:
+        for name in listed:
             member = getattr(pkg, name)
             if tl.core.is_builtin(member):
                 interpreter._patch_attr(pkg, name, member, builder, scope)

@@ -835,9 +835,9 @@ class PrefillGraphs:
     ``query_start_loc`` (one small copy per call from a ring of pinned host buffers, no host
     read; the inputs and the padding are staged in one launch), and the attention's keys are
     sized from T, B and the ring's C (``attention``'s device-offset prefill), so a replay
-    reads no host value.  Replay equals :meth:`step` run eagerly at the
-    padded size (``capture=False``) bit for bit; the padded rows change no other row's bits
-    where ``batch_invariant`` is set (the default schedules may pick by the padded T).
+    reads no host value.  Replay equals :meth:`step` run eagerly at the padded size
+    (``capture=False``) bit for bit; the padded rows change no other row's bits where
+    ``batch_invariant`` is set (the default schedules may pick by the padded T).
 
     Bad input inside a graph: a row with a non-finite ``prev_hidden`` row, an id outside
     [0, vocab) or a position outside [0, max_position_embeddings) is recorded by
@@ -1003,7 +1003,7 @@ class PrefillGraphs:
         the GPU waits there.  ``device_ints`` would pin a new buffer per call, 50-70 us of host
         time."""
         if cu.device.type != "cuda":
-            cu.copy_(torch.tensor(offsets, dtype=torch.int32))
+            cu.copy_(device_ints(offsets, cu.device, torch.int32))
             return
         i = self._ring_next = (self._ring_next + 1) % len(self._ring)
         buf, done = self._ring[i]
