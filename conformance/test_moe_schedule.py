@@ -494,7 +494,8 @@ def test_gluon_values_are_exact_for_every_code_and_scale() -> None:
     the scale multiplies in fp32, byte 0 as 2**-127).  With ``fold`` (scale bytes 0..128, a
     pack's ``mx_fold``) the scale is applied in the bf16 decode, exact too (bytes 0 and 1 give
     bf16 subnormals, which the MMA keeps).  Also two K splits (the partials of the other split
-    are zero), 64-row programs and 16- and 32-row M blocks."""
+    are zero), 64-row programs and 16- and 32-row M blocks; with ``fold``, the wgmma kernel on
+    64- and 128-row M blocks."""
     N, K = 256, 256
     codes = (torch.arange(N * K // 2) % 256).to(torch.uint8).reshape(1, N, K // 2)
     c = codes[0]
@@ -515,6 +516,12 @@ def test_gluon_values_are_exact_for_every_code_and_scale() -> None:
             (GemmTile(128, 128, swap_ab=True), 8),
             (GemmTile(64, 128, split_k=2), 16),
             (GemmTile(128, 128), 32),
+            # the wgmma kernel (64- and 128-row blocks) folds the scales only
+            *(
+                ((GemmTile(128, 128, num_warps=8), 128), (GemmTile(64, 128, split_k=2), 64))
+                if fold
+                else ()
+            ),
         ):
             y = moe_down_triton(
                 h, tc, ts, ones, sorted_slot, block_expert[: K // bm], fmt=FMT_MXFP4, T=K, D=N,
@@ -565,6 +572,51 @@ def test_gluon_gemms_at_v4_flash_shapes(T: int) -> None:
     torch.cuda.synchronize()
     assert torch.equal(captured, moe(x_static, pack, cfg, **kw))
     assert not torch.equal(captured, out) or T == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1500, 4096])
+def test_wgmma_gemms_at_v4_flash_shapes(T: int) -> None:
+    """The Gluon wgmma GEMMs (64- and 128-row M blocks, the default above T 1024 for a pack
+    whose scales fold) at V4-Flash experts (D 4096, I 2048, E 256, top-6): within the moe
+    tolerance of the float64 reference under the default and with 128-row blocks, one warpgroup
+    (64 weight rows), three or five stages and a K split of 2; every schedule gives each row the
+    bits of the default (the same chain of MMAs) and of the same row in a batch of one; a
+    CUDA-graph replay equals the eager call.  A pack whose scales do not fold keeps the PTX
+    decode."""
+    (x, params, cfg), kw = moe_inputs("moe", T, 11, shape="flash", fmt="mxfp4", device="cuda")
+    pack = pack_moe(params, "cuda")
+    d = moe_config(T, batch_invariant=False, fmt=pack.kernel_fmt)
+    assert d.decode == "gluon" and d.block_m == 64 and pack.mx_fold
+    assert moe_config(T, batch_invariant=False, fmt="mxfp4_tiles").decode == "asm"
+    want = moe(x, pack, cfg, **kw, schedule=d)
+    _check("moe", want, (x, params, cfg), kw)
+    one_wg = GemmTile(64, 128, num_warps=4, num_stages=4)
+    for s in (
+        replace(d, block_m=128),
+        replace(d, gate_up=replace(d.gate_up, num_stages=3), down=replace(d.down, num_stages=5)),
+        replace(d, gate_up=one_wg, down=one_wg),
+        replace(d, block_m=128, gate_up=replace(d.gate_up, split_k=2)),
+    ):
+        got = moe(x, pack, cfg, **kw, schedule=s)
+        if s.gate_up.split_k == 1:
+            assert torch.equal(got, want), s
+        else:  # two fp32 partials summed: another order
+            _check("moe", got, (x, params, cfg), kw)
+        full = moe(x, pack, cfg, **kw, schedule=s, batch_invariant=True)
+        one = moe(x[-1:].clone(), pack, cfg, **kw, schedule=s, batch_invariant=True)
+        assert torch.equal(full[-1:], one)
+    x_static = x.clone()
+    out = moe(x_static, pack, cfg, **kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe(x_static, pack, cfg, **kw)
+    x_static.copy_(x.flip(0))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, moe(x_static, pack, cfg, **kw))
+    assert not torch.equal(captured, out)
 
 
 @pytest.mark.parametrize("T", [1, 2, 5, 8])
@@ -619,9 +671,11 @@ def test_schedule_validation() -> None:
 def test_gluon_applies_only_where_the_kernel_can_run() -> None:
     """The Gluon GEMMs take a call only at their shapes (8-, 16- or 32-row blocks, 128-wide K
     steps, 16 x (1, 2, 4) x warps weight rows per program dividing N, K a multiple of 128 x
-    split) and with x and the codes contiguous at 4-byte aligned addresses (they are read as
-    int32 words); anything else runs as ``"mxstep"`` (checked here without a GPU: the
-    launchers decide on these predicates before any launch)."""
+    split; the wgmma kernel's 64- and 128-row blocks with 16 x warps rows, three or more stages
+    and folded scales) and with x and the codes contiguous at 4-byte aligned addresses (they
+    are read as int32 words; 16-byte aligned x for the wgmma kernel's copies); anything else
+    runs as ``"mxstep"`` (checked here without a GPU: the launchers decide on these
+    predicates before any launch)."""
     x = torch.zeros(8, 512, dtype=torch.bfloat16)
     codes = torch.zeros(2, 256, 256, dtype=torch.uint8)
     ok = GemmTile(128, 128)
@@ -638,6 +692,19 @@ def test_gluon_applies_only_where_the_kernel_can_run() -> None:
     assert odd.is_contiguous() and not gluon_applies(odd, codes, ok, 8)
     assert not gluon_applies(x, codes.transpose(1, 2), ok, 8)
     assert gluon_tile_ok(ok, 8, 512, 256) and not gluon_tile_ok(ok, 8, 512, 192)
+    # the wgmma kernel: 64- or 128-row blocks, 16 weight rows per warp (4 or 8 warps), at least
+    # three stages, folded scales, x at a 16-byte aligned address
+    wg = GemmTile(128, 128, num_warps=8)
+    assert gluon_applies(x, codes, wg, 64) and gluon_applies(x, codes, wg, 128)
+    assert gluon_applies(x, codes, GemmTile(64, 128), 64)
+    assert not gluon_applies(x, codes, wg, 64, fold=False)
+    assert not gluon_applies(x, codes, GemmTile(128, 128, num_warps=8, num_stages=2), 64)
+    assert not gluon_applies(x, codes, GemmTile(256, 128, num_warps=8), 64)
+    assert not gluon_applies(x, codes, GemmTile(128, 128, num_warps=2), 64)
+    buf = torch.zeros(x.numel() + 8, dtype=torch.bfloat16)
+    assert gluon_applies(buf[8:].view(x.shape), codes, wg, 64)  # a 16-byte offset
+    word = buf[2 : 2 + x.numel()].view(x.shape)  # a 4-byte offset only
+    assert gluon_applies(word, codes, ok, 8) and not gluon_applies(word, codes, wg, 64)
 
 
 def test_reduce_takes_one_split_partials(device: str) -> None:

@@ -119,7 +119,30 @@ def mxdot_candidates(T: int, dry: bool) -> list[tuple[str, MoESchedule]]:
     ]
 
 
-def layout_candidates(T: int, layout: str, dry: bool) -> list[tuple[str, MoESchedule]]:
+def wgmma_candidates(d: MoESchedule) -> list[tuple[str, MoESchedule]]:
+    """The Gluon wgmma GEMMs (64- and 128-row M blocks, kernels/moe_gemm_gluon.py): 128 weight
+    rows on 8 warps or 64 on 4, 3-5 stages of x and codes in shared memory."""
+    g = replace(d, decode="gluon")
+
+    def wg(bm: int, warps: int = 8, stages: int = 3) -> MoESchedule:
+        return _routed(
+            replace(g, block_m=bm), block_n=16 * warps, num_warps=warps, num_stages=stages,
+            split_k=1, swap_ab=False,
+        )  # fmt: skip
+
+    return [
+        ("wg_m128", wg(128)),
+        ("wg_m64", wg(64)),
+        ("wg_m128_s5", wg(128, stages=5)),
+        ("wg_m128_s4", wg(128, stages=4)),
+        ("wg_m64_w4", wg(64, warps=4)),
+        ("wg_m128_w4", wg(128, warps=4)),
+    ]
+
+
+def layout_candidates(
+    T: int, layout: str, dry: bool, kfmt: str = ""
+) -> list[tuple[str, MoESchedule]]:
     """MXFP4 experts in each ``pack_moe`` layout (``--layouts``): its default first, then the
     default with the shared expert in order on the one stream (``shared_stream`` flipped; the
     default takes the side stream up to T 64).  Rows: the per-group loads (``"mxdot"``) and
@@ -132,7 +155,8 @@ def layout_candidates(T: int, layout: str, dry: bool) -> list[tuple[str, MoESche
     32-row blocks, swapped 8- and 16-row blocks, 32-row blocks, 64-row gate/up tiles.  The
     layout "tiles_nofold" (``main``) is the tiles pack with ``mx_fold`` off.  ``--names``
     keeps only the named ones."""
-    fmt = "mxfp4_tiles" if layout == "tiles" else "mxfp4"
+    # the packs' own kernel format ("mxfp4_tiles_fold" where the scales fold)
+    fmt = kfmt or ("mxfp4_tiles" if layout == "tiles" else "mxfp4")
     d = moe_config(T, batch_invariant=False, fmt=fmt)
     flip = "shared_in_order" if d.shared_stream else "shared_side_stream"
     out = [("default", d), (flip, replace(d, shared_stream=not d.shared_stream))]
@@ -164,6 +188,10 @@ def layout_candidates(T: int, layout: str, dry: bool) -> list[tuple[str, MoESche
         for bm in (8, 32, 64):
             if bm != d.shared_block_m and (bm < 32 or T > 16):
                 out.append((f"shared_m{bm}", replace(d, shared_block_m=bm)))
+        if T > 256:
+            out += wgmma_candidates(d)
+        if T > 1024:  # the PTX decode the wgmma GEMMs replaced (the default without the fold)
+            out.append(("ptx_m64", moe_config(T, batch_invariant=False, fmt="mxfp4_tiles")))
         if T > 256:  # the 16-row unswapped "mxstep" blocks the Gluon GEMMs replaced here
             out.append(("mxstep_m16", _routed(replace(d, block_m=16, decode="mxstep"),
                                               swap_ab=False)))  # fmt: skip
@@ -192,6 +220,7 @@ def layout_candidates(T: int, layout: str, dry: bool) -> list[tuple[str, MoESche
         # the Gluon GEMMs on 8- and 16-row blocks
         g = _routed(replace(d, decode="gluon"), block_n=128, split_k=1)
         out += [(f"gluon_m{bm}", replace(g, block_m=bm)) for bm in (8, 16, 32)]
+        out += wgmma_candidates(d)
     if 64 < T <= 768:
         out += [
             ("m16_swap", _routed(d, swap_ab=True)),
@@ -474,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(
                         f"{tag} T={T}: default vs {layouts[0]}'s default rel {rel(want, first):.1e}"
                     )
-                cands = layout_candidates(T, pack_layout, a.dry_run)
+                cands = layout_candidates(T, pack_layout, a.dry_run, kfmt)
             elif a.mxdot:
                 cands = [candidates(T, a.dry_run)[0], *mxdot_candidates(T, a.dry_run)]
             else:

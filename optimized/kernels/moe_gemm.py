@@ -945,12 +945,15 @@ def _gluon_or_mxstep(
     sorted_slot: torch.Tensor | None,
     tile: GemmTile,
     block_m: int,
+    fold: bool,
 ) -> str:
     """A routed GEMM whose decode resolved to ``"gluon"`` (:func:`_decode_for`) runs the Gluon
-    kernel where it applies to these operands and this (split-fitted) tile
+    kernel where it applies to these operands, this (split-fitted) tile and the pack's scales
     (``gluon_applies``), else ``"mxstep"``; other decodes, and the shared expert (no sort),
     pass through."""
-    if decode != "gluon" or (sorted_slot is not None and gluon_applies(x, codes, tile, block_m)):
+    if decode != "gluon" or (
+        sorted_slot is not None and gluon_applies(x, codes, tile, block_m, fold)
+    ):
         return decode
     return "mxstep"
 
@@ -1026,7 +1029,7 @@ def moe_gate_up_triton(
     tile = _fit_split(tile, D)
     split = tile.split_k
     rows = num_m_blocks * block_m
-    decode = _gluon_or_mxstep(decode, x, w13, sorted_slot, tile, block_m)
+    decode = _gluon_or_mxstep(decode, x, w13, sorted_slot, tile, block_m, fold)
     if decode == "gluon":
         assert sorted_slot is not None and block_expert is not None
         _gate_up_gluon(x, w13, s13, gscale, sorted_slot, block_expert, topk_weights, h,
@@ -1092,7 +1095,7 @@ def moe_down_triton(
     decode = _decode_for(decode, fmt, h.dtype, s2, tile.block_k, tiled)
     tile = _fit_split(tile, inter)
     split = tile.split_k
-    decode = _gluon_or_mxstep(decode, h, w2, sorted_slot, tile, block_m)
+    decode = _gluon_or_mxstep(decode, h, w2, sorted_slot, tile, block_m, fold)
     if decode == "gluon":
         assert sorted_slot is not None and block_expert is not None
         # unscaled fp32 partials at the slots, for the reduce (also with one split)

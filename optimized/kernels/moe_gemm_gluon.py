@@ -1,7 +1,8 @@
-"""The routed MXFP4 expert GEMMs at decode sizes, in Gluon: ``decode="gluon"``.
+"""The routed MXFP4 expert GEMMs in Gluon: ``decode="gluon"`` (mma_v2 at decode sizes, wgmma at
+prefill sizes).
 
 What it computes: for every M block of the align kernel's sorted slots (``block_m`` 8, 16 or
-32 rows: expert e, rows r = block_m * block .. + block_m - 1), the fp32 product of the block's
+32 rows, 64 or 128 for the wgmma kernel: expert e, rows r = block_m * block .. + block_m - 1), the fp32 product of the block's
 activation rows and e's MXFP4 weight rows n over the program's K slice, into split-K partials
 that the Triton epilogues finish:
 
@@ -50,6 +51,31 @@ for ``"mxstep"``, the experts streaming at about 3.5 TB/s at T 64 (bench/results
   the registers doubled).  76-88 registers at 8 rows, 128-136 at 16, 239-255 at 32 (two
   programs per SM), no shared memory.
 
+wgmma (``moe_mx_wgmma_kernel``, 64- or 128-row M blocks, the scales folded: prefill sizes,
+where an expert holds ~T * 6 / 256 rows, 96 at T 4096):
+
+* ``warpgroup_mma`` with the decoded weights as the register A operand (M = 64 weight rows per
+  warpgroup, 128 on 8 warps) and the block's activation rows as B from shared memory (N = 64
+  or 128): the weights are decoded once per M block instead of once per 16 rows.
+* The A fragment puts columns 2w, 2w + 1 (+ 8, + 16, + 24) of a group in lane w of a quad:
+  byte w of each of the group's four code words.  Every lane of the quad reads the row's 16
+  bytes (a broadcast shared-memory load) and three ``prmt`` gather its four bytes into one
+  word, which the decode above turns into its eight A values in the natural column order, so
+  x needs no permutation.
+* x rows (gathered by token for gate/up), the code words and the scale words go global ->
+  shared by ``cp.async``: x of step i with the codes of step i + 1 in one group, ``STAGES - 2``
+  steps ahead; the codes of step i + 1 decode while the MMA of step i is issued.  Each step
+  waits for its MMA before the next barrier: ptxas gives every step's A operand the same
+  registers, and with a second MMA in flight (a wait for one) the next step's A overwrote
+  them under it (wrong results on the H200).  N tiles are the fastest grid dimension, so the
+  programs of one M block share its x rows in L2.
+* Every MMA of the K slice chains into one fp32 accumulator (the k16 steps in order); the
+  values equal the PTX-decode Triton kernels' at these shapes (the same chain), and differ from
+  the mma_v2 kernel's per-step partials by fp32 summation order only.
+* 8 warps, 64-row blocks, 4 stages: 124 registers and 98 KB of shared memory, two programs
+  per SM.  Whole moe on the H200 at T 2048 / 4096: bench/results/moe-h200.md, "wgmma GEMMs at
+  prefill sizes".
+
 Batch invariance: a row's value depends on its expert, the split, ``block_m``'s MMA shape and
 the mode only, never on the other rows or on T.  No interpreter: Gluon has none, so on the CPU
 ``"gluon"`` runs as ``"mxstep"`` (kernels/moe_gemm.py, ``_decode_for``); the GPU tier tests
@@ -62,6 +88,12 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from ._launch import triton_launch
 from .moe_schedule import GemmTile
@@ -342,31 +374,267 @@ def moe_mx_gluon_kernel(
         gl.store(ptrs, acc, mask=mask)
 
 
-# ----------------------------------------------------------------------------- launcher
-def gluon_tile_ok(tile: GemmTile, block_m: int, K: int, N: int) -> bool:
-    """Whether this kernel runs ``tile`` at this shape: 8-, 16- or 32-row M blocks (mma_v2's N),
-    128-column K steps, ``block_n`` = 16 x (1, 2 or 4) x ``num_warps`` weight rows dividing N,
-    K a multiple of 128 x ``split_k``."""
-    m_tiles, rem = divmod(tile.block_n, 16 * tile.num_warps)
-    return (
-        block_m in (8, 16, 32)
-        and tile.block_k == 128
-        and rem == 0
-        and m_tiles in (1, 2, 4)
-        and N % tile.block_n == 0
-        and K % (128 * tile.split_k) == 0
+# ----------------------------------------------------------------------------- wgmma
+# The prefill-size GEMMs: 64- or 128-row M blocks (an expert holds ~T * 6 / 256 rows: 48 at
+# T 2048, 96 at T 4096), where the mma_v2 kernel above re-decodes each expert's weights once per
+# 16-row block.  Here one program decodes its 128 weight rows once per 128-column step into the
+# registers of a wgmma A operand and multiplies them with all 64 or 128 rows of the block at
+# once (module doc, "wgmma").
+_GATHER_BYTES = gl.constexpr(
+    "{\n.reg .b32 lo, hi;\n"
+    "prmt.b32 lo, $1, $2, $5;\nprmt.b32 hi, $3, $4, $5;\nprmt.b32 $0, lo, hi, 0x5410;\n}"
+)
+
+
+@gluon.constexpr_function
+def _wg_mma_layout(num_warps, block_t):
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_t, 16]
     )
 
 
-def gluon_applies(x: torch.Tensor, codes: torch.Tensor, tile: GemmTile, block_m: int) -> bool:
+@gluon.constexpr_function
+def _wg_code_layout(num_warps):
+    """(rows, 4 lanes, 4 words of a group): every lane of a quad holds the row's four words of
+    the group (one 16-byte load), lane // 4 = row, row + 8 in registers, warps: 16-row slabs
+    (the rows of the wgmma A operand's fragments)."""
+    warp = [[16 << j, 0, 0] for j in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=warp, block_bases=[], shape=[16 * num_warps, 4, 4],
+    )  # fmt: skip
+
+
+@gluon.jit
+def _wg_decode_group(raw, ks, FOLD: gl.constexpr, HI: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A group's code words (BLOCK_N, 4 lanes, 4 words) -> its A tile (BLOCK_N, 32) bf16 in
+    the natural column order.  Lane w of a quad holds columns 2w, 2w + 1 (+ 8, + 16, + 24) of
+    each of its rows in the wgmma fragment: byte w of each of the group's four words, which
+    three ``prmt`` gather into one word (byte b = word b's byte w); its nibbles then decode as
+    in :func:`_decode_group` (output 2i + h = nibble i + 4h = byte i // 2 + 2h, half i % 2, i.e.
+    column 16h + 8(i // 2) + 2w + i % 2)."""
+    even, odd = gl.split(gl.reshape(raw, [BLOCK_N, 4, 2, 2]))  # word j = 2 j1 + j0
+    v0, v2 = gl.split(even)
+    v1, v3 = gl.split(odd)
+    lane = gl.arange(0, 4, layout=gl.SliceLayout(0, v0.type.layout))
+    # prmt selector: bytes 0, 1 of the result = byte w of the first, of the second operand
+    sel = gl.expand_dims(lane + (lane + 4) * 16, 0) + gl.zeros_like(v0)
+    ks = gl.convert_layout(ks, v0.type.layout)
+    wd = gl.inline_asm_elementwise(
+        _GATHER_BYTES, "=r,r,r,r,r,r", [v0, v1, v2, v3, sel], dtype=gl.int32, is_pure=True,
+        pack=1,
+    )  # fmt: skip
+    if FOLD:
+        o = gl.inline_asm_elementwise(
+            _DECODE_FOLD_HI if HI else _DECODE_FOLD_LO, _OUT8 + ",r,r", [wd, ks],
+            dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        o = gl.inline_asm_elementwise(
+            _DECODE, _OUT8 + ",r", [wd], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1
+        )
+    # o[4 i1 + 2 i0 + h]: column 16 h + 8 i1 + 2 w + i0 -> dims (n, w, h, i0, i1)
+    s0 = gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3]))
+    s1 = gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7]))
+    r = gl.permute(gl.join(s0, s1), (0, 2, 4, 1, 3))  # (n, h, i1, w, i0)
+    return gl.reshape(r, [BLOCK_N, 32])
+
+
+@gluon.jit
+def _wg_decode_step(buf, BLOCK_N: gl.constexpr, AL: gl.constexpr):
+    """A step's A operand (BLOCK_N, 128) bf16 with the scales folded (FOLD only)."""
+    c0, c1, c2, c3, sw = buf
+    k01, k23 = gl.inline_asm_elementwise(
+        _FOLD_MULT, "=r,=r,r", [sw], dtype=(gl.int32, gl.int32), is_pure=True, pack=1
+    )
+    a0 = _wg_decode_group(c0, k01, True, False, BLOCK_N)
+    a1 = _wg_decode_group(c1, k01, True, True, BLOCK_N)
+    a2 = _wg_decode_group(c2, k23, True, False, BLOCK_N)
+    a3 = _wg_decode_group(c3, k23, True, True, BLOCK_N)
+    a = gl.permute(gl.join(gl.join(a0, a1), gl.join(a2, a3)), (0, 3, 2, 1))  # (n, g1, g0, k)
+    return gl.convert_layout(gl.reshape(a, [BLOCK_N, 128]), AL)
+
+
+@gluon.jit
+def _wg_copy_step(xs, cs, ss, x_ptrs, c_ptrs, s_ptrs, step, n_steps, STAGES: gl.constexpr):
+    """One cp.async group: x of step ``step`` (rows, 128 columns) into stage ``step %
+    STAGES``, and the code words (BLOCK_N, 16) and scale words (BLOCK_N,) of step ``step + 1``
+    into stage ``(step + 1) % STAGES`` (the codes run a step ahead: they are decoded while the
+    previous step's MMA runs); past the last step the group is empty, so that the wait counts
+    stay uniform.  ``step`` -1 copies the first step's codes only."""
+    if step < n_steps:
+        if step >= 0:
+            async_copy.async_copy_global_to_shared(xs.index(step % STAGES), x_ptrs + step * 128)
+        if step + 1 < n_steps:
+            cst = (step + 1) % STAGES
+            async_copy.async_copy_global_to_shared(cs.index(cst), c_ptrs + (step + 1) * 2048)
+            async_copy.async_copy_global_to_shared(ss.index(cst), s_ptrs + (step + 1) * 128)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _wg_smem_codes(cs, ss, st, CL: gl.constexpr):
+    """Stage ``st``'s code words as four (BLOCK_N, 4 lanes, 4 words) tensors (every lane of a
+    quad reads its row's 16 bytes of the group: one broadcast 16-byte shared load) and the
+    scale words (BLOCK_N, 4 lanes)."""
+    RL: gl.constexpr = gl.SliceLayout(1, CL)
+    quad = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, CL)))
+    zq = gl.expand_dims(gl.expand_dims(quad * 0, 0), 2)
+    c = cs.index(st)
+    c0 = gl.expand_dims(c.slice(0, 4, dim=1).load(RL), 1) + zq
+    c1 = gl.expand_dims(c.slice(4, 4, dim=1).load(RL), 1) + zq
+    c2 = gl.expand_dims(c.slice(8, 4, dim=1).load(RL), 1) + zq
+    c3 = gl.expand_dims(c.slice(12, 4, dim=1).load(RL), 1) + zq
+    SR: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, CL))
+    sw = gl.expand_dims(ss.index(st).load(SR), 1) + gl.expand_dims(quad * 0, 0)
+    return c0, c1, c2, c3, sw
+
+
+@gluon.jit
+def moe_mx_wgmma_kernel(
+    x_ptr,  # *bf16: activations (rows, K)
+    w_ptr,  # *i32: codes, tiles layout, (E, N, K/8) words
+    s_ptr,  # *i32: e8m0 scales, tiles layout, (E, N, K/128) words
+    sorted_ptr,  # *i32 (num_blocks * BLOCK_T,): slot of each M-block row, -1 = padding
+    block_expert_ptr,  # *i32 (num_blocks,): expert of each M block, -1 = unused
+    part_ptr,  # *fp32 (SPLIT_K, ROWS_PART, N)
+    K,
+    N,
+    TOPK,
+    W_STRIDE_E,
+    S_STRIDE_E,
+    ROWS_PART,
+    GATHER: gl.constexpr,
+    BLOCK_T: gl.constexpr,
+    SPLIT_K: gl.constexpr,
+    STAGES: gl.constexpr,
+    NUM_WARPS: gl.constexpr,
+):
+    BLOCK_N: gl.constexpr = 16 * NUM_WARPS
+    MMA: gl.constexpr = _wg_mma_layout(NUM_WARPS, BLOCK_T)
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    CL: gl.constexpr = _wg_code_layout(NUM_WARPS)
+    # x: 16-byte pieces, a warp covers 2 rows x 128 columns
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
+    XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    # N tiles fastest: the programs of one M block run together and share its x rows in L2
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    pid_s = gl.program_id(2)
+    e = gl.load(block_expert_ptr + pid_m)
+    if e >= 0:  # unused M blocks stream no weights
+        e64 = e.to(gl.int64)
+        kslice = K // SPLIT_K
+        k_lo = pid_s * kslice
+        n_steps = kslice // 128
+        KS = K // 128
+        # x rows of the block (padding rows read row 0: their columns are never stored)
+        xt = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, XL))
+        x_slot = gl.load(sorted_ptr + pid_m * BLOCK_T + xt)
+        x_row = gl.maximum(x_slot, 0) // TOPK if GATHER else pid_m * BLOCK_T + xt
+        xc = gl.arange(0, 128, layout=gl.SliceLayout(0, XL))
+        x_ptrs = x_ptr + k_lo + gl.expand_dims(x_row.to(gl.int64) * K, 1) + gl.expand_dims(xc, 0)
+        w_base = w_ptr + e64 * W_STRIDE_E + (k_lo // 128) * 2048
+        s_base = s_ptr + e64 * S_STRIDE_E + (k_lo // 128) * 128
+        xs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 128], XS)
+        acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=MMA)
+        # code words ((n // 128) * KS + step) * 2048 + (n % 128) * 16 + word, 16 per row;
+        # scale words ((n // 128) * KS + step) * 128 + n % 128
+        CPL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NUM_WARPS, 1], [1, 0])
+        crow = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CPL))
+        cword = gl.arange(0, 16, layout=gl.SliceLayout(0, CPL))
+        c_ptrs = (
+            w_base
+            + gl.expand_dims((crow // 128) * (KS * 2048) + (crow % 128) * 16, 1)
+            + gl.expand_dims(cword, 0)
+        )
+        SPL: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+        srow = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=SPL)
+        sc_ptrs = s_base + (srow // 128) * (KS * 128) + srow % 128
+        # 16-byte chunks XOR-swizzled by row pair: a warp's eight rows of one group hit
+        # distinct banks
+        CS: gl.constexpr = gl.SwizzledSharedLayout(4, 2, 4, order=[1, 0])
+        cs = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], CS)
+        ss = gl.allocate_shared_memory(
+            gl.int32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        )
+        # x runs STAGES - 2 steps ahead, the codes one more: a stage is refilled the step
+        # after its MMA retired
+        for i in gl.static_range(-1, STAGES - 2):
+            _wg_copy_step(xs, cs, ss, x_ptrs, c_ptrs, sc_ptrs, i, n_steps, STAGES)
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        a = _wg_decode_step(_wg_smem_codes(cs, ss, 0, CL), BLOCK_N, AL)
+        for i in range(n_steps):
+            # step i's x and step i + 1's codes have landed for every thread, visible to
+            # the async proxy; every warpgroup retired the MMA of step i - 1
+            async_copy.wait_group(STAGES - 3)
+            fence_async_shared()
+            gl.thread_barrier()
+            _wg_copy_step(xs, cs, ss, x_ptrs, c_ptrs, sc_ptrs, i + STAGES - 2, n_steps, STAGES)
+            acc = warpgroup_mma(a, xs.index(i % STAGES).permute((1, 0)), acc, is_async=True)
+            # decode step i + 1 while the MMA of step i runs
+            a_next = _wg_decode_step(_wg_smem_codes(cs, ss, (i + 1) % STAGES, CL), BLOCK_N, AL)
+            # all of step i's MMA retired before the barrier: ptxas reuses the A registers, so a
+            # second MMA in flight (a wait for 1) would overwrite them under it
+            acc, a = warpgroup_mma_wait(0, deps=(acc, a_next))
+        async_copy.wait_group(0)
+
+        n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+        t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, MMA))
+        slot = gl.load(sorted_ptr + pid_m * BLOCK_T + t)
+        if GATHER:
+            # packed row 2c is gate column c, 2c + 1 up column c: [gate ; up] partial rows
+            out_row = pid_m * BLOCK_T + t
+            col = (n % 2) * (N // 2) + n // 2
+        else:
+            out_row = gl.maximum(slot, 0)
+            col = n
+        ptrs = (
+            part_ptr
+            + gl.expand_dims((pid_s * ROWS_PART + out_row).to(gl.int64) * N, 0)
+            + gl.expand_dims(col, 1)
+        )
+        mask = gl.expand_dims(n >= 0, 1) & gl.expand_dims(slot >= 0, 0)
+        gl.store(ptrs, acc, mask=mask)
+
+
+# ----------------------------------------------------------------------------- launcher
+def gluon_tile_ok(tile: GemmTile, block_m: int, K: int, N: int, fold: bool = True) -> bool:
+    """Whether these kernels run ``tile`` at this shape: 128-column K steps, K a multiple of
+    128 x ``split_k``, and ``block_n`` weight rows dividing N; with 8-, 16- or 32-row M blocks
+    (mma_v2's N) ``block_n`` = 16 x (1, 2 or 4) x ``num_warps``; with 64- or 128-row M blocks
+    (wgmma's N) ``block_n`` = 16 x ``num_warps`` (4 or 8 warps: one or two warpgroups of 64
+    rows), at least 3 stages (a step's copies run ``num_stages - 2`` steps ahead), and the
+    scales folded into the decode (``fold``)."""
+    if tile.block_k != 128 or K % (128 * tile.split_k) or N % tile.block_n:
+        return False
+    if block_m in (64, 128):
+        return (
+            fold
+            and tile.num_warps in (4, 8)
+            and tile.block_n == 16 * tile.num_warps
+            and tile.num_stages >= 3
+        )
+    m_tiles, rem = divmod(tile.block_n, 16 * tile.num_warps)
+    return block_m in (8, 16, 32) and rem == 0 and m_tiles in (1, 2, 4)
+
+
+def gluon_applies(
+    x: torch.Tensor, codes: torch.Tensor, tile: GemmTile, block_m: int, fold: bool = True
+) -> bool:
     """Whether :func:`moe_mx_gluon` takes this call: :func:`gluon_tile_ok` at x's K and the
-    codes' N, and x and the codes contiguous at 4-byte aligned addresses (the kernel reads
-    them as int32 words; a view at an odd bf16 offset, valid for the Triton kernels, is not)."""
+    codes' N, and x and the codes contiguous at 4-byte aligned addresses (the kernels read
+    the codes as int32 words, and the mma_v2 kernel x too; a view at an odd bf16 offset, valid
+    for the Triton kernels, is not); 16-byte aligned x for the wgmma kernel's copies."""
+    align = 16 if block_m >= 64 else 4
     return (
-        gluon_tile_ok(tile, block_m, x.shape[1], codes.shape[1])
+        gluon_tile_ok(tile, block_m, x.shape[1], codes.shape[1], fold)
         and x.is_contiguous()
         and codes.is_contiguous()
-        and x.data_ptr() % 4 == 0
+        and x.data_ptr() % align == 0
         and codes.data_ptr() % 4 == 0
     )
 
@@ -388,14 +656,24 @@ def moe_mx_gluon(
     """Write the split-K partials ``part`` (split, rows_part, N) fp32 of x's rows times the
     MXFP4 experts (module doc): gate/up with ``gather`` (x (T, K) read at the slots' tokens,
     rows of ``part`` = M-block rows, columns [gate ; up]), down without (x = h (blocks *
-    block_m, K), rows of ``part`` = slots).  The caller checks :func:`gluon_tile_ok`, the tiles
-    layout and x bf16 contiguous; ``fold`` only for scale bytes <= 128."""
+    block_m, K), rows of ``part`` = slots).  The caller checks :func:`gluon_applies`, the tiles
+    layout and x bf16 contiguous; ``fold`` only for scale bytes <= 128.  8- to 32-row M blocks
+    run the mma_v2 kernel, 64- and 128-row blocks the wgmma kernel."""
     num_m = block_expert.numel()
     K = x.shape[1]
     N = codes.shape[1]
     split = tile.split_k
     w32 = codes.view(torch.int32)
     s32 = scales.view(torch.int32)
+    if block_m >= 64:
+        triton_launch(
+            moe_mx_wgmma_kernel, GATHER=gather, BLOCK_T=block_m, SPLIT_K=split,
+            STAGES=tile.num_stages, NUM_WARPS=tile.num_warps, num_warps=tile.num_warps,
+        )(
+            (N // tile.block_n, num_m, split), x, w32, s32, sorted_slot, block_expert, part,
+            K, N, top_k, w32[0].numel(), s32[0].numel(), part.shape[1],
+        )  # fmt: skip
+        return
     triton_launch(
         moe_mx_gluon_kernel, GATHER=gather, BLOCK_T=block_m,
         M_TILES=tile.block_n // (16 * tile.num_warps), SPLIT_K=split, FOLD=fold,

@@ -29,7 +29,8 @@ What each knob changes (optimized/kernels/moe_gemm.py, module doc, "Schedule"):
   ``_mx_groups_step``); not value-preserving against the others (the fp32 sums are grouped).
   ``"mxstep"``: the same dots with a K step's codes in one load (the same bits as
   ``"mxdot"``; what the tiles layout runs in Triton).  ``"gluon"`` (MXFP4 in the tiles
-  layout, 8-, 16- or 32-row blocks, compiled launches; else it runs as ``"mxstep"``): the routed
+  layout, 8-, 16- or 32-row blocks, or 64- and 128-row blocks with foldable scales,
+  compiled launches; else it runs as ``"mxstep"``): the routed
   GEMMs as the Gluon kernels of kernels/moe_gemm_gluon.py (register-level decode, one MMA per
   scale group, the scale on the group's fp32 result, or folded into the bf16 decode for a
   pack whose scale bytes are <= 128), writing fp32 partials that the SwiGLU and reduce
@@ -264,9 +265,12 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
       / 1043.9 / 2625 / 3375 us for the Triton ``"mxstep"`` schedule and 3523 us for the PTX
       decode at T 1024; 16-row blocks lost up to T 256: 927.9 against 724.5 us at T 64, 1458
       against 1323 at T 256; 32-row blocks gained nothing; moe-h200.md, "Gluon GEMMs on the
-      tiles"); 128-row gate/up tiles of interleaved gate and up rows everywhere; above T 1024
-      the PTX decode with two stages (:func:`_gate_up`; 7328 us at T 4096 against 9766 for
-      the Gluon GEMMs on 16-row blocks).  ``"mxstep"`` (a K step's codes in one load) is the
+      tiles"); 128-row gate/up tiles of interleaved gate and up rows everywhere.  Above
+      T 1024, with the scales foldable (``"mxfp4_tiles_fold"``), the Gluon wgmma GEMMs on
+      64-row blocks (kernels/moe_gemm_gluon.py, ``moe_mx_wgmma_kernel``; moe-h200.md,
+      "wgmma GEMMs at prefill sizes"); otherwise the PTX decode with two stages
+      (:func:`_gate_up`; 7328 us at T 4096 against 9766 for the Gluon GEMMs on 16-row
+      blocks).  ``"mxstep"`` (a K step's codes in one load) is the
       tiles' Triton path: the interpreter's, and what ``"gluon"`` falls back to.
 
     The sort runs in one program up to 128 slots (T 21 at top-6), in 128-slot chunks above,
@@ -294,6 +298,15 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
     if batch_invariant or T > 64:
         t = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3)
         group_scaled_max = 1024 if tiles else 768  # the last T of the group-scaled GEMMs
+        if fmt == "mxfp4_tiles_fold" and not batch_invariant and group_scaled_max < T:
+            # the Gluon wgmma GEMMs on 64-row blocks, 128 weight rows on two warpgroups, four
+            # stages (whole moe on the H200 at T 2048 / 4096 against the PTX decode below:
+            # moe-h200.md, "wgmma GEMMs at prefill sizes")
+            w = GemmTile(block_n=128, block_k=128, num_warps=8, num_stages=4)
+            return MoESchedule(
+                64, w, w, 64, t, t, decode="gluon", fp4_join=True, align_chunk=128,
+                align_warps=8, shared_stream=False,
+            )  # fmt: skip
         if batch_invariant or not mx or group_scaled_max < T:
             # tiles: two stages (whole moe at T 4096 on the H200: 7316 us against 8139 with
             # three, and 8763 for the rows layout's default; moe-h200.md, "The tiles layout")
