@@ -74,6 +74,7 @@ def resources(
     consts: dict[str, Any],
     ints: tuple[str, ...] | list[str] = (),
     loop: bool = False,
+    gluon: bool = False,
     **options: Any,
 ) -> str:
     """One line: shared memory, registers, stack (spills) and the register-bound occupancy
@@ -88,7 +89,12 @@ def resources(
         for name, ty in signature.items()
         if ty.startswith("*") or name in ints
     }
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned)
+    if gluon:  # a @gluon.jit kernel (its layouts are explicit: no layout passes)
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(fn, sig, constexprs=consts, attrs=aligned)
+    else:
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned)
     k = triton.compile(src, target=TARGET, options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
@@ -207,7 +213,8 @@ def moe_lines() -> list[str]:
     the tiles layout (its Triton path: the tiles' default up to T 1024 is the Gluon kernels of
     kernels/moe_gemm_gluon.py, which ``bench/diag/gluon_mx_probe.py --sass`` reports),
     ``"mxstep"`` on rows, and, for comparison, the PTX decode on the 16-row, 64-column tiles
-    the group-scaled dot replaced at decode sizes."""
+    the group-scaled dot replaced at decode sizes; then the Gluon wgmma kernel of the fold
+    default above T 1024, on 64- and 128-row blocks."""
     from dataclasses import replace
 
     from dsv4mtp.optimized.kernels.moe_gemm import (
@@ -240,6 +247,32 @@ def moe_lines() -> list[str]:
     asm = replace(d64, decode="asm", block_m=16, gate_up=replace(d64.gate_up, block_n=64,
                   swap_ab=False), down=replace(d64.down, block_n=64, swap_ab=False))  # fmt: skip
     cases.append(("T=64 asm m16", False, asm))
+    # the Gluon wgmma GEMMs (kernels/moe_gemm_gluon.py), the default above T 1024 where the
+    # scales fold: gate/up and down at the default schedule, and 128-row M blocks
+    from dsv4mtp.optimized.kernels.moe_gemm_gluon import moe_mx_wgmma_kernel
+
+    wsig = dict(
+        x_ptr="*bf16", w_ptr="*i32", s_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32",
+        part_ptr="*fp32", K="i32", N="i32", TOPK="i32", W_STRIDE_E="i32", S_STRIDE_E="i32",
+        ROWS_PART="i32",
+    )  # fmt: skip
+    fold = moe_config(4096, batch_invariant=False, fmt="mxfp4_tiles_fold")
+    for bm in (fold.block_m, 128):
+        for name, tile, gather in (("gate_up", fold.gate_up, True), ("down", fold.down, False)):
+            consts = dict(
+                GATHER=gather, BLOCK_T=bm, SPLIT_K=tile.split_k, STAGES=tile.num_stages,
+                NUM_WARPS=tile.num_warps,
+            )  # fmt: skip
+            line = resources(
+                moe_mx_wgmma_kernel, wsig, consts, loop=True, gluon=True,
+                ints=("K", "N", "W_STRIDE_E", "S_STRIDE_E", "ROWS_PART"),
+                num_warps=tile.num_warps,
+            )  # fmt: skip
+            per = tile.block_n * 128 / (32 * tile.num_warps)
+            lines.append(
+                f"moe {name:7s} T=4096 wgmma  m{bm:<3d} {tile.block_n} x 128, "
+                f"{tile.num_stages} stages: {line} ({per:.0f} weights per thread per step)"
+            )
     for label, tiled, sc in cases:
         for name, fn, sig, tile in (
             ("gate_up", moe_gate_up_kernel, gate_up, sc.gate_up),
