@@ -13,6 +13,7 @@ shapes no tile divides, against each other, and bitwise across T where the sched
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -533,6 +534,23 @@ def test_gluon_values_are_exact_for_every_code_and_scale() -> None:
             assert torch.equal(got, want), (fold, tile)
 
 
+def _replay_equals_eager(x: torch.Tensor, pack: Any, cfg: Any, kw: dict[str, Any]) -> bool:
+    """The default moe captured on a copy of x, replayed on x's rows reversed: asserts the
+    replay equals the eager call on the same rows, and returns whether it changed from the
+    first input's output (it must, unless the rows are all alike)."""
+    x_static = x.clone()
+    out = moe(x_static, pack, cfg, **kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe(x_static, pack, cfg, **kw)
+    x_static.copy_(x.flip(0))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, moe(x_static, pack, cfg, **kw))
+    return not torch.equal(captured, out)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8, 64, 200, 512])
 def test_gluon_gemms_at_v4_flash_shapes(T: int) -> None:
@@ -561,17 +579,7 @@ def test_gluon_gemms_at_v4_flash_shapes(T: int) -> None:
             full = moe(x, pk, cfg, **kw, schedule=s, batch_invariant=True)
             one = moe(x[-1:].clone(), pk, cfg, **kw, schedule=s, batch_invariant=True)
             assert torch.equal(full[-1:], one)
-    x_static = x.clone()
-    out = moe(x_static, pack, cfg, **kw)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = moe(x_static, pack, cfg, **kw)
-    x_static.copy_(x.flip(0))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, moe(x_static, pack, cfg, **kw))
-    assert not torch.equal(captured, out) or T == 1
+    assert _replay_equals_eager(x, pack, cfg, kw) or T == 1
 
 
 @pytest.mark.gpu
@@ -606,17 +614,7 @@ def test_wgmma_gemms_at_v4_flash_shapes(T: int) -> None:
         full = moe(x, pack, cfg, **kw, schedule=s, batch_invariant=True)
         one = moe(x[-1:].clone(), pack, cfg, **kw, schedule=s, batch_invariant=True)
         assert torch.equal(full[-1:], one)
-    x_static = x.clone()
-    out = moe(x_static, pack, cfg, **kw)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = moe(x_static, pack, cfg, **kw)
-    x_static.copy_(x.flip(0))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, moe(x_static, pack, cfg, **kw))
-    assert not torch.equal(captured, out)
+    assert _replay_equals_eager(x, pack, cfg, kw)
 
 
 @pytest.mark.parametrize("T", [1, 2, 5, 8])

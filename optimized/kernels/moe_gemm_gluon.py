@@ -282,6 +282,33 @@ def _compute_step(
     return acc
 
 
+@gluon.jit
+def _store_partials(
+    part_ptr, acc, sorted_ptr, pid_m, pid_n, pid_s, N, ROWS_PART, GATHER: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_T: gl.constexpr, MMA: gl.constexpr,
+):  # fmt: skip
+    """The program's fp32 tile acc (BLOCK_N weight rows, BLOCK_T block rows) into the split's
+    partials: gate/up (``GATHER``) at the block's rows, columns [gate ; up]; down at the rows'
+    slots.  Padding rows (slot -1) are not written."""
+    n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, MMA))
+    slot = gl.load(sorted_ptr + pid_m * BLOCK_T + t)
+    if GATHER:
+        # packed row 2c is gate column c, 2c + 1 up column c: [gate ; up] partial rows
+        out_row = pid_m * BLOCK_T + t
+        col = (n % 2) * (N // 2) + n // 2
+    else:
+        out_row = gl.maximum(slot, 0)
+        col = n
+    ptrs = (
+        part_ptr
+        + gl.expand_dims((pid_s * ROWS_PART + out_row).to(gl.int64) * N, 0)
+        + gl.expand_dims(col, 1)
+    )
+    mask = gl.expand_dims(n >= 0, 1) & gl.expand_dims(slot >= 0, 0)
+    gl.store(ptrs, acc, mask=mask)
+
+
 # ----------------------------------------------------------------------------- kernel
 @gluon.jit
 def moe_mx_gluon_kernel(
@@ -355,23 +382,10 @@ def moe_mx_gluon_kernel(
             acc = _compute_step(acc, buf, BLOCK_N, BLOCK_T, FOLD, MMA, AL, BL)
             buf = nxt
 
-        n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=SL)
-        t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, MMA))
-        slot = gl.load(sorted_ptr + pid_m * BLOCK_T + t)
-        if GATHER:
-            # packed row 2c is gate column c, 2c + 1 up column c: [gate ; up] partial rows
-            out_row = pid_m * BLOCK_T + t
-            col = (n % 2) * (N // 2) + n // 2
-        else:
-            out_row = gl.maximum(slot, 0)
-            col = n
-        ptrs = (
-            part_ptr
-            + gl.expand_dims((pid_s * ROWS_PART + out_row).to(gl.int64) * N, 0)
-            + gl.expand_dims(col, 1)
-        )
-        mask = gl.expand_dims(n >= 0, 1) & gl.expand_dims(slot >= 0, 0)
-        gl.store(ptrs, acc, mask=mask)
+        _store_partials(
+            part_ptr, acc, sorted_ptr, pid_m, pid_n, pid_s, N, ROWS_PART, GATHER, BLOCK_N,
+            BLOCK_T, MMA,
+        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- wgmma
@@ -582,23 +596,10 @@ def moe_mx_wgmma_kernel(
             acc, a = warpgroup_mma_wait(0, deps=(acc, a_next))
         async_copy.wait_group(0)
 
-        n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-        t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, MMA))
-        slot = gl.load(sorted_ptr + pid_m * BLOCK_T + t)
-        if GATHER:
-            # packed row 2c is gate column c, 2c + 1 up column c: [gate ; up] partial rows
-            out_row = pid_m * BLOCK_T + t
-            col = (n % 2) * (N // 2) + n // 2
-        else:
-            out_row = gl.maximum(slot, 0)
-            col = n
-        ptrs = (
-            part_ptr
-            + gl.expand_dims((pid_s * ROWS_PART + out_row).to(gl.int64) * N, 0)
-            + gl.expand_dims(col, 1)
-        )
-        mask = gl.expand_dims(n >= 0, 1) & gl.expand_dims(slot >= 0, 0)
-        gl.store(ptrs, acc, mask=mask)
+        _store_partials(
+            part_ptr, acc, sorted_ptr, pid_m, pid_n, pid_s, N, ROWS_PART, GATHER, BLOCK_N,
+            BLOCK_T, MMA,
+        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- launcher
