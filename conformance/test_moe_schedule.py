@@ -30,6 +30,7 @@ pytest.importorskip("triton")
 import triton
 import triton.language as tl
 
+from dsv4mtp.optimized.kernels import moe_gemm as moe_gemm_module
 from dsv4mtp.optimized.kernels._launch import INTERPRET
 from dsv4mtp.optimized.kernels.decode import _e2m1_pair_bf16, _e4m3_bf16
 from dsv4mtp.optimized.kernels.moe_gemm import (
@@ -487,8 +488,23 @@ def test_mxdot_defaults_at_v4_flash_shapes(T: int, layout: str) -> None:
     _check("moe", moe(x, pack, cfg, **kw, schedule=s), (x, params, cfg), kw)
 
 
+def _count_wgmma_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Records the ``block_m`` of every Gluon GEMM launched with 64 or more rows (the wgmma
+    kernel): a call that fell back to ``"mxstep"`` records nothing."""
+    seen: list[int] = []
+    real = moe_gemm_module.moe_mx_gluon
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        if kwargs["block_m"] >= 64:
+            seen.append(kwargs["block_m"])
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(moe_gemm_module, "moe_mx_gluon", spy)
+    return seen
+
+
 @pytest.mark.gpu
-def test_gluon_values_are_exact_for_every_code_and_scale() -> None:
+def test_gluon_values_are_exact_for_every_code_and_scale(monkeypatch: pytest.MonkeyPatch) -> None:
     """``decode="gluon"`` (kernels/moe_gemm_gluon.py) through the down GEMM with one-hot rows,
     every code byte and scale byte 0..250 as in the tests above: each unscaled fp32 partial is
     one weight times its e8m0 group scale, exact (the group's MMA sums one non-zero product;
@@ -496,7 +512,8 @@ def test_gluon_values_are_exact_for_every_code_and_scale() -> None:
     pack's ``mx_fold``) the scale is applied in the bf16 decode, exact too (bytes 0 and 1 give
     bf16 subnormals, which the MMA keeps).  Also two K splits (the partials of the other split
     are zero), 64-row programs and 16- and 32-row M blocks; with ``fold``, the wgmma kernel on
-    64- and 128-row M blocks."""
+    64- and 128-row M blocks (its launches counted: no fallback passes for it)."""
+    wgmma = _count_wgmma_launches(monkeypatch)
     N, K = 256, 256
     codes = (torch.arange(N * K // 2) % 256).to(torch.uint8).reshape(1, N, K // 2)
     c = codes[0]
@@ -532,6 +549,7 @@ def test_gluon_values_are_exact_for_every_code_and_scale() -> None:
             assert y.dtype == torch.float32 and y.shape == (tile.split_k, K, N)
             got = y.double().sum(0).flip(0).T.cpu()  # (N, K): weight (n, k) at row K-1-k
             assert torch.equal(got, want), (fold, tile)
+    assert wgmma == [128, 64]
 
 
 def _replay_equals_eager(x: torch.Tensor, pack: Any, cfg: Any, kw: dict[str, Any]) -> bool:
@@ -584,14 +602,16 @@ def test_gluon_gemms_at_v4_flash_shapes(T: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1500, 4096])
-def test_wgmma_gemms_at_v4_flash_shapes(T: int) -> None:
+def test_wgmma_gemms_at_v4_flash_shapes(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Gluon wgmma GEMMs (64- and 128-row M blocks, the default above T 1024 for a pack
     whose scales fold) at V4-Flash experts (D 4096, I 2048, E 256, top-6): within the moe
     tolerance of the float64 reference under the default and with 128-row blocks, one warpgroup
     (64 weight rows), three or five stages and a K split of 2; every schedule gives each row the
     bits of the default (the same chain of MMAs) and of the same row in a batch of one; a
-    CUDA-graph replay equals the eager call.  A pack whose scales do not fold keeps the PTX
-    decode."""
+    CUDA-graph replay equals the eager call.  Each schedule's two routed GEMMs are counted as
+    wgmma launches (a fallback would pass the value checks).  A pack whose scales do not fold
+    keeps the PTX decode."""
+    wgmma = _count_wgmma_launches(monkeypatch)
     (x, params, cfg), kw = moe_inputs("moe", T, 11, shape="flash", fmt="mxfp4", device="cuda")
     pack = pack_moe(params, "cuda")
     d = moe_config(T, batch_invariant=False, fmt=pack.kernel_fmt)
@@ -599,6 +619,7 @@ def test_wgmma_gemms_at_v4_flash_shapes(T: int) -> None:
     assert moe_config(T, batch_invariant=False, fmt="mxfp4_tiles").decode == "asm"
     want = moe(x, pack, cfg, **kw, schedule=d)
     _check("moe", want, (x, params, cfg), kw)
+    assert wgmma == [64, 64]
     one_wg = GemmTile(64, 128, num_warps=4, num_stages=4)
     for s in (
         replace(d, block_m=128),
@@ -606,7 +627,9 @@ def test_wgmma_gemms_at_v4_flash_shapes(T: int) -> None:
         replace(d, gate_up=one_wg, down=one_wg),
         replace(d, block_m=128, gate_up=replace(d.gate_up, split_k=2)),
     ):
+        wgmma.clear()
         got = moe(x, pack, cfg, **kw, schedule=s)
+        assert wgmma == [s.block_m] * 2, s
         if s.gate_up.split_k == 1:
             assert torch.equal(got, want), s
         else:  # two fp32 partials summed: another order
@@ -680,7 +703,7 @@ def test_gluon_applies_only_where_the_kernel_can_run() -> None:
     assert gluon_applies(x, codes, ok, 8)
     assert gluon_applies(x, codes, GemmTile(64, 128, split_k=4), 16)
     assert gluon_applies(x, codes, GemmTile(256, 128, num_warps=4), 32)
-    assert not gluon_applies(x, codes, ok, 64)  # block_m
+    assert not gluon_applies(x, codes, ok, 64)  # 64-row blocks: 16 weight rows per warp
     assert not gluon_applies(x, codes, GemmTile(128, 64), 8)  # K step
     assert not gluon_applies(x, codes, GemmTile(32, 128), 8)  # half an MMA tile per warp
     assert not gluon_applies(x, codes, GemmTile(64, 128, num_warps=8), 8)
@@ -698,7 +721,11 @@ def test_gluon_applies_only_where_the_kernel_can_run() -> None:
     assert not gluon_applies(x, codes, wg, 64, fold=False)
     assert not gluon_applies(x, codes, GemmTile(128, 128, num_warps=8, num_stages=2), 64)
     assert not gluon_applies(x, codes, GemmTile(256, 128, num_warps=8), 64)
-    assert not gluon_applies(x, codes, GemmTile(128, 128, num_warps=2), 64)
+    assert not gluon_applies(x, codes, GemmTile(32, 128, num_warps=2), 64)  # half a warpgroup
+    # shared memory: 128-row blocks hold at most 5 stages of 41 KB
+    assert gluon_applies(x, codes, GemmTile(128, 128, num_warps=8, num_stages=5), 128)
+    assert not gluon_applies(x, codes, GemmTile(128, 128, num_warps=8, num_stages=6), 128)
+    assert gluon_applies(x, codes, GemmTile(128, 128, num_warps=8, num_stages=6), 64)
     buf = torch.zeros(x.numel() + 8, dtype=torch.bfloat16)
     assert gluon_applies(buf[8:].view(x.shape), codes, wg, 64)  # a 16-byte offset
     word = buf[2 : 2 + x.numel()].view(x.shape)  # a 4-byte offset only

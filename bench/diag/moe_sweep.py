@@ -150,11 +150,14 @@ def layout_candidates(
     ``block_n`` counts both), where the default is the Gluon GEMMs (up to T 1024): the Triton
     ``"mxstep"`` schedule they replaced (and its 16-row blocks above T 256), another K split,
     64- / 256-row programs, 16- and 32-row blocks, the FP8 shared expert on other M blocks.
-    Tiles above T 1024 (the PTX decode): the other gate/up tile (256 or 64 rows), 4 or 5
-    stages, 2 stages, 8 warps, 64- and 256-row down tiles, the Gluon GEMMs on 8-, 16- and
-    32-row blocks, swapped 8- and 16-row blocks, 32-row blocks, 64-row gate/up tiles.  The
-    layout "tiles_nofold" (``main``) is the tiles pack with ``mx_fold`` off.  ``--names``
-    keeps only the named ones."""
+    Above T 256, where the scales fold, also the wgmma GEMMs (:func:`wgmma_candidates`); above
+    T 1024 those are the default, and the PTX decode they replaced is ``ptx_m64``.  Tiles
+    above T 1024 without the fold (the PTX decode): the other gate/up tile (256 or 64 rows),
+    4 or 5 stages, 2 stages, 8 warps, 64- and 256-row down tiles, the Gluon GEMMs on 8-, 16-
+    and 32-row blocks, swapped 8- and 16-row blocks, 32-row blocks, 64-row gate/up tiles.
+    The layout "tiles_nofold" (``main``) is the tiles pack with ``mx_fold`` off.  ``kfmt``:
+    the packs' kernel format (``MoEPack.kernel_fmt``).  ``--names`` keeps only the named
+    ones."""
     # the packs' own kernel format ("mxfp4_tiles_fold" where the scales fold)
     fmt = kfmt or ("mxfp4_tiles" if layout == "tiles" else "mxfp4")
     d = moe_config(T, batch_invariant=False, fmt=fmt)
@@ -167,6 +170,12 @@ def layout_candidates(
             out.append(("mxstep", replace(d, decode="mxstep")))
         return out
     gu, dn = d.gate_up, d.down
+    fold = fmt == "mxfp4_tiles_fold"  # the wgmma GEMMs take folded scales only
+    if d.decode == "gluon" and d.block_m >= 64:
+        # the wgmma default (above T 1024): the PTX decode it replaced, 128-row blocks, other
+        # stages, one warpgroup
+        ptx = moe_config(T, batch_invariant=False, fmt="mxfp4_tiles")
+        return [*out, ("ptx_m64", ptx), *wgmma_candidates(d)]
     if d.decode == "gluon":
         # the Gluon GEMMs (kernels/moe_gemm_gluon.py): against the Triton "mxstep" default they
         # replaced (its K split: 4-way at T <= 2), other splits and 64- / 256-row programs
@@ -188,10 +197,8 @@ def layout_candidates(
         for bm in (8, 32, 64):
             if bm != d.shared_block_m and (bm < 32 or T > 16):
                 out.append((f"shared_m{bm}", replace(d, shared_block_m=bm)))
-        if T > 256:
+        if T > 256 and fold:
             out += wgmma_candidates(d)
-        if T > 1024:  # the PTX decode the wgmma GEMMs replaced (the default without the fold)
-            out.append(("ptx_m64", moe_config(T, batch_invariant=False, fmt="mxfp4_tiles")))
         if T > 256:  # the 16-row unswapped "mxstep" blocks the Gluon GEMMs replaced here
             out.append(("mxstep_m16", _routed(replace(d, block_m=16, decode="mxstep"),
                                               swap_ab=False)))  # fmt: skip
@@ -220,7 +227,8 @@ def layout_candidates(
         # the Gluon GEMMs on 8- and 16-row blocks
         g = _routed(replace(d, decode="gluon"), block_n=128, split_k=1)
         out += [(f"gluon_m{bm}", replace(g, block_m=bm)) for bm in (8, 16, 32)]
-        out += wgmma_candidates(d)
+        if fold:
+            out += wgmma_candidates(d)
     if 64 < T <= 768:
         out += [
             ("m16_swap", _routed(d, swap_ab=True)),

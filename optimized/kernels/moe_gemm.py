@@ -110,9 +110,11 @@ conversions per weight), 1952 instructions, the whole moe 1.3-1.8x slower than w
 ops and selects, the bf16 taken as the product's high half, 2408 instructions, slower still.
 All three give the same dot operands bit for bit.  The decode-size GEMMs are limited by
 instruction issue, not HBM: a decode with fewer instructions was faster at every T.
-``decode="gluon"`` (the default on the tiles layout up to T 1024) leaves these kernels: the
-routed GEMMs run as the Gluon kernels of kernels/moe_gemm_gluon.py (3.0-3.6 instructions per
-weight, no shared memory), whose fp32 partials (split, rows, N) go through the split-K path's
+``decode="gluon"`` (the default on the tiles layout up to T 1024, and above where the scales
+fold) leaves these kernels: the routed GEMMs run as the Gluon kernels of
+kernels/moe_gemm_gluon.py (up to 32-row blocks mma_v2 with 3.0-3.6 instructions per weight and
+no shared memory; 64- and 128-row blocks wgmma with the decoded weights as its register
+operand), whose fp32 partials (split, rows, N) go through the split-K path's
 ``moe_swiglu_kernel`` and ``moe_reduce_kernel`` below, also unsplit; without a compiled launch
 (the interpreter) or outside their shapes they fall back to ``"mxstep"``.
 

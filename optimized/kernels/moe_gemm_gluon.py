@@ -2,8 +2,9 @@
 prefill sizes).
 
 What it computes: for every M block of the align kernel's sorted slots (``block_m`` 8, 16 or
-32 rows, 64 or 128 for the wgmma kernel: expert e, rows r = block_m * block .. + block_m - 1), the fp32 product of the block's
-activation rows and e's MXFP4 weight rows n over the program's K slice, into split-K partials
+32 rows, 64 or 128 for the wgmma kernel: expert e, rows r = block_m * block .. + block_m - 1),
+the fp32 product of the block's activation rows and e's MXFP4 weight rows n over the
+program's K slice, into split-K partials
 that the Triton epilogues finish:
 
 * gate/up (``gather``): x row = token of slot ``sorted[r]`` (slot // top_k); w13 in the
@@ -56,7 +57,9 @@ where an expert holds ~T * 6 / 256 rows, 96 at T 4096):
 
 * ``warpgroup_mma`` with the decoded weights as the register A operand (M = 64 weight rows per
   warpgroup, 128 on 8 warps) and the block's activation rows as B from shared memory (N = 64
-  or 128): the weights are decoded once per M block instead of once per 16 rows.
+  or 128): the weights are decoded once per M block, not per 16 rows as in the mma_v2
+  kernel, and the decoded weights stay in registers (the PTX-decode Triton kernels that ran
+  these sizes store them to shared memory for their MMA).
 * The A fragment puts columns 2w, 2w + 1 (+ 8, + 16, + 24) of a group in lane w of a quad:
   byte w of each of the group's four code words.  Every lane of the quad reads the row's 16
   bytes (a broadcast shared-memory load) and three ``prmt`` gather its four bytes into one
@@ -79,10 +82,12 @@ where an expert holds ~T * 6 / 256 rows, 96 at T 4096):
 Batch invariance: a row's value depends on its expert, the split, ``block_m``'s MMA shape and
 the mode only, never on the other rows or on T.  No interpreter: Gluon has none, so on the CPU
 ``"gluon"`` runs as ``"mxstep"`` (kernels/moe_gemm.py, ``_decode_for``); the GPU tier tests
-this kernel (conformance/test_moe_schedule.py, ``test_gluon_*``).
+these kernels (conformance/test_moe_schedule.py, ``test_gluon_*`` and ``test_wgmma_*``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from triton.experimental import gluon
@@ -97,6 +102,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ._launch import triton_launch
 from .moe_schedule import GemmTile
+
+# the wgmma kernel's shared memory per stage: x (block_m rows x 128 bf16 columns), the code
+# words (64 bytes per weight row) and the scale words (4 bytes per row); what one block may hold
+_WG_STAGE_BYTES_PER_T = 256
+_WG_STAGE_BYTES_PER_N = 68
+_SM90_SMEM = 232448
 
 __all__ = ["gluon_applies", "gluon_tile_ok", "moe_mx_gluon"]
 
@@ -315,7 +326,7 @@ def moe_mx_gluon_kernel(
     x_ptr,  # *i32: activations (rows, K) bf16 as word pairs
     w_ptr,  # *i32: codes, tiles layout, (E, N, K/8) words
     s_ptr,  # *i32: e8m0 scales, tiles layout, (E, N, K/128) words
-    sorted_ptr,  # *i32 (num_blocks * 8,): slot of each M-block row, -1 = padding
+    sorted_ptr,  # *i32 (num_blocks * BLOCK_T,): slot of each M-block row, -1 = padding
     block_expert_ptr,  # *i32 (num_blocks,): expert of each M block, -1 = unused
     part_ptr,  # *fp32 (SPLIT_K, ROWS_PART, N)
     K,
@@ -574,8 +585,9 @@ def moe_mx_wgmma_kernel(
         ss = gl.allocate_shared_memory(
             gl.int32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         )
-        # x runs STAGES - 2 steps ahead, the codes one more: a stage is refilled the step
-        # after its MMA retired
+        # x runs STAGES - 2 steps ahead, the codes one more: iteration i refills the x stage of
+        # step i - 2 and the code stage of step i - 1 (with every MMA waited for within its
+        # step, STAGES - 1 ahead would do: one stage of each ring is idle, not measured yet)
         for i in gl.static_range(-1, STAGES - 2):
             _wg_copy_step(xs, cs, ss, x_ptrs, c_ptrs, sc_ptrs, i, n_steps, STAGES)
         async_copy.wait_group(STAGES - 2)
@@ -608,16 +620,19 @@ def gluon_tile_ok(tile: GemmTile, block_m: int, K: int, N: int, fold: bool = Tru
     128 x ``split_k``, and ``block_n`` weight rows dividing N; with 8-, 16- or 32-row M blocks
     (mma_v2's N) ``block_n`` = 16 x (1, 2 or 4) x ``num_warps``; with 64- or 128-row M blocks
     (wgmma's N) ``block_n`` = 16 x ``num_warps`` (4 or 8 warps: one or two warpgroups of 64
-    rows), at least 3 stages (a step's copies run ``num_stages - 2`` steps ahead), and the
-    scales folded into the decode (``fold``)."""
+    rows), at least 3 stages (a step's copies run ``num_stages - 2`` steps ahead) and no more
+    than fit the 227 KiB of shared memory a block may have on sm_90 (5 at 128-row blocks),
+    and the scales folded into the decode (``fold``)."""
     if tile.block_k != 128 or K % (128 * tile.split_k) or N % tile.block_n:
         return False
     if block_m in (64, 128):
+        stage = block_m * _WG_STAGE_BYTES_PER_T + tile.block_n * _WG_STAGE_BYTES_PER_N
         return (
             fold
             and tile.num_warps in (4, 8)
             and tile.block_n == 16 * tile.num_warps
             and tile.num_stages >= 3
+            and tile.num_stages * stage <= _SM90_SMEM
         )
     m_tiles, rem = divmod(tile.block_n, 16 * tile.num_warps)
     return block_m in (8, 16, 32) and rem == 0 and m_tiles in (1, 2, 4)
@@ -629,15 +644,22 @@ def gluon_applies(
     """Whether :func:`moe_mx_gluon` takes this call: :func:`gluon_tile_ok` at x's K and the
     codes' N, and x and the codes contiguous at 4-byte aligned addresses (the kernels read
     the codes as int32 words, and the mma_v2 kernel x too; a view at an odd bf16 offset, valid
-    for the Triton kernels, is not); 16-byte aligned x for the wgmma kernel's copies."""
-    align = 16 if block_m >= 64 else 4
+    for the Triton kernels, is not); for the wgmma kernel 16-byte aligned x (its copies) and,
+    on CUDA, an sm_90 device (wgmma is Hopper's)."""
+    wg = block_m >= 64
     return (
         gluon_tile_ok(tile, block_m, x.shape[1], codes.shape[1], fold)
         and x.is_contiguous()
         and codes.is_contiguous()
-        and x.data_ptr() % align == 0
+        and x.data_ptr() % (16 if wg else 4) == 0
         and codes.data_ptr() % 4 == 0
+        and not (wg and x.is_cuda and _capability(x.device.index) != (9, 0))
     )
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def moe_mx_gluon(

@@ -30,11 +30,13 @@ What each knob changes (optimized/kernels/moe_gemm.py, module doc, "Schedule"):
   ``"mxstep"``: the same dots with a K step's codes in one load (the same bits as
   ``"mxdot"``; what the tiles layout runs in Triton).  ``"gluon"`` (MXFP4 in the tiles
   layout, 8-, 16- or 32-row blocks, or 64- and 128-row blocks with foldable scales,
-  compiled launches; else it runs as ``"mxstep"``): the routed
-  GEMMs as the Gluon kernels of kernels/moe_gemm_gluon.py (register-level decode, one MMA per
-  scale group, the scale on the group's fp32 result, or folded into the bf16 decode for a
-  pack whose scale bytes are <= 128), writing fp32 partials that the SwiGLU and reduce
-  kernels finish; not value-preserving against the others (another fp32 summation order).
+  compiled launches; else it runs as ``"mxstep"``): the routed GEMMs as the Gluon kernels of
+  kernels/moe_gemm_gluon.py, writing fp32 partials that the SwiGLU and reduce kernels
+  finish.  Up to 32 rows the mma_v2 kernel (register-level decode, one MMA per scale group,
+  the scale on the group's fp32 result, or folded into the bf16 decode for a pack whose scale
+  bytes are <= 128; not value-preserving against the others: another fp32 summation order);
+  at 64 and 128 rows the wgmma kernel (folded scales only; every MMA of the K slice in one
+  chain, which at V4-Flash shapes gives the PTX decode's values bit for bit).
 * ``fp4_join``: FP4 only.  False: the low and high nibbles feed two dots of half the K step
   against x's even and odd columns (strided loads of x); True: the decoded halves are
   interleaved back in registers (``tl.join``) and one dot reads x contiguously.
@@ -53,9 +55,12 @@ pairs' tolerance); ``block_m``, ``block_n``, ``num_warps`` and ``swap_ab`` pick 
 so may change the tensor-core instruction (mma.sync below 64 rows, wgmma above) and its internal
 order, and so may ``fp4_join`` (one dot over K where there were two), ``"mxdot"`` (per-group
 fp32 partials) and ``"gluon"`` (its own MMA order; with a pack's ``mx_fold`` a step's four
-groups in one MMA chain); ``group_m``, ``num_stages``, the other decodes, the align knobs and
-``shared_stream`` change no value (tested bitwise on the CPU; the stream on the GPU).  The
-Gluon kernels ignore ``num_stages`` and ``swap_ab``.
+groups in one MMA chain in the mma_v2 kernel, the whole K slice in the wgmma kernel);
+``group_m``, ``num_stages``, the other decodes, the align knobs and ``shared_stream`` change
+no value (tested bitwise on the CPU; the stream on the GPU).  The Gluon kernels ignore
+``swap_ab`` and ``group_m`` (the wgmma kernel's grid has its N tiles fastest); the mma_v2
+kernel ignores ``num_stages``, the wgmma kernel takes 3 or more (its copies run
+``num_stages - 2`` steps ahead).
 """
 
 from __future__ import annotations
@@ -231,7 +236,7 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
     GEMMs on the tiles").
 
     Every GEMM: 128-column K steps (one FP8 scale block; four MXFP4 scale groups), 4 warps,
-    3 stages, the 2-D grid.  By T:
+    3 stages, the 2-D grid, except the wgmma GEMMs (8 warps, 4 stages; last bullet).  By T:
 
     * T <= 64, MXFP4 experts: the routed GEMMs as ``decode="mxdot"`` (one ``dot_scaled`` per
       32-column scale group, the e8m0 scale on the fp32 partial) on 8-row M blocks with the
@@ -249,9 +254,10 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
       blocks up to T 256 and 16-row unswapped blocks above (whole moe against the 64-row
       PTX-decode tiles: 1795 vs 3300 us at T 128, 2402 vs 3710 at T 256, 3010 vs 3910 at
       T 512, but 4566 vs 4346 at T 1024); the shared expert on 64-row blocks, PTX decode.
-    * above, other formats above T 64, and under ``batch_invariant=True`` for every T: 64-row M
-      blocks, 64-column N tiles, the PTX decode, the interleaved FP4 dot, no split (the
-      group-scaled dot was 1.3-4.0x slower at T 4096 on every tile tried).
+    * above (where the scales do not fold: last bullet), other formats above T 64, and under
+      ``batch_invariant=True`` for every T: 64-row M blocks, 64-column N tiles, the PTX
+      decode, the interleaved FP4 dot, no split (the group-scaled dot was 1.3-4.0x slower at
+      T 4096 on every tile tried).
     * the shared expert on the side stream (``shared_stream``) up to T 64 and under
       ``batch_invariant=True`` (one schedule for every T), in order above: in the whole
       step, captured, at T 1 / 8 / 64 475.3 / 730.2 / 1469.2 us against 485.2 / 733.2 /
