@@ -199,9 +199,10 @@ def _x_layout(block_t, num_warps):
 
 # ----------------------------------------------------------------------------- pieces
 @gluon.jit
-def _decode_group(wd, ks, FOLD: gl.constexpr, HI: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Code words (BLOCK_N, 4) of one group -> its A tile (BLOCK_N, 32) bf16 in permuted-K
-    order: k = 16 c + 4 w + 2 a + h holds column 8 w + 2 c + a + 4 h of the group."""
+def _decode_word(wd, ks, FOLD: gl.constexpr, HI: gl.constexpr):
+    """Code words wd (rows, 4) -> their eight bf16 values (:func:`_decode_ptx`, times the
+    folded scales ks with ``FOLD``) as dims (rows, 4, 2, 2, 2): output 4 b2 + 2 b1 + b0 at
+    [..., b0, b1, b2] (registers only; the callers permute them into their A tiles)."""
     if FOLD:
         o = gl.inline_asm_elementwise(
             _DECODE_FOLD_HI if HI else _DECODE_FOLD_LO, _OUT8 + ",r,r", [wd, ks],
@@ -211,10 +212,17 @@ def _decode_group(wd, ks, FOLD: gl.constexpr, HI: gl.constexpr, BLOCK_N: gl.cons
         o = gl.inline_asm_elementwise(
             _DECODE, _OUT8 + ",r", [wd], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1
         )
-    # output 4c + 2a + h -> dims (w, h, a, c) -> (c, w, a, h)
     q0 = gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3]))
     q1 = gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7]))
-    r = gl.permute(gl.join(q0, q1), (0, 4, 1, 3, 2))
+    return gl.join(q0, q1)
+
+
+@gluon.jit
+def _decode_group(wd, ks, FOLD: gl.constexpr, HI: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Code words (BLOCK_N, 4) of one group -> its A tile (BLOCK_N, 32) bf16 in permuted-K
+    order: k = 16 c + 4 w + 2 a + h holds column 8 w + 2 c + a + 4 h of the group."""
+    # output 4c + 2a + h -> dims (w, h, a, c) -> (c, w, a, h)
+    r = gl.permute(_decode_word(wd, ks, FOLD, HI), (0, 4, 1, 3, 2))
     return gl.reshape(r, [BLOCK_N, 32])
 
 
@@ -432,9 +440,9 @@ def _wg_code_layout(num_warps):
 
 
 @gluon.jit
-def _wg_decode_group(raw, ks, FOLD: gl.constexpr, HI: gl.constexpr, BLOCK_N: gl.constexpr):
-    """A group's code words (BLOCK_N, 4 lanes, 4 words) -> its A tile (BLOCK_N, 32) bf16 in
-    the natural column order.  Lane w of a quad holds columns 2w, 2w + 1 (+ 8, + 16, + 24) of
+def _wg_decode_group(raw, ks, HI: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A group's code words (BLOCK_N, 4 lanes, 4 words) and folded scales ks -> its A tile
+    (BLOCK_N, 32) bf16 in the natural column order.  Lane w of a quad holds columns 2w, 2w + 1 (+ 8, + 16, + 24) of
     each of its rows in the wgmma fragment: byte w of each of the group's four words, which
     three ``prmt`` gather into one word (byte b = word b's byte w); its nibbles then decode as
     in :func:`_decode_group` (output 2i + h = nibble i + 4h = byte i // 2 + 2h, half i % 2, i.e.
@@ -450,33 +458,22 @@ def _wg_decode_group(raw, ks, FOLD: gl.constexpr, HI: gl.constexpr, BLOCK_N: gl.
         _GATHER_BYTES, "=r,r,r,r,r,r", [v0, v1, v2, v3, sel], dtype=gl.int32, is_pure=True,
         pack=1,
     )  # fmt: skip
-    if FOLD:
-        o = gl.inline_asm_elementwise(
-            _DECODE_FOLD_HI if HI else _DECODE_FOLD_LO, _OUT8 + ",r,r", [wd, ks],
-            dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1,
-        )  # fmt: skip
-    else:
-        o = gl.inline_asm_elementwise(
-            _DECODE, _OUT8 + ",r", [wd], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1
-        )
-    # o[4 i1 + 2 i0 + h]: column 16 h + 8 i1 + 2 w + i0 -> dims (n, w, h, i0, i1)
-    s0 = gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3]))
-    s1 = gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7]))
-    r = gl.permute(gl.join(s0, s1), (0, 2, 4, 1, 3))  # (n, h, i1, w, i0)
+    # output 4 i1 + 2 i0 + h: column 16 h + 8 i1 + 2 w + i0; dims (n, w, h, i0, i1)
+    r = gl.permute(_decode_word(wd, ks, True, HI), (0, 2, 4, 1, 3))  # (n, h, i1, w, i0)
     return gl.reshape(r, [BLOCK_N, 32])
 
 
 @gluon.jit
 def _wg_decode_step(buf, BLOCK_N: gl.constexpr, AL: gl.constexpr):
-    """A step's A operand (BLOCK_N, 128) bf16 with the scales folded (FOLD only)."""
+    """A step's A operand (BLOCK_N, 128) bf16, the scales folded into the decode."""
     c0, c1, c2, c3, sw = buf
     k01, k23 = gl.inline_asm_elementwise(
         _FOLD_MULT, "=r,=r,r", [sw], dtype=(gl.int32, gl.int32), is_pure=True, pack=1
     )
-    a0 = _wg_decode_group(c0, k01, True, False, BLOCK_N)
-    a1 = _wg_decode_group(c1, k01, True, True, BLOCK_N)
-    a2 = _wg_decode_group(c2, k23, True, False, BLOCK_N)
-    a3 = _wg_decode_group(c3, k23, True, True, BLOCK_N)
+    a0 = _wg_decode_group(c0, k01, False, BLOCK_N)
+    a1 = _wg_decode_group(c1, k01, True, BLOCK_N)
+    a2 = _wg_decode_group(c2, k23, False, BLOCK_N)
+    a3 = _wg_decode_group(c3, k23, True, BLOCK_N)
     a = gl.permute(gl.join(gl.join(a0, a1), gl.join(a2, a3)), (0, 3, 2, 1))  # (n, g1, g0, k)
     return gl.convert_layout(gl.reshape(a, [BLOCK_N, 128]), AL)
 
