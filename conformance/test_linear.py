@@ -349,11 +349,11 @@ def test_grouped_prefill_path_matches_the_reference_and_the_kernel(device: str) 
     assert torch.equal(out, got)
 
 
-def test_fp32_reduction_clears_and_restores_the_cublas_flag() -> None:
+def testfp32_reduction_clears_and_restores_the_cublas_flag() -> None:
     """The cuBLAS GEMM runs with bf16 reduced-precision reductions off (a second rounding of the
     split-K partials) and the process-wide flag is back as it was afterwards, also when the
     block raises.  Only the flag is touched: no CUDA device is needed."""
-    from dsv4mtp.optimized.kernels.linear import _fp32_reduction
+    from dsv4mtp.optimized.kernels.linear import fp32_reduction
 
     get = torch._C._get_cublas_allow_bf16_reduced_precision_reduction
     matmul = torch.backends.cuda.matmul
@@ -361,10 +361,10 @@ def test_fp32_reduction_clears_and_restores_the_cublas_flag() -> None:
     try:
         for before in ((True, True), (False, True), (False, False)):  # torch's valid pairs
             matmul.allow_bf16_reduced_precision_reduction = before
-            with _fp32_reduction(torch.device("cuda")):
+            with fp32_reduction(torch.device("cuda")):
                 assert get() == (False, before[1])
             assert get() == before
-            with pytest.raises(RuntimeError), _fp32_reduction(torch.device("cuda")):
+            with pytest.raises(RuntimeError), fp32_reduction(torch.device("cuda")):
                 raise RuntimeError
             assert get() == before
     finally:

@@ -397,6 +397,89 @@ def test_tiles_fold_flag_follows_the_scale_bytes(device: str) -> None:
         replace(big, mx_fold=True)
 
 
+def _with_fp8_shared(params: MoEParams, kind: str) -> MoEParams:
+    """``params`` with an FP8 shared expert stored as 128x128 blocks (``kind`` "fp8_e8m0":
+    power-of-two scales; "fp8_f32": any fp32 scales), its dense copies (the reference's input)
+    the codes' exact decode."""
+    import dataclasses
+
+    from dsv4mtp.conformance.inputs import linear_weight
+
+    inter, D = params.shared_w1.shape
+    shared = (
+        linear_weight(1, inter, D, kind, seed=5),
+        linear_weight(1, inter, D, kind, seed=6),
+        linear_weight(1, D, inter, kind, seed=7),
+    )
+    dev = params.shared_w1.device
+    dense = [q.dequantize(torch.bfloat16).to(dev) for q in shared]
+    return dataclasses.replace(
+        params, shared_w1=dense[0], shared_w3=dense[1], shared_w2=dense[2],
+        shared_fp8=tuple(q.to(dev) for q in shared),
+    )  # fmt: skip
+
+
+def test_shared_expert_on_cublas_from_256_rows(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shared expert runs on cuBLAS over bf16 weights (kernels/moe_gemm.py,
+    ``shared_expert_mm``) from ``DEQUANT_MM_MIN_ROWS`` (256) rows, not batch invariant, bf16
+    activations, when its weights are bf16 or FP8 codes whose block scales are powers of two
+    (``MoEPack.shared_exact_bf16``: the bf16 weight is then exact).  The rule; the pack's flag
+    (set for e8m0 scales, not for fp32 ones, refused when claimed wrongly); and the whole moe
+    within the moe tolerance of the float64 reference through the path (counted: two GEMMs per
+    call), with the threshold lowered to 8 rows so the interpreter runs a small case, while the
+    batch-invariant call, the fp32-scale pack and a call below the threshold keep the Triton
+    kernels."""
+    from dsv4mtp.optimized.kernels import linear as linear_module
+    from dsv4mtp.optimized.kernels.moe_gemm import shared_mm_selected
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert shared_mm_selected(256, True, bf16, False)
+    assert not shared_mm_selected(255, True, bf16, False)
+    assert not shared_mm_selected(4096, False, bf16, False)  # fp32 block scales
+    assert not shared_mm_selected(4096, True, fp32, False)
+    assert not shared_mm_selected(4096, True, bf16, True)
+
+    (x, params, cfg), kw = moe_inputs(
+        "moe", 12, 4, shape=_shape(device), fmt="mxfp4", device=device
+    )
+    exact = _with_fp8_shared(params, "fp8_e8m0")
+    inexact = _with_fp8_shared(params, "fp8_f32")
+    pack, pack_f32, pack_bf16 = (pack_moe(p, device) for p in (exact, inexact, params))
+    assert pack.shared_fmt == "fp8" and pack.shared_exact_bf16
+    assert pack.shared_op_fmt == "fp8_exact"
+    assert pack_f32.shared_fmt == "fp8" and not pack_f32.shared_exact_bf16
+    assert pack_bf16.shared_fmt == "bf16" and not pack_bf16.shared_exact_bf16
+    for wrong in (pack_f32, pack_bf16):
+        with pytest.raises(InputError, match="shared_exact_bf16"):
+            replace(wrong, shared_exact_bf16=True)
+
+    gemms: list[int] = []
+    real = moe_gemm_module._dense_mm
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        gemms.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moe_gemm_module, "_dense_mm", spy)
+    monkeypatch.setattr(linear_module, "DEQUANT_MM_MIN_ROWS", 8)
+    for pk, p in ((pack, exact), (pack_bf16, params)):
+        gemms.clear()
+        _check("moe", moe(x, pk, cfg, **kw), (x, p, cfg), kw)
+        assert gemms == [12, 12], gemms
+    for pk, p, call in (
+        (pack, exact, dict(batch_invariant=True)),
+        (pack_f32, inexact, {}),
+        (pack, exact, dict(rows=7)),
+    ):
+        gemms.clear()
+        rows = call.pop("rows", 12)
+        xr = x[:rows].contiguous()
+        _check("moe", moe(xr, pk, cfg, **kw, **call), (xr, p, cfg), {**kw, **call})
+        assert gemms == [], (call, gemms)
+
+
 def test_shared_fork_default_by_the_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shared expert forks onto its side stream after the sort up to 8 rows and after the
     router above (measured: bench/results/moe-h200.md, "Where the shared expert forks");

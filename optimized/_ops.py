@@ -538,7 +538,8 @@ _LIB = _register(
 # ------------------------------------------------------------------------------ MoE
 # The MoE operators (optimized/moe.py validates and packs; these run the kernels of
 # optimized/kernels/moe_*.py).  A MoEPack cannot cross a schema: its tensors travel flat, the
-# weight format as a string ("bf16", "fp8", "mxfp4", "nvfp4"; the shared expert "fp8" / "bf16").
+# weight format as a string ("bf16", "fp8", "mxfp4", "nvfp4"; the shared expert "bf16", "fp8" or
+# "fp8_exact").
 if TYPE_CHECKING:
     from .kernels.moe_align import moe_align_triton
     from .kernels.moe_gemm import (
@@ -546,6 +547,8 @@ if TYPE_CHECKING:
         moe_down_triton,
         moe_gate_up_triton,
         moe_reduce_triton,
+        shared_expert_mm,
+        shared_mm_selected,
     )
     from .kernels.moe_route import route_triton
 else:
@@ -554,6 +557,8 @@ else:
     moe_down_triton = triton_kernel("moe_gemm", "moe_down_triton")
     moe_gate_up_triton = triton_kernel("moe_gemm", "moe_gate_up_triton")
     moe_reduce_triton = triton_kernel("moe_gemm", "moe_reduce_triton")
+    shared_expert_mm = triton_kernel("moe_gemm", "shared_expert_mm")
+    shared_mm_selected = triton_kernel("moe_gemm", "shared_mm_selected")
     route_triton = triton_kernel("moe_route", "route_triton")
 
 # A MoESchedule travels as an int list (kernels/moe_schedule.py, schedule_to_fields); an empty
@@ -593,6 +598,9 @@ OPS = tuple(SCHEMAS)
 _FMT_CODE = {
     "bf16": 0, "fp8": 1, "mxfp4": 2, "nvfp4": 3, "mxfp4_tiles": 2, "mxfp4_tiles_fold": 2,
 }  # fmt: skip
+# the shared expert's formats: "fp8_exact" is FP8 whose every block scale is a power of two
+# (MoEPack.shared_exact_bf16), which prefill-sized calls run on cuBLAS (_shared_expert)
+_SHARED_FMTS = ("bf16", "fp8", "fp8_exact")
 
 
 def _fmt(fmt: str) -> tuple[int, bool, bool]:
@@ -691,19 +699,28 @@ def _shared_expert(
     limit: float,
     act_quant: bool,
     sched: MoESchedule,
+    batch_invariant: bool,
 ) -> torch.Tensor:
-    """The shared expert on every token (the same kernels, one expert): (T, D) in x.dtype, or
-    with a K-split down its fp32 partials (split, T, D) for the reduce kernel."""
+    """The shared expert on every token: (T, D) in x.dtype, or with a K-split down its fp32
+    partials (split, T, D) for the reduce kernel.  ``fmt`` "bf16", "fp8" or "fp8_exact" (FP8
+    whose block scales are powers of two, :attr:`MoEPack.shared_exact_bf16`): the bf16 and
+    exact FP8 weights run on cuBLAS from :data:`DEQUANT_MM_MIN_ROWS` rows (kernels/moe_gemm.py,
+    ``shared_expert_mm``), everything else the routed path's kernels with one expert."""
     T, D = x.shape
-    code, tiled, _ = _fmt(fmt)
-    if tiled:  # the shared expert is FP8 or bf16 (optimized/moe.py packs it in rows)
-        raise InputError(f"shared_fmt: expected rows (bf16 or fp8), got {fmt!r}")
+    if fmt not in _SHARED_FMTS:
+        raise InputError(f"shared_fmt: expected one of {_SHARED_FMTS}, got {fmt!r}")
+    exact = fmt == _FP8_EXACT or (fmt == "bf16" and w13.dtype == torch.bfloat16)
+    code = _FMT_CODE["fp8" if fmt == _FP8_EXACT else fmt]
+    xin = _act_quant(x.contiguous()) if act_quant else x.contiguous()
+    ones = _ones3(x.device)
+    if shared_mm_selected(T, exact, x.dtype, batch_invariant):
+        return shared_expert_mm(
+            xin, w13, s13, w2, s2, ones, limit=limit, act_quant=act_quant
+        )  # fmt: skip
     inter = w13.shape[1] // 2
     bm = sched.shared_block_m
     nb = -(-T // bm)
-    xin = _act_quant(x.contiguous()) if act_quant else x.contiguous()
     h = torch.empty((nb * bm, inter), dtype=x.dtype, device=x.device)
-    ones = _ones3(x.device)
     moe_gate_up_triton(
         xin, w13, s13, ones, None, None, None, h,
         fmt=code, inter=inter, top_k=1, limit=limit, tile=sched.shared_gate_up,
@@ -817,7 +834,7 @@ def _moe_out(
     sched = _moe_schedule(x.shape[0], batch_invariant, schedule, fmt)
     shared_args = (
         x, shared_w13, shared_s13, shared_w2, shared_s2, shared_fmt, shared_limit,
-        shared_act_quant, sched,
+        shared_act_quant, sched, batch_invariant,
     )  # fmt: skip
     side = _side_stream(x.device) if sched.shared_stream else None
     if side is None:

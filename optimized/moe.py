@@ -61,6 +61,7 @@ from .kernels.moe_schedule import (
     moe_config,
     schedule_to_fields,
 )
+from .linear import _exact_in_bf16
 
 __all__ = [
     "GemmTile",
@@ -101,7 +102,8 @@ class MoEPack:
     :func:`mx_rows` give the rows back).  ``gscale`` (E_loc, 3) fp32 global scales of gate, up, down (NVFP4, folded or not; else ones).
     ``expert_map`` (E,) int32 global -> local id (-1 off this rank).  Router: ``gate_weight``
     (E, D) (bf16 when that is exact, else fp32), ``gate_bias`` (E,) fp32.  Shared expert: the
-    same fields with one expert (``shared_fmt`` "fp8" or "bf16").  ``max_tokens``: the largest
+    same fields with one expert (``shared_fmt`` "fp8" or "bf16"; ``shared_exact_bf16``: FP8 with
+    every block scale a power of two, set and checked like ``mx_fold``).  ``max_tokens``: the largest
     T a call may pass (the workspace bound).  ``mx_fold`` (tiles only): every routed e8m0
     scale byte is <= 128, so the Gluon GEMMs may apply the scales in their bf16 decode
     (kernels/moe_gemm_gluon.py; a larger byte would overflow the bf16 multiplier); ``pack_moe``
@@ -130,6 +132,7 @@ class MoEPack:
     max_tokens: int
     layout: str = "rows"
     mx_fold: bool = False
+    shared_exact_bf16: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in ("rows", "tiles") or (self.layout == "tiles" and self.fmt != "mxfp4"):
@@ -147,6 +150,17 @@ class MoEPack:
                 "mx_fold: the routed e8m0 scales hold a byte above 128 (a scale above 2), which "
                 "the folded decode cannot apply; expected mx_fold=False for these scales"
             )
+        if not isinstance(self.shared_exact_bf16, bool) or (
+            self.shared_exact_bf16
+            and not (
+                self.shared_fmt == "fp8" and _shared_scales_exact(self.shared_s13, self.shared_s2)
+            )
+        ):
+            raise InputError(
+                f"shared_exact_bf16: expected a bool, True only for an FP8 shared expert whose "
+                f"block scales are all powers of two in [2^-100, 2^100], got "
+                f"{self.shared_exact_bf16!r} for shared_fmt {self.shared_fmt!r}"
+            )
 
     @property
     def kernel_fmt(self) -> str:
@@ -155,6 +169,13 @@ class MoEPack:
         if self.layout != "tiles":
             return self.fmt
         return "mxfp4_tiles_fold" if self.mx_fold else "mxfp4_tiles"
+
+    @property
+    def shared_op_fmt(self) -> str:
+        """The shared expert's format as the operators take it: ``shared_fmt``, or "fp8_exact"
+        with ``shared_exact_bf16`` (prefill-sized calls then run it on cuBLAS over the
+        bf16-dequantized weight, exact: optimized/_ops.py, ``_shared_expert``)."""
+        return "fp8_exact" if self.shared_exact_bf16 else self.shared_fmt
 
     @property
     def num_local_experts(self) -> int:
@@ -472,8 +493,14 @@ def pack_moe(
         gate_weight=gate.contiguous(), gate_bias=params.gate_bias.to(device, torch.float32),
         shared_fmt=sfmt, shared_w13=sw13, shared_s13=ss13, shared_w2=sw2, shared_s2=ss2,
         shared_quantized=bool(params.shared_quantized), max_tokens=max_tokens, layout=layout,
-        mx_fold=fold,
+        mx_fold=fold, shared_exact_bf16=sfmt == "fp8" and _shared_scales_exact(ss13, ss2),
     )  # fmt: skip
+
+
+def _shared_scales_exact(s13: torch.Tensor, s2: torch.Tensor) -> bool:
+    """Every FP8 block scale of the shared expert a power of two in range (the dense linears'
+    rule, optimized/linear.py): each code x scale is then exact in bf16."""
+    return _exact_in_bf16(s13) and _exact_in_bf16(s2)
 
 
 def _max_scale_byte(s13: torch.Tensor, s2: torch.Tensor) -> int:
@@ -570,7 +597,7 @@ def _schedule_fields(schedule: MoESchedule | None, pack: MoEPack) -> list[int]:
 
 def _shared_args(pack: MoEPack, limit: float, act_quant: bool) -> tuple[object, ...]:
     return (
-        pack.shared_w13, pack.shared_s13, pack.shared_w2, pack.shared_s2, pack.shared_fmt,
+        pack.shared_w13, pack.shared_s13, pack.shared_w2, pack.shared_s2, pack.shared_op_fmt,
         float(limit), bool(act_quant and pack.shared_quantized),
     )  # fmt: skip
 

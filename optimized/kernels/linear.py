@@ -84,6 +84,7 @@ __all__ = [
     "LinearSchedule",
     "dequant_bf16_triton",
     "dequant_mm_selected",
+    "fp32_reduction",
     "linear_dequant_mm",
     "linear_schedule",
     "linear_triton",
@@ -371,7 +372,7 @@ def dequant_bf16_triton(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> 
 
 
 @contextlib.contextmanager
-def _fp32_reduction(device: torch.device) -> Iterator[None]:
+def fp32_reduction(device: torch.device) -> Iterator[None]:
     """cuBLAS bf16 GEMMs with every reduction in fp32 for the duration of the block.
 
     ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` (True by default) lets
@@ -413,7 +414,7 @@ def linear_dequant_mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torc
         return
     wb = workspace("linear_weight_bf16", (G, N, K), torch.bfloat16, x.device)
     dequant_bf16_triton(w, s, wb)
-    with _fp32_reduction(x.device):
+    with fp32_reduction(x.device):
         if G == 1:
             torch.mm(x.view(R, K), wb[0].T, out=y.view(R, N))
         else:

@@ -136,7 +136,7 @@ import triton.language as tl
 
 from dsv4mtp.errors import ConfigError
 
-from ._launch import INTERPRET, rne_bf16_if_interpreted, triton_launch
+from ._launch import INTERPRET, rne_bf16_if_interpreted, triton_launch, workspace
 from .decode import (
     _e2m1_f32,
     _e2m1_pair_bf16,
@@ -145,6 +145,7 @@ from .decode import (
     _e4m3_f32,
     _e4m3_times_2m8,
 )
+from .linear import dequant_bf16_triton, dequant_mm_selected, fp32_reduction
 from .moe_common import jit_loop_bounds
 from .moe_gemm_gluon import gluon_applies, moe_mx_gluon
 from .moe_schedule import DECODES, GemmTile
@@ -158,6 +159,8 @@ __all__ = [
     "moe_down_triton",
     "moe_gate_up_triton",
     "moe_reduce_triton",
+    "shared_expert_mm",
+    "shared_mm_selected",
 ]
 
 FMT_BF16, FMT_FP8, FMT_MXFP4, FMT_NVFP4 = 0, 1, 2, 3
@@ -1164,3 +1167,75 @@ def act_quant_triton(x: torch.Tensor, out: torch.Tensor) -> None:
     triton_launch(act_quant_kernel, BLOCK=128, INTERP=INTERPRET)(
         (R, triton.cdiv(K, 128)), x, out, R, K
     )
+
+
+# ----------------------------------------------------------------------------- shared expert
+def shared_mm_selected(
+    rows: int, exact_bf16: bool, x_dtype: torch.dtype, batch_invariant: bool
+) -> bool:
+    """Whether the shared expert of a ``rows``-token call runs on cuBLAS
+    (:func:`shared_expert_mm`): the dense linears' rule (kernels/linear.py,
+    ``dequant_mm_selected``), ``exact_bf16`` for bf16 weights or FP8 codes whose block scales
+    are powers of two (the bf16 weight is then the weight)."""
+    return dequant_mm_selected(rows, exact_bf16, x_dtype, batch_invariant)
+
+
+def _dense_mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, name: str) -> torch.Tensor:
+    """x (R, K) bf16 @ W^T -> (R, N) bf16, W the one expert's (1, N, K) bf16 weight or FP8
+    codes with fp32 128x128 block scales, dequantized exactly to a bf16 workspace ``name``;
+    fp32 accumulation and fp32 reductions, one rounding."""
+    if w.dtype == torch.uint8:
+        wb = workspace(name, tuple(w.shape), torch.bfloat16, x.device)
+        dequant_bf16_triton(w, s, wb)
+        w = wb
+    y = torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype, device=x.device)
+    with fp32_reduction(x.device):
+        torch.mm(x, w[0].T, out=y)
+    return y
+
+
+def shared_expert_mm(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    gscale: torch.Tensor,
+    *,
+    limit: float,
+    act_quant: bool,
+) -> torch.Tensor:
+    """The shared expert of a prefill-sized call on cuBLAS: (T, D) rows in x's dtype.
+
+    x (T, D) bf16 (already e4m3-rounded under ``act_quant``); w13 (1, 2I, D) rows [gate ; up]
+    and w2 (1, D, I): bf16 weights, or FP8 codes with power-of-two block scales s13 / s2
+    (``shared_mm_selected``).  Three steps, the rounding points of the Triton kernels (and of
+    the reference: the gate and up linears return bf16, the down linear too):
+
+    * the FP8 weight dequantized to bf16 (exact) and one cuBLAS GEMM x @ w13^T, fp32
+      accumulation, rounded to bf16 [gate ; up] (T, 2I);
+    * ``moe_swiglu_kernel`` (one expert, no routing weight): clamp, silu(gate) * up, rounded
+      to h (T, I) (then e4m3-rounded per 128 columns under ``act_quant``);
+    * h @ w2^T on cuBLAS, rounded to (T, D).
+
+    Why: the Triton GEMMs of the routed path decode the e4m3 weight in registers and reach
+    about 300 TFLOP/s at prefill sizes, cuBLAS 700-830 on the bf16 weight (the dense linears'
+    measurement, kernels/linear.py); at T 4096 the shared expert's 0.2 TFLOP took 0.84 ms in
+    the Triton kernels (bench/results/mtp-h200.md).  Bytes: the codes (25 MB at V4-Flash
+    shapes) read and their bf16 copy written and read once, x, 2I + I bf16 per token for the
+    gate/up and h rows, the output."""
+    T = x.shape[0]
+    inter = w13.shape[1] // 2
+    gu = _dense_mm(x, w13, s13, "moe_shared_w13_bf16")  # (T, 2I) [gate ; up]
+    h = torch.empty((T, inter), dtype=x.dtype, device=x.device)
+    block_m = 32
+    triton_launch(
+        moe_swiglu_kernel, IDENTITY=True, BLOCK_M=block_m, BLOCK_N=128, SPLIT_K=1,
+        INTERP=INTERPRET, num_warps=4,
+    )(
+        (triton.cdiv(T, block_m), triton.cdiv(inter, 128)), gu, gscale, gscale, gscale, gscale, h,
+        T, inter, float(limit), triton.cdiv(T, block_m),
+    )  # fmt: skip
+    if act_quant:
+        act_quant_triton(h, h)  # in place: each program reads its 128 values before writing
+    return _dense_mm(h, w2, s2, "moe_shared_w2_bf16")
