@@ -40,7 +40,7 @@ from dsv4mtp.optimized.kernels.moe_gemm import (
     moe_down_triton,
     moe_reduce_triton,
 )
-from dsv4mtp.optimized.kernels.moe_gemm_gluon import gluon_applies, gluon_tile_ok
+from dsv4mtp.optimized.kernels.moe_gemm_gluon import gluon_applies, gluon_tile_ok, uses_wgmma
 from dsv4mtp.optimized.kernels.moe_route import RouteSchedule, route_config, route_triton
 from dsv4mtp.optimized.kernels.moe_schedule import (
     schedule_from_fields,
@@ -572,13 +572,13 @@ def test_mxdot_defaults_at_v4_flash_shapes(T: int, layout: str) -> None:
 
 
 def _count_wgmma_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Records the ``block_m`` of every Gluon GEMM launched with 64 or more rows (the wgmma
-    kernel): a call that fell back to ``"mxstep"`` records nothing."""
+    """Records the ``block_m`` of every Gluon GEMM launched on the wgmma kernel
+    (``uses_wgmma``): a call that fell back to ``"mxstep"`` or ran mma_v2 records nothing."""
     seen: list[int] = []
     real = moe_gemm_module.moe_mx_gluon
 
     def spy(*args: Any, **kwargs: Any) -> None:
-        if kwargs["block_m"] >= 64:
+        if uses_wgmma(kwargs["tile"], kwargs["block_m"], kwargs["fold"]):
             seen.append(kwargs["block_m"])
         real(*args, **kwargs)
 
@@ -595,7 +595,7 @@ def test_gluon_values_are_exact_for_every_code_and_scale(monkeypatch: pytest.Mon
     pack's ``mx_fold``) the scale is applied in the bf16 decode, exact too (bytes 0 and 1 give
     bf16 subnormals, which the MMA keeps).  Also two K splits (the partials of the other split
     are zero), 64-row programs and 16- and 32-row M blocks; with ``fold``, the wgmma kernel on
-    64- and 128-row M blocks (its launches counted: no fallback passes for it)."""
+    32-, 64- and 128-row M blocks (its launches counted: no fallback passes for it)."""
     wgmma = _count_wgmma_launches(monkeypatch)
     N, K = 256, 256
     codes = (torch.arange(N * K // 2) % 256).to(torch.uint8).reshape(1, N, K // 2)
@@ -617,9 +617,14 @@ def test_gluon_values_are_exact_for_every_code_and_scale(monkeypatch: pytest.Mon
             (GemmTile(128, 128, swap_ab=True), 8),
             (GemmTile(64, 128, split_k=2), 16),
             (GemmTile(128, 128), 32),
-            # the wgmma kernel (64- and 128-row blocks) folds the scales only
+            # the wgmma kernel (32-, 64- and 128-row blocks) folds the scales only
             *(
-                ((GemmTile(128, 128, num_warps=8), 128), (GemmTile(64, 128, split_k=2), 64))
+                (
+                    (GemmTile(128, 128, num_warps=8), 128),
+                    (GemmTile(64, 128, split_k=2), 64),
+                    (GemmTile(128, 128, num_warps=8, num_stages=4), 32),
+                    (GemmTile(64, 128), 32),
+                )
                 if fold
                 else ()
             ),
@@ -632,7 +637,7 @@ def test_gluon_values_are_exact_for_every_code_and_scale(monkeypatch: pytest.Mon
             assert y.dtype == torch.float32 and y.shape == (tile.split_k, K, N)
             got = y.double().sum(0).flip(0).T.cpu()  # (N, K): weight (n, k) at row K-1-k
             assert torch.equal(got, want), (fold, tile)
-    assert wgmma == [128, 64]
+    assert wgmma == [128, 64, 32, 32]
 
 
 def _replay_equals_eager(x: torch.Tensor, pack: Any, cfg: Any, kw: dict[str, Any]) -> bool:
@@ -684,28 +689,35 @@ def test_gluon_gemms_at_v4_flash_shapes(T: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1500, 4096])
+@pytest.mark.parametrize("T", [1024, 1500, 4096])
 def test_wgmma_gemms_at_v4_flash_shapes(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Gluon wgmma GEMMs (64- and 128-row M blocks, the default above T 1024 for a pack
-    whose scales fold) at V4-Flash experts (D 4096, I 2048, E 256, top-6): within the moe
-    tolerance of the float64 reference under the default and with 128-row blocks, one warpgroup
-    (64 weight rows), three or five stages and a K split of 2; every schedule gives each row the
-    bits of the default (the same chain of MMAs) and of the same row in a batch of one; a
+    """The Gluon wgmma GEMMs (the default for a pack whose scales fold: 32-row M blocks from T
+    768 to 1024, 64-row blocks above) at V4-Flash experts (D 4096, I 2048, E 256, top-6):
+    within the moe tolerance of the float64 reference under the default and with 32- and
+    128-row blocks, one warpgroup (64 weight rows), three or five stages and a K split of 2;
+    every schedule gives each row the bits of the default (the same chain of MMAs, whatever
+    the MMA's N) and of the same row in a batch of one; a
     CUDA-graph replay equals the eager call.  Each schedule's two routed GEMMs are counted as
     wgmma launches (a fallback would pass the value checks).  A pack whose scales do not fold
-    keeps the PTX decode."""
+    keeps the mma_v2 GEMMs on 16-row blocks up to T 1024 and the PTX decode above."""
     wgmma = _count_wgmma_launches(monkeypatch)
     (x, params, cfg), kw = moe_inputs("moe", T, 11, shape="flash", fmt="mxfp4", device="cuda")
     pack = pack_moe(params, "cuda")
     d = moe_config(T, batch_invariant=False, fmt=pack.kernel_fmt)
-    assert d.decode == "gluon" and d.block_m == 64 and pack.mx_fold
-    assert moe_config(T, batch_invariant=False, fmt="mxfp4_tiles").decode == "asm"
+    assert d.decode == "gluon" and d.block_m == (32 if T <= 1024 else 64) and pack.mx_fold
+    assert uses_wgmma(d.gate_up, d.block_m, True) and uses_wgmma(d.down, d.block_m, True)
+    # without the fold: the mma_v2 GEMMs on 16-row blocks up to T 1024, the PTX decode above
+    nofold = moe_config(T, batch_invariant=False, fmt="mxfp4_tiles")
+    assert (nofold.decode, nofold.block_m) == (("gluon", 16) if T <= 1024 else ("asm", 64))
     want = moe(x, pack, cfg, **kw, schedule=d)
     _check("moe", want, (x, params, cfg), kw)
-    assert wgmma == [64, 64]
+    assert wgmma == [d.block_m] * 2
     one_wg = GemmTile(64, 128, num_warps=4, num_stages=4)
     for s in (
         replace(d, block_m=128),
+        replace(d, block_m=64),
+        replace(d, block_m=32),
+        replace(d, block_m=32, gate_up=one_wg),
         replace(d, gate_up=replace(d.gate_up, num_stages=3), down=replace(d.down, num_stages=5)),
         replace(d, gate_up=one_wg, down=one_wg),
         replace(d, block_m=128, gate_up=replace(d.gate_up, split_k=2)),
@@ -772,11 +784,19 @@ def test_schedule_validation() -> None:
     assert all(moe_config(t, batch_invariant=True) == b for t in (1, 8, 64, 512))
 
 
+def _word_view(x: torch.Tensor) -> torch.Tensor:
+    """A copy of x at a 4-byte but not 16-byte aligned address."""
+    buf = torch.zeros(x.numel() + 8, dtype=x.dtype)
+    out = buf[2 : 2 + x.numel()].view(x.shape)
+    out.copy_(x)
+    return out
+
+
 def test_gluon_applies_only_where_the_kernel_can_run() -> None:
     """The Gluon GEMMs take a call only at their shapes (8-, 16- or 32-row blocks, 128-wide K
     steps, 16 x (1, 2, 4) x warps weight rows per program dividing N, K a multiple of 128 x
-    split; the wgmma kernel's 64- and 128-row blocks with 16 x warps rows, three or more stages
-    and folded scales) and with x and the codes contiguous at 4-byte aligned addresses (they
+    split; the wgmma kernel's 64- and 128-row blocks, and 32-row blocks with folded scales and
+    a wgmma tile: 16 x warps rows, three or more stages) and with x and the codes contiguous at 4-byte aligned addresses (they
     are read as int32 words; 16-byte aligned x for the wgmma kernel's copies); anything else
     runs as ``"mxstep"`` (checked here without a GPU: the launchers decide on these
     predicates before any launch)."""
@@ -800,6 +820,16 @@ def test_gluon_applies_only_where_the_kernel_can_run() -> None:
     # three stages, folded scales, x at a 16-byte aligned address
     wg = GemmTile(128, 128, num_warps=8)
     assert gluon_applies(x, codes, wg, 64) and gluon_applies(x, codes, wg, 128)
+    # 32-row blocks: the wgmma kernel for a wgmma tile with folded scales, else mma_v2 (whose
+    # tiles hold 1, 2 or 4 MMA tiles of 16 rows per warp)
+    assert uses_wgmma(wg, 32, True) and uses_wgmma(GemmTile(64, 128), 32, True)
+    assert not uses_wgmma(wg, 32, False) and not uses_wgmma(wg, 16, True)
+    assert not uses_wgmma(ok, 32, True)  # 128 rows on 4 warps: an mma_v2 tile
+    assert not uses_wgmma(GemmTile(128, 128, num_warps=8, num_stages=2), 32, True)
+    assert uses_wgmma(GemmTile(128, 128, num_warps=8, num_stages=2), 64, True)
+    assert gluon_applies(x, codes, wg, 32) and gluon_applies(x, codes, wg, 32, fold=False)
+    assert gluon_applies(x, codes, ok, 32) and gluon_applies(x, codes, ok, 32, fold=False)
+    assert not gluon_applies(_word_view(x), codes, wg, 32)
     assert gluon_applies(x, codes, GemmTile(64, 128), 64)
     assert not gluon_applies(x, codes, wg, 64, fold=False)
     assert not gluon_applies(x, codes, GemmTile(128, 128, num_warps=8, num_stages=2), 64)
@@ -813,6 +843,7 @@ def test_gluon_applies_only_where_the_kernel_can_run() -> None:
     assert gluon_applies(buf[8:].view(x.shape), codes, wg, 64)  # a 16-byte offset
     word = buf[2 : 2 + x.numel()].view(x.shape)  # a 4-byte offset only
     assert gluon_applies(word, codes, ok, 8) and not gluon_applies(word, codes, wg, 64)
+    assert _word_view(x).data_ptr() % 16 and gluon_applies(_word_view(x), codes, wg, 32, fold=False)
 
 
 def test_reduce_takes_one_split_partials(device: str) -> None:

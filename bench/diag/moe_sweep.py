@@ -54,6 +54,7 @@ from dsv4mtp.optimized.kernels.moe_gemm import (
     moe_gate_up_triton,
     moe_reduce_triton,
 )
+from dsv4mtp.optimized.kernels.moe_gemm_gluon import uses_wgmma
 from dsv4mtp.optimized.moe import MoEPack, MoESchedule, moe, moe_config, pack_moe, route
 
 TOKENS = (1, 8, 64, 512, 4096)
@@ -120,8 +121,9 @@ def mxdot_candidates(T: int, dry: bool) -> list[tuple[str, MoESchedule]]:
 
 
 def wgmma_candidates(d: MoESchedule) -> list[tuple[str, MoESchedule]]:
-    """The Gluon wgmma GEMMs (64- and 128-row M blocks, kernels/moe_gemm_gluon.py): 128 weight
-    rows on 8 warps or 64 on 4, 3-5 stages of x and codes in shared memory."""
+    """The Gluon wgmma GEMMs (32-, 64- and 128-row M blocks, kernels/moe_gemm_gluon.py): 128
+    weight rows on 8 warps or 64 on 4, 3-5 stages of x and codes in shared memory; on 32-row
+    blocks also 8 warps for gate/up with 4 for down (``wg_m32_mix``)."""
     g = replace(d, decode="gluon")
 
     def wg(bm: int, warps: int = 8, stages: int = 3) -> MoESchedule:
@@ -130,9 +132,14 @@ def wgmma_candidates(d: MoESchedule) -> list[tuple[str, MoESchedule]]:
             split_k=1, swap_ab=False,
         )  # fmt: skip
 
+    w8, w4 = wg(32, stages=4), wg(32, warps=4, stages=4)
     return [
+        ("wg_m32", w8),
+        ("wg_m32_w4", w4),
+        ("wg_m32_mix", replace(w8, down=w4.down)),
         ("wg_m128", wg(128)),
         ("wg_m64", wg(64)),
+        ("wg_m64_s4", wg(64, stages=4)),
         ("wg_m128_s5", wg(128, stages=5)),
         ("wg_m128_s4", wg(128, stages=4)),
         ("wg_m64_w4", wg(64, warps=4)),
@@ -171,11 +178,16 @@ def layout_candidates(
         return out
     gu, dn = d.gate_up, d.down
     fold = fmt == "mxfp4_tiles_fold"  # the wgmma GEMMs take folded scales only
-    if d.decode == "gluon" and d.block_m >= 64:
-        # the wgmma default (above T 1024): the PTX decode it replaced, 128-row blocks, other
-        # stages, one warpgroup
-        ptx = moe_config(T, batch_invariant=False, fmt="mxfp4_tiles")
-        return [*out, ("ptx_m64", ptx), *wgmma_candidates(d)]
+    if d.decode == "gluon" and uses_wgmma(d.gate_up, d.block_m, fold):
+        # the wgmma default (from T 768): what it replaced (the PTX decode above T 1024, the
+        # mma_v2 GEMMs on 16-row blocks up to it), 32- to 128-row blocks, other stages, one
+        # warpgroup
+        if d.block_m >= 64:
+            old = ("ptx_m64", moe_config(T, batch_invariant=False, fmt="mxfp4_tiles"))
+        else:
+            m16 = _routed(d, block_n=128, num_warps=4, num_stages=3)
+            old = ("gluon_m16", replace(m16, block_m=16))
+        return [*out, old, *wgmma_candidates(d)]
     if d.decode == "gluon":
         # the Gluon GEMMs (kernels/moe_gemm_gluon.py): against the Triton "mxstep" default they
         # replaced (its K split: 4-way at T <= 2), other splits and 64- / 256-row programs
@@ -410,10 +422,11 @@ def part_calls(
             pack.shared_s13,
             pack.shared_w2,
             pack.shared_s2,
-            pack.shared_fmt,
+            pack.shared_op_fmt,
             limit,
             False,
             s,
+            False,
         ),
     }
 

@@ -109,7 +109,7 @@ _WG_STAGE_BYTES_PER_T = 256
 _WG_STAGE_BYTES_PER_N = 68
 _SM90_SMEM = 232448
 
-__all__ = ["gluon_applies", "gluon_tile_ok", "moe_mx_gluon"]
+__all__ = ["gluon_applies", "gluon_tile_ok", "moe_mx_gluon", "uses_wgmma"]
 
 
 # ----------------------------------------------------------------------------- decode PTX
@@ -612,20 +612,40 @@ def moe_mx_wgmma_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
+def uses_wgmma(tile: GemmTile, block_m: int, fold: bool) -> bool:
+    """Which Gluon kernel :func:`moe_mx_gluon` runs: the wgmma kernel on 64- and 128-row M
+    blocks, and on 32-row blocks when the scales fold and the tile is a wgmma tile (16 weight
+    rows per warp on 4 or 8 warps, three or more stages); the mma_v2 kernel otherwise.  On the
+    H200 the wgmma kernel on 32-row blocks beats mma_v2 on 16- and 32-row blocks from about
+    ~24 rows per expert (T 1024: gate/up 1218 against 1744 us, down 660 against 918), not at
+    ~12 (T 512: 1160 against 1017; bench/results/moe-h200.md, "wgmma on 32-row blocks")."""
+    if block_m >= 64:
+        return True
+    return (
+        block_m == 32
+        and fold
+        and tile.num_warps in (4, 8)
+        and tile.block_n == 16 * tile.num_warps
+        and tile.num_stages >= 3
+    )
+
+
 def gluon_tile_ok(tile: GemmTile, block_m: int, K: int, N: int, fold: bool = True) -> bool:
     """Whether these kernels run ``tile`` at this shape: 128-column K steps, K a multiple of
-    128 x ``split_k``, and ``block_n`` weight rows dividing N; with 8-, 16- or 32-row M blocks
-    (mma_v2's N) ``block_n`` = 16 x (1, 2 or 4) x ``num_warps``; with 64- or 128-row M blocks
-    (wgmma's N) ``block_n`` = 16 x ``num_warps`` (4 or 8 warps: one or two warpgroups of 64
-    rows), at least 3 stages (a step's copies run ``num_stages - 2`` steps ahead) and no more
-    than fit the 227 KiB of shared memory a block may have on sm_90 (5 at 128-row blocks),
-    and the scales folded into the decode (``fold``)."""
+    128 x ``split_k``, and ``block_n`` weight rows dividing N.  The mma_v2 kernel (8-, 16- or
+    32-row M blocks, its N): ``block_n`` = 16 x (1, 2 or 4) x ``num_warps``.  The wgmma kernel
+    (:func:`uses_wgmma`: 64- or 128-row blocks, or 32-row blocks with a wgmma tile and folded
+    scales; the blocks are its N): ``block_n`` = 16 x ``num_warps`` (4 or 8 warps: one or two
+    warpgroups of 64 rows), at least 3 stages (a step's copies run ``num_stages - 2`` steps
+    ahead) and no more than fit the 227 KiB of shared memory a block may have on sm_90 (5 at
+    128-row blocks), and the scales folded into the decode (``fold``)."""
     if tile.block_k != 128 or K % (128 * tile.split_k) or N % tile.block_n:
         return False
-    if block_m in (64, 128):
+    if uses_wgmma(tile, block_m, fold):
         stage = block_m * _WG_STAGE_BYTES_PER_T + tile.block_n * _WG_STAGE_BYTES_PER_N
         return (
             fold
+            and block_m in (32, 64, 128)
             and tile.num_warps in (4, 8)
             and tile.block_n == 16 * tile.num_warps
             and tile.num_stages >= 3
@@ -643,7 +663,7 @@ def gluon_applies(
     the codes as int32 words, and the mma_v2 kernel x too; a view at an odd bf16 offset, valid
     for the Triton kernels, is not); for the wgmma kernel 16-byte aligned x (its copies) and,
     on CUDA, an sm_90 device (wgmma is Hopper's)."""
-    wg = block_m >= 64
+    wg = uses_wgmma(tile, block_m, fold)
     return (
         gluon_tile_ok(tile, block_m, x.shape[1], codes.shape[1], fold)
         and x.is_contiguous()
@@ -677,15 +697,16 @@ def moe_mx_gluon(
     MXFP4 experts (module doc): gate/up with ``gather`` (x (T, K) read at the slots' tokens,
     rows of ``part`` = M-block rows, columns [gate ; up]), down without (x = h (blocks *
     block_m, K), rows of ``part`` = slots).  The caller checks :func:`gluon_applies`, the tiles
-    layout and x bf16 contiguous; ``fold`` only for scale bytes <= 128.  8- to 32-row M blocks
-    run the mma_v2 kernel, 64- and 128-row blocks the wgmma kernel."""
+    layout and x bf16 contiguous; ``fold`` only for scale bytes <= 128.  The kernel:
+    :func:`uses_wgmma` (wgmma on 64- and 128-row blocks and on 32-row blocks with a wgmma
+    tile and folded scales, mma_v2 otherwise)."""
     num_m = block_expert.numel()
     K = x.shape[1]
     N = codes.shape[1]
     split = tile.split_k
     w32 = codes.view(torch.int32)
     s32 = scales.view(torch.int32)
-    if block_m >= 64:
+    if uses_wgmma(tile, block_m, fold):
         triton_launch(
             moe_mx_wgmma_kernel, GATHER=gather, BLOCK_T=block_m, SPLIT_K=split,
             STAGES=tile.num_stages, NUM_WARPS=tile.num_warps, num_warps=tile.num_warps,

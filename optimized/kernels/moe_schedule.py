@@ -76,6 +76,7 @@ from ._launch import INTERPRET
 __all__ = [
     "DECODES",
     "TILES_FMTS",
+    "WGMMA_M32_MIN_T",
     "GemmTile",
     "MoESchedule",
     "check_schedule_shapes",
@@ -85,6 +86,10 @@ __all__ = [
 ]
 
 DECODES = ("f16", "bits", "asm", "mxdot", "mxstep", "gluon")
+# From here to T 1024, with folded scales, the routed GEMMs run the wgmma kernel on 32-row
+# blocks (moe_config); below, the mma_v2 kernel on 16-row blocks (at T 512 it took 1017 / 521
+# us for gate/up / down against 1160 / 636 for wgmma on 32-row blocks: moe-h200.md)
+WGMMA_M32_MIN_T = 768
 # MXFP4 experts in MoEPack's tiles layout, as the operators name them: "mxfp4_tiles_fold" when
 # every e8m0 scale byte is <= 128 (optimized/moe.py, ``MoEPack.mx_fold``)
 TILES_FMTS = ("mxfp4_tiles", "mxfp4_tiles_fold")
@@ -271,9 +276,11 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
       / 1043.9 / 2625 / 3375 us for the Triton ``"mxstep"`` schedule and 3523 us for the PTX
       decode at T 1024; 16-row blocks lost up to T 256: 927.9 against 724.5 us at T 64, 1458
       against 1323 at T 256; 32-row blocks gained nothing; moe-h200.md, "Gluon GEMMs on the
-      tiles"); 128-row gate/up tiles of interleaved gate and up rows everywhere.  Above
-      T 1024, with the scales foldable (``"mxfp4_tiles_fold"``), the Gluon wgmma GEMMs on
-      64-row blocks (kernels/moe_gemm_gluon.py, ``moe_mx_wgmma_kernel``; moe-h200.md,
+      tiles"); 128-row gate/up tiles of interleaved gate and up rows everywhere.  With the
+      scales foldable (``"mxfp4_tiles_fold"``), from :data:`WGMMA_M32_MIN_T` (768) to T 1024
+      the Gluon wgmma GEMMs on 32-row blocks (gate/up on 8 warps, down on 4: the whole moe
+      2268 / 2556 us at T 768 / 1024 against 2343 / 2796 on the mma_v2 16-row blocks), above
+      T 1024 on 64-row blocks (kernels/moe_gemm_gluon.py, ``moe_mx_wgmma_kernel``; moe-h200.md,
       "wgmma GEMMs at prefill sizes"); otherwise the PTX decode with two stages
       (:func:`_gate_up`; 7328 us at T 4096 against 9766 for the Gluon GEMMs on 16-row
       blocks).  ``"mxstep"`` (a K step's codes in one load) is the
@@ -304,6 +311,17 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
     if batch_invariant or T > 64:
         t = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3)
         group_scaled_max = 1024 if tiles else 768  # the last T of the group-scaled GEMMs
+        if fmt == "mxfp4_tiles_fold" and not batch_invariant and WGMMA_M32_MIN_T <= T <= 1024:
+            # the Gluon wgmma GEMMs on 32-row blocks (an expert holds ~18-24 rows): gate/up 128
+            # weight rows on 8 warps, down 64 on 4, four stages (whole moe on the H200 at T 768 /
+            # 1024: 2268 / 2556 us against 2343 / 2796 for the mma_v2 GEMMs on 16-row blocks;
+            # moe-h200.md, "wgmma on 32-row blocks")
+            gu32 = GemmTile(block_n=128, block_k=128, num_warps=8, num_stages=4)
+            dn32 = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=4)
+            return MoESchedule(
+                32, gu32, dn32, 64, t, t, decode="gluon", fp4_join=True, align_chunk=128,
+                align_warps=8, shared_stream=False,
+            )  # fmt: skip
         if fmt == "mxfp4_tiles_fold" and not batch_invariant and group_scaled_max < T:
             # the Gluon wgmma GEMMs on 64-row blocks, 128 weight rows on two warpgroups, four
             # stages (whole moe on the H200 at T 2048 / 4096 against the PTX decode below:
