@@ -247,21 +247,27 @@ def moe_lines() -> list[str]:
     asm = replace(d64, decode="asm", block_m=16, gate_up=replace(d64.gate_up, block_n=64,
                   swap_ab=False), down=replace(d64.down, block_n=64, swap_ab=False))  # fmt: skip
     cases.append(("T=64 asm m16", False, asm))
-    # the Gluon wgmma GEMMs (kernels/moe_gemm_gluon.py), the default above T 1024 where the
-    # scales fold: gate/up and down at the default schedule, and 128-row M blocks
+    # the Gluon wgmma GEMMs (kernels/moe_gemm_gluon.py), the default from T 768 where the
+    # scales fold: gate/up (its SwiGLU epilogue) and down at the defaults of T 1024 (32-row M
+    # blocks) and 4096 (64-row), and 128-row M blocks
     from dsv4mtp.optimized.kernels.moe_gemm_gluon import moe_mx_wgmma_kernel
 
     wsig = dict(
         x_ptr="*bf16", w_ptr="*i32", s_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32",
-        part_ptr="*fp32", K="i32", N="i32", TOPK="i32", W_STRIDE_E="i32", S_STRIDE_E="i32",
-        ROWS_PART="i32",
+        part_ptr="*fp32", gs_ptr="*fp32", topw_ptr="*fp32", h_ptr="*bf16", K="i32", N="i32",
+        TOPK="i32", W_STRIDE_E="i32", S_STRIDE_E="i32", ROWS_PART="i32", limit="fp32",
     )  # fmt: skip
-    fold = moe_config(4096, batch_invariant=False, fmt="mxfp4_tiles_fold")
-    for bm in (fold.block_m, 128):
+    wg_cases = [
+        (1024, moe_config(1024, batch_invariant=False, fmt="mxfp4_tiles_fold")),
+        (4096, moe_config(4096, batch_invariant=False, fmt="mxfp4_tiles_fold")),
+    ]
+    wg_cases.append((4096, replace(wg_cases[-1][1], block_m=128)))
+    for T, fold in wg_cases:
+        bm = fold.block_m
         for name, tile, gather in (("gate_up", fold.gate_up, True), ("down", fold.down, False)):
             consts = dict(
                 GATHER=gather, BLOCK_T=bm, SPLIT_K=tile.split_k, STAGES=tile.num_stages,
-                NUM_WARPS=tile.num_warps,
+                NUM_WARPS=tile.num_warps, SWIGLU=gather and tile.split_k == 1,
             )  # fmt: skip
             line = resources(
                 moe_mx_wgmma_kernel, wsig, consts, loop=True, gluon=True,
@@ -270,7 +276,7 @@ def moe_lines() -> list[str]:
             )  # fmt: skip
             per = tile.block_n * 128 / (32 * tile.num_warps)
             lines.append(
-                f"moe {name:7s} T=4096 wgmma  m{bm:<3d} {tile.block_n} x 128, "
+                f"moe {name:7s} T={T} wgmma  m{bm:<3d} {tile.block_n} x 128, "
                 f"{tile.num_stages} stages: {line} ({per:.0f} weights per thread per step)"
             )
     for label, tiled, sc in cases:

@@ -735,6 +735,44 @@ def test_wgmma_gemms_at_v4_flash_shapes(T: int, monkeypatch: pytest.MonkeyPatch)
     assert _replay_equals_eager(x, pack, cfg, kw)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1024, 4096])
+def test_wgmma_swiglu_epilogue_gives_the_bits_of_the_swiglu_pass(
+    T: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wgmma gate/up GEMM with one K split applies the SwiGLU in its epilogue
+    (``WGMMA_SWIGLU_EPILOGUE``, kernels/moe_gemm_gluon.py ``_store_swiglu``): the whole moe at
+    V4-Flash experts with inputs of magnitude 8 (a good share of gate and up past the clamp)
+    gives the bits of the same GEMM's fp32 partials finished by ``moe_swiglu_kernel``, under the
+    default (32-row blocks at T 1024, 64 at 4096) and on 128-row blocks, and stays within the
+    moe tolerance of the float64 reference.  The fused launches are counted (gate/up fused,
+    down not; none with the switch off)."""
+    fused: list[bool] = []
+    real = moe_gemm_module.moe_mx_gluon
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        fused.append(kwargs.get("swiglu") is not None)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(moe_gemm_module, "moe_mx_gluon", spy)
+    (x, params, cfg), kw = moe_inputs(
+        "moe", T, 5, shape="flash", fmt="mxfp4", device="cuda", magnitude=8.0
+    )
+    pack = pack_moe(params, "cuda")
+    d = moe_config(T, batch_invariant=False, fmt=pack.kernel_fmt)
+    for s in (d, replace(d, block_m=128)):
+        fused.clear()
+        got = moe(x, pack, cfg, **kw, schedule=s)
+        assert fused == [True, False], s
+        monkeypatch.setattr(moe_gemm_module, "WGMMA_SWIGLU_EPILOGUE", False)
+        fused.clear()
+        want = moe(x, pack, cfg, **kw, schedule=s)
+        monkeypatch.setattr(moe_gemm_module, "WGMMA_SWIGLU_EPILOGUE", True)
+        assert fused == [False, False], s
+        assert torch.equal(got, want), s
+        _check("moe", got, (x, params, cfg), kw)
+
+
 @pytest.mark.parametrize("T", [1, 2, 5, 8])
 def test_default_schedule_fits_small_k(T: int, device: str) -> None:
     """The default schedule's K splits (GPU: 4-way at T <= 2, 2-way at T <= 8) on the tiny

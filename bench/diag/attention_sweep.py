@@ -15,11 +15,12 @@ each cell says (=) where the output is bitwise the default schedule's on the sam
 else the max abs difference.
 Times: CUDA-graph replay of 20 calls, median of 10 replays (bench/h200_mhc.py's timer).
 
-    python3 bench/diag/attention_sweep.py
+    python3 bench/diag/attention_sweep.py [--only default,dv256_w8_s3,...]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +57,8 @@ def schedules() -> list[tuple[str, AttentionSchedule]]:
         ("n16", s(64, 16, 64, 128, 64, 4, 2)),
         ("n64_w8", s(64, 64, 64, 128, 64, 8, 2)),
         ("s3", s(64, 32, 64, 128, 64, 4, 3)),
+        ("dv256_w8_s3", s(64, 32, 64, 256, 64, 8, 3)),
+        ("dv256_w8_s4", s(64, 32, 64, 256, 64, 8, 4)),
     ]
 
 
@@ -97,10 +100,14 @@ def prefill_case(T: int, g: torch.Generator) -> tuple[str, Callable[..., Any]]:
 
 
 def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", default="", help="only these schedules (the default is kept)")
+    a = p.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     g = torch.Generator(device="cuda").manual_seed(0)
     cases = [decode_case(b, g) for b in (1, 8, 64)] + [prefill_case(t, g) for t in (512, 4096)]
-    scheds = schedules()
+    only = {"default", *a.only.split(",")} if a.only else None
+    scheds = [(n, sc) for n, sc in schedules() if only is None or n in only]
     print("| schedule | " + " | ".join(name for name, _ in cases) + " |")
     print("|---|" + "---|" * len(cases))
     ref: dict[str, torch.Tensor] = {}

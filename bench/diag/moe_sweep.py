@@ -456,11 +456,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--names", default="", help="only the candidates of these names (a,b,...)")
     p.add_argument(
+        "--swiglu-pass",
+        action="store_true",
+        help="the wgmma gate/up's fp32 partials and the separate SwiGLU pass (kernels/"
+        "moe_gemm.py, WGMMA_SWIGLU_EPILOGUE off) instead of its SwiGLU epilogue",
+    )
+    p.add_argument(
         "--layouts",
         default="",
         help="MXFP4 only: compare pack_moe's layouts (e.g. rows,tiles) with layout_candidates",
     )
     a = p.parse_args(argv)
+    if a.swiglu_pass:
+        from dsv4mtp.optimized.kernels import moe_gemm
+
+        moe_gemm.WGMMA_SWIGLU_EPILOGUE = False
     t_start = time.time()
     cuda = not a.dry_run
     if cuda and not torch.cuda.is_available():

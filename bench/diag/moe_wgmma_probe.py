@@ -5,7 +5,7 @@ K 2048) in the tiles layout with foldable scales, T tokens routed uniformly (top
 kernel's blocks of each variant's row count.  A variant is a kernel and its tile:
 
 * ``wg:BM:WARPS:STAGES``: ``moe_mx_wgmma_kernel`` on BM-row blocks (wgmma's N; 16 to 128),
-  16 x WARPS weight rows per program;
+  16 x WARPS weight rows per program, its fp32 partials (no SwiGLU epilogue);
 * ``v2:BM:WARPS``: ``moe_mx_gluon_kernel`` (mma_v2) on BM-row blocks (8 to 32), 128 weight
   rows per program (the decode-size default's tile).
 
@@ -62,11 +62,11 @@ def _runner(kind, bm, warps, stages, gate_up, top, x, tc, ts, sorted_slot, block
     if kind == "wg":
         launch = triton_launch(
             moe_mx_wgmma_kernel, GATHER=gate_up, BLOCK_T=bm, SPLIT_K=1, STAGES=stages,
-            NUM_WARPS=warps, num_warps=warps,
+            NUM_WARPS=warps, SWIGLU=False, num_warps=warps,
         )  # fmt: skip
         return lambda: launch(
             (N // (16 * warps), nb, 1), x, w32, s32, sorted_slot, block_expert, part,
-            K, N, top, w32[0].numel(), s32[0].numel(), part.shape[1],
+            part, part, part, K, N, top, w32[0].numel(), s32[0].numel(), part.shape[1], 0.0,
         )  # fmt: skip
     tile = GemmTile(block_n=128, block_k=128, num_warps=warps, num_stages=3)
     return lambda: moe_mx_gluon(

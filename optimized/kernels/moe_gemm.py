@@ -147,7 +147,7 @@ from .decode import (
 )
 from .linear import dequant_bf16_triton, dequant_mm_selected, fp32_reduction
 from .moe_common import jit_loop_bounds
-from .moe_gemm_gluon import gluon_applies, moe_mx_gluon
+from .moe_gemm_gluon import gluon_applies, moe_mx_gluon, uses_wgmma
 from .moe_schedule import DECODES, GemmTile
 
 __all__ = [
@@ -963,6 +963,14 @@ def _gluon_or_mxstep(
     return "mxstep"
 
 
+# The wgmma gate/up GEMM with one K split applies the SwiGLU in its epilogue and writes h
+# (kernels/moe_gemm_gluon.py, ``_store_swiglu``): the same values as its fp32 partials finished
+# by ``moe_swiglu_kernel`` (the same operations in the same order), without the partials
+# (4 bytes per gate and up value written and read again: 0.67 GB at T 4096) or the second
+# launch.  False: the partials and the separate pass (the benchmark's A/B switch).
+WGMMA_SWIGLU_EPILOGUE = True
+
+
 def _gate_up_gluon(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -981,8 +989,20 @@ def _gate_up_gluon(
     fold: bool,
 ) -> None:
     """``decode="gluon"``: the Gluon GEMM's fp32 [gate ; up] partials, then the SwiGLU
-    epilogue of the split-K path (``moe_swiglu_kernel``, 128 columns per program)."""
+    epilogue of the split-K path (``moe_swiglu_kernel``, 128 columns per program); on the wgmma
+    kernel with one K split (:data:`WGMMA_SWIGLU_EPILOGUE`) the GEMM writes h itself."""
     num_m = block_expert.numel()
+    if (
+        WGMMA_SWIGLU_EPILOGUE
+        and tile.split_k == 1
+        and topk_weights is not None
+        and uses_wgmma(tile, block_m, fold)
+    ):
+        moe_mx_gluon(
+            x, w13, s13, sorted_slot, block_expert, h, gather=True, top_k=top_k, tile=tile,
+            block_m=block_m, fold=fold, swiglu=(gscale, topk_weights, h, float(limit)),
+        )  # fmt: skip
+        return
     rows = num_m * block_m
     part = torch.empty((tile.split_k, rows, 2 * inter), dtype=torch.float32, device=x.device)
     moe_mx_gluon(

@@ -514,24 +514,76 @@ def _wg_smem_codes(cs, ss, st, CL: gl.constexpr):
 
 
 @gluon.jit
+def _a_rows(BLOCK_N: gl.constexpr, layout: gl.constexpr, SWIGLU: gl.constexpr):
+    """The program's packed weight row (0 .. BLOCK_N - 1) behind each A row.  In order, or with
+    SWIGLU so that the gate and up rows of a column sit 8 rows apart in each 16-row slab (A row
+    16 s + i <- packed row 16 s + 2 i, gate column 8 s + i; A row 16 s + 8 + i <- 16 s + 2 i
+    + 1, its up row): the wgmma accumulator gives a thread rows r and r + 8, so each thread
+    then holds both halves of its SwiGLU columns (:func:`_store_swiglu`)."""
+    r = gl.arange(0, BLOCK_N, layout=layout)
+    if SWIGLU:
+        r = (r // 16) * 16 + (r % 8) * 2 + (r % 16) // 8
+    return r
+
+
+@gluon.jit
+def _store_swiglu(
+    acc, gs_ptr, e, topw_ptr, h_ptr, sorted_ptr, pid_m, pid_n, I, limit,
+    BLOCK_N: gl.constexpr, BLOCK_T: gl.constexpr,
+):  # fmt: skip
+    """The gate/up epilogue in the GEMM (one K split): acc (BLOCK_N A rows in the
+    :func:`_a_rows` SwiGLU order, BLOCK_T block rows) -> h rows of the block, columns
+    pid_n * BLOCK_N / 2 + (0 .. BLOCK_N / 2 - 1), as ``moe_swiglu_kernel`` computes them
+    (kernels/moe_gemm.py, ``_swiglu_store``: the global scales, gate and up rounded to bf16,
+    the clamp, silu(gate) * up * the slot's routing weight, one rounding).  Padding rows (slot
+    -1) are not written."""
+    # (slab, half, i, t) -> gate and up (slab, i, t): the half is a register bit of acc
+    gate, up = gl.split(gl.permute(gl.reshape(acc, [BLOCK_N // 16, 2, 8, BLOCK_T]), (0, 2, 3, 1)))
+    g = gl.reshape(gate, [BLOCK_N // 2, BLOCK_T])
+    u = gl.reshape(up, [BLOCK_N // 2, BLOCK_T])
+    L: gl.constexpr = g.type.layout
+    c = pid_n * (BLOCK_N // 2) + gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, L))
+    t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, L))
+    slot = gl.load(sorted_ptr + pid_m * BLOCK_T + t)
+    ok = slot >= 0
+    g = (g * gl.load(gs_ptr + e * 3)).to(gl.bfloat16).to(gl.float32)
+    u = (u * gl.load(gs_ptr + e * 3 + 1)).to(gl.bfloat16).to(gl.float32)
+    if limit > 0:
+        u = gl.minimum(gl.maximum(u, -limit), limit)
+        g = gl.minimum(g, limit)
+    h = g / (1.0 + gl.exp(-g)) * u
+    w = gl.load(topw_ptr + gl.maximum(slot, 0), mask=ok, other=0.0)
+    h = h * gl.expand_dims(w, 0)
+    row = (pid_m * BLOCK_T + t).to(gl.int64)
+    ptrs = h_ptr + gl.expand_dims(row * I, 0) + gl.expand_dims(c, 1)
+    mask = gl.expand_dims(c >= 0, 1) & gl.expand_dims(ok, 0)
+    gl.store(ptrs, h.to(gl.bfloat16), mask=mask)
+
+
+@gluon.jit
 def moe_mx_wgmma_kernel(
     x_ptr,  # *bf16: activations (rows, K)
     w_ptr,  # *i32: codes, tiles layout, (E, N, K/8) words
     s_ptr,  # *i32: e8m0 scales, tiles layout, (E, N, K/128) words
     sorted_ptr,  # *i32 (num_blocks * BLOCK_T,): slot of each M-block row, -1 = padding
     block_expert_ptr,  # *i32 (num_blocks,): expert of each M block, -1 = unused
-    part_ptr,  # *fp32 (SPLIT_K, ROWS_PART, N)
+    part_ptr,  # *fp32 (SPLIT_K, ROWS_PART, N); with SWIGLU unused
+    gs_ptr,  # *fp32 (E, 3): global scales (SWIGLU)
+    topw_ptr,  # *fp32 (T * TOPK,): routing weight of each slot (SWIGLU)
+    h_ptr,  # *bf16 (num_blocks * BLOCK_T, N / 2): the SwiGLU rows (SWIGLU)
     K,
     N,
     TOPK,
     W_STRIDE_E,
     S_STRIDE_E,
     ROWS_PART,
+    limit,
     GATHER: gl.constexpr,
     BLOCK_T: gl.constexpr,
     SPLIT_K: gl.constexpr,
     STAGES: gl.constexpr,
     NUM_WARPS: gl.constexpr,
+    SWIGLU: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = 16 * NUM_WARPS
     MMA: gl.constexpr = _wg_mma_layout(NUM_WARPS, BLOCK_T)
@@ -565,7 +617,7 @@ def moe_mx_wgmma_kernel(
         # code words ((n // 128) * KS + step) * 2048 + (n % 128) * 16 + word, 16 per row;
         # scale words ((n // 128) * KS + step) * 128 + n % 128
         CPL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NUM_WARPS, 1], [1, 0])
-        crow = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CPL))
+        crow = pid_n * BLOCK_N + _a_rows(BLOCK_N, gl.SliceLayout(1, CPL), SWIGLU)
         cword = gl.arange(0, 16, layout=gl.SliceLayout(0, CPL))
         c_ptrs = (
             w_base
@@ -573,7 +625,7 @@ def moe_mx_wgmma_kernel(
             + gl.expand_dims(cword, 0)
         )
         SPL: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-        srow = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=SPL)
+        srow = pid_n * BLOCK_N + _a_rows(BLOCK_N, SPL, SWIGLU)
         sc_ptrs = s_base + (srow // 128) * (KS * 128) + srow % 128
         # 16-byte chunks XOR-swizzled by row pair: a warp's eight rows of one group hit
         # distinct banks
@@ -605,10 +657,16 @@ def moe_mx_wgmma_kernel(
             acc, a = warpgroup_mma_wait(0, deps=(acc, a_next))
         async_copy.wait_group(0)
 
-        _store_partials(
-            part_ptr, acc, sorted_ptr, pid_m, pid_n, pid_s, N, ROWS_PART, GATHER, BLOCK_N,
-            BLOCK_T, MMA,
-        )  # fmt: skip
+        if SWIGLU:
+            _store_swiglu(
+                acc, gs_ptr, e64, topw_ptr, h_ptr, sorted_ptr, pid_m, pid_n, N // 2, limit,
+                BLOCK_N, BLOCK_T,
+            )  # fmt: skip
+        else:
+            _store_partials(
+                part_ptr, acc, sorted_ptr, pid_m, pid_n, pid_s, N, ROWS_PART, GATHER, BLOCK_N,
+                BLOCK_T, MMA,
+            )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -692,6 +750,7 @@ def moe_mx_gluon(
     tile: GemmTile,
     block_m: int,
     fold: bool = False,
+    swiglu: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
 ) -> None:
     """Write the split-K partials ``part`` (split, rows_part, N) fp32 of x's rows times the
     MXFP4 experts (module doc): gate/up with ``gather`` (x (T, K) read at the slots' tokens,
@@ -699,7 +758,10 @@ def moe_mx_gluon(
     block_m, K), rows of ``part`` = slots).  The caller checks :func:`gluon_applies`, the tiles
     layout and x bf16 contiguous; ``fold`` only for scale bytes <= 128.  The kernel:
     :func:`uses_wgmma` (wgmma on 64- and 128-row blocks and on 32-row blocks with a wgmma
-    tile and folded scales, mma_v2 otherwise)."""
+    tile and folded scales, mma_v2 otherwise).  ``swiglu`` = (gscale (E, 3), topk weights
+    (T * top_k,), h (blocks * block_m, N / 2) bf16, limit): the wgmma kernel's gate/up with one
+    K split writes the SwiGLU rows h itself (``moe_swiglu_kernel``'s function, fused: no
+    partials; ``part`` is then unused)."""
     num_m = block_expert.numel()
     K = x.shape[1]
     N = codes.shape[1]
@@ -707,12 +769,20 @@ def moe_mx_gluon(
     w32 = codes.view(torch.int32)
     s32 = scales.view(torch.int32)
     if uses_wgmma(tile, block_m, fold):
+        if swiglu is not None:
+            assert gather and split == 1, "the SwiGLU epilogue: gate/up, one K split"
+            gs, topw, h, limit = swiglu
+        else:
+            gs = topw = h = part
+            limit = 0.0
         triton_launch(
             moe_mx_wgmma_kernel, GATHER=gather, BLOCK_T=block_m, SPLIT_K=split,
-            STAGES=tile.num_stages, NUM_WARPS=tile.num_warps, num_warps=tile.num_warps,
+            STAGES=tile.num_stages, NUM_WARPS=tile.num_warps, SWIGLU=swiglu is not None,
+            num_warps=tile.num_warps,
         )(
             (N // tile.block_n, num_m, split), x, w32, s32, sorted_slot, block_expert, part,
-            K, N, top_k, w32[0].numel(), s32[0].numel(), part.shape[1],
+            gs, topw, h, K, N, top_k, w32[0].numel(), s32[0].numel(), part.shape[1],
+            float(limit),
         )  # fmt: skip
         return
     triton_launch(
