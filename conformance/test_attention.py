@@ -429,8 +429,9 @@ def test_optimized_schedules_agree(device) -> None:
 
 def test_the_default_schedule_reads_the_row_count_only_outside_batch_invariant_mode() -> None:
     """From WIDE_ROWS rows the bf16 default splits the output into 256-wide slices over 8 warps
-    (the rest of its tiles unchanged); fp32, a Dh without a 256-wide slice and the T-independent
-    default (``rows=None``, what ``batch_invariant=True`` pins) keep the narrow tiles."""
+    with three pipeline stages (the tiles that set the reduction order unchanged); fp32, a Dh
+    without a 256-wide slice and the T-independent default (``rows=None``, what
+    ``batch_invariant=True`` pins) keep the narrow tiles."""
     pytest.importorskip("triton")
     from dsv4mtp.optimized.attention import _schedule_fields
     from dsv4mtp.optimized.kernels.sink_attention import WIDE_ROWS, attention_schedule
@@ -439,8 +440,9 @@ def test_the_default_schedule_reads_the_row_count_only_outside_batch_invariant_m
     wide = attention_schedule(64, 512, 128, rows=WIDE_ROWS)
     assert attention_schedule(64, 512, 128, rows=WIDE_ROWS - 1) == narrow
     assert attention_schedule(64, 512, 128, rows=1 << 20) == wide
-    assert (wide.block_dv, wide.num_warps, narrow.block_dv, narrow.num_warps) == (256, 8, 128, 4)
-    for f in ("block_h", "block_n", "block_d", "search", "num_stages"):  # the reduction order
+    assert (wide.block_dv, wide.num_warps, wide.num_stages) == (256, 8, 3)
+    assert (narrow.block_dv, narrow.num_warps, narrow.num_stages) == (128, 4, 2)
+    for f in ("block_h", "block_n", "block_d", "search"):  # the reduction order
         assert getattr(wide, f) == getattr(narrow, f), f
     assert attention_schedule(64, 512, 128, True, rows=4096) == attention_schedule(
         64, 512, 128, True

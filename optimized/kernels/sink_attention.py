@@ -127,8 +127,8 @@ def attention_schedule(
     ``batch_invariant=True`` takes) gives the T-independent one.  bf16: up to 64 heads per
     program (the MQA key block is loaded once for all of them), key blocks of 32, Dh reduced in
     64-wide chunks, 128-wide output slices and 4 warps, or from :data:`WIDE_ROWS` rows 256-wide
-    slices and 8 warps.  The two differ in how the output columns are split over programs and
-    warps only: every output element is reduced over the same key blocks and Dh chunks by the
+    slices, 8 warps and 3 stages.  The two differ in how the output columns are split over
+    programs and warps, and in the pipeline's depth, only: every output element is reduced over the same key blocks and Dh chunks by the
     same dot instructions, so both give the same bits (checked bitwise on the H200,
     bench/diag/attention_sweep.py) and a decode row still gives the bits of the same row inside
     a prefill.  fp32 (IEEE dots on FMA units, a test dtype): 32 heads, 16 keys, 32 / 64.  The
@@ -144,7 +144,9 @@ def attention_schedule(
     block_h = min(64, max(16, next_pow2(H)))
     block_n = min(32, max(16, next_pow2(window)))
     if rows is not None and rows >= WIDE_ROWS and pow2 >= 256:
-        return AttentionSchedule(block_h, block_n, min(64, pow2), 256, 64, 8, 2)
+        # three stages: bitwise the two-stage tiles, prefill 4096 958 -> 934 us on the H200
+        # (bench/results/attention-h200.md); four need 256 KiB of shared memory
+        return AttentionSchedule(block_h, block_n, min(64, pow2), 256, 64, 8, 3)
     return AttentionSchedule(block_h, block_n, min(64, pow2), min(128, pow2), 64, 4, 2)
 
 
