@@ -112,11 +112,15 @@ All three give the same dot operands bit for bit.  The decode-size GEMMs are lim
 instruction issue, not HBM: a decode with fewer instructions was faster at every T.
 ``decode="gluon"`` (the default on the tiles layout up to T 1024, and above where the scales
 fold) leaves these kernels: the routed GEMMs run as the Gluon kernels of
-kernels/moe_gemm_gluon.py (up to 32-row blocks mma_v2 with 3.0-3.6 instructions per weight and
-no shared memory; 64- and 128-row blocks wgmma with the decoded weights as its register
-operand), whose fp32 partials (split, rows, N) go through the split-K path's
-``moe_swiglu_kernel`` and ``moe_reduce_kernel`` below, also unsplit; without a compiled launch
-(the interpreter) or outside their shapes they fall back to ``"mxstep"``.
+kernels/moe_gemm_gluon.py (mma_v2 on 8- to 32-row blocks with 3.0-3.6 instructions per weight
+and no shared memory; wgmma with the decoded weights as its register operand on 64- and
+128-row blocks, and on 32-row blocks with a wgmma tile where the scales fold: ``uses_wgmma``),
+whose fp32 partials (split, rows, N) go through the split-K path's ``moe_swiglu_kernel`` and
+``moe_reduce_kernel`` below, also unsplit, except the wgmma gate/up with one K split, which
+applies the SwiGLU in its epilogue (:data:`WGMMA_SWIGLU_EPILOGUE`); without a compiled launch
+(the interpreter) or outside their shapes they fall back to ``"mxstep"``.  The shared expert
+of a prefill-sized call (bf16 weights, or FP8 with power-of-two block scales) runs on cuBLAS
+(:func:`shared_expert_mm`).
 
 Split-K (``split_k`` > 1): program (m, n, s) covers K slice s; gate/up stores fp32 partials
 (split, NB*BLOCK_M, 2I) and ``moe_swiglu_kernel`` sums them in the order 0..split-1 before the

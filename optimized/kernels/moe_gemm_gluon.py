@@ -2,7 +2,8 @@
 prefill sizes).
 
 What it computes: for every M block of the align kernel's sorted slots (``block_m`` 8, 16 or
-32 rows, 64 or 128 for the wgmma kernel: expert e, rows r = block_m * block .. + block_m - 1),
+32 rows for the mma_v2 kernel, 32, 64 or 128 for the wgmma kernel: expert e, rows r = block_m *
+block .. + block_m - 1),
 the fp32 product of the block's activation rows and e's MXFP4 weight rows n over the
 program's K slice, into split-K partials
 that the Triton epilogues finish:
@@ -52,12 +53,12 @@ for ``"mxstep"``, the experts streaming at about 3.5 TB/s at T 64 (bench/results
   the registers doubled).  76-88 registers at 8 rows, 128-136 at 16, 239-255 at 32 (two
   programs per SM), no shared memory.
 
-wgmma (``moe_mx_wgmma_kernel``, 64- or 128-row M blocks, the scales folded: prefill sizes,
-where an expert holds ~T * 6 / 256 rows, 96 at T 4096):
+wgmma (``moe_mx_wgmma_kernel``, 32-, 64- or 128-row M blocks, the scales folded: prefill
+sizes from T 768, where an expert holds ~T * 6 / 256 rows, 24 at T 1024, 96 at T 4096):
 
 * ``warpgroup_mma`` with the decoded weights as the register A operand (M = 64 weight rows per
-  warpgroup, 128 on 8 warps) and the block's activation rows as B from shared memory (N = 64
-  or 128): the weights are decoded once per M block, not per 16 rows as in the mma_v2
+  warpgroup, 128 on 8 warps) and the block's activation rows as B from shared memory (N = 32,
+  64 or 128): the weights are decoded once per M block, not per 16 rows as in the mma_v2
   kernel, and the decoded weights stay in registers (the PTX-decode Triton kernels that ran
   these sizes store them to shared memory for their MMA).
 * The A fragment puts columns 2w, 2w + 1 (+ 8, + 16, + 24) of a group in lane w of a quad:
@@ -75,9 +76,14 @@ where an expert holds ~T * 6 / 256 rows, 96 at T 4096):
 * Every MMA of the K slice chains into one fp32 accumulator (the k16 steps in order); the
   values equal the PTX-decode Triton kernels' at these shapes (the same chain), and differ from
   the mma_v2 kernel's per-step partials by fp32 summation order only.
+* The gate/up GEMM with one K split applies the SwiGLU in its epilogue and writes h (the
+  rows of ``moe_swiglu_kernel``, bit for bit): its copies load the interleaved gate and up rows
+  into the A operand 8 rows apart (:func:`_a_rows`), so every thread's accumulator holds both
+  halves of its columns (:func:`_store_swiglu`).
 * 8 warps, 64-row blocks, 4 stages: 124 registers and 98 KB of shared memory, two programs
-  per SM.  Whole moe on the H200 at T 2048 / 4096: bench/results/moe-h200.md, "wgmma GEMMs at
-  prefill sizes".
+  per SM; the T 768-1024 default, 32-row blocks, gate/up on 8 warps and down on 4: 96 / 94
+  registers, 66 / 49 KB.  Whole moe on the H200: bench/results/moe-h200.md, "wgmma GEMMs at
+  prefill sizes", "wgmma on 32-row blocks" and "The SwiGLU in the wgmma epilogue".
 
 Batch invariance: a row's value depends on its expert, the split, ``block_m``'s MMA shape and
 the mode only, never on the other rows or on T.  No interpreter: Gluon has none, so on the CPU
