@@ -20,8 +20,13 @@ time of one launch (median of 10), TFLOP/s of the real rows (padding rows exclud
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from h200_mhc import _median_event_ms as median_event_ms
 
 from dsv4mtp import formats
 from dsv4mtp.optimized.kernels._launch import triton_launch
@@ -40,18 +45,6 @@ def _parse(spec: str) -> tuple[str, int, int, int]:
     if kind == "v2" and len(nums) == 2:
         return kind, int(nums[0]), int(nums[1]), 3
     raise SystemExit(f"--variants: expected wg:BM:WARPS:STAGES or v2:BM:WARPS, got {spec!r}")
-
-
-def _median_us(fn, reps: int = 10) -> float:
-    ts = []
-    for _ in range(reps):
-        s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s0.record()
-        fn()
-        s1.record()
-        torch.cuda.synchronize()
-        ts.append(s0.elapsed_time(s1) * 1e3)
-    return sorted(ts)[len(ts) // 2]
 
 
 def _runner(kind, bm, warps, stages, gate_up, top, x, tc, ts, sorted_slot, block_expert, part):
@@ -113,7 +106,7 @@ def probe(T: int, gemm: str, variants: list[str], E: int, top: int) -> None:
         except Exception as exc:  # a variant that does not compile or launch is reported
             print(f"{spec:14s} FAILED {type(exc).__name__}: {str(exc)[:300]}")
             continue
-        us = _median_us(run)
+        us = median_event_ms(run, 10) * 1e3
         # the rows of part that hold real results, and the slot behind each
         got_rows = part[0][sorted_slot >= 0] if gate_up else part[0]
         finite = bool(torch.isfinite(got_rows).all())

@@ -15,8 +15,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from h200_mhc import graph_time_us
 
 from dsv4mtp.optimized.kernels.rope import (
     NORM_HEAD,
@@ -33,24 +38,6 @@ SCHEDULES = {
     "kv": [(4, 1, 8), (2, 1, 8), (1, 1, 4), (1, 1, 2), (8, 1, 8)],
     "out": [(1, 64, 4), (1, 64, 8), (1, 32, 4), (2, 64, 8), (4, 64, 8), (1, 16, 2)],
 }
-
-
-def _graph_us(fn, calls: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    ts = []
-    for _ in range(10):
-        s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s0.record()
-        graph.replay()
-        s1.record()
-        torch.cuda.synchronize()
-        ts.append(s0.elapsed_time(s1) * 1e3 / calls)
-    return sorted(ts)[len(ts) // 2]
 
 
 def _rope(src, weight, pos, freqs, dst, norm, inverse, sched) -> torch.Tensor:
@@ -96,7 +83,7 @@ def main() -> None:
             for bt, bh, nw in SCHEDULES[name]:
                 sched = RopeSchedule(bt, bh, nw)
                 same = torch.equal(_rope(*args(sched)), want)
-                us = _graph_us(functools.partial(_rope, *args(sched)))
+                us = graph_time_us([functools.partial(_rope, *args(sched))], 10, 10)
                 mark = " (default)" if sched == default else ""
                 print(
                     f"| {name} | {T} | ({bt}, {bh}, {nw}){mark} | {us:.1f} | "

@@ -14,8 +14,13 @@ with the kernels' rounding points (gate, up, h and the output rounded to bf16).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from h200_mhc import graph_time_us
 
 from dsv4mtp import formats
 from dsv4mtp.optimized import _ops
@@ -45,24 +50,6 @@ def _oracle(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tenso
     g, u = gu[:, :INTER].clamp(max=LIMIT), gu[:, INTER:].clamp(-LIMIT, LIMIT)
     h = bf(g * torch.sigmoid(g) * u)
     return bf(h @ w2.T)
-
-
-def _graph_us(fn, calls: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    ts = []
-    for _ in range(10):
-        s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s0.record()
-        graph.replay()
-        s1.record()
-        torch.cuda.synchronize()
-        ts.append(s0.elapsed_time(s1) * 1e3 / calls)
-    return sorted(ts)[len(ts) // 2]
 
 
 def main() -> None:
@@ -97,7 +84,7 @@ def main() -> None:
             out = call()
             out = out.sum(0) if out.dim() == 3 else out  # fp32 split partials, if any
             err = float((out.double() - want).abs().max() / want.abs().max())
-            us = _graph_us(call)
+            us = graph_time_us([call], 10, 10)
             print(f"{T:5d} {name:14s} {us:8.1f} {flop / us / 1e6:8.1f} {err:9.2e}")
 
 
