@@ -429,7 +429,8 @@ def test_optimized_schedules_agree(device) -> None:
 
 def test_the_default_schedule_reads_the_row_count_only_outside_batch_invariant_mode() -> None:
     """From WIDE_ROWS rows the bf16 default splits the output into 256-wide slices over 8 warps
-    with three pipeline stages (the tiles that set the reduction order unchanged); fp32, a Dh
+    with three pipeline stages, two on a device with less shared memory per block (the tiles
+    that set the reduction order unchanged); fp32, a Dh
     without a 256-wide slice and the T-independent default (``rows=None``, what
     ``batch_invariant=True`` pins) keep the narrow tiles."""
     pytest.importorskip("triton")
@@ -448,6 +449,14 @@ def test_the_default_schedule_reads_the_row_count_only_outside_batch_invariant_m
         64, 512, 128, True
     )
     assert attention_schedule(4, 64, 16, rows=4096) == attention_schedule(4, 64, 16)
+    # three stages need 208 KiB of shared memory per block (the H200 has 227): two where the
+    # device holds less (an A100's 163 KiB), the same tiles otherwise
+    from dsv4mtp.optimized._ops import _smem_per_block
+
+    small = attention_schedule(64, 512, 128, rows=WIDE_ROWS, max_smem=163840)
+    assert small.num_stages == 2 and small.fields()[:6] == wide.fields()[:6]
+    assert attention_schedule(64, 512, 128, rows=WIDE_ROWS, max_smem=232448) == wide
+    assert _smem_per_block(torch.device("cpu")) is None
     assert _schedule_fields(None, 64, 512, 128, BF16, False) == []  # the op picks by its rows
     assert _schedule_fields(None, 64, 512, 128, BF16, True) == narrow.fields()
 

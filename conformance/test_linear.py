@@ -349,7 +349,7 @@ def test_grouped_prefill_path_matches_the_reference_and_the_kernel(device: str) 
     assert torch.equal(out, got)
 
 
-def testfp32_reduction_clears_and_restores_the_cublas_flag() -> None:
+def test_fp32_reduction_clears_and_restores_the_cublas_flag() -> None:
     """The cuBLAS GEMM runs with bf16 reduced-precision reductions off (a second rounding of the
     split-K partials) and the process-wide flag is back as it was afterwards, also when the
     block raises.  Only the flag is touched: no CUDA device is needed."""

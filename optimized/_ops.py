@@ -961,13 +961,30 @@ OPS = tuple(SCHEMAS)
 
 @functools.lru_cache(maxsize=1024)
 def _attn_schedule(
-    fields: tuple[int, ...], H: int, Dh: int, window: int, fp32: bool, rows: int
+    fields: tuple[int, ...],
+    H: int,
+    Dh: int,
+    window: int,
+    fp32: bool,
+    rows: int,
+    device: torch.device,
 ) -> AttentionSchedule:
-    """The given schedule, or the default of the call's row count (kernels/sink_attention.py,
-    ``attention_schedule``; ``batch_invariant=True`` passes the T-independent one's fields)."""
+    """The given schedule, or the default of the call's row count on this device
+    (kernels/sink_attention.py, ``attention_schedule``; ``batch_invariant=True`` passes the
+    T-independent one's fields)."""
     if fields:
         return AttentionSchedule(*fields)
-    return attention_schedule(H, Dh, window, fp32, rows)
+    return attention_schedule(H, Dh, window, fp32, rows, max_smem=_smem_per_block(device))
+
+
+@functools.cache
+def _smem_per_block(device: torch.device) -> int | None:
+    """The shared memory a block may opt into on a CUDA device (None on the CPU, or where torch
+    does not report it)."""
+    if device.type != "cuda":
+        return None
+    optin = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", None)
+    return None if optin is None else int(optin)
 
 
 def _attention_into(
@@ -989,7 +1006,7 @@ def _attention_into(
     Tq, H, Dh = q.shape
     if Tq == 0:
         return
-    sched = _attn_schedule(tuple(schedule), H, Dh, window, q.dtype == torch.float32, Tq)
+    sched = _attn_schedule(tuple(schedule), H, Dh, window, q.dtype == torch.float32, Tq, q.device)
     sink_attention_triton(
         q.contiguous(), q_pos.contiguous(), kv.contiguous(), k_pos.contiguous(),
         attn_sink.contiguous(), None if cu_q is None else cu_q.contiguous(),
@@ -1093,7 +1110,8 @@ SCHEMAS.update(_LINEAR_SCHEMAS)
 OPS = tuple(SCHEMAS)
 
 _LINEAR_FMT = {"bf16": 0, "fp8": 1}
-_FP8_EXACT = "fp8_exact"  # linear / grouped_linear only (the LM head packs its own formats)
+# linear / grouped_linear and the MoE's shared expert (the LM head packs its own formats)
+_FP8_EXACT = "fp8_exact"
 _LINEAR_OP_FMT = {**_LINEAR_FMT, _FP8_EXACT: 1}
 
 
@@ -1384,7 +1402,7 @@ def _sink_attention_cache_out(
     B, H, Dh = q.shape
     if B == 0:
         return
-    sched = _attn_schedule(tuple(schedule), H, Dh, window, q.dtype == torch.float32, B)
+    sched = _attn_schedule(tuple(schedule), H, Dh, window, q.dtype == torch.float32, B, q.device)
     sink_attention_cache_triton(
         q.contiguous(), q_pos.contiguous(), cache_kv.contiguous(), cache_pos.contiguous(),
         slots.contiguous(), attn_sink.contiguous(), out, window, scale, sched,
@@ -1609,7 +1627,7 @@ def _sink_attention_paged_out(
     B, H, Dh = q.shape
     if B == 0:
         return
-    sched = _attn_schedule(tuple(schedule), H, Dh, window, q.dtype == torch.float32, B)
+    sched = _attn_schedule(tuple(schedule), H, Dh, window, q.dtype == torch.float32, B, q.device)
     sink_attention_paged_triton(
         q.contiguous(), q_pos.contiguous(), cache_kv.contiguous(), cache_pos.contiguous(),
         block_table.contiguous(), attn_sink.contiguous(), out, window, scale, sched,

@@ -141,7 +141,7 @@ def _fp8_scale(scale: torch.Tensor) -> torch.Tensor:
     return formats.decode_e8m0(scale, dtype=torch.float32)
 
 
-def _exact_in_bf16(scale: torch.Tensor) -> bool:
+def exact_in_bf16(scale: torch.Tensor) -> bool:
     """Every fp32 block scale 2^e with |e| <= _EXACT_SCALE_LOG2 (frexp: 2^e = 0.5 * 2^(e+1));
     one host sync, at pack time."""
     mantissa, exponent = torch.frexp(scale)
@@ -251,7 +251,7 @@ def pack_linear(
     counters = torch.zeros(
         (G * -(-n // _COUNTER_TILE_N) * _COUNTER_M_BLOCKS,), dtype=torch.int32, device=dev
     )
-    exact = fmt == "fp8" and _exact_in_bf16(s3)
+    exact = fmt == "fp8" and exact_in_bf16(s3)
     return LinearPack(
         fmt, w3, s3, counters, grouped=groups is not None, row_splits=row_splits, name=name,
         exact_bf16=exact,

@@ -206,8 +206,9 @@ def layout_candidates(
             out.append(("gluon_m32", replace(d, block_m=32)))
         # the FP8 shared expert (Triton, beside the routed GEMMs on the side stream up to T 64)
         # on other M blocks
+        # (from 256 rows the shared expert runs on cuBLAS: its tiles then change nothing)
         for bm in (8, 32, 64):
-            if bm != d.shared_block_m and (bm < 32 or T > 16):
+            if bm != d.shared_block_m and (bm < 32 or T > 16) and T < 256:
                 out.append((f"shared_m{bm}", replace(d, shared_block_m=bm)))
         if T > 256 and fold:
             out += wgmma_candidates(d)

@@ -995,13 +995,11 @@ def _gate_up_gluon(
     """``decode="gluon"``: the Gluon GEMM's fp32 [gate ; up] partials, then the SwiGLU
     epilogue of the split-K path (``moe_swiglu_kernel``, 128 columns per program); on the wgmma
     kernel with one K split (:data:`WGMMA_SWIGLU_EPILOGUE`) the GEMM writes h itself."""
+    # the routed GEMMs always have their sort and routing weights (the shared expert, which
+    # has neither, never takes the Gluon kernels)
+    assert topk_weights is not None, "the Gluon gate/up: routed rows only"
     num_m = block_expert.numel()
-    if (
-        WGMMA_SWIGLU_EPILOGUE
-        and tile.split_k == 1
-        and topk_weights is not None
-        and uses_wgmma(tile, block_m, fold)
-    ):
+    if WGMMA_SWIGLU_EPILOGUE and tile.split_k == 1 and uses_wgmma(tile, block_m, fold):
         moe_mx_gluon(
             x, w13, s13, sorted_slot, block_expert, h, gather=True, top_k=top_k, tile=tile,
             block_m=block_m, fold=fold, swiglu=(gscale, topk_weights, h, float(limit)),
@@ -1018,8 +1016,7 @@ def _gate_up_gluon(
         INTERP=INTERPRET, num_warps=4,
     )(
         (num_m, triton.cdiv(inter, 128)), part, gscale, sorted_slot, block_expert,
-        gscale if topk_weights is None else topk_weights, h, x.shape[0], inter, float(limit),
-        num_m,
+        topk_weights, h, x.shape[0], inter, float(limit), num_m,
     )  # fmt: skip
 
 

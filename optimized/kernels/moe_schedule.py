@@ -8,7 +8,10 @@ What each knob changes (optimized/kernels/moe_gemm.py, module doc, "Schedule"):
 
 * ``block_m``: rows (token, expert slots) per M block (8 to 128); the align kernel pads every
   expert's rows to whole blocks, so it is also the padding granularity.  ``shared_block_m``
-  for the shared expert (its rows are the tokens, no sort).
+  for the shared expert (its rows are the tokens, no sort).  The shared expert's fields
+  (``shared_block_m``, ``shared_gate_up``, ``shared_down``) apply to its Triton kernels only:
+  from 256 rows, not batch invariant, with bf16 activations and bf16 or exact-bf16 FP8
+  weights it runs on cuBLAS instead (kernels/moe_gemm.py, ``shared_mm_selected``).
 * per GEMM (``gate_up``, ``down``, ``shared_gate_up``, ``shared_down``): ``block_n`` output
   columns and ``block_k`` reduction columns per step, ``num_warps``, ``num_stages``; ``split_k``
   programs share one tile's K range, each writing an fp32 partial that a later pass sums in the
@@ -258,7 +261,8 @@ def moe_config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> MoESched
       the routed GEMMs as ``"mxdot"`` with 128-row weight tiles, no split, on 8-row swapped
       blocks up to T 256 and 16-row unswapped blocks above (whole moe against the 64-row
       PTX-decode tiles: 1795 vs 3300 us at T 128, 2402 vs 3710 at T 256, 3010 vs 3910 at
-      T 512, but 4566 vs 4346 at T 1024); the shared expert on 64-row blocks, PTX decode.
+      T 512, but 4566 vs 4346 at T 1024); the shared expert on 64-row blocks, PTX decode,
+      where it does not run on cuBLAS (from 256 rows: ``shared_mm_selected``).
     * above (where the scales do not fold: last bullet), other formats above T 64, and under
       ``batch_invariant=True`` for every T: 64-row M blocks, 64-column N tiles, the PTX
       decode, the interleaved FP4 dot, no split (the group-scaled dot was 1.3-4.0x slower at

@@ -120,16 +120,27 @@ class AttentionSchedule:
 WIDE_ROWS = 64
 
 
+# The wide tiles' shared memory with three stages (V4's Dh 512, compiled for sm_90: 212992 B;
+# two stages take 163840 B, which an A100's 163 KiB per block also holds)
+WIDE_3_STAGE_SMEM = 212992
+
+
 def attention_schedule(
-    H: int, Dh: int, window: int, fp32: bool = False, rows: int | None = None
+    H: int,
+    Dh: int,
+    window: int,
+    fp32: bool = False,
+    rows: int | None = None,
+    max_smem: int | None = None,
 ) -> AttentionSchedule:
     """The default tiles of a call with ``rows`` query rows; ``rows=None`` (what
     ``batch_invariant=True`` takes) gives the T-independent one.  bf16: up to 64 heads per
     program (the MQA key block is loaded once for all of them), key blocks of 32, Dh reduced in
     64-wide chunks, 128-wide output slices and 4 warps, or from :data:`WIDE_ROWS` rows 256-wide
-    slices, 8 warps and 3 stages.  The two differ in how the output columns are split over
-    programs and warps, and in the pipeline's depth, only: every output element is reduced over the same key blocks and Dh chunks by the
-    same dot instructions, so both give the same bits (checked bitwise on the H200,
+    slices, 8 warps and 3 stages (2 where the device's shared memory per block is under
+    :data:`WIDE_3_STAGE_SMEM`, ``max_smem``).  The two differ in how the output columns are
+    split over programs and warps, and in the pipeline's depth, only: every output element is
+    reduced over the same key blocks and Dh chunks by the same dot instructions, so both give the same bits (checked bitwise on the H200,
     bench/diag/attention_sweep.py) and a decode row still gives the bits of the same row inside
     a prefill.  fp32 (IEEE dots on FMA units, a test dtype): 32 heads, 16 keys, 32 / 64.  The
     narrow bf16 tiles were chosen so that ptxas fits them in registers for sm_90 at V4-Flash /
@@ -146,7 +157,8 @@ def attention_schedule(
     if rows is not None and rows >= WIDE_ROWS and pow2 >= 256:
         # three stages: bitwise the two-stage tiles, prefill 4096 958 -> 934 us on the H200
         # (bench/results/attention-h200.md); four need 256 KiB of shared memory
-        return AttentionSchedule(block_h, block_n, min(64, pow2), 256, 64, 8, 3)
+        stages = 3 if max_smem is None or max_smem >= WIDE_3_STAGE_SMEM else 2
+        return AttentionSchedule(block_h, block_n, min(64, pow2), 256, 64, 8, stages)
     return AttentionSchedule(block_h, block_n, min(64, pow2), min(128, pow2), 64, 4, 2)
 
 
