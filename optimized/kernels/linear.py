@@ -404,10 +404,11 @@ def linear_dequant_mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, y: torc
     block scales s dequantized to bf16 (module doc, the prefill path); x and y bf16, all
     contiguous.  The weight goes to a workspace of G*N*K bf16 (kept per shape and stream,
     kernels/_launch.py; V4-Flash's five weight shapes keep about 240 MiB: e_proj and h_proj
-    share 32 MiB, wq_b, wo_a and wo_b 64 MiB each, wq_a + wkv 12), then one cuBLAS GEMM with fp32 accumulation and fp32 reductions writes
-    y once: ``torch.mm`` for G = 1; for G > 1 ``torch.bmm`` batched over the groups on strided
-    views (x^T (G, R, K) with row stride G*K, y^T (G, R, N) with row stride G*N: cuBLAS takes
-    both leading dimensions as they are, so neither is copied)."""
+    share 32 MiB with the MoE's shared w13, wq_b, wo_a and wo_b 64 MiB each, wq_a + wkv 12;
+    the shared w2 adds 16), then one cuBLAS GEMM with fp32 accumulation and fp32 reductions
+    writes y once: ``torch.mm`` for G = 1; for G > 1 ``torch.bmm`` batched over the groups on
+    strided views (x^T (G, R, K) with row stride G*K, y^T (G, R, N) with row stride G*N: cuBLAS
+    takes both leading dimensions as they are, so neither is copied)."""
     R, G, K = x.shape
     N = w.shape[1]
     if R == 0:

@@ -140,7 +140,7 @@ import triton.language as tl
 
 from dsv4mtp.errors import ConfigError
 
-from ._launch import INTERPRET, rne_bf16_if_interpreted, triton_launch, workspace
+from ._launch import INTERPRET, rne_bf16_if_interpreted, triton_launch
 from .decode import (
     _e2m1_f32,
     _e2m1_pair_bf16,
@@ -149,7 +149,7 @@ from .decode import (
     _e4m3_f32,
     _e4m3_times_2m8,
 )
-from .linear import dequant_bf16_triton, dequant_mm_selected, fp32_reduction
+from .linear import dequant_mm_selected, fp32_reduction, linear_dequant_mm
 from .moe_common import jit_loop_bounds
 from .moe_gemm_gluon import gluon_applies, moe_mx_gluon, uses_wgmma
 from .moe_schedule import DECODES, GemmTile
@@ -1201,15 +1201,15 @@ def shared_mm_selected(
     return dequant_mm_selected(rows, exact_bf16, x_dtype, batch_invariant)
 
 
-def _dense_mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, name: str) -> torch.Tensor:
-    """x (R, K) bf16 @ W^T -> (R, N) bf16, W the one expert's (1, N, K) bf16 weight or FP8
-    codes with fp32 128x128 block scales, dequantized exactly to a bf16 workspace ``name``;
+def _dense_mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x (R, K) bf16 @ W^T -> (R, N) bf16, W the one expert's (1, N, K) bf16 weight, or FP8
+    codes with fp32 128x128 block scales through the dense linears' prefill path (dequantized
+    exactly into their bf16 workspace of this shape: kernels/linear.py, ``linear_dequant_mm``);
     fp32 accumulation and fp32 reductions, one rounding."""
-    if w.dtype == torch.uint8:
-        wb = workspace(name, tuple(w.shape), torch.bfloat16, x.device)
-        dequant_bf16_triton(w, s, wb)
-        w = wb
     y = torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype, device=x.device)
+    if w.dtype == torch.uint8:
+        linear_dequant_mm(x[:, None], w, s, y[:, None])
+        return y
     with fp32_reduction(x.device):
         torch.mm(x, w[0].T, out=y)
     return y
@@ -1244,10 +1244,11 @@ def shared_expert_mm(
     measurement, kernels/linear.py); at T 4096 the shared expert's 0.2 TFLOP took 0.84 ms in
     the Triton kernels (bench/results/mtp-h200.md).  Bytes: the codes (25 MB at V4-Flash
     shapes) read and their bf16 copy written and read once, x, 2I + I bf16 per token for the
-    gate/up and h rows, the output."""
+    gate/up and h rows, the output.  The bf16 weights go to the dense linears' workspaces of
+    their shapes: w13's (1, 2I, D) is e_proj's and h_proj's, w2's (1, D, I) 16 MiB more."""
     T = x.shape[0]
     inter = w13.shape[1] // 2
-    gu = _dense_mm(x, w13, s13, "moe_shared_w13_bf16")  # (T, 2I) [gate ; up]
+    gu = _dense_mm(x, w13, s13)  # (T, 2I) [gate ; up]
     h = torch.empty((T, inter), dtype=x.dtype, device=x.device)
     block_m = 32
     triton_launch(
@@ -1259,4 +1260,4 @@ def shared_expert_mm(
     )  # fmt: skip
     if act_quant:
         act_quant_triton(h, h)  # in place: each program reads its 128 values before writing
-    return _dense_mm(h, w2, s2, "moe_shared_w2_bf16")
+    return _dense_mm(h, w2, s2)

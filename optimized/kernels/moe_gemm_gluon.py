@@ -308,6 +308,27 @@ def _compute_step(
 
 
 @gluon.jit
+def _k_slice(K, pid_s, SPLIT_K: gl.constexpr):
+    """(first column, 128-column steps) of the program's K slice, and the steps of all of K
+    (the tiles layout's stride between 128-row blocks)."""
+    kslice = K // SPLIT_K
+    return pid_s * kslice, kslice // 128, K // 128
+
+
+@gluon.jit
+def _block_rows(
+    sorted_ptr, pid_m, TOPK, GATHER: gl.constexpr, BLOCK_T: gl.constexpr, layout: gl.constexpr
+):  # fmt: skip
+    """The M block's rows in ``layout``: each row's slot (-1 = padding) and the x row it reads,
+    the slot's token for gate/up (``GATHER``; padding reads row 0, whose results are never
+    stored), the block row itself for down."""
+    t = gl.arange(0, BLOCK_T, layout=layout)
+    slot = gl.load(sorted_ptr + pid_m * BLOCK_T + t)
+    row = gl.maximum(slot, 0) // TOPK if GATHER else pid_m * BLOCK_T + t
+    return slot, row
+
+
+@gluon.jit
 def _store_partials(
     part_ptr, acc, sorted_ptr, pid_m, pid_n, pid_s, N, ROWS_PART, GATHER: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_T: gl.constexpr, MMA: gl.constexpr,
@@ -370,14 +391,10 @@ def moe_mx_gluon_kernel(
     e = gl.load(block_expert_ptr + pid_m)
     if e >= 0:  # unused M blocks stream no weights
         e64 = e.to(gl.int64)
-        kslice = K // SPLIT_K
-        k_lo = pid_s * kslice
-        n_steps = kslice // 128
-        KS = K // 128
-        # the block's rows: slot (-1 = padding), the x row they read
-        xt = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, XL))
-        x_slot = gl.load(sorted_ptr + pid_m * BLOCK_T + xt)
-        x_row = gl.maximum(x_slot, 0) // TOPK if GATHER else pid_m * BLOCK_T + xt
+        k_lo, n_steps, KS = _k_slice(K, pid_s, SPLIT_K)
+        x_slot, x_row = _block_rows(
+            sorted_ptr, pid_m, TOPK, GATHER, BLOCK_T, gl.SliceLayout(0, XL)
+        )  # fmt: skip
         xc = gl.arange(0, 16, layout=gl.SliceLayout(1, XL))
         x_ptrs = x_ptr + k_lo // 2 + gl.expand_dims(x_row * (K // 2), 0) + gl.expand_dims(xc, 1)
         x_mask = gl.expand_dims(xc >= 0, 1) & gl.expand_dims(x_slot >= 0, 0)
@@ -448,11 +465,11 @@ def _wg_code_layout(num_warps):
 @gluon.jit
 def _wg_decode_group(raw, ks, HI: gl.constexpr, BLOCK_N: gl.constexpr):
     """A group's code words (BLOCK_N, 4 lanes, 4 words) and folded scales ks -> its A tile
-    (BLOCK_N, 32) bf16 in the natural column order.  Lane w of a quad holds columns 2w, 2w + 1 (+ 8, + 16, + 24) of
-    each of its rows in the wgmma fragment: byte w of each of the group's four words, which
-    three ``prmt`` gather into one word (byte b = word b's byte w); its nibbles then decode as
-    in :func:`_decode_group` (output 2i + h = nibble i + 4h = byte i // 2 + 2h, half i % 2, i.e.
-    column 16h + 8(i // 2) + 2w + i % 2)."""
+    (BLOCK_N, 32) bf16 in the natural column order.  Lane w of a quad holds columns 2w,
+    2w + 1 (+ 8, + 16, + 24) of each of its rows in the wgmma fragment: byte w of each of the
+    group's four words, which three ``prmt`` gather into one word (byte b = word b's byte w);
+    its nibbles then decode as in :func:`_decode_group` (output 2i + h = nibble i + 4h = byte
+    i // 2 + 2h, half i % 2, i.e. column 16h + 8(i // 2) + 2w + i % 2)."""
     even, odd = gl.split(gl.reshape(raw, [BLOCK_N, 4, 2, 2]))  # word j = 2 j1 + j0
     v0, v2 = gl.split(even)
     v1, v3 = gl.split(odd)
@@ -606,14 +623,8 @@ def moe_mx_wgmma_kernel(
     e = gl.load(block_expert_ptr + pid_m)
     if e >= 0:  # unused M blocks stream no weights
         e64 = e.to(gl.int64)
-        kslice = K // SPLIT_K
-        k_lo = pid_s * kslice
-        n_steps = kslice // 128
-        KS = K // 128
-        # x rows of the block (padding rows read row 0: their columns are never stored)
-        xt = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, XL))
-        x_slot = gl.load(sorted_ptr + pid_m * BLOCK_T + xt)
-        x_row = gl.maximum(x_slot, 0) // TOPK if GATHER else pid_m * BLOCK_T + xt
+        k_lo, n_steps, KS = _k_slice(K, pid_s, SPLIT_K)
+        _, x_row = _block_rows(sorted_ptr, pid_m, TOPK, GATHER, BLOCK_T, gl.SliceLayout(1, XL))
         xc = gl.arange(0, 128, layout=gl.SliceLayout(0, XL))
         x_ptrs = x_ptr + k_lo + gl.expand_dims(x_row.to(gl.int64) * K, 1) + gl.expand_dims(xc, 0)
         w_base = w_ptr + e64 * W_STRIDE_E + (k_lo // 128) * 2048
