@@ -4,13 +4,17 @@ V4-Flash experts (E 256; gate/up: N 4096 interleaved gate and up rows, K 4096; d
 K 2048) in the tiles layout with foldable scales, T tokens routed uniformly (top-6), the align
 kernel's blocks of each variant's row count.  A variant is a kernel and its tile:
 
-* ``wg:BM:WARPS:STAGES``: ``moe_mx_wgmma_kernel`` on BM-row blocks (wgmma's N; 16 to 128),
-  16 x WARPS weight rows per program, its fp32 partials (no SwiGLU epilogue);
+* ``wg:BM:WARPS:STAGES[:f[REGS]]``: ``moe_mx_wgmma_kernel`` on BM-row blocks (wgmma's N; 16
+  to 128), 16 x WARPS weight rows per program, its fp32 partials (no SwiGLU epilogue); ``f``:
+  with each step's MMA left in flight under the next step's decode (``IN_FLIGHT``), ``fREGS``
+  also capped at REGS registers per thread (``maxnreg``);
 * ``v2:BM:WARPS``: ``moe_mx_gluon_kernel`` (mma_v2) on BM-row blocks (8 to 32), 128 weight
   rows per program (the decode-size default's tile).
 
 Every variant writes fp32 partials into a NaN-poisoned buffer; its real rows must be finite, and
-for two M blocks they are checked against an fp64 product of the decoded weights.  CUDA-event
+for two M blocks they are checked against an fp64 product of the decoded weights, and the
+partials of a wgmma variant against the first wgmma variant's on the same block rows (the
+same chain of MMAs: bit for bit).  CUDA-event
 time of one launch (median of 10), TFLOP/s of the real rows (padding rows excluded).
 
     python3 bench/diag/moe_wgmma_probe.py [--tokens 512,1024] [--gemm gate_up,down]
@@ -38,16 +42,27 @@ from dsv4mtp.optimized.moe import mx_tiles
 DEFAULT_VARIANTS = "v2:16:4,v2:32:4,wg:16:8:4,wg:32:8:4,wg:16:4:4,wg:32:4:4,wg:64:8:4"
 
 
-def _parse(spec: str) -> tuple[str, int, int, int]:
+def _parse(spec: str) -> tuple[str, int, int, int, dict[str, object]]:
     kind, *nums = spec.split(":")
-    if kind == "wg" and len(nums) == 3:
-        return kind, int(nums[0]), int(nums[1]), int(nums[2])
+    if kind == "wg" and len(nums) in (3, 4):
+        extra: dict[str, object] = {"IN_FLIGHT": False}
+        if len(nums) == 4:
+            if not nums[3].startswith("f"):
+                raise SystemExit(f"--variants: expected f or fREGS after the stages in {spec!r}")
+            extra["IN_FLIGHT"] = True
+            if nums[3][1:]:
+                extra["maxnreg"] = int(nums[3][1:])
+        return kind, int(nums[0]), int(nums[1]), int(nums[2]), extra
     if kind == "v2" and len(nums) == 2:
-        return kind, int(nums[0]), int(nums[1]), 3
-    raise SystemExit(f"--variants: expected wg:BM:WARPS:STAGES or v2:BM:WARPS, got {spec!r}")
+        return kind, int(nums[0]), int(nums[1]), 3, {}
+    raise SystemExit(
+        f"--variants: expected wg:BM:WARPS:STAGES[:f[REGS]] or v2:BM:WARPS, got {spec!r}"
+    )
 
 
-def _runner(kind, bm, warps, stages, gate_up, top, x, tc, ts, sorted_slot, block_expert, part):
+def _runner(
+    kind, bm, warps, stages, extra, gate_up, top, x, tc, ts, sorted_slot, block_expert, part
+):
     """One launch of the variant's kernel over these inputs."""
     N, nb = tc.shape[1], block_expert.numel()
     w32, s32 = tc.view(torch.int32), ts.view(torch.int32)
@@ -55,7 +70,7 @@ def _runner(kind, bm, warps, stages, gate_up, top, x, tc, ts, sorted_slot, block
     if kind == "wg":
         launch = triton_launch(
             moe_mx_wgmma_kernel, GATHER=gate_up, BLOCK_T=bm, SPLIT_K=1, STAGES=stages,
-            NUM_WARPS=warps, SWIGLU=False, num_warps=warps,
+            NUM_WARPS=warps, SWIGLU=False, num_warps=warps, **extra,
         )  # fmt: skip
         return lambda: launch(
             (N // (16 * warps), nb, 1), x, w32, s32, sorted_slot, block_expert, part,
@@ -85,8 +100,9 @@ def probe(T: int, gemm: str, variants: list[str], E: int, top: int) -> None:
     flop = 2.0 * real * N * K
     print(f"\n{gemm}, T {T}: N {N}, K {K}, {real} routed rows, {flop / 1e12:.3f} TFLOP")
     print(f"{'variant':14s} {'blocks':>6s} {'us':>9s} {'TFLOP/s':>8s}  fp64 check")
+    first_wg: dict[int, tuple[str, torch.Tensor]] = {}  # block rows -> first wgmma variant
     for spec in variants:
-        kind, bm, warps, stages = _parse(spec)
+        kind, bm, warps, stages, extra = _parse(spec)
         sorted_slot, block_expert = moe_align_triton(ids, None, E, bm, chunk=128, num_warps=8)
         nb = block_expert.numel()
         slots = sorted_slot.long()
@@ -98,8 +114,9 @@ def probe(T: int, gemm: str, variants: list[str], E: int, top: int) -> None:
             part = torch.full((1, real, N), float("nan"), device="cuda")
 
         run = _runner(
-            kind, bm, warps, stages, gate_up, top, x, tc, ts, sorted_slot, block_expert, part
-        )
+            kind, bm, warps, stages, extra, gate_up, top, x, tc, ts, sorted_slot, block_expert,
+            part,
+        )  # fmt: skip
         try:
             run()
             torch.cuda.synchronize()
@@ -134,9 +151,17 @@ def probe(T: int, gemm: str, variants: list[str], E: int, top: int) -> None:
                 got = part[0][rows].double()
             err = float((got - want).abs().max() / (xr.abs() @ w.abs().T).max())
             worst = max(worst, err)
+        same = ""
+        if kind == "wg":
+            if bm in first_wg:
+                ref_spec, ref = first_wg[bm]
+                eq = (part == ref) | (part.isnan() & ref.isnan())  # unwritten rows stay NaN
+                same = f", bits of {ref_spec}: {bool(eq.all())}"
+            else:
+                first_wg[bm] = (spec, part.clone())
         print(
             f"{spec:14s} {nb:6d} {us:9.1f} {flop / us / 1e6:8.1f}  finite {finite}, "
-            f"max |err| / max(|x| @ |W|^T) = {worst:.1e}"
+            f"max |err| / max(|x| @ |W|^T) = {worst:.1e}{same}"
         )
 
 
