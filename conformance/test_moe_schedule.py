@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 
 from dsv4mtp.optimized.kernels import moe_gemm as moe_gemm_module
-from dsv4mtp.optimized.kernels import moe_gemm_gluon as gluon_module
 from dsv4mtp.optimized.kernels._launch import INTERPRET
 from dsv4mtp.optimized.kernels.decode import _e2m1_pair_bf16, _e4m3_bf16
 from dsv4mtp.optimized.kernels.moe_gemm import (
@@ -41,12 +40,7 @@ from dsv4mtp.optimized.kernels.moe_gemm import (
     moe_down_triton,
     moe_reduce_triton,
 )
-from dsv4mtp.optimized.kernels.moe_gemm_gluon import (
-    gluon_applies,
-    gluon_tile_ok,
-    uses_wgmma,
-    wgmma_in_flight,
-)
+from dsv4mtp.optimized.kernels.moe_gemm_gluon import gluon_applies, gluon_tile_ok, uses_wgmma
 from dsv4mtp.optimized.kernels.moe_route import RouteSchedule, route_config, route_triton
 from dsv4mtp.optimized.kernels.moe_schedule import (
     schedule_from_fields,
@@ -619,9 +613,7 @@ def test_gluon_values_are_exact_for_every_code_and_scale(monkeypatch: pytest.Mon
     pack's ``mx_fold``) the scale is applied in the bf16 decode, exact too (bytes 0 and 1 give
     bf16 subnormals, which the MMA keeps).  Also two K splits (the partials of the other split
     are zero), 64-row programs and 16- and 32-row M blocks; with ``fold``, the wgmma kernel on
-    32-, 64- and 128-row M blocks, with and without the MMA left in flight
-    (:func:`wgmma_in_flight`: 8 warps, four stages, 32- or 128-row blocks; its launches counted:
-    no fallback passes for it)."""
+    32-, 64- and 128-row M blocks (its launches counted: no fallback passes for it)."""
     wgmma = _count_wgmma_launches(monkeypatch)
     N, K = 256, 256
     codes = (torch.arange(N * K // 2) % 256).to(torch.uint8).reshape(1, N, K // 2)
@@ -647,7 +639,6 @@ def test_gluon_values_are_exact_for_every_code_and_scale(monkeypatch: pytest.Mon
             *(
                 (
                     (GemmTile(128, 128, num_warps=8), 128),
-                    (GemmTile(128, 128, num_warps=8, num_stages=4), 128),
                     (GemmTile(64, 128, split_k=2), 64),
                     (GemmTile(128, 128, num_warps=8, num_stages=4), 32),
                     (GemmTile(64, 128), 32),
@@ -664,7 +655,7 @@ def test_gluon_values_are_exact_for_every_code_and_scale(monkeypatch: pytest.Mon
             assert y.dtype == torch.float32 and y.shape == (tile.split_k, K, N)
             got = y.double().sum(0).flip(0).T.cpu()  # (N, K): weight (n, k) at row K-1-k
             assert torch.equal(got, want), (fold, tile)
-    assert wgmma == [128, 128, 64, 32, 32]
+    assert wgmma == [128, 64, 32, 32]
 
 
 def _replay_equals_eager(x: torch.Tensor, pack: Any, cfg: Any, kw: dict[str, Any]) -> bool:
@@ -723,8 +714,7 @@ def test_wgmma_gemms_at_v4_flash_shapes(T: int, monkeypatch: pytest.MonkeyPatch)
     within the moe tolerance of the float64 reference under the default and with 32- and
     128-row blocks, one warpgroup (64 weight rows), three or five stages and a K split of 2;
     every schedule gives each row the bits of the default (the same chain of MMAs, whatever
-    the MMA's N, with each step's MMA left in flight or waited for: :func:`wgmma_in_flight`)
-    and of the same row in a batch of one; a
+    the MMA's N) and of the same row in a batch of one; a
     CUDA-graph replay equals the eager call.  Each schedule's two routed GEMMs are counted as
     wgmma launches (a fallback would pass the value checks).  A pack whose scales do not fold
     keeps the mma_v2 GEMMs on 16-row blocks up to T 1024 and the PTX decode above."""
@@ -741,7 +731,6 @@ def test_wgmma_gemms_at_v4_flash_shapes(T: int, monkeypatch: pytest.MonkeyPatch)
     _check("moe", want, (x, params, cfg), kw)
     assert wgmma == [d.block_m] * 2
     one_wg = GemmTile(64, 128, num_warps=4, num_stages=4)
-    in_flight = 0
     for s in (
         replace(d, block_m=128),
         replace(d, block_m=64),
@@ -761,13 +750,6 @@ def test_wgmma_gemms_at_v4_flash_shapes(T: int, monkeypatch: pytest.MonkeyPatch)
         full = moe(x, pack, cfg, **kw, schedule=s, batch_invariant=True)
         one = moe(x[-1:].clone(), pack, cfg, **kw, schedule=s, batch_invariant=True)
         assert torch.equal(full[-1:], one)
-        if wgmma_in_flight(s.block_m, s.gate_up) or wgmma_in_flight(s.block_m, s.down):
-            # each step waiting for its MMA: the same chain of MMAs, the same bits
-            monkeypatch.setattr(gluon_module, "WGMMA_IN_FLIGHT", False)
-            assert torch.equal(moe(x, pack, cfg, **kw, schedule=s), got), s
-            monkeypatch.setattr(gluon_module, "WGMMA_IN_FLIGHT", True)
-            in_flight += 1
-    assert in_flight >= 2  # the 128-row blocks, and the T 1024 default's 32-row gate/up
     assert _replay_equals_eager(x, pack, cfg, kw)
 
 

@@ -468,21 +468,11 @@ def main(argv: list[str] | None = None) -> int:
         help="time the parts of this candidate (by name) beside the default's, not the best's",
     )
     p.add_argument(
-        "--in-flight-ab",
-        action="store_true",
-        help="each candidate twice, the second (name +f) with the wgmma kernel's MMA left in "
-        "flight under the next step's decode (kernels/moe_gemm_gluon.py, WGMMA_IN_FLIGHT)",
-    )
-    p.add_argument(
         "--layouts",
         default="",
         help="MXFP4 only: compare pack_moe's layouts (e.g. rows,tiles) with layout_candidates",
     )
     a = p.parse_args(argv)
-    from dsv4mtp.optimized.kernels import moe_gemm_gluon as gluon_mod
-
-    in_flight_default = gluon_mod.WGMMA_IN_FLIGHT
-
     if a.swiglu_pass:
         from dsv4mtp.optimized.kernels import moe_gemm
 
@@ -557,10 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                 cands = candidates(T, a.dry_run)
             if a.names:
                 cands = [c for c in cands if c[0] in a.names.split(",")]
-            flights = (False, True) if a.in_flight_ab else (in_flight_default,)
-            for name, s, flight in [(n, c, f) for n, c in cands for f in flights]:
-                gluon_mod.WGMMA_IN_FLIGHT = flight
-                name = name + ("+f" if flight and a.in_flight_ab else "")
+            for name, s in cands:
                 if over():
                     capped = True
                     break
@@ -590,7 +577,6 @@ def main(argv: list[str] | None = None) -> int:
                     else "FAILED " + row["error"]
                 )
                 print(f"{tag:6s} T={T:5d} {name:28s} {shown}  ({row['wall_s']} s)", flush=True)
-            gluon_mod.WGMMA_IN_FLIGHT = in_flight_default
             if a.no_parts or (tag, T) not in best:
                 continue
             other = dict(cands).get(a.parts_of) if a.parts_of else None

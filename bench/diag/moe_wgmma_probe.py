@@ -4,10 +4,8 @@ V4-Flash experts (E 256; gate/up: N 4096 interleaved gate and up rows, K 4096; d
 K 2048) in the tiles layout with foldable scales, T tokens routed uniformly (top-6), the align
 kernel's blocks of each variant's row count.  A variant is a kernel and its tile:
 
-* ``wg:BM:WARPS:STAGES[:f[REGS]]``: ``moe_mx_wgmma_kernel`` on BM-row blocks (wgmma's N; 16
-  to 128), 16 x WARPS weight rows per program, its fp32 partials (no SwiGLU epilogue); ``f``:
-  with each step's MMA left in flight under the next step's decode (``IN_FLIGHT``), ``fREGS``
-  also capped at REGS registers per thread (``maxnreg``);
+* ``wg:BM:WARPS:STAGES``: ``moe_mx_wgmma_kernel`` on BM-row blocks (wgmma's N; 16 to 128),
+  16 x WARPS weight rows per program, its fp32 partials (no SwiGLU epilogue);
 * ``v2:BM:WARPS``: ``moe_mx_gluon_kernel`` (mma_v2) on BM-row blocks (8 to 32), 128 weight
   rows per program (the decode-size default's tile).
 
@@ -42,27 +40,16 @@ from dsv4mtp.optimized.moe import mx_tiles
 DEFAULT_VARIANTS = "v2:16:4,v2:32:4,wg:16:8:4,wg:32:8:4,wg:16:4:4,wg:32:4:4,wg:64:8:4"
 
 
-def _parse(spec: str) -> tuple[str, int, int, int, dict[str, object]]:
+def _parse(spec: str) -> tuple[str, int, int, int]:
     kind, *nums = spec.split(":")
-    if kind == "wg" and len(nums) in (3, 4):
-        extra: dict[str, object] = {"IN_FLIGHT": False}
-        if len(nums) == 4:
-            if not nums[3].startswith("f"):
-                raise SystemExit(f"--variants: expected f or fREGS after the stages in {spec!r}")
-            extra["IN_FLIGHT"] = True
-            if nums[3][1:]:
-                extra["maxnreg"] = int(nums[3][1:])
-        return kind, int(nums[0]), int(nums[1]), int(nums[2]), extra
+    if kind == "wg" and len(nums) == 3:
+        return kind, int(nums[0]), int(nums[1]), int(nums[2])
     if kind == "v2" and len(nums) == 2:
-        return kind, int(nums[0]), int(nums[1]), 3, {}
-    raise SystemExit(
-        f"--variants: expected wg:BM:WARPS:STAGES[:f[REGS]] or v2:BM:WARPS, got {spec!r}"
-    )
+        return kind, int(nums[0]), int(nums[1]), 3
+    raise SystemExit(f"--variants: expected wg:BM:WARPS:STAGES or v2:BM:WARPS, got {spec!r}")
 
 
-def _runner(
-    kind, bm, warps, stages, extra, gate_up, top, x, tc, ts, sorted_slot, block_expert, part
-):
+def _runner(kind, bm, warps, stages, gate_up, top, x, tc, ts, sorted_slot, block_expert, part):
     """One launch of the variant's kernel over these inputs."""
     N, nb = tc.shape[1], block_expert.numel()
     w32, s32 = tc.view(torch.int32), ts.view(torch.int32)
@@ -70,7 +57,7 @@ def _runner(
     if kind == "wg":
         launch = triton_launch(
             moe_mx_wgmma_kernel, GATHER=gate_up, BLOCK_T=bm, SPLIT_K=1, STAGES=stages,
-            NUM_WARPS=warps, SWIGLU=False, num_warps=warps, **extra,
+            NUM_WARPS=warps, SWIGLU=False, num_warps=warps,
         )  # fmt: skip
         return lambda: launch(
             (N // (16 * warps), nb, 1), x, w32, s32, sorted_slot, block_expert, part,
@@ -102,7 +89,7 @@ def probe(T: int, gemm: str, variants: list[str], E: int, top: int) -> None:
     print(f"{'variant':14s} {'blocks':>6s} {'us':>9s} {'TFLOP/s':>8s}  fp64 check")
     first_wg: dict[int, tuple[str, torch.Tensor]] = {}  # block rows -> first wgmma variant
     for spec in variants:
-        kind, bm, warps, stages, extra = _parse(spec)
+        kind, bm, warps, stages = _parse(spec)
         sorted_slot, block_expert = moe_align_triton(ids, None, E, bm, chunk=128, num_warps=8)
         nb = block_expert.numel()
         slots = sorted_slot.long()
@@ -114,9 +101,8 @@ def probe(T: int, gemm: str, variants: list[str], E: int, top: int) -> None:
             part = torch.full((1, real, N), float("nan"), device="cuda")
 
         run = _runner(
-            kind, bm, warps, stages, extra, gate_up, top, x, tc, ts, sorted_slot, block_expert,
-            part,
-        )  # fmt: skip
+            kind, bm, warps, stages, gate_up, top, x, tc, ts, sorted_slot, block_expert, part
+        )
         try:
             run()
             torch.cuda.synchronize()

@@ -68,11 +68,16 @@ sizes from T 768, where an expert holds ~T * 6 / 256 rows, 24 at T 1024, 96 at T
   x needs no permutation.
 * x rows (gathered by token for gate/up), the code words and the scale words go global ->
   shared by ``cp.async``: x of step i with the codes of step i + 1 in one group, ``STAGES - 2``
-  steps ahead; the codes of step i + 1 decode while the MMA of step i is issued.  Each step
-  waits for its MMA before the next barrier: ptxas gives every step's A operand the same
-  registers, and with a second MMA in flight (a wait for one) the next step's A overwrote
-  them under it (wrong results on the H200).  N tiles are the fastest grid dimension, so the
-  programs of one M block share its x rows in L2.
+  steps ahead; the codes of step i + 1 are decoded after the MMA of step i is issued, but
+  the compiled loop waits for that MMA first (ptxas puts ``WARPGROUP.DEPBAR`` right after the
+  step's last ``HGMMA``: every step packs its A operand into the same registers), so within a
+  warpgroup the decode and the MMA alternate and the overlap comes from the SM's other
+  warpgroups (two programs of two warpgroups each).  A second MMA in flight needs a second
+  register set: in one loop body the PTX itself rewrites the registers the running MMA reads
+  (wrong results on the H200); unrolled by two it is exact and overlaps, but at 64-row blocks
+  it takes 171 registers, one program per SM, and ran slower (bench/results/moe-h200.md, "The
+  MMA in flight"; ``python3 bench/diag/wgmma_sass.py`` shows the compiled loop).  N tiles are
+  the fastest grid dimension, so the programs of one M block share its x rows in L2.
 * Every MMA of the K slice chains into one fp32 accumulator (the k16 steps in order); the
   values equal the PTX-decode Triton kernels' at these shapes (the same chain), and differ from
   the mma_v2 kernel's per-step partials by fp32 summation order only.
@@ -115,11 +120,7 @@ _WG_STAGE_BYTES_PER_T = 256
 _WG_STAGE_BYTES_PER_N = 68
 _SM90_SMEM = 232448
 
-# each wgmma K step's MMA left in flight under the next step's decode where that costs no
-# programs per SM (:func:`wgmma_in_flight`); False: every step waits for its MMA (the A/B switch)
-WGMMA_IN_FLIGHT = True
-
-__all__ = ["gluon_applies", "gluon_tile_ok", "moe_mx_gluon", "uses_wgmma", "wgmma_in_flight"]
+__all__ = ["gluon_applies", "gluon_tile_ok", "moe_mx_gluon", "uses_wgmma"]
 
 
 # ----------------------------------------------------------------------------- decode PTX
@@ -523,27 +524,6 @@ def _wg_copy_step(xs, cs, ss, x_ptrs, c_ptrs, s_ptrs, step, n_steps, STAGES: gl.
 
 
 @gluon.jit
-def _wg_step_in_flight(
-    acc, a, i, xs, cs, ss, x_ptrs, c_ptrs, sc_ptrs, n_steps,
-    STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CL: gl.constexpr, AL: gl.constexpr,
-):  # fmt: skip
-    """Step ``i`` with its MMA left in flight: the barrier (step i's x and step i + 1's codes
-    landed; every warpgroup retired the MMA of step i - 1), the copies of step i + STAGES - 2,
-    the MMA of step i, the decode of step i + 1 under it, then a wait that retires the MMA of
-    step i - 1 only.  Inlined twice per loop iteration, so consecutive steps pack their A
-    operands into different registers (a single copy would rewrite the registers the running
-    MMA reads)."""
-    async_copy.wait_group(STAGES - 3)
-    fence_async_shared()
-    gl.thread_barrier()
-    _wg_copy_step(xs, cs, ss, x_ptrs, c_ptrs, sc_ptrs, i + STAGES - 2, n_steps, STAGES)
-    acc = warpgroup_mma(a, xs.index(i % STAGES).permute((1, 0)), acc, is_async=True)
-    a_next = _wg_decode_step(_wg_smem_codes(cs, ss, (i + 1) % STAGES, CL), BLOCK_N, AL)
-    acc = warpgroup_mma_wait(1, deps=(acc,))
-    return acc, a_next
-
-
-@gluon.jit
 def _wg_smem_codes(cs, ss, st, CL: gl.constexpr):
     """Stage ``st``'s code words as four (BLOCK_N, 4 lanes, 4 words) tensors (every lane of a
     quad reads its row's 16 bytes of the group: one broadcast 16-byte shared load) and the
@@ -632,7 +612,6 @@ def moe_mx_wgmma_kernel(
     STAGES: gl.constexpr,
     NUM_WARPS: gl.constexpr,
     SWIGLU: gl.constexpr,
-    IN_FLIGHT: gl.constexpr = False,
 ):
     BLOCK_N: gl.constexpr = 16 * NUM_WARPS
     MMA: gl.constexpr = _wg_mma_layout(NUM_WARPS, BLOCK_T)
@@ -685,23 +664,7 @@ def moe_mx_wgmma_kernel(
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
         a = _wg_decode_step(_wg_smem_codes(cs, ss, 0, CL), BLOCK_N, AL)
-        if IN_FLIGHT:
-            for j in range(n_steps // 2):
-                acc, a = _wg_step_in_flight(
-                    acc, a, 2 * j, xs, cs, ss, x_ptrs, c_ptrs, sc_ptrs, n_steps, STAGES,
-                    BLOCK_N, CL, AL,
-                )  # fmt: skip
-                acc, a = _wg_step_in_flight(
-                    acc, a, 2 * j + 1, xs, cs, ss, x_ptrs, c_ptrs, sc_ptrs, n_steps, STAGES,
-                    BLOCK_N, CL, AL,
-                )  # fmt: skip
-            if n_steps % 2 == 1:
-                acc, a = _wg_step_in_flight(
-                    acc, a, n_steps - 1, xs, cs, ss, x_ptrs, c_ptrs, sc_ptrs, n_steps, STAGES,
-                    BLOCK_N, CL, AL,
-                )  # fmt: skip
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-        for i in range(0 if IN_FLIGHT else n_steps):
+        for i in range(n_steps):
             # step i's x and step i + 1's codes have landed for every thread, visible to
             # the async proxy; every warpgroup retired the MMA of step i - 1
             async_copy.wait_group(STAGES - 3)
@@ -709,10 +672,10 @@ def moe_mx_wgmma_kernel(
             gl.thread_barrier()
             _wg_copy_step(xs, cs, ss, x_ptrs, c_ptrs, sc_ptrs, i + STAGES - 2, n_steps, STAGES)
             acc = warpgroup_mma(a, xs.index(i % STAGES).permute((1, 0)), acc, is_async=True)
-            # decode step i + 1 while the MMA of step i runs
+            # decode step i + 1 (ptxas waits for step i's MMA first: the decode writes the
+            # registers that MMA reads; module doc)
             a_next = _wg_decode_step(_wg_smem_codes(cs, ss, (i + 1) % STAGES, CL), BLOCK_N, AL)
-            # all of step i's MMA retired before the barrier: ptxas reuses the A registers, so a
-            # second MMA in flight (a wait for 1) would overwrite them under it
+            # all of step i's MMA retired before the barrier
             acc, a = warpgroup_mma_wait(0, deps=(acc, a_next))
         async_copy.wait_group(0)
 
@@ -729,18 +692,6 @@ def moe_mx_wgmma_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
-def wgmma_in_flight(block_m: int, tile: GemmTile) -> bool:
-    """Whether the wgmma kernel leaves each step's MMA in flight under the next step's decode
-    (``IN_FLIGHT``; :data:`WGMMA_IN_FLIGHT` switches it off).  The unrolled loop holds a second
-    A operand in registers: on 8 warps 124 -> 171 registers at 64-row blocks, which drops the
-    SM from two programs to one and lost more than the overlap won (gate/up at T 4096 2901 ->
-    3495 us); 180 -> 239 at 128-row blocks and 96 -> 126 at 32-row blocks keep their programs
-    per SM (gate/up 2635 -> 2254 us at T 4096 on 128-row blocks, 1264 -> 1179 at T 1024 on
-    32-row ones; bench/results/moe-h200.md, "The MMA in flight").  Four or more stages: with
-    three, Triton 3.6 fails an assertion lowering the unrolled loop (ConvertTritonGPUToLLVM)."""
-    return WGMMA_IN_FLIGHT and tile.num_warps == 8 and tile.num_stages >= 4 and block_m in (32, 128)
-
-
 def uses_wgmma(tile: GemmTile, block_m: int, fold: bool) -> bool:
     """Which Gluon kernel :func:`moe_mx_gluon` runs: the wgmma kernel on 64- and 128-row M
     blocks, and on 32-row blocks when the scales fold and the tile is a wgmma tile (16 weight
@@ -849,7 +800,7 @@ def moe_mx_gluon(
         triton_launch(
             moe_mx_wgmma_kernel, GATHER=gather, BLOCK_T=block_m, SPLIT_K=split,
             STAGES=tile.num_stages, NUM_WARPS=tile.num_warps, SWIGLU=swiglu is not None,
-            IN_FLIGHT=wgmma_in_flight(block_m, tile), num_warps=tile.num_warps,
+            num_warps=tile.num_warps,
         )(
             (N // tile.block_n, num_m, split), x, w32, s32, sorted_slot, block_expert, part,
             gs, topw, h, K, N, top_k, w32[0].numel(), s32[0].numel(), part.shape[1],
