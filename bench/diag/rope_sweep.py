@@ -8,7 +8,7 @@ of 10 back-to-back calls (median of 10 replays, per call) and checked bit for bi
 default's output (every schedule computes the same function).  GB/s: the bytes read and
 written once.
 
-    python3 bench/diag/rope_sweep.py [--tokens 64,512,4096]
+    python3 bench/diag/rope_sweep.py [--tokens 64,512,4096] [--cases q,kv,out]
 """
 
 from __future__ import annotations
@@ -34,7 +34,20 @@ from dsv4mtp.optimized.kernels.rope import (
 
 H, D, DR = 64, 512, 64
 SCHEDULES = {
-    "q": [(1, 8, 4), (1, 8, 8), (1, 16, 8), (1, 4, 4), (1, 4, 2), (2, 8, 8), (1, 2, 2), (1, 1, 1)],
+    "q": [
+        (1, 8, 4),
+        (1, 8, 8),
+        (1, 16, 8),
+        (1, 4, 4),
+        (1, 4, 2),
+        (2, 8, 8),
+        (1, 2, 2),
+        (1, 1, 1),
+        (1, 2, 1),
+        (1, 4, 1),
+        (2, 1, 1),
+        (1, 1, 2),
+    ],
     "kv": [(4, 1, 8), (2, 1, 8), (1, 1, 4), (1, 1, 2), (8, 1, 8)],
     "out": [(1, 64, 4), (1, 64, 8), (1, 32, 4), (2, 64, 8), (4, 64, 8), (1, 16, 2)],
 }
@@ -51,6 +64,7 @@ def _rope(src, weight, pos, freqs, dst, norm, inverse, sched) -> torch.Tensor:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="64,512,4096")
+    p.add_argument("--cases", default="q,kv,out", help="which of q, kv, out")
     a = p.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     freqs = (10000.0 ** (-torch.arange(0, DR, 2, device="cuda") / DR)).float()
@@ -63,7 +77,7 @@ def main() -> None:
         q = torch.randn(T, H, D, device="cuda", generator=g).to(torch.bfloat16)
         kv = torch.randn(T, 1, D, device="cuda", generator=g).to(torch.bfloat16)
         o = torch.randn(T, H, D, device="cuda", generator=g).to(torch.bfloat16)
-        for name in SCHEDULES:
+        for name in a.cases.split(","):
             if name == "out":  # in place on the rope dims of a copy of the whole output
                 nbytes = 2 * T * H * DR * 2
 
