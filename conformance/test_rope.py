@@ -285,6 +285,48 @@ def test_rows_are_bitwise_the_same_alone_and_in_a_batch(op: str, device) -> None
         assert torch.equal(full[t : t + 1], alone), f"{op}: token {t} differs alone"
 
 
+@pytest.mark.parametrize("heads", [64, 5])
+def test_q_one_warp_tile_keeps_each_row_alone_and_in_a_batch(heads: int, device) -> None:
+    """The tile ``rope_schedule`` gives wide q rows on the GPU (two heads of one token per
+    one-warp program; V4-Flash's 64 heads of 512) at Dh 512, rope 64: each token's rows give the
+    same bits alone and in a batch of 37 (5 tokens of at most 16 heads under the interpreter);
+    an odd head count leaves the last program one masked head.  On CUDA the default schedule is that tile (the
+    interpreter keeps its one-program tiles, so the tile is passed there); its values stay
+    within a bf16 rounding of the four-warp tile it replaced (another fp32 order of the
+    per-head sum of squares)."""
+    _opt()
+    from dsv4mtp.optimized.kernels.rope import (
+        NORM_HEAD,
+        RopeSchedule,
+        norm_rope_triton,
+        rope_schedule,
+    )
+
+    one_warp = RopeSchedule(1, 2, 1)
+    if device == "cuda":
+        assert rope_schedule(heads, 512) == one_warp
+    # the interpreter runs ~30 ms per program: fewer tokens and at most 16 heads there
+    T = 37 if device == "cuda" else 5
+    heads = heads if device == "cuda" else min(heads, 16)
+    (q, pos, freqs), kw = rope_inputs(
+        "q_head_norm_rope", T, 21, shape="flash", dtype=BF16, device=device, mode="yarn"
+    )
+    q = q[:, :heads].contiguous()
+
+    def run(x: torch.Tensor, p: torch.Tensor, sched: RopeSchedule) -> torch.Tensor:
+        return norm_rope_triton(
+            x, None, p, freqs, torch.empty_like(x), rope_dim=kw["rope_dim"], norm=NORM_HEAD,
+            eps=kw["eps"], schedule=sched,
+        )  # fmt: skip
+
+    full = run(q, pos, one_warp)
+    for t in (0, 2, T - 1):
+        alone = run(q[t : t + 1].contiguous(), pos[t : t + 1], one_warp)
+        assert torch.equal(full[t : t + 1], alone), f"token {t} differs alone"
+    four_warps = run(q, pos, RopeSchedule(1, 8, 4))
+    torch.testing.assert_close(full.float(), four_warps.float(), rtol=2**-7, atol=2**-7)
+
+
 # ------------------------------------------------------------------------------ operators
 @pytest.mark.parametrize("variant", ["", "_out"])
 @pytest.mark.parametrize("op", ["apply_rope", "q_head_norm_rope", "kv_norm_rope"])

@@ -12,9 +12,10 @@ routing (fixed seeds), T in {1, 8, 64, 512, 4096}: each candidate schedule of th
   own experts, router and shared expert) and ``--input-sets`` inputs, so no call finds the
   previous call's weights in the 60 MB L2 (bench/h200_moe.py's method and byte model).
 
-For the default and the best schedule of each (format, T) the parts are also timed alone, the
-same way: router, align (the sort), routed gate/up (+ split-K epilogue), routed
-down, the reduce, and the shared expert; so the table attributes the time.  A global time cap
+For the default and the best schedule of each (format, T) (or the one ``--parts-of`` names)
+the parts are also timed alone, the same way: router, align (the sort), routed gate/up
+(+ split-K epilogue), routed down, the reduce, and the shared expert; so the table attributes
+the time.  A global time cap
 (``--cap-s``, default 480 s) stops the sweep between candidates; what ran is printed.  Output:
 one table (us per call, time / floor, rel. error vs the default) and the best schedule per
 (format, T) as a ``MoESchedule(...)`` literal; ``--json PATH`` also writes the rows.
@@ -580,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
             if a.no_parts or (tag, T) not in best:
                 continue
             other = dict(cands).get(a.parts_of) if a.parts_of else None
+            if a.parts_of and other is None:
+                raise SystemExit(f"--parts-of: no candidate {a.parts_of!r} at T {T}")
             both = [
                 ("default", moe_config(T, batch_invariant=False, fmt=kfmt)),
                 (a.parts_of, other) if other is not None else ("best", best[tag, T][2]),

@@ -12,8 +12,8 @@ kernel's blocks of each variant's row count.  A variant is a kernel and its tile
 Every variant writes fp32 partials into a NaN-poisoned buffer; its real rows must be finite, and
 for two M blocks they are checked against an fp64 product of the decoded weights, and the
 partials of a wgmma variant against the first wgmma variant's on the same block rows (the
-same chain of MMAs: bit for bit).  CUDA-event
-time of one launch (median of 10), TFLOP/s of the real rows (padding rows excluded).
+same chain of MMAs: bit for bit).  CUDA-event time of one launch (median of 10), TFLOP/s of
+the real rows (padding rows excluded).
 
     python3 bench/diag/moe_wgmma_probe.py [--tokens 512,1024] [--gemm gate_up,down]
         [--variants v2:16:4,wg:16:8:4,...]

@@ -5,8 +5,8 @@ rotary; the kv latent 512), T rows: q's per-head norm + RoPE (T, 64, 512), kv's 
 (T, 1, 512), and the inverse rotation of the attention output's rope dims in place (a
 (T, 64, 64) view of (T, 64, 512)).  Each :class:`RopeSchedule` is timed by CUDA-graph replay
 of 10 back-to-back calls (median of 10 replays, per call) and checked bit for bit against the
-default's output (every schedule computes the same function).  GB/s: the bytes read and
-written once.
+default's output (every schedule computes the same function up to the fp32 order of the norm's
+sum of squares, which the tile fixes).  GB/s: the bytes read and written once.
 
     python3 bench/diag/rope_sweep.py [--tokens 64,512,4096] [--cases q,kv,out]
 """
@@ -58,6 +58,9 @@ def main() -> None:
     p.add_argument("--tokens", default="64,512,4096")
     p.add_argument("--cases", default="q,kv,out", help="which of q, kv, out")
     a = p.parse_args()
+    unknown = set(a.cases.split(",")) - set(SCHEDULES)
+    if unknown:
+        p.error(f"--cases: expected names among q, kv, out, got {sorted(unknown)}")
     g = torch.Generator(device="cuda").manual_seed(0)
     freqs = (10000.0 ** (-torch.arange(0, DR, 2, device="cuda") / DR)).float()
     w = (1 + 0.1 * torch.randn(D, device="cuda", generator=g)).float()

@@ -1,95 +1,100 @@
-"""The wgmma MoE GEMM's main loop as ptxas compiles it for sm_90a, without a GPU.
+"""The wgmma MoE GEMM's K loop as compiled for sm_90a, without a GPU.
 
-``moe_mx_wgmma_kernel`` (kernels/moe_gemm_gluon.py) is compiled offline (Triton's bundled
-``ptxas`` and ``cuobjdump``) for the given constexprs, and the script prints:
+``moe_mx_wgmma_kernel`` (kernels/moe_gemm_gluon.py) is compiled offline for the given
+constexprs (``triton.compile`` for sm_90, as the JIT builds it, the launcher's 16-byte
+specializations marked; the cubin read with the ``cuobjdump`` in the triton wheel), and the
+script prints:
 
-* ptxas's registers, spills and stack per thread (how many programs an SM holds);
-* the loop body in order, compressed: ``HGMMA`` (with its A registers), ``WARPGROUP.ARRIVE`` /
-  ``DEPBAR`` (the waits for the MMAs), barriers, and runs of the decode's ``HMUL2`` between
-  them: whether the next step's decode runs under the MMA or after its wait;
-* a hazard scan: every instruction of the loop (taken twice, for the back edge) that writes a
-  register an in-flight ``HGMMA`` group reads (its A fragment).  PTX leaves such a write
-  undefined; a non-zero count means wrong results are possible.
+* registers, stack (spills), shared memory and the programs per SM the registers allow
+  (``bench/sm90_resources.py``'s line);
+* the K loop in order, compressed: ``WARPGROUP.ARRIVE`` (the fence before a warpgroup's MMAs),
+  each ``HGMMA`` with its A registers, ``WARPGROUP.DEPBAR`` (the wait for the MMAs), the
+  barriers and the ``cp.async`` waits (``DEPBAR``), and the runs of the decode's ``HMUL2``
+  between them: whether the next step's decode runs under the MMA or after its wait;
+* a hazard scan: the instructions of the loop that write a register of an A fragment an
+  ``HGMMA`` still in flight reads (the loop taken twice, for the back edge; each instruction
+  counted once).  PTX leaves such a write undefined: a non-zero count means the results can
+  be wrong.  Accumulators are not scanned (chained MMAs share them by design).
 
     python3 bench/diag/wgmma_sass.py [--block-t 64] [--warps 8] [--stages 4] [--gather 1]
         [--swiglu 1] [--split-k 1] [--dump FILE]
 
 Runs on a CPU machine (``CUDA_VISIBLE_DEVICES=`` is fine); needs triton with its NVIDIA
-backend, whose ``ptxas`` and ``cuobjdump`` it calls.
+backend.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sm90_resources import TARGET, _cuobjdump, resources
 
 from dsv4mtp.optimized.kernels import moe_gemm_gluon as gluon_mod
 
-_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _SIG = dict(
     x_ptr="*bf16", w_ptr="*i32", s_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32",
     part_ptr="*fp32", gs_ptr="*fp32", topw_ptr="*fp32", h_ptr="*bf16", K="i32", N="i32",
     TOPK="i32", W_STRIDE_E="i32", S_STRIDE_E="i32", ROWS_PART="i32", limit="fp32",
 )  # fmt: skip
-# 16-byte aligned pointers and multiples of 16, as the launcher's specialization gives them
-_ALIGNED = (
-    "x_ptr", "w_ptr", "s_ptr", "sorted_ptr", "block_expert_ptr", "part_ptr", "gs_ptr",
-    "topw_ptr", "h_ptr", "K", "N", "W_STRIDE_E", "S_STRIDE_E", "ROWS_PART",
-)  # fmt: skip
+# ints the launcher specializes as multiples of 16 at V4's shapes (pointers are marked anyway)
+_INTS = ("K", "N", "W_STRIDE_E", "S_STRIDE_E", "ROWS_PART")
+# a backward branch, with an address or a label target (as bench/sm90_resources.py reads it)
+_BRANCH = re.compile(r"BRA(?:\.\S+)?\s+(?:`\(\.L_x_\d+\)\s*)?(?:0x)?([0-9a-f]+)")
 
 
-def compile_sass(consts: dict[str, object], warps: int) -> tuple[str, str]:
-    """(ptxas -v output, SASS) of the kernel with these constexprs."""
+def compile_sass(consts: dict[str, object], warps: int) -> str:
+    """The SASS of the cubin ``triton.compile`` builds for these constexprs."""
     kernel = gluon_mod.moe_mx_wgmma_kernel
-    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in _ALIGNED}
+    aligned = {
+        (kernel.arg_names.index(name),): [["tt.divisibility", 16]]
+        for name, ty in _SIG.items()
+        if ty.startswith("*") or name in _INTS
+    }
     sig = {**_SIG, **{c: "constexpr" for c in consts}}
-    src = GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    with tempfile.TemporaryDirectory() as d:
-        ptx, obj = os.path.join(d, "k.ptx"), os.path.join(d, "k.o")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        info = subprocess.run(
-            [os.path.join(_BIN, "ptxas"), "-arch=sm_90a", "-v", "-O3", ptx, "-o", obj],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        sass = subprocess.run(
-            [os.path.join(_BIN, "cuobjdump"), "-sass", obj], capture_output=True, text=True,
-            check=True,
-        ).stdout  # fmt: skip
-    return info.stdout + info.stderr, sass
+    src = GluonASTSource(kernel, sig, constexprs=consts, attrs=aligned)
+    compiled = triton.compile(src, target=TARGET, options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run(
+            [_cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
 
 
 def instructions(sass: str) -> list[tuple[int, str]]:
-    """(address, instruction text without predicate guard's trailing ';') in order."""
-    out = []
-    for line in sass.splitlines():
-        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
-        if m:
-            out.append((int(m.group(1), 16), m.group(2).strip()))
-    return out
+    """(address, instruction text without its ';') in order."""
+    return [
+        (int(m.group(1), 16), m.group(2).strip())
+        for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+    ]
 
 
-def main_loop(ins: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    """The body of the backward branch that contains HGMMAs (the K loop)."""
+def k_loop(ins: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The longest backward branch's body that holds HGMMAs (the K loop)."""
     index = {a: k for k, (a, _) in enumerate(ins)}
+    best: list[tuple[int, str]] = []
     for k, (addr, text) in enumerate(ins):
-        m = re.search(r"BRA (0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
+        m = _BRANCH.search(text)
+        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
             body = ins[index[int(m.group(1), 16)] : k + 1]
-            if any("HGMMA" in t for _, t in body):
-                return body
-    raise SystemExit("no loop with HGMMA found")
+            if any("HGMMA" in t for _, t in body) and len(body) > len(best):
+                best = body
+    if not best:
+        raise SystemExit("no loop with HGMMA found")
+    return best
 
 
-def _opcode(text: str) -> str:
+def _op(text: str) -> str:
+    """The instruction without its predicate guard."""
     return re.sub(r"^@!?U?P\w+\s+", "", text)
 
 
@@ -98,12 +103,11 @@ def summary(body: list[tuple[int, str]]) -> list[str]:
     out: list[str] = []
     hmul = 0
     for _, text in body:
-        op = _opcode(text)
+        op = _op(text)
         if op.startswith("HMUL2"):
             hmul += 1
             continue
-        keep = op.startswith(("HGMMA", "WARPGROUP", "BAR.SYNC", "MEMBAR", "DEPBAR"))
-        if keep:
+        if op.startswith(("HGMMA", "WARPGROUP", "BAR.SYNC", "MEMBAR", "DEPBAR")):
             if hmul:
                 out.append(f"  ({hmul} HMUL2: decode)")
                 hmul = 0
@@ -113,36 +117,44 @@ def summary(body: list[tuple[int, str]]) -> list[str]:
     return out
 
 
+def _written(op: str) -> set[int]:
+    """The registers an instruction writes (its first operand), by its width."""
+    name, _, rest = op.partition(" ")
+    m = re.match(r"\s*R(\d+)\b", rest)
+    if not m or name.startswith(("ST", "LDGSTS", "RED", "ATOM", "BAR", "BRA", "MEMBAR")):
+        return set()
+    r = int(m.group(1))
+    if ".128" in name or (name.startswith("LDSM") and name.endswith(".4")):
+        width = 4
+    elif ".64" in name or "WIDE" in name or (name.startswith("LDSM") and name.endswith(".2")):
+        width = 2
+    else:
+        width = 1
+    return set(range(r, r + width))
+
+
 def hazards(body: list[tuple[int, str]]) -> list[str]:
-    """Writes to an in-flight HGMMA group's A registers, over two passes of the loop."""
-    groups: list[set[int]] = []  # committed groups still in flight, oldest first
-    current: set[int] = set()
-    found = []
-    for _, text in body + body:
-        op = _opcode(text)
-        name = op.split()[0]
-        if name.startswith("HGMMA"):
-            a = int(re.match(r"HGMMA\S*\s+R\d+,\s*R(\d+),", op).group(1))
-            current |= set(range(a, a + 4))  # a 64 x 16 bf16 A fragment: four registers
+    """The loop's instructions (each once) that write an A register of an in-flight HGMMA."""
+    groups: list[set[int]] = []  # committed groups in flight, oldest first
+    current: set[int] = set()  # issued since the last commit
+    found: dict[int, str] = {}
+    for addr, text in body + body:
+        op = _op(text)
+        if op.startswith("HGMMA"):
+            a = re.match(r"HGMMA\S*\s+R\d+,\s*R(\d+),", op)
+            if a:  # a register A fragment (64 x 16 bf16: four registers); else A is in smem
+                current |= set(range(int(a.group(1)), int(a.group(1)) + 4))
             if "gsb0" in op:
                 groups.append(current)
                 current = set()
             continue
-        if name.startswith("WARPGROUP.DEPBAR"):
+        if op.startswith("WARPGROUP.DEPBAR"):
             keep = int(re.search(r"0x([0-9a-f]+)", op).group(1), 16)
-            groups = groups[len(groups) - keep :] if keep else []
+            groups = groups[max(0, len(groups) - keep) :] if keep else []
             continue
-        if name.startswith(("ST", "LDGSTS", "RED", "ATOM", "BAR", "BRA", "MEMBAR", "FENCE")):
-            continue  # no register destination
-        parts = op.split(None, 1)
-        m = re.match(r"R(\d+)", parts[1].split(",")[0].strip()) if len(parts) > 1 else None
-        if not m:
-            continue
-        r = int(m.group(1))
-        width = 4 if ".128" in name else (2 if ".64" in name or "WIDE" in name else 1)
-        if any(set(range(r, r + width)) & g for g in groups):
-            found.append(text)
-    return found
+        if _written(op) & set().union(current, *groups):
+            found[addr] = text
+    return list(found.values())
 
 
 def main() -> None:
@@ -155,17 +167,21 @@ def main() -> None:
     p.add_argument("--split-k", type=int, default=1)
     p.add_argument("--dump", default="", help="write the whole SASS here")
     a = p.parse_args()
+    if a.swiglu and not (a.gather and a.split_k == 1):
+        p.error("--swiglu 1 is the gate/up GEMM with one K split: --gather 1 --split-k 1")
     consts = dict(
         GATHER=bool(a.gather), BLOCK_T=a.block_t, SPLIT_K=a.split_k, STAGES=a.stages,
         NUM_WARPS=a.warps, SWIGLU=bool(a.swiglu),
     )  # fmt: skip
-    info, sass = compile_sass(consts, a.warps)
-    if a.dump:
-        with open(a.dump, "w") as f:
-            f.write(sass)
     print(consts)
-    print("\n".join(line for line in info.splitlines() if "registers" in line or "spill" in line))
-    body = main_loop(instructions(sass))
+    line = resources(
+        gluon_mod.moe_mx_wgmma_kernel, _SIG, consts, ints=_INTS, gluon=True, num_warps=a.warps
+    )
+    print(line)
+    sass = compile_sass(consts, a.warps)
+    if a.dump:
+        Path(a.dump).write_text(sass)
+    body = k_loop(instructions(sass))
     print(f"K loop: {hex(body[0][0])} .. {hex(body[-1][0])}")
     print("\n".join(summary(body)))
     bad = hazards(body)

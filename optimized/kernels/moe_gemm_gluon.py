@@ -72,12 +72,13 @@ sizes from T 768, where an expert holds ~T * 6 / 256 rows, 24 at T 1024, 96 at T
   the compiled loop waits for that MMA first (ptxas puts ``WARPGROUP.DEPBAR`` right after the
   step's last ``HGMMA``: every step packs its A operand into the same registers), so within a
   warpgroup the decode and the MMA alternate and the overlap comes from the SM's other
-  warpgroups (two programs of two warpgroups each).  A second MMA in flight needs a second
-  register set: in one loop body the PTX itself rewrites the registers the running MMA reads
-  (wrong results on the H200); unrolled by two it is exact and overlaps, but at 64-row blocks
-  it takes 171 registers, one program per SM, and ran slower (bench/results/moe-h200.md, "The
-  MMA in flight"; ``python3 bench/diag/wgmma_sass.py`` shows the compiled loop).  N tiles are
-  the fastest grid dimension, so the programs of one M block share its x rows in L2.
+  warpgroups (at the 64-row default, two programs of two warpgroups).  A second MMA in flight
+  needs a second register set: in one loop body the same instructions pack every step's A
+  operand, so the next step overwrites the registers the running MMA reads (wrong results on
+  the H200); unrolled by two it is exact and overlaps, but at 64-row blocks it takes 171
+  registers, one program per SM, and ran slower (bench/results/moe-h200.md, "The MMA in
+  flight"; ``python3 bench/diag/wgmma_sass.py`` shows the compiled loop).  N tiles are the
+  fastest grid dimension, so the programs of one M block share its x rows in L2.
 * Every MMA of the K slice chains into one fp32 accumulator (the k16 steps in order); the
   values equal the PTX-decode Triton kernels' at these shapes (the same chain), and differ from
   the mma_v2 kernel's per-step partials by fp32 summation order only.
@@ -510,9 +511,9 @@ def _wg_decode_step(buf, BLOCK_N: gl.constexpr, AL: gl.constexpr):
 def _wg_copy_step(xs, cs, ss, x_ptrs, c_ptrs, s_ptrs, step, n_steps, STAGES: gl.constexpr):
     """One cp.async group: x of step ``step`` (rows, 128 columns) into stage ``step %
     STAGES``, and the code words (BLOCK_N, 16) and scale words (BLOCK_N,) of step ``step + 1``
-    into stage ``(step + 1) % STAGES`` (the codes run a step ahead: they are decoded while the
-    previous step's MMA runs); past the last step the group is empty, so that the wait counts
-    stay uniform.  ``step`` -1 copies the first step's codes only."""
+    into stage ``(step + 1) % STAGES`` (the codes run a step ahead: they are decoded right
+    after the previous step's MMA is issued, once it retired: module doc); past the last step
+    the group is empty, so that the wait counts stay uniform.  ``step`` -1 copies the first step's codes only."""
     if step < n_steps:
         if step >= 0:
             async_copy.async_copy_global_to_shared(xs.index(step % STAGES), x_ptrs + step * 128)

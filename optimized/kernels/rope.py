@@ -232,17 +232,17 @@ def norm_rope_kernel(
 @dataclass(frozen=True)
 class RopeSchedule:
     """Tile of :func:`norm_rope_kernel`: BLOCK_T tokens x BLOCK_H heads per program (powers of
-    two), and its warps.  Every schedule computes the same function; the bits of a row do not
-    depend on the other rows of the call under any schedule."""
+    two), and its warps.  Every schedule computes the same function up to the fp32 order of the
+    norm's sum of squares, which the tile fixes; the bits of a row do not depend on the other
+    rows of the call under any schedule."""
 
     block_t: int
     block_h: int
     num_warps: int = 4
 
 
-# About this many elements per program where rope_schedule does not take one warp per two
-# wide heads (V4-Flash q: 2 heads of 512, 36 fp32 values per lane, 89 registers on sm_90; 8
-# heads on 4 warps took 161): an output-rope program holds 64 heads of 64 (55 registers).  A program of several tokens computes cos / sin per token row
+# About this many elements per program for the tiles that are not rope_schedule's one-warp
+# tile: an output-rope program holds 64 heads of 64 (55 registers on sm_90).  A program of several tokens computes cos / sin per token row
 # (libdevice's sinf / cosf inlined per row), which costs registers: a kv program of 8 tokens of
 # 512 at 4 warps needs 255 registers and spills, so multi-token tiles take half the elements
 # and 8 warps (kv: 4 tokens, 101 registers, no spill).  bench/sm90_resources.py --rope prints
@@ -252,15 +252,17 @@ _TILE_ELEMENTS = 65536 if INTERPRET else 4096
 
 
 def rope_schedule(H: int, D: int) -> RopeSchedule:
-    """The default tile for rows of width D, H rows per token.  Wide rows of several heads
-    (q: 64 heads of 512 on V4-Flash) take two heads of one token per one-warp program: the
-    most programs in flight, each a short reduction; on the H200 185.5 / 26.6 / 4.6 / 3.1 /
-    3.0 us at T 4096 / 512 / 64 / 8 / 1 against 404.2 / 53.9 / 9.6 / 5.3 / 4.6 for 8 heads on
-    4 warps (bench/results/attention-h200.md, "The q norm + RoPE on one warp").  Otherwise
-    heads first, then tokens, to about :data:`_TILE_ELEMENTS` elements.  Reads H and D only,
-    never T."""
+    """The default tile for rows of width D, H rows per token.  On the GPU, rows of 256 to 512
+    elements, several per token (q: 64 heads of 512 on V4-Flash), take two heads of one token
+    per one-warp program: 36 fp32 values per lane and 89 registers at 512 (sm_90), the most
+    programs in flight, each a short reduction; on the H200 185.5 / 26.6 / 4.6 / 3.1 / 3.0 us at
+    T 4096 / 512 / 64 / 8 / 1 against 404.2 / 53.9 / 9.6 / 5.3 / 4.6 for 8 heads on 4 warps
+    (bench/results/attention-h200.md, "The q norm + RoPE on one warp"; wider rows were not
+    measured and keep the rule below).  Otherwise heads first, then tokens, to about
+    :data:`_TILE_ELEMENTS` elements.  Reads H and D only, never T."""
     width = next_pow2(D)
-    if H >= 2 and width >= 256 and not INTERPRET:
+    # not under the interpreter, which pays ~30 ms per program: there one program takes many rows
+    if H >= 2 and 256 <= width <= 512 and not INTERPRET:
         return RopeSchedule(1, 2, 1)
     block_h = min(next_pow2(H), max(1, _TILE_ELEMENTS // width))
     block_t = max(1, _TILE_ELEMENTS // (width * block_h))
