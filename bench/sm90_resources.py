@@ -50,6 +50,14 @@ from dsv4mtp.optimized.kernels.mhc_pre_small import PreFmaConfig, pre_fma_config
 from dsv4mtp.optimized.kernels.mhc_pre_small import _launches as pre_fma_launches
 
 TARGET = GPUTarget("cuda", 90, 32)
+# kernels/moe_gemm_gluon.py's moe_mx_wgmma_kernel, its runtime arguments
+WGMMA_SIGNATURE = dict(
+    x_ptr="*bf16", w_ptr="*i32", s_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32",
+    part_ptr="*fp32", gs_ptr="*fp32", topw_ptr="*fp32", h_ptr="*bf16", K="i32", N="i32",
+    TOPK="i32", W_STRIDE_E="i32", S_STRIDE_E="i32", ROWS_PART="i32", limit="fp32",
+)  # fmt: skip
+# ...and the ints its launcher specializes as multiples of 16 at V4's shapes
+WGMMA_INTS = ("K", "N", "W_STRIDE_E", "S_STRIDE_E", "ROWS_PART")
 REGISTERS_PER_SM = 65536
 
 
@@ -68,19 +76,17 @@ def programs_by_registers(regs: int, num_warps: int) -> int:
     return warps // num_warps
 
 
-def resources(
+def compile_kernel(
     fn: Any,
     signature: dict[str, str],
     consts: dict[str, Any],
     ints: tuple[str, ...] | list[str] = (),
-    loop: bool = False,
     gluon: bool = False,
     **options: Any,
-) -> str:
-    """One line: shared memory, registers, stack (spills) and the register-bound occupancy
-    (with ``loop``, also the main loop's instruction count).  ``ints``: argument names (pointers
-    or ints) the launcher specializes as divisible by 16 (V4's N and K), marked as the GPU JIT
-    would specialize them."""
+) -> Any:
+    """``triton.compile`` of ``fn`` for sm_90 with these constexprs and options, as the JIT
+    builds it.  ``ints``: argument names (pointers or ints) the launcher specializes as
+    divisible by 16 (V4's N and K), marked as the GPU JIT would specialize them."""
     sig = {**signature, **{c: "constexpr" for c in consts}}
     # The launcher marks 16-byte-aligned pointers (every torch allocation) divisible by 16;
     # without that mark the compiler cannot vectorize loads and the counts below are wrong.
@@ -95,38 +101,69 @@ def resources(
         src = GluonASTSource(fn, sig, constexprs=consts, attrs=aligned)
     else:
         src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned)
-    k = triton.compile(src, target=TARGET, options=options)
+    return triton.compile(src, target=TARGET, options=options)
+
+
+def cuobjdump_out(cubin: bytes, flag: str) -> str:
+    """cuobjdump's output for a cubin (``-sass``, ``-res-usage``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
+        f.write(cubin)
         f.flush()
-        out = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True)
+        return subprocess.run([_cuobjdump(), flag, f.name], capture_output=True, text=True).stdout
+
+
+def resource_line(k: Any, num_warps: int, loop: bool = False) -> str:
+    """One line of a compiled kernel: shared memory, registers, stack (spills) and the
+    register-bound occupancy (with ``loop``, also the main loop's instruction count)."""
+    out = cuobjdump_out(k.asm["cubin"], "-res-usage")
     fields = dict(
-        kv.split(":") for line in out.stdout.splitlines() if "REG:" in line for kv in line.split()
+        kv.split(":") for line in out.splitlines() if "REG:" in line for kv in line.split()
     )
     regs, stack = int(fields["REG"]), int(fields["STACK"])
-    ctas = programs_by_registers(regs, options["num_warps"])
+    ctas = programs_by_registers(regs, num_warps)
     line = (
         f"regs {regs:3d}  stack(spill) {stack:5d} B  smem {k.metadata.shared:6d} B  "
-        f"<= {ctas} programs/SM by registers ({ctas * options['num_warps']} warps of 64)"
+        f"<= {ctas} programs/SM by registers ({ctas * num_warps} warps of 64)"
     )
     if loop:
         line += f"  main loop {main_loop_instructions(k.asm['cubin'])} instructions"
     return line
 
 
+def resources(
+    fn: Any,
+    signature: dict[str, str],
+    consts: dict[str, Any],
+    ints: tuple[str, ...] | list[str] = (),
+    loop: bool = False,
+    gluon: bool = False,
+    **options: Any,
+) -> str:
+    """:func:`resource_line` of :func:`compile_kernel`'s kernel."""
+    k = compile_kernel(fn, signature, consts, ints, gluon, **options)
+    return resource_line(k, options["num_warps"], loop)
+
+
+def sass_instructions(cubin: bytes) -> list[tuple[int, str]]:
+    """(address, instruction text without its ';') of the cubin's SASS, in order."""
+    sass = cuobjdump_out(cubin, "-sass")
+    return [
+        (int(m.group(1), 16), m.group(2).strip())
+        for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+    ]
+
+
+# a backward branch's target, as an address or a label
+BRANCH = re.compile(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?(?:0x)?([0-9a-f]+)")
+
+
 def main_loop_instructions(cubin: bytes) -> int:
     """SASS instructions of the kernel's longest loop (from the target of its longest backward
     branch to the branch): per-thread work of one K step in the GEMMs."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True)
-    addrs = []
-    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass.stdout):
-        addrs.append((int(m.group(1), 16), m.group(2)))
+    addrs = sass_instructions(cubin)
     best = 0
     for a, text in addrs:
-        target = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?(?:0x)?([0-9a-f]+)", text)
+        target = BRANCH.search(text)
         if target and int(target.group(1), 16) < a:
             t = int(target.group(1), 16)
             best = max(best, sum(1 for b, _ in addrs if t <= b <= a))
@@ -252,11 +289,6 @@ def moe_lines() -> list[str]:
     # blocks) and 4096 (64-row), and 128-row M blocks
     from dsv4mtp.optimized.kernels.moe_gemm_gluon import moe_mx_wgmma_kernel
 
-    wsig = dict(
-        x_ptr="*bf16", w_ptr="*i32", s_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32",
-        part_ptr="*fp32", gs_ptr="*fp32", topw_ptr="*fp32", h_ptr="*bf16", K="i32", N="i32",
-        TOPK="i32", W_STRIDE_E="i32", S_STRIDE_E="i32", ROWS_PART="i32", limit="fp32",
-    )  # fmt: skip
     wg_cases = [
         (1024, moe_config(1024, batch_invariant=False, fmt="mxfp4_tiles_fold")),
         (4096, moe_config(4096, batch_invariant=False, fmt="mxfp4_tiles_fold")),
@@ -270,8 +302,8 @@ def moe_lines() -> list[str]:
                 NUM_WARPS=tile.num_warps, SWIGLU=gather and tile.split_k == 1,
             )  # fmt: skip
             line = resources(
-                moe_mx_wgmma_kernel, wsig, consts, loop=True, gluon=True,
-                ints=("K", "N", "W_STRIDE_E", "S_STRIDE_E", "ROWS_PART"),
+                moe_mx_wgmma_kernel, WGMMA_SIGNATURE, consts, loop=True, gluon=True,
+                ints=WGMMA_INTS,
                 num_warps=tile.num_warps,
             )  # fmt: skip
             per = tile.block_n * 128 / (32 * tile.num_warps)

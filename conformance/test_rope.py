@@ -287,13 +287,13 @@ def test_rows_are_bitwise_the_same_alone_and_in_a_batch(op: str, device) -> None
 
 @pytest.mark.parametrize("heads", [64, 5])
 def test_q_one_warp_tile_keeps_each_row_alone_and_in_a_batch(heads: int, device) -> None:
-    """The tile ``rope_schedule`` gives wide q rows on the GPU (two heads of one token per
-    one-warp program; V4-Flash's 64 heads of 512) at Dh 512, rope 64: each token's rows give the
-    same bits alone and in a batch of 37 (5 tokens of at most 16 heads under the interpreter);
-    an odd head count leaves the last program one masked head.  On CUDA the default schedule is that tile (the
-    interpreter keeps its one-program tiles, so the tile is passed there); its values stay
-    within a bf16 rounding of the four-warp tile it replaced (another fp32 order of the
-    per-head sum of squares)."""
+    """The tile ``rope_schedule`` gives wide q rows on the GPU (two heads of one token per one-warp
+    program; V4-Flash's 64 heads of 512) at Dh 512, rope 64: each token's rows give the same bits
+    alone and in a batch of 37 (5 tokens of at most 16 heads under the interpreter); an odd head
+    count leaves the last program one masked head.  On CUDA the default schedule is that tile (the
+    interpreter keeps its one-program tiles, so the tile is passed there); its values stay within a
+    bf16 rounding of the four-warp tile it replaced (another fp32 order of the per-head sum of
+    squares)."""
     _opt()
     from dsv4mtp.optimized.kernels.rope import (
         NORM_HEAD,

@@ -102,12 +102,12 @@ class MoEPack:
     :func:`mx_rows` give the rows back).  ``gscale`` (E_loc, 3) fp32 global scales of gate, up, down (NVFP4, folded or not; else ones).
     ``expert_map`` (E,) int32 global -> local id (-1 off this rank).  Router: ``gate_weight``
     (E, D) (bf16 when that is exact, else fp32), ``gate_bias`` (E,) fp32.  Shared expert: the
-    same fields with one expert (``shared_fmt`` "fp8" or "bf16"; ``shared_exact_bf16``: FP8
-    with every block scale a power of two, set and checked like ``mx_fold``).  ``max_tokens``:
-    the largest T a call may pass (the workspace bound).  ``mx_fold`` (tiles only): every routed e8m0
+    same fields with one expert (``shared_fmt`` "fp8" or "bf16"; ``shared_exact_bf16``: FP8 with
+    every block scale a power of two, set and checked like ``mx_fold``).  ``max_tokens``: the
+    largest T a call may pass (the workspace bound).  ``mx_fold`` (tiles only): every routed e8m0
     scale byte is <= 128, so the Gluon GEMMs may apply the scales in their bf16 decode
-    (kernels/moe_gemm_gluon.py; a larger byte would overflow the bf16 multiplier); ``pack_moe``
-    sets it, and a pack claiming it is checked against its scales.
+    (kernels/moe_gemm_gluon.py; a larger byte would overflow the bf16 multiplier); ``pack_moe`` sets
+    it, and a pack claiming it is checked against its scales.
     """
 
     fmt: str

@@ -27,55 +27,21 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-import triton
-from triton.experimental.gluon._runtime import GluonASTSource
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sm90_resources import TARGET, _cuobjdump, resources
+from sm90_resources import (
+    BRANCH,
+    WGMMA_INTS,
+    WGMMA_SIGNATURE,
+    compile_kernel,
+    cuobjdump_out,
+    resource_line,
+    sass_instructions,
+)
 
 from dsv4mtp.optimized.kernels import moe_gemm_gluon as gluon_mod
-
-_SIG = dict(
-    x_ptr="*bf16", w_ptr="*i32", s_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32",
-    part_ptr="*fp32", gs_ptr="*fp32", topw_ptr="*fp32", h_ptr="*bf16", K="i32", N="i32",
-    TOPK="i32", W_STRIDE_E="i32", S_STRIDE_E="i32", ROWS_PART="i32", limit="fp32",
-)  # fmt: skip
-# ints the launcher specializes as multiples of 16 at V4's shapes (pointers are marked anyway)
-_INTS = ("K", "N", "W_STRIDE_E", "S_STRIDE_E", "ROWS_PART")
-# a backward branch, with an address or a label target (as bench/sm90_resources.py reads it)
-_BRANCH = re.compile(r"BRA(?:\.\S+)?\s+(?:`\(\.L_x_\d+\)\s*)?(?:0x)?([0-9a-f]+)")
-
-
-def compile_sass(consts: dict[str, object], warps: int) -> str:
-    """The SASS of the cubin ``triton.compile`` builds for these constexprs."""
-    kernel = gluon_mod.moe_mx_wgmma_kernel
-    aligned = {
-        (kernel.arg_names.index(name),): [["tt.divisibility", 16]]
-        for name, ty in _SIG.items()
-        if ty.startswith("*") or name in _INTS
-    }
-    sig = {**_SIG, **{c: "constexpr" for c in consts}}
-    src = GluonASTSource(kernel, sig, constexprs=consts, attrs=aligned)
-    compiled = triton.compile(src, target=TARGET, options={"num_warps": warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        return subprocess.run(
-            [_cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True
-        ).stdout
-
-
-def instructions(sass: str) -> list[tuple[int, str]]:
-    """(address, instruction text without its ';') in order."""
-    return [
-        (int(m.group(1), 16), m.group(2).strip())
-        for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
-    ]
 
 
 def k_loop(ins: list[tuple[int, str]]) -> list[tuple[int, str]]:
@@ -83,7 +49,7 @@ def k_loop(ins: list[tuple[int, str]]) -> list[tuple[int, str]]:
     index = {a: k for k, (a, _) in enumerate(ins)}
     best: list[tuple[int, str]] = []
     for k, (addr, text) in enumerate(ins):
-        m = _BRANCH.search(text)
+        m = BRANCH.search(text)
         if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
             body = ins[index[int(m.group(1), 16)] : k + 1]
             if any("HGMMA" in t for _, t in body) and len(body) > len(best):
@@ -174,14 +140,15 @@ def main() -> None:
         NUM_WARPS=a.warps, SWIGLU=bool(a.swiglu),
     )  # fmt: skip
     print(consts)
-    line = resources(
-        gluon_mod.moe_mx_wgmma_kernel, _SIG, consts, ints=_INTS, gluon=True, num_warps=a.warps
-    )
-    print(line)
-    sass = compile_sass(consts, a.warps)
+    k = compile_kernel(
+        gluon_mod.moe_mx_wgmma_kernel, WGMMA_SIGNATURE, consts, ints=WGMMA_INTS, gluon=True,
+        num_warps=a.warps,
+    )  # fmt: skip
+    print(resource_line(k, a.warps))
+    cubin = k.asm["cubin"]
     if a.dump:
-        Path(a.dump).write_text(sass)
-    body = k_loop(instructions(sass))
+        Path(a.dump).write_text(cuobjdump_out(cubin, "-sass"))
+    body = k_loop(sass_instructions(cubin))
     print(f"K loop: {hex(body[0][0])} .. {hex(body[-1][0])}")
     print("\n".join(summary(body)))
     bad = hazards(body)

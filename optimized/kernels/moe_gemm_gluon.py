@@ -509,11 +509,12 @@ def _wg_decode_step(buf, BLOCK_N: gl.constexpr, AL: gl.constexpr):
 
 @gluon.jit
 def _wg_copy_step(xs, cs, ss, x_ptrs, c_ptrs, s_ptrs, step, n_steps, STAGES: gl.constexpr):
-    """One cp.async group: x of step ``step`` (rows, 128 columns) into stage ``step %
-    STAGES``, and the code words (BLOCK_N, 16) and scale words (BLOCK_N,) of step ``step + 1``
-    into stage ``(step + 1) % STAGES`` (the codes run a step ahead: they are decoded right
-    after the previous step's MMA is issued, once it retired: module doc); past the last step
-    the group is empty, so that the wait counts stay uniform.  ``step`` -1 copies the first step's codes only."""
+    """One cp.async group: x of step ``step`` (rows, 128 columns) into stage ``step % STAGES``,
+    and the code words (BLOCK_N, 16) and scale words (BLOCK_N,) of step ``step + 1`` into stage
+    ``(step + 1) % STAGES`` (the codes run a step ahead: they are decoded once the previous
+    step's MMA, issued just before, retired: module doc); past the last step the group is
+    empty, so that the wait counts stay uniform.  ``step`` -1 copies the first step's codes
+    only."""
     if step < n_steps:
         if step >= 0:
             async_copy.async_copy_global_to_shared(xs.index(step % STAGES), x_ptrs + step * 128)

@@ -241,13 +241,14 @@ class RopeSchedule:
     num_warps: int = 4
 
 
-# About this many elements per program for the tiles that are not rope_schedule's one-warp
-# tile: an output-rope program holds 64 heads of 64 (55 registers on sm_90).  A program of several tokens computes cos / sin per token row
-# (libdevice's sinf / cosf inlined per row), which costs registers: a kv program of 8 tokens of
-# 512 at 4 warps needs 255 registers and spills, so multi-token tiles take half the elements
-# and 8 warps (kv: 4 tokens, 101 registers, no spill).  bench/sm90_resources.py --rope prints
-# these counts.  The interpreter pays per operation, not per element (~30 ms per program): there
-# one program takes up to 64 Ki elements, so a CPU-tier call is one or two programs.
+# About this many elements per program for the tiles that are not rope_schedule's one-warp tile: an
+# output-rope program holds 64 heads of 64 (55 registers on sm_90).  A program of several tokens
+# computes cos / sin per token row (libdevice's sinf / cosf inlined per row), which costs registers:
+# a kv program of 8 tokens of 512 at 4 warps needs 255 registers and spills, so multi-token tiles
+# take half the elements and 8 warps (kv: 4 tokens, 101 registers, no spill).
+# bench/sm90_resources.py --rope prints these counts.  The interpreter pays per operation, not per
+# element (~30 ms per program): there one program takes up to 64 Ki elements, so a CPU-tier call is
+# one or two programs.
 _TILE_ELEMENTS = 65536 if INTERPRET else 4096
 
 

@@ -134,19 +134,19 @@ def attention_schedule(
     max_smem: int | None = None,
 ) -> AttentionSchedule:
     """The default tiles of a call with ``rows`` query rows; ``rows=None`` (what
-    ``batch_invariant=True`` takes) gives the T-independent one.  bf16: up to 64 heads per
-    program (the MQA key block is loaded once for all of them), key blocks of 32, Dh reduced in
-    64-wide chunks, 128-wide output slices and 4 warps, or from :data:`WIDE_ROWS` rows 256-wide
-    slices, 8 warps and 3 stages (2 where the device's shared memory per block is under
-    :data:`WIDE_3_STAGE_SMEM`, ``max_smem``).  The two differ in how the output columns are
-    split over programs and warps, and in the pipeline's depth, only: every output element is
-    reduced over the same key blocks and Dh chunks by the same dot instructions, so both give the same bits (checked bitwise on the H200,
-    bench/diag/attention_sweep.py) and a decode row still gives the bits of the same row inside
-    a prefill.  fp32 (IEEE dots on FMA units, a test dtype): 32 heads, 16 keys, 32 / 64.  The
-    narrow bf16 tiles were chosen so that ptxas fits them in registers for sm_90 at V4-Flash /
-    V4-Pro shapes (201 registers, no spills; the 64-key, 128-chunk tiles spill) and Triton's
-    shared memory stays under the H200's 227 KiB (bench/sm90_resources.py); the wide ones were
-    picked by their time, not by that check."""
+    ``batch_invariant=True`` takes) gives the T-independent one.  bf16: up to 64 heads per program
+    (the MQA key block is loaded once for all of them), key blocks of 32, Dh reduced in 64-wide
+    chunks, 128-wide output slices and 4 warps, or from :data:`WIDE_ROWS` rows 256-wide slices, 8
+    warps and 3 stages (2 where the device's shared memory per block is under
+    :data:`WIDE_3_STAGE_SMEM`, ``max_smem``).  The two differ in how the output columns are split
+    over programs and warps, and in the pipeline's depth, only: every output element is reduced over
+    the same key blocks and Dh chunks by the same dot instructions, so both give the same bits
+    (checked bitwise on the H200, bench/diag/attention_sweep.py) and a decode row still gives the
+    bits of the same row inside a prefill.  fp32 (IEEE dots on FMA units, a test dtype): 32 heads,
+    16 keys, 32 / 64.  The narrow bf16 tiles were chosen so that ptxas fits them in registers for
+    sm_90 at V4-Flash / V4-Pro shapes (201 registers, no spills; the 64-key, 128-chunk tiles spill)
+    and Triton's shared memory stays under the H200's 227 KiB (bench/sm90_resources.py); the wide
+    ones were picked by their time, not by that check."""
     pow2 = Dh & -Dh  # the largest power of two dividing Dh
     if fp32:
         return AttentionSchedule(
