@@ -437,10 +437,12 @@ def main() -> None:
 
 def attention_lines() -> list[str]:
     """kernels/sink_attention.py at V4-Flash / V4-Pro (H 64 / 128, Dh 512, window 128), bf16,
-    default schedules: the varlen kernel, the ring-cache decode kernel (C = 144, the
+    both default schedules (the narrow tiles and, from WIDE_ROWS rows, the whole row): the varlen
+    kernel, the ring-cache decode kernel (C = 144, the
     DeviceKVCache capacity for window 128 and 8 draft steps), the paged-cache kernel (vLLM's
     block size 16) and the ring write (also the paged write)."""
     from dsv4mtp.optimized.kernels.sink_attention import (
+        WIDE_ROWS,
         attention_schedule,
         ring_write_kernel,
         sink_attention_cache_kernel,
@@ -452,8 +454,8 @@ def attention_lines() -> list[str]:
     W = 128
     C = ring_capacity(W, 8)
     lines = []
-    for H in (64, 128):
-        sc = attention_schedule(H, 512, W)
+    for H, rows in ((64, None), (128, None), (64, WIDE_ROWS), (128, WIDE_ROWS)):
+        sc = attention_schedule(H, 512, W, rows=rows)
         tiles = dict(BLOCK_H=sc.block_h, BLOCK_N=sc.block_n, BLOCK_D=sc.block_d,
                      BLOCK_DV=sc.block_dv, IEEE=False, INTERP=False)  # fmt: skip
         opts = dict(num_warps=sc.num_warps, num_stages=sc.num_stages)

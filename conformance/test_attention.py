@@ -428,33 +428,45 @@ def test_optimized_schedules_agree(device) -> None:
 
 
 def test_the_default_schedule_reads_the_row_count_only_outside_batch_invariant_mode() -> None:
-    """From WIDE_ROWS rows the bf16 default splits the output into 256-wide slices over 8 warps
-    with three pipeline stages, two on a device with less shared memory per block (the tiles
-    that set the reduction order unchanged); fp32, a Dh
-    without a 256-wide slice and the T-independent default (``rows=None``, what
-    ``batch_invariant=True`` pins) keep the narrow tiles."""
+    """From WIDE_ROWS rows the bf16 default at Dh 512 takes the whole row per program (Dh in
+    one chunk, the 512-wide output, 8 warps) with three pipeline stages, two on a device with
+    less shared memory per block; the heads, key blocks and search (what sets the reduction
+    order over keys) unchanged.  Other Dh from 256 take 256-wide slices; fp32, a Dh without a
+    256-wide slice and the T-independent default (``rows=None``, what ``batch_invariant=True``
+    pins) keep the narrow tiles."""
     pytest.importorskip("triton")
     from dsv4mtp.optimized.attention import _schedule_fields
-    from dsv4mtp.optimized.kernels.sink_attention import WIDE_ROWS, attention_schedule
+    from dsv4mtp.optimized.kernels.sink_attention import (
+        WHOLE_ROW_SMEM,
+        WIDE_ROWS,
+        attention_schedule,
+    )
 
     narrow = attention_schedule(64, 512, 128)
     wide = attention_schedule(64, 512, 128, rows=WIDE_ROWS)
     assert attention_schedule(64, 512, 128, rows=WIDE_ROWS - 1) == narrow
     assert attention_schedule(64, 512, 128, rows=1 << 20) == wide
-    assert (wide.block_dv, wide.num_warps, wide.num_stages) == (256, 8, 3)
-    assert (narrow.block_dv, narrow.num_warps, narrow.num_stages) == (128, 4, 2)
-    for f in ("block_h", "block_n", "block_d", "search"):  # the reduction order
+    assert attention_schedule(128, 512, 128, rows=WIDE_ROWS).fields() == wide.fields()  # V4-Pro
+    assert (wide.block_d, wide.block_dv, wide.num_warps, wide.num_stages) == (512, 512, 8, 3)
+    assert (narrow.block_d, narrow.block_dv, narrow.num_warps, narrow.num_stages) == (
+        64, 128, 4, 2,
+    )  # fmt: skip
+    for f in ("block_h", "block_n", "search"):  # the reduction order over keys
         assert getattr(wide, f) == getattr(narrow, f), f
+    other = attention_schedule(64, 256, 128, rows=WIDE_ROWS)
+    assert (other.block_d, other.block_dv, other.num_warps) == (64, 256, 8)
+    assert attention_schedule(64, 256, 128, rows=WIDE_ROWS - 1) == attention_schedule(64, 256, 128)
     assert attention_schedule(64, 512, 128, True, rows=4096) == attention_schedule(
         64, 512, 128, True
     )
     assert attention_schedule(4, 64, 16, rows=4096) == attention_schedule(4, 64, 16)
-    # three stages need 208 KiB of shared memory per block (the H200 has 227): two where the
-    # device holds less (an A100's 163 KiB), the same tiles otherwise
+    # three stages need 160 KiB of shared memory per block: two where the device holds less,
+    # the same tiles otherwise
     from dsv4mtp.optimized._ops import _smem_per_block
 
-    small = attention_schedule(64, 512, 128, rows=WIDE_ROWS, max_smem=163840)
+    small = attention_schedule(64, 512, 128, rows=WIDE_ROWS, max_smem=WHOLE_ROW_SMEM[3] - 1)
     assert small.num_stages == 2 and small.fields()[:6] == wide.fields()[:6]
+    assert attention_schedule(64, 512, 128, rows=WIDE_ROWS, max_smem=WHOLE_ROW_SMEM[3]) == wide
     assert attention_schedule(64, 512, 128, rows=WIDE_ROWS, max_smem=232448) == wide
     assert _smem_per_block(torch.device("cpu")) is None
     assert _schedule_fields(None, 64, 512, 128, BF16, False) == []  # the op picks by its rows
@@ -463,8 +475,9 @@ def test_the_default_schedule_reads_the_row_count_only_outside_batch_invariant_m
 
 @pytest.mark.gpu
 def test_the_wide_and_narrow_schedules_give_the_same_bits() -> None:
-    """The default's two bf16 schedules at V4-Flash shapes, on a 200-row prefill and on 64
-    decode rows against full windows: bitwise equal outputs (so a decode row keeps the bits of
+    """The default's two bf16 schedules at V4-Flash shapes (the narrow tiles and the whole
+    row), on a 200-row prefill and on 64 decode rows against full windows: bitwise equal
+    outputs (so a decode row keeps the bits of
     the same row inside a prefill whatever the two calls' row counts)."""
     from dsv4mtp.conformance.inputs import attention_inputs
     from dsv4mtp.optimized.kernels.sink_attention import WIDE_ROWS, attention_schedule
@@ -480,6 +493,53 @@ def test_the_wide_and_narrow_schedules_give_the_same_bits() -> None:
         narrow = opt.sink_attention_varlen(*args, **kw, schedule=attention_schedule(64, 512, W))
         assert torch.isfinite(wide).all()
         assert torch.equal(wide, narrow), f"lens {lens[:2]}"
+    _ring_and_paged_tiles_agree()
+
+
+def _ring_and_paged_tiles_agree() -> None:
+    """The ring-cache and paged kernels (what a captured decode and an engine's cache run) at
+    64 decode rows, each row's 128-row window in its own ring / its own eight 16-row blocks:
+    the whole-row and narrow tiles give the same bits, and the contiguous kernel's."""
+    from dsv4mtp.optimized.kernels.sink_attention import (
+        WIDE_ROWS,
+        attention_schedule,
+        sink_attention_cache_triton,
+        sink_attention_paged_triton,
+        sink_attention_triton,
+    )
+
+    B, H, Dh, W, BS = WIDE_ROWS, 64, 512, 128, 16
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(B, H, Dh, device="cuda", generator=g).to(BF16)
+    kv = torch.randn(B, W, Dh, device="cuda", generator=g).to(BF16)
+    sink = torch.randn(H, device="cuda", generator=g) * 2
+    pos = torch.arange(W, device="cuda", dtype=torch.int32).repeat(B, 1)  # full windows
+    q_pos = torch.full((B,), W - 1, device="cuda")
+    table = torch.arange(B * (W // BS), device="cuda", dtype=torch.int32).view(B, W // BS)
+    scale = Dh**-0.5
+    outs = {}
+    for name, sched in (("narrow", attention_schedule(H, Dh, W)),
+                        ("whole", attention_schedule(H, Dh, W, rows=B))):  # fmt: skip
+        assert name == "narrow" or sched.block_dv == Dh
+        ring = torch.full_like(q, float("nan"))  # poisoned: a skipped row shows
+        sink_attention_cache_triton(
+            q, q_pos, kv, pos, torch.arange(B, device="cuda"), sink, ring, W, scale, sched
+        )
+        paged = torch.full_like(q, float("nan"))
+        sink_attention_paged_triton(
+            q, q_pos, kv.view(-1, BS, Dh), pos.view(-1, BS), table, sink, paged, W, scale, sched
+        )
+        outs[name] = (ring, paged)
+    for b in (0, B - 1):  # the contiguous kernel on one row's keys
+        flat = torch.full_like(q[b : b + 1], float("nan"))
+        sink_attention_triton(
+            q[b : b + 1], q_pos[b : b + 1], kv[b], pos[b], sink, None, None, flat, W, scale,
+            attention_schedule(H, Dh, W),
+        )  # fmt: skip
+        for name, (ring, paged) in outs.items():
+            assert torch.equal(ring[b : b + 1], flat), f"ring {name} row {b}"
+            assert torch.equal(paged[b : b + 1], flat), f"paged {name} row {b}"
+    assert torch.isfinite(outs["whole"][0]).all()
 
 
 @pytest.mark.parametrize("variant", ["", "_out"])

@@ -1,18 +1,21 @@
 """Which tiles should the sink attention use on the H200?  Times candidate
-``AttentionSchedule``s of our two attention kernels at V4-Flash shapes (H 64, Dh 512, window 128,
+``AttentionSchedule``s of our three attention kernels at V4-Flash shapes (H 64, Dh 512, window 128,
 bf16) and says, for each, whether its output is bitwise the default's.
 
 * decode: the ring-cache kernel (``sink_attention_cache_triton``, what the captured step runs),
   B sequences of one query row at position 127 against a full 128-row window, B 1 / 8 / 64;
+* paged: the paged-cache kernel (``sink_attention_paged_triton``, an engine's cache), 64 rows in
+  vLLM's 16-row blocks;
 * prefill: the contiguous varlen kernel (``sink_attention_triton``), one sequence of T 512 /
   4096 tokens, every query seeing its own <= 128 keys.
 
-Every schedule computes the same function; the reduction order over keys (``block_n``) and over
-Dh (``block_d``) is the part that can change bits, while head blocks, output slices and warps
-choose the dot instructions.  A schedule is only a candidate default if the two kernels keep
-giving the same bits for the same row (optimized/kernels/sink_attention.py, module docstring):
-each cell says (=) where the output is bitwise the default schedule's on the same inputs,
-else the max abs difference.
+Every schedule computes the same function; the reduction order over keys (``block_n``) and the
+dot instruction's M (``block_h``) are what can change bits, while the Dh chunk (``block_d``: on
+the GPU a dot's Dh reduction is one chain of 16-wide MMA steps whatever the chunk), output
+slices and warps choose how the work is split.  A schedule is only a candidate default if the
+kernels keep giving the same bits for the same row (optimized/kernels/sink_attention.py, module
+docstring): each cell says (=) where the output is bitwise the default schedule's on the same
+inputs, else the max abs difference.
 Times: CUDA-graph replay of 20 calls, median of 10 replays (bench/h200_mhc.py's timer).
 
     python3 bench/diag/attention_sweep.py [--only default,dv256_w8_s3,...]
@@ -35,6 +38,7 @@ from dsv4mtp.optimized.kernels.sink_attention import (
     AttentionSchedule,
     attention_schedule,
     sink_attention_cache_triton,
+    sink_attention_paged_triton,
     sink_attention_triton,
 )
 
@@ -59,6 +63,10 @@ def schedules() -> list[tuple[str, AttentionSchedule]]:
         ("s3", s(64, 32, 64, 128, 64, 4, 3)),
         ("dv256_w8_s3", s(64, 32, 64, 256, 64, 8, 3)),
         ("dv256_w8_s4", s(64, 32, 64, 256, 64, 8, 4)),
+        ("whole_s2", s(64, 32, 512, 512, 64, 8, 2)),
+        ("whole_s3", s(64, 32, 512, 512, 64, 8, 3)),
+        ("whole_s4", s(64, 32, 512, 512, 64, 8, 4)),
+        ("whole_n64", s(64, 64, 512, 512, 64, 8, 2)),
     ]
 
 
@@ -80,6 +88,28 @@ def decode_case(B: int, g: torch.Generator) -> tuple[str, Callable[..., Any]]:
         )
 
     return f"decode B {B}", make
+
+
+def paged_case(B: int, g: torch.Generator) -> tuple[str, Callable[..., Any]]:
+    """Decode rows against vLLM-style 16-row blocks, each row's window in its own 8 blocks."""
+    BS = 16
+    q = torch.randn(B, H, DH, device="cuda", generator=g).to(BF16)
+    kv = torch.randn(B * WINDOW // BS, BS, DH, device="cuda", generator=g).to(BF16)
+    pos = torch.arange(WINDOW, device="cuda", dtype=torch.int32).repeat(B).view(-1, BS)
+    table = torch.arange(B * WINDOW // BS, device="cuda", dtype=torch.int32).view(B, -1)
+    q_pos = torch.full((B,), WINDOW - 1, device="cuda")
+    sink = torch.randn(H, device="cuda", generator=g) * 2
+
+    def make(sched: AttentionSchedule) -> tuple[Callable[[], Any], torch.Tensor]:
+        out = torch.empty_like(q)
+        return (
+            lambda: sink_attention_paged_triton(
+                q, q_pos, kv, pos, table, sink, out, WINDOW, SCALE, sched
+            ),
+            out,
+        )
+
+    return f"paged B {B}", make
 
 
 def prefill_case(T: int, g: torch.Generator) -> tuple[str, Callable[..., Any]]:
@@ -105,7 +135,8 @@ def main() -> None:
     a = p.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     g = torch.Generator(device="cuda").manual_seed(0)
-    cases = [decode_case(b, g) for b in (1, 8, 64)] + [prefill_case(t, g) for t in (512, 4096)]
+    cases = [decode_case(b, g) for b in (1, 8, 64)] + [paged_case(64, g)]
+    cases += [prefill_case(t, g) for t in (512, 4096)]
     only = {"default", *a.only.split(",")} if a.only else None
     scheds = [(n, sc) for n, sc in schedules() if only is None or n in only]
     print("| schedule | " + " | ".join(name for name, _ in cases) + " |")

@@ -112,17 +112,16 @@ class AttentionSchedule:
         ]  # fmt: skip
 
 
-#: From this many query rows in one call the bf16 default takes 256-wide output slices and 8
-#: warps (two programs per row instead of four: the scores are recomputed half as often), which
-#: on the H200 at V4-Flash shapes is 21-25 % faster from 64 rows on (prefill 4096: 956 vs
-#: 1263 us; decode B 64: 18.7 vs 23.6 us) and 5 us slower at 1-8 rows, where four programs per
-#: row spread the few rows over more SMs (bench/results/attention-h200.md, "Schedules").
+#: From this many query rows in one call the bf16 default at V4's Dh 512 takes the whole-row
+#: tiles (:func:`attention_schedule`): on the H200 at V4-Flash shapes 502 against 930 us for the
+#: 256-wide slices at prefill 4096, 65 against 116 us at 512 (bench/results/attention-h200.md,
+#: "The whole-row tiles"); below 64 rows the narrow tiles' four programs per row spread the
+#: few rows over more SMs (11.5 against 17.0 us for 256-wide slices at B 1).
 WIDE_ROWS = 64
 
-
-# The wide tiles' shared memory with three stages (V4's Dh 512, compiled for sm_90: 212992 B;
-# two stages take 163840 B, which an A100's 163 KiB per block also holds)
-WIDE_3_STAGE_SMEM = 212992
+#: Shared memory of the whole-row tiles at Dh 512, by pipeline stages (compiled for sm_90:
+#: q's 64 KiB plus 32 KiB per stage for a 32-key block; bench/sm90_resources.py --attention)
+WHOLE_ROW_SMEM = {2: 131072, 3: 163840}
 
 
 def attention_schedule(
@@ -134,19 +133,33 @@ def attention_schedule(
     max_smem: int | None = None,
 ) -> AttentionSchedule:
     """The default tiles of a call with ``rows`` query rows; ``rows=None`` (what
-    ``batch_invariant=True`` takes) gives the T-independent one.  bf16: up to 64 heads per program
-    (the MQA key block is loaded once for all of them), key blocks of 32, Dh reduced in 64-wide
-    chunks, 128-wide output slices and 4 warps, or from :data:`WIDE_ROWS` rows 256-wide slices, 8
-    warps and 3 stages (2 where the device's shared memory per block is under
-    :data:`WIDE_3_STAGE_SMEM`, ``max_smem``).  The two differ in how the output columns are split
-    over programs and warps, and in the pipeline's depth, only: every output element is reduced over
-    the same key blocks and Dh chunks by the same dot instructions, so both give the same bits
-    (checked bitwise on the H200, bench/diag/attention_sweep.py) and a decode row still gives the
-    bits of the same row inside a prefill.  fp32 (IEEE dots on FMA units, a test dtype): 32 heads,
-    16 keys, 32 / 64.  The narrow bf16 tiles were chosen so that ptxas fits them in registers for
-    sm_90 at V4-Flash / V4-Pro shapes (201 registers, no spills; the 64-key, 128-chunk tiles spill)
-    and Triton's shared memory stays under the H200's 227 KiB (bench/sm90_resources.py); the wide
-    ones were picked by their time, not by that check."""
+    ``batch_invariant=True`` takes) gives the T-independent one.
+
+    bf16, the narrow tiles: up to 64 heads per program (the MQA key block is loaded once for all
+    of them), key blocks of 32, Dh reduced in 64-wide chunks, 128-wide output slices, 4 warps.
+    ptxas fits them in registers for sm_90 at V4-Flash / V4-Pro shapes (201 registers, no
+    spills; the 64-key, 128-chunk tiles spill) and Triton's shared memory stays under the
+    H200's 227 KiB (bench/sm90_resources.py).
+
+    bf16 from :data:`WIDE_ROWS` rows at Dh 512, the whole-row tiles: the same heads and key
+    blocks, Dh in one chunk and the whole 512-wide output per program, 8 warps, 3 stages (2
+    where the device's shared memory per block, ``max_smem``, is under
+    :data:`WHOLE_ROW_SMEM`'s). One program per (row, head block) instead of four: q is loaded
+    once (the compiler hoists its loop-invariant load), each key block once, serving as the
+    key of the QK^T dot and the value of the PV dot (the two loads have the same addresses
+    and mask, and the compiler keeps one), and the scores are computed once instead of once
+    per output slice.  The fp32 accumulator (64 x 512) takes 128 of the 255 registers of
+    each of the 256 threads.  Both tiles give the same bits on the GPU: a dot's Dh reduction
+    is a chain of 16-wide MMA steps in Dh order whatever the chunk a dot covers, and output
+    slices and warps only choose which columns a program holds (checked bitwise on the H200,
+    bench/diag/attention_sweep.py, and the GPU tier's
+    ``test_the_wide_and_narrow_schedules_give_the_same_bits``), so a decode row keeps the
+    bits of the same row inside a prefill.  Under the interpreter a chunk is one fp32
+    matmul, so there the two tiles can differ in the last bit; the CPU tier's bitwise tests
+    run Dh 128, which keeps the narrow tiles.  Other Dh from 256 keep the 256-wide slices
+    over 8 warps (the whole row is measured at 512 only).
+
+    fp32 (IEEE dots on FMA units, a test dtype): 32 heads, 16 keys, 32 / 64."""
     pow2 = Dh & -Dh  # the largest power of two dividing Dh
     if fp32:
         return AttentionSchedule(
@@ -154,11 +167,11 @@ def attention_schedule(
         )
     block_h = min(64, max(16, next_pow2(H)))
     block_n = min(32, max(16, next_pow2(window)))
+    if rows is not None and rows >= WIDE_ROWS and Dh == 512:
+        stages = 3 if max_smem is None or max_smem >= WHOLE_ROW_SMEM[3] else 2
+        return AttentionSchedule(block_h, block_n, Dh, Dh, 64, 8, stages)
     if rows is not None and rows >= WIDE_ROWS and pow2 >= 256:
-        # three stages: bitwise the two-stage tiles, prefill 4096 958 -> 934 us on the H200
-        # (bench/results/attention-h200.md); four need 256 KiB of shared memory
-        stages = 3 if max_smem is None or max_smem >= WIDE_3_STAGE_SMEM else 2
-        return AttentionSchedule(block_h, block_n, min(64, pow2), 256, 64, 8, stages)
+        return AttentionSchedule(block_h, block_n, min(64, pow2), 256, 64, 8, 2)
     return AttentionSchedule(block_h, block_n, min(64, pow2), min(128, pow2), 64, 4, 2)
 
 
