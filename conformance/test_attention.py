@@ -428,87 +428,108 @@ def test_optimized_schedules_agree(device) -> None:
 
 
 def test_the_default_schedule_reads_the_row_count_only_outside_batch_invariant_mode() -> None:
-    """From WIDE_ROWS rows the bf16 default at Dh 512 takes the whole row per program (Dh in
-    one chunk, the 512-wide output, 8 warps) with three pipeline stages, two on a device with
-    less shared memory per block; the heads, key blocks and search (what sets the reduction
-    order over keys) unchanged.  Other Dh from 256 take 256-wide slices; fp32, a Dh without a
-    256-wide slice and the T-independent default (``rows=None``, what ``batch_invariant=True``
-    pins) keep the narrow tiles."""
+    """From WIDE_ROWS rows the bf16 default splits the output into 256-wide slices over 8 warps
+    with three pipeline stages; from WHOLE_ROWS rows at Dh 512 it takes the whole row per
+    program (Dh in one chunk, the 512-wide output, 8 warps, three stages); each with two
+    stages on a device with less shared memory per block.  The heads, key blocks and search
+    (what sets the reduction order over keys) never change.  Other Dh from 256 stop at the
+    256-wide slices; fp32, a Dh without a 256-wide slice and the T-independent default
+    (``rows=None``, what ``batch_invariant=True`` pins) keep the narrow tiles."""
     pytest.importorskip("triton")
     from dsv4mtp.optimized.attention import _schedule_fields
     from dsv4mtp.optimized.kernels.sink_attention import (
-        WHOLE_ROW_SMEM,
+        WHOLE_3_STAGE_SMEM,
+        WHOLE_ROWS,
+        WIDE_3_STAGE_SMEM,
         WIDE_ROWS,
+        AttentionSchedule,
         attention_schedule,
     )
 
-    narrow = attention_schedule(64, 512, 128)
-    wide = attention_schedule(64, 512, 128, rows=WIDE_ROWS)
-    assert attention_schedule(64, 512, 128, rows=WIDE_ROWS - 1) == narrow
-    assert attention_schedule(64, 512, 128, rows=1 << 20) == wide
-    assert attention_schedule(128, 512, 128, rows=WIDE_ROWS).fields() == wide.fields()  # V4-Pro
-    assert (wide.block_d, wide.block_dv, wide.num_warps, wide.num_stages) == (512, 512, 8, 3)
-    assert (narrow.block_d, narrow.block_dv, narrow.num_warps, narrow.num_stages) == (
-        64, 128, 4, 2,
-    )  # fmt: skip
+    def sched(rows: int | None, Dh: int = 512, max_smem: int | None = None) -> AttentionSchedule:
+        return attention_schedule(64, Dh, 128, rows=rows, max_smem=max_smem)
+
+    narrow, wide, whole = sched(None), sched(WIDE_ROWS), sched(WHOLE_ROWS)
+    assert sched(WIDE_ROWS - 1) == narrow and sched(1) == narrow
+    assert sched(WHOLE_ROWS - 1) == wide and sched(1 << 20) == whole
+    assert attention_schedule(128, 512, 128, rows=WHOLE_ROWS).fields() == whole.fields()  # Pro
+    tiles = lambda s: (s.block_d, s.block_dv, s.num_warps, s.num_stages)  # noqa: E731
+    assert tiles(narrow) == (64, 128, 4, 2)
+    assert tiles(wide) == (64, 256, 8, 3)
+    assert tiles(whole) == (512, 512, 8, 3)
     for f in ("block_h", "block_n", "search"):  # the reduction order over keys
-        assert getattr(wide, f) == getattr(narrow, f), f
-    other = attention_schedule(64, 256, 128, rows=WIDE_ROWS)
-    assert (other.block_d, other.block_dv, other.num_warps) == (64, 256, 8)
-    assert attention_schedule(64, 256, 128, rows=WIDE_ROWS - 1) == attention_schedule(64, 256, 128)
+        assert getattr(wide, f) == getattr(narrow, f) == getattr(whole, f), f
+    assert tiles(sched(WHOLE_ROWS, Dh=256))[:3] == (64, 256, 8)  # the whole row at 512 only
+    assert sched(WIDE_ROWS - 1, Dh=256) == sched(None, Dh=256)
     assert attention_schedule(64, 512, 128, True, rows=4096) == attention_schedule(
         64, 512, 128, True
     )
     assert attention_schedule(4, 64, 16, rows=4096) == attention_schedule(4, 64, 16)
-    # three stages need 160 KiB of shared memory per block: two where the device holds less,
-    # the same tiles otherwise
+    # three stages need 208 KiB (256-wide slices) / 160 KiB (the whole row) of shared memory
+    # per block: two where the device holds less, the same tiles otherwise
     from dsv4mtp.optimized._ops import _smem_per_block
 
-    small = attention_schedule(64, 512, 128, rows=WIDE_ROWS, max_smem=WHOLE_ROW_SMEM[3] - 1)
-    assert small.num_stages == 2 and small.fields()[:6] == wide.fields()[:6]
-    assert attention_schedule(64, 512, 128, rows=WIDE_ROWS, max_smem=WHOLE_ROW_SMEM[3]) == wide
-    assert attention_schedule(64, 512, 128, rows=WIDE_ROWS, max_smem=232448) == wide
+    for rows, smem, full in ((WIDE_ROWS, WIDE_3_STAGE_SMEM, wide),
+                             (WHOLE_ROWS, WHOLE_3_STAGE_SMEM, whole)):  # fmt: skip
+        small = sched(rows, max_smem=smem - 1)
+        assert small.num_stages == 2 and small.fields()[:6] == full.fields()[:6]
+        assert sched(rows, max_smem=smem) == full == sched(rows, max_smem=232448)
     assert _smem_per_block(torch.device("cpu")) is None
     assert _schedule_fields(None, 64, 512, 128, BF16, False) == []  # the op picks by its rows
     assert _schedule_fields(None, 64, 512, 128, BF16, True) == narrow.fields()
 
 
+def _default_tiles() -> dict[str, object]:
+    """The bf16 default's three schedules at V4-Flash shapes, by name."""
+    from dsv4mtp.optimized.kernels.sink_attention import (
+        WHOLE_ROWS,
+        WIDE_ROWS,
+        attention_schedule,
+    )
+
+    return {
+        "narrow": attention_schedule(64, 512, 128),
+        "wide": attention_schedule(64, 512, 128, rows=WIDE_ROWS),
+        "whole": attention_schedule(64, 512, 128, rows=WHOLE_ROWS),
+    }
+
+
 @pytest.mark.gpu
 def test_the_wide_and_narrow_schedules_give_the_same_bits() -> None:
-    """The default's two bf16 schedules at V4-Flash shapes (the narrow tiles and the whole
-    row), on a 200-row prefill and on 64 decode rows against full windows: bitwise equal
-    outputs (so a decode row keeps the bits of
-    the same row inside a prefill whatever the two calls' row counts)."""
+    """The default's three bf16 schedules at V4-Flash shapes (the narrow tiles, the 256-wide
+    slices, the whole row), in the contiguous kernel on a 200-row prefill and on 64 decode rows
+    against full windows, and in the ring-cache and paged kernels: bitwise equal outputs (so a
+    decode row keeps the bits of the same row inside a prefill whatever the two calls' row
+    counts)."""
     from dsv4mtp.conformance.inputs import attention_inputs
-    from dsv4mtp.optimized.kernels.sink_attention import WIDE_ROWS, attention_schedule
 
     opt = _opt()
     op, W = "sink_attention_varlen", 128
+    tiles = _default_tiles()
     for lens, caches in (([200], [0]), ([1] * 64, [W - 1] * 64)):
         args, kw = attention_inputs(
             op, sum(lens), 21, shape="flash", dtype=BF16, device="cuda", lens=lens, caches=caches
         )
-        assert args[0].shape[0] >= WIDE_ROWS
-        wide = opt.sink_attention_varlen(*args, **kw)
-        narrow = opt.sink_attention_varlen(*args, **kw, schedule=attention_schedule(64, 512, W))
-        assert torch.isfinite(wide).all()
-        assert torch.equal(wide, narrow), f"lens {lens[:2]}"
-    _ring_and_paged_tiles_agree()
+        outs = {n: opt.sink_attention_varlen(*args, **kw, schedule=t) for n, t in tiles.items()}
+        assert torch.isfinite(outs["whole"]).all()
+        for name in ("wide", "whole"):
+            assert torch.equal(outs[name], outs["narrow"]), f"{name} lens {lens[:2]}"
+        if lens == [200]:  # the op's own default at 200 rows is the whole row
+            assert torch.equal(opt.sink_attention_varlen(*args, **kw), outs["narrow"])
+    _ring_and_paged_tiles_agree(tiles)
 
 
-def _ring_and_paged_tiles_agree() -> None:
+def _ring_and_paged_tiles_agree(tiles: dict[str, object]) -> None:
     """The ring-cache and paged kernels (what a captured decode and an engine's cache run) at
     64 decode rows, each row's 128-row window in its own ring / its own eight 16-row blocks:
-    the whole-row and narrow tiles give the same bits, and the contiguous kernel's."""
+    every schedule gives the same bits, and the contiguous kernel's."""
     from dsv4mtp.optimized.kernels.sink_attention import (
-        WIDE_ROWS,
-        attention_schedule,
         sink_attention_cache_triton,
         sink_attention_paged_triton,
         sink_attention_triton,
     )
 
-    B, H, Dh, W, BS = WIDE_ROWS, 64, 512, 128, 16
+    B, H, Dh, W, BS = 64, 64, 512, 128, 16
     g = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(B, H, Dh, device="cuda", generator=g).to(BF16)
     kv = torch.randn(B, W, Dh, device="cuda", generator=g).to(BF16)
@@ -518,9 +539,7 @@ def _ring_and_paged_tiles_agree() -> None:
     table = torch.arange(B * (W // BS), device="cuda", dtype=torch.int32).view(B, W // BS)
     scale = Dh**-0.5
     outs = {}
-    for name, sched in (("narrow", attention_schedule(H, Dh, W)),
-                        ("whole", attention_schedule(H, Dh, W, rows=B))):  # fmt: skip
-        assert name == "narrow" or sched.block_dv == Dh
+    for name, sched in tiles.items():
         ring = torch.full_like(q, float("nan"))  # poisoned: a skipped row shows
         sink_attention_cache_triton(
             q, q_pos, kv, pos, torch.arange(B, device="cuda"), sink, ring, W, scale, sched
@@ -529,17 +548,18 @@ def _ring_and_paged_tiles_agree() -> None:
         sink_attention_paged_triton(
             q, q_pos, kv.view(-1, BS, Dh), pos.view(-1, BS), table, sink, paged, W, scale, sched
         )
+        assert torch.isfinite(ring).all() and torch.isfinite(paged).all(), name
         outs[name] = (ring, paged)
+    for name, (ring, paged) in outs.items():
+        assert torch.equal(ring, outs["narrow"][0]), f"ring {name}"
+        assert torch.equal(paged, outs["narrow"][0]), f"paged {name}"
     for b in (0, B - 1):  # the contiguous kernel on one row's keys
         flat = torch.full_like(q[b : b + 1], float("nan"))
         sink_attention_triton(
             q[b : b + 1], q_pos[b : b + 1], kv[b], pos[b], sink, None, None, flat, W, scale,
-            attention_schedule(H, Dh, W),
+            tiles["narrow"],
         )  # fmt: skip
-        for name, (ring, paged) in outs.items():
-            assert torch.equal(ring[b : b + 1], flat), f"ring {name} row {b}"
-            assert torch.equal(paged[b : b + 1], flat), f"paged {name} row {b}"
-    assert torch.isfinite(outs["whole"][0]).all()
+        assert torch.equal(outs["narrow"][0][b : b + 1], flat), f"row {b}"
 
 
 @pytest.mark.parametrize("variant", ["", "_out"])

@@ -18,7 +18,8 @@ docstring): each cell says (=) where the output is bitwise the default schedule'
 inputs, else the max abs difference.
 Times: CUDA-graph replay of 20 calls, median of 10 replays (bench/h200_mhc.py's timer).
 
-    python3 bench/diag/attention_sweep.py [--only default,dv256_w8_s3,...]
+    python3 bench/diag/attention_sweep.py [--only default,dv256_w8_s3,...] [--decode 1,8,64]
+        [--paged 64] [--prefill 512,4096]
 """
 
 from __future__ import annotations
@@ -132,11 +133,15 @@ def prefill_case(T: int, g: torch.Generator) -> tuple[str, Callable[..., Any]]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--only", default="", help="only these schedules (the default is kept)")
+    p.add_argument("--decode", default="1,8,64", help="ring-cache decode row counts")
+    p.add_argument("--paged", default="64", help="paged-cache decode row counts")
+    p.add_argument("--prefill", default="512,4096", help="prefill lengths")
     a = p.parse_args()
+    ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     g = torch.Generator(device="cuda").manual_seed(0)
-    cases = [decode_case(b, g) for b in (1, 8, 64)] + [paged_case(64, g)]
-    cases += [prefill_case(t, g) for t in (512, 4096)]
+    cases = [decode_case(b, g) for b in ints(a.decode)] + [paged_case(b, g) for b in ints(a.paged)]
+    cases += [prefill_case(t, g) for t in ints(a.prefill)]
     only = {"default", *a.only.split(",")} if a.only else None
     scheds = [(n, sc) for n, sc in schedules() if only is None or n in only]
     print("| schedule | " + " | ".join(name for name, _ in cases) + " |")

@@ -112,16 +112,24 @@ class AttentionSchedule:
         ]  # fmt: skip
 
 
-#: From this many query rows in one call the bf16 default at V4's Dh 512 takes the whole-row
-#: tiles (:func:`attention_schedule`): on the H200 at V4-Flash shapes 502 against 930 us for the
-#: 256-wide slices at prefill 4096, 65 against 116 us at 512 (bench/results/attention-h200.md,
-#: "The whole-row tiles"); below 64 rows the narrow tiles' four programs per row spread the
-#: few rows over more SMs (11.5 against 17.0 us for 256-wide slices at B 1).
+#: From this many query rows in one call the bf16 default takes 256-wide output slices over 8
+#: warps (two programs per row instead of four: the scores are recomputed half as often); below
+#: it the narrow tiles' four programs per row spread the few rows over more SMs (on the H200 at
+#: V4-Flash shapes, the ring-cache kernel: 11.6 against 16.9 us at B 1, 23.6 against 18.2 us at
+#: B 64; bench/results/attention-h200.md).
 WIDE_ROWS = 64
 
-#: Shared memory of the whole-row tiles at Dh 512, by pipeline stages (compiled for sm_90:
-#: q's 64 KiB plus 32 KiB per stage for a 32-key block; bench/sm90_resources.py --attention)
-WHOLE_ROW_SMEM = {2: 131072, 3: 163840}
+#: From this many rows, at V4's Dh 512, the whole row per program (:func:`attention_schedule`):
+#: one program per row then fills the GPU's SMs.  On the H200 at V4-Flash shapes 501 against
+#: 932 us for the 256-wide slices at prefill 4096 and 65 against 117 us at 512, but 19.7
+#: against 18.2 us at 64 decode rows (bench/results/attention-h200.md, "The whole row").
+WHOLE_ROWS = 128
+
+# Shared memory per block of the 256-wide slices with three stages at Dh 512 (compiled for
+# sm_90: 212992 B; two stages 163840 B) and of the whole row with three (163840 B; two
+# 131072 B: q's 64 KiB plus 32 KiB per stage for a 32-key block): bench/sm90_resources.py
+WIDE_3_STAGE_SMEM = 212992
+WHOLE_3_STAGE_SMEM = 163840
 
 
 def attention_schedule(
@@ -141,23 +149,26 @@ def attention_schedule(
     spills; the 64-key, 128-chunk tiles spill) and Triton's shared memory stays under the
     H200's 227 KiB (bench/sm90_resources.py).
 
-    bf16 from :data:`WIDE_ROWS` rows at Dh 512, the whole-row tiles: the same heads and key
-    blocks, Dh in one chunk and the whole 512-wide output per program, 8 warps, 3 stages (2
-    where the device's shared memory per block, ``max_smem``, is under
-    :data:`WHOLE_ROW_SMEM`'s). One program per (row, head block) instead of four: q is loaded
-    once (the compiler hoists its loop-invariant load), each key block once, serving as the
-    key of the QK^T dot and the value of the PV dot (the two loads have the same addresses
-    and mask, and the compiler keeps one), and the scores are computed once instead of once
-    per output slice.  The fp32 accumulator (64 x 512) takes 128 of the 255 registers of
-    each of the 256 threads.  Both tiles give the same bits on the GPU: a dot's Dh reduction
-    is a chain of 16-wide MMA steps in Dh order whatever the chunk a dot covers, and output
-    slices and warps only choose which columns a program holds (checked bitwise on the H200,
-    bench/diag/attention_sweep.py, and the GPU tier's
-    ``test_the_wide_and_narrow_schedules_give_the_same_bits``), so a decode row keeps the
-    bits of the same row inside a prefill.  Under the interpreter a chunk is one fp32
-    matmul, so there the two tiles can differ in the last bit; the CPU tier's bitwise tests
-    run Dh 128, which keeps the narrow tiles.  Other Dh from 256 keep the 256-wide slices
-    over 8 warps (the whole row is measured at 512 only).
+    From :data:`WIDE_ROWS` rows where Dh has a 256-wide slice: 256-wide output slices, 8 warps
+    and 3 stages (2 where the device's shared memory per block, ``max_smem``, is under
+    :data:`WIDE_3_STAGE_SMEM`).
+
+    From :data:`WHOLE_ROWS` rows at Dh 512, the whole row: Dh in one chunk and the whole
+    512-wide output per program, 8 warps, 3 stages (2 under :data:`WHOLE_3_STAGE_SMEM`).  One
+    program per (row, head block) instead of two: q is loaded once (the compiler hoists its
+    loop-invariant load), each key block once, serving as the key of the QK^T dot and the
+    value of the PV dot (the two loads have the same addresses and mask, and the compiler
+    keeps one), and the scores are computed once per row.  The fp32 accumulator (64 x 512)
+    takes 128 of the 255 registers of each of the 256 threads.  Measured at Dh 512 only.
+
+    The three give the same bits on the GPU: the heads and key blocks (the dots' M and the
+    reduction order over keys) are the same, a dot's Dh reduction is a chain of 16-wide MMA
+    steps in Dh order whatever the chunk a dot covers, and output slices and warps only choose
+    which columns a program holds (checked bitwise on the H200, bench/diag/attention_sweep.py,
+    and the GPU tier's ``test_the_wide_and_narrow_schedules_give_the_same_bits``), so a decode
+    row keeps the bits of the same row inside a prefill.  Under the interpreter a chunk is one
+    fp32 matmul, so there the whole row can differ from the others in the last bit; the CPU
+    tier's bitwise tests run Dh 128, which never takes it.
 
     fp32 (IEEE dots on FMA units, a test dtype): 32 heads, 16 keys, 32 / 64."""
     pow2 = Dh & -Dh  # the largest power of two dividing Dh
@@ -167,11 +178,13 @@ def attention_schedule(
         )
     block_h = min(64, max(16, next_pow2(H)))
     block_n = min(32, max(16, next_pow2(window)))
-    if rows is not None and rows >= WIDE_ROWS and Dh == 512:
-        stages = 3 if max_smem is None or max_smem >= WHOLE_ROW_SMEM[3] else 2
+    fits = lambda smem: max_smem is None or max_smem >= smem  # noqa: E731
+    if rows is not None and rows >= WHOLE_ROWS and Dh == 512:
+        stages = 3 if fits(WHOLE_3_STAGE_SMEM) else 2
         return AttentionSchedule(block_h, block_n, Dh, Dh, 64, 8, stages)
     if rows is not None and rows >= WIDE_ROWS and pow2 >= 256:
-        return AttentionSchedule(block_h, block_n, min(64, pow2), 256, 64, 8, 2)
+        stages = 3 if fits(WIDE_3_STAGE_SMEM) else 2
+        return AttentionSchedule(block_h, block_n, min(64, pow2), 256, 64, 8, stages)
     return AttentionSchedule(block_h, block_n, min(64, pow2), min(128, pow2), 64, 4, 2)
 
 
