@@ -437,11 +437,13 @@ def main() -> None:
 
 def attention_lines() -> list[str]:
     """kernels/sink_attention.py at V4-Flash / V4-Pro (H 64 / 128, Dh 512, window 128), bf16,
-    both default schedules (the narrow tiles and, from WIDE_ROWS rows, the whole row): the varlen
-    kernel, the ring-cache decode kernel (C = 144, the
-    DeviceKVCache capacity for window 128 and 8 draft steps), the paged-cache kernel (vLLM's
-    block size 16) and the ring write (also the paged write)."""
+    the default schedules (the narrow tiles, from WIDE_ROWS rows the 256-wide slices, from
+    WHOLE_ROWS the whole row; the cached kernels' own stages): the varlen kernel, the
+    ring-cache decode kernel (C = 144, the DeviceKVCache capacity for window 128 and 8 draft
+    steps), the paged-cache kernel (vLLM's block size 16) and the ring write (also the paged
+    write)."""
     from dsv4mtp.optimized.kernels.sink_attention import (
+        WHOLE_ROWS,
         WIDE_ROWS,
         attention_schedule,
         ring_write_kernel,
@@ -454,33 +456,41 @@ def attention_lines() -> list[str]:
     W = 128
     C = ring_capacity(W, 8)
     lines = []
-    for H, rows in ((64, None), (128, None), (64, WIDE_ROWS), (128, WIDE_ROWS)):
-        sc = attention_schedule(H, 512, W, rows=rows)
+
+    def tiled(rows: int | None, H: int, cached: bool) -> tuple[Any, dict[str, Any], dict[str, int]]:
+        sc = attention_schedule(H, 512, W, rows=rows, cached=cached)
         tiles = dict(BLOCK_H=sc.block_h, BLOCK_N=sc.block_n, BLOCK_D=sc.block_d,
                      BLOCK_DV=sc.block_dv, IEEE=False, INTERP=False)  # fmt: skip
-        opts = dict(num_warps=sc.num_warps, num_stages=sc.num_stages)
-        sig = dict(
-            q_ptr="*bf16", qpos_ptr="*i64", kv_ptr="*bf16", kpos_ptr="*i64", sink_ptr="*fp32",
-            cuq_ptr="*i32", cuk_ptr="*i32", out_ptr="*bf16", Tk="i32", B="i32", window="i32",
-            qk_scale="fp32",
-        )  # fmt: skip
-        consts = dict(H=H, DH=512, VARLEN=True, SEARCH=sc.search, **tiles)
-        line = resources(sink_attention_kernel, sig, consts, **opts)
-        lines.append(f"sink_attention_varlen H={H} {tuple(sc.fields())}: {line}")
-        sig = dict(
-            q_ptr="*bf16", qpos_ptr="*i64", kv_ptr="*bf16", kpos_ptr="*i32", slots_ptr="*i32",
-            sink_ptr="*fp32", out_ptr="*bf16", window="i32", qk_scale="fp32",
-        )  # fmt: skip
-        consts = dict(H=H, DH=512, C=C, SCAN=min(256, 1 << (C - 1).bit_length()), **tiles)
-        line = resources(sink_attention_cache_kernel, sig, consts, **opts)
-        lines.append(f"sink_attention_cache H={H} C={C} {tuple(sc.fields())}: {line}")
-        sig = dict(
-            q_ptr="*bf16", qpos_ptr="*i64", kv_ptr="*bf16", kpos_ptr="*i32", table_ptr="*i32",
-            sink_ptr="*fp32", out_ptr="*bf16", max_blocks="i32", window="i32", qk_scale="fp32",
-        )  # fmt: skip
-        consts = dict(H=H, DH=512, BS=16, SCAN=W, **tiles)
-        line = resources(sink_attention_paged_kernel, sig, consts, **opts)
-        lines.append(f"sink_attention_paged H={H} bs=16 {tuple(sc.fields())}: {line}")
+        return sc, tiles, dict(num_warps=sc.num_warps, num_stages=sc.num_stages)
+
+    for rows in (None, WIDE_ROWS, WHOLE_ROWS):
+        for H in (64, 128):
+            sc, tiles, opts = tiled(rows, H, False)
+            sig = dict(
+                q_ptr="*bf16", qpos_ptr="*i64", kv_ptr="*bf16", kpos_ptr="*i64",
+                sink_ptr="*fp32", cuq_ptr="*i32", cuk_ptr="*i32", out_ptr="*bf16", Tk="i32",
+                B="i32", window="i32", qk_scale="fp32",
+            )  # fmt: skip
+            consts = dict(H=H, DH=512, VARLEN=True, SEARCH=sc.search, **tiles)
+            line = resources(sink_attention_kernel, sig, consts, **opts)
+            lines.append(f"sink_attention_varlen H={H} {tuple(sc.fields())}: {line}")
+            sc, tiles, opts = tiled(rows, H, True)
+            sig = dict(
+                q_ptr="*bf16", qpos_ptr="*i64", kv_ptr="*bf16", kpos_ptr="*i32",
+                slots_ptr="*i32", sink_ptr="*fp32", out_ptr="*bf16", window="i32",
+                qk_scale="fp32",
+            )  # fmt: skip
+            consts = dict(H=H, DH=512, C=C, SCAN=min(256, 1 << (C - 1).bit_length()), **tiles)
+            line = resources(sink_attention_cache_kernel, sig, consts, **opts)
+            lines.append(f"sink_attention_cache H={H} C={C} {tuple(sc.fields())}: {line}")
+            sig = dict(
+                q_ptr="*bf16", qpos_ptr="*i64", kv_ptr="*bf16", kpos_ptr="*i32",
+                table_ptr="*i32", sink_ptr="*fp32", out_ptr="*bf16", max_blocks="i32",
+                window="i32", qk_scale="fp32",
+            )  # fmt: skip
+            consts = dict(H=H, DH=512, BS=16, SCAN=W, **tiles)
+            line = resources(sink_attention_paged_kernel, sig, consts, **opts)
+            lines.append(f"sink_attention_paged H={H} bs=16 {tuple(sc.fields())}: {line}")
     sig = dict(new_ptr="*bf16", pos_ptr="*i64", slots_ptr="*i32", kv_ptr="*bf16",
                kpos_ptr="*i32", C="i32")  # fmt: skip
     line = resources(ring_write_kernel, sig, dict(DH=512, BLOCK_D=512), num_warps=4, num_stages=1)

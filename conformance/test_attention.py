@@ -430,8 +430,9 @@ def test_optimized_schedules_agree(device) -> None:
 def test_the_default_schedule_reads_the_row_count_only_outside_batch_invariant_mode() -> None:
     """From WIDE_ROWS rows the bf16 default splits the output into 256-wide slices over 8 warps
     with three pipeline stages; from WHOLE_ROWS rows at Dh 512 it takes the whole row per
-    program (Dh in one chunk, the 512-wide output, 8 warps, three stages); each with two
-    stages on a device with less shared memory per block.  The heads, key blocks and search
+    program (Dh in one chunk, the 512-wide output, 8 warps, three stages; two in the
+    ring-cache and paged kernels); each with two stages on a device with less shared memory
+    per block.  The heads, key blocks and search
     (what sets the reduction order over keys) never change.  Other Dh from 256 stop at the
     256-wide slices; fp32, a Dh without a 256-wide slice and the T-independent default
     (``rows=None``, what ``batch_invariant=True`` pins) keep the narrow tiles."""
@@ -459,6 +460,11 @@ def test_the_default_schedule_reads_the_row_count_only_outside_batch_invariant_m
     assert tiles(whole) == (512, 512, 8, 3)
     for f in ("block_h", "block_n", "search"):  # the reduction order over keys
         assert getattr(wide, f) == getattr(narrow, f) == getattr(whole, f), f
+    # the ring-cache and paged kernels take the whole row with two stages, nothing else differs
+    cached = attention_schedule(64, 512, 128, rows=WHOLE_ROWS, cached=True)
+    assert cached.num_stages == 2 and cached.fields()[:6] == whole.fields()[:6]
+    for rows in (None, 1, WIDE_ROWS):
+        assert attention_schedule(64, 512, 128, rows=rows, cached=True) == sched(rows)
     assert tiles(sched(WHOLE_ROWS, Dh=256))[:3] == (64, 256, 8)  # the whole row at 512 only
     assert sched(WIDE_ROWS - 1, Dh=256) == sched(None, Dh=256)
     assert attention_schedule(64, 512, 128, True, rows=4096) == attention_schedule(

@@ -968,13 +968,15 @@ def _attn_schedule(
     fp32: bool,
     rows: int,
     device: torch.device,
+    cached: bool = False,
 ) -> AttentionSchedule:
-    """The given schedule, or the default of the call's row count on this device
-    (kernels/sink_attention.py, ``attention_schedule``; ``batch_invariant=True`` passes the
-    T-independent one's fields)."""
+    """The given schedule, or the default of the call's row count on this device for the
+    contiguous kernel or (``cached``) the ring-cache and paged ones (kernels/sink_attention.py,
+    ``attention_schedule``; ``batch_invariant=True`` passes the T-independent one's fields)."""
     if fields:
         return AttentionSchedule(*fields)
-    return attention_schedule(H, Dh, window, fp32, rows, max_smem=_smem_per_block(device))
+    smem = _smem_per_block(device)
+    return attention_schedule(H, Dh, window, fp32, rows, max_smem=smem, cached=cached)
 
 
 @functools.cache
@@ -1402,7 +1404,8 @@ def _sink_attention_cache_out(
     B, H, Dh = q.shape
     if B == 0:
         return
-    sched = _attn_schedule(tuple(schedule), H, Dh, window, q.dtype == torch.float32, B, q.device)
+    fp32 = q.dtype == torch.float32
+    sched = _attn_schedule(tuple(schedule), H, Dh, window, fp32, B, q.device, cached=True)
     sink_attention_cache_triton(
         q.contiguous(), q_pos.contiguous(), cache_kv.contiguous(), cache_pos.contiguous(),
         slots.contiguous(), attn_sink.contiguous(), out, window, scale, sched,
@@ -1627,7 +1630,8 @@ def _sink_attention_paged_out(
     B, H, Dh = q.shape
     if B == 0:
         return
-    sched = _attn_schedule(tuple(schedule), H, Dh, window, q.dtype == torch.float32, B, q.device)
+    fp32 = q.dtype == torch.float32
+    sched = _attn_schedule(tuple(schedule), H, Dh, window, fp32, B, q.device, cached=True)
     sink_attention_paged_triton(
         q.contiguous(), q_pos.contiguous(), cache_kv.contiguous(), cache_pos.contiguous(),
         block_table.contiguous(), attn_sink.contiguous(), out, window, scale, sched,

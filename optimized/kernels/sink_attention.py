@@ -120,9 +120,10 @@ class AttentionSchedule:
 WIDE_ROWS = 64
 
 #: From this many rows, at V4's Dh 512, the whole row per program (:func:`attention_schedule`):
-#: one program per row then fills the GPU's SMs.  On the H200 at V4-Flash shapes 501 against
-#: 932 us for the 256-wide slices at prefill 4096 and 65 against 117 us at 512, but 19.7
-#: against 18.2 us at 64 decode rows (bench/results/attention-h200.md, "The whole row").
+#: one program per row then fills the GPU's SMs.  On the H200 at V4-Flash shapes, against the
+#: 256-wide slices: prefill 4096 502 against 930 us, 512 66 against 116 us, 128 17 against 25
+#: us; the ring-cache kernel at 128 rows 20.3 against 34.7 us, but at 64 rows 19.3 against
+#: 18.3 us (bench/results/attention-h200.md, "The whole row per program").
 WHOLE_ROWS = 128
 
 # Shared memory per block of the 256-wide slices with three stages at Dh 512 (compiled for
@@ -139,9 +140,11 @@ def attention_schedule(
     fp32: bool = False,
     rows: int | None = None,
     max_smem: int | None = None,
+    cached: bool = False,
 ) -> AttentionSchedule:
     """The default tiles of a call with ``rows`` query rows; ``rows=None`` (what
-    ``batch_invariant=True`` takes) gives the T-independent one.
+    ``batch_invariant=True`` takes) gives the T-independent one.  ``cached``: for the
+    ring-cache and paged kernels (their pipeline depth differs, below).
 
     bf16, the narrow tiles: up to 64 heads per program (the MQA key block is loaded once for all
     of them), key blocks of 32, Dh reduced in 64-wide chunks, 128-wide output slices, 4 warps.
@@ -154,12 +157,15 @@ def attention_schedule(
     :data:`WIDE_3_STAGE_SMEM`).
 
     From :data:`WHOLE_ROWS` rows at Dh 512, the whole row: Dh in one chunk and the whole
-    512-wide output per program, 8 warps, 3 stages (2 under :data:`WHOLE_3_STAGE_SMEM`).  One
-    program per (row, head block) instead of two: q is loaded once (the compiler hoists its
-    loop-invariant load), each key block once, serving as the key of the QK^T dot and the
-    value of the PV dot (the two loads have the same addresses and mask, and the compiler
-    keeps one), and the scores are computed once per row.  The fp32 accumulator (64 x 512)
-    takes 128 of the 255 registers of each of the 256 threads.  Measured at Dh 512 only.
+    512-wide output per program, 8 warps, 3 stages for the contiguous kernel (2 under
+    :data:`WHOLE_3_STAGE_SMEM`) and 2 for the cached ones, whose key rows are gathered through
+    their positions (on the H200 at 128 rows, 2 stages against 3: ring 20.3 against 21.2 us,
+    paged 25.0 against 28.5; prefill 4096 515 against 502 us).  One program per (row, head
+    block) instead of two: q is loaded once (the compiler hoists its loop-invariant load),
+    each key block once, serving as the key of the QK^T dot and the value of the PV dot (the
+    two loads have the same addresses and mask, and the compiler keeps one), and the scores
+    are computed once per row.  The fp32 accumulator (64 x 512) takes 128 of the 255
+    registers of each of the 256 threads.  Measured at Dh 512 only.
 
     The three give the same bits on the GPU: the heads and key blocks (the dots' M and the
     reduction order over keys) are the same, a dot's Dh reduction is a chain of 16-wide MMA
@@ -180,7 +186,7 @@ def attention_schedule(
     block_n = min(32, max(16, next_pow2(window)))
     fits = lambda smem: max_smem is None or max_smem >= smem  # noqa: E731
     if rows is not None and rows >= WHOLE_ROWS and Dh == 512:
-        stages = 3 if fits(WHOLE_3_STAGE_SMEM) else 2
+        stages = 3 if not cached and fits(WHOLE_3_STAGE_SMEM) else 2
         return AttentionSchedule(block_h, block_n, Dh, Dh, 64, 8, stages)
     if rows is not None and rows >= WIDE_ROWS and pow2 >= 256:
         stages = 3 if fits(WIDE_3_STAGE_SMEM) else 2
