@@ -215,29 +215,32 @@ _LINEARS = {
 
 def linear_lines() -> list[str]:
     """The dense-linear kernel at its default schedules (T 1, 64, 513 and batch-invariant), FP8
-    codes with bf16 x (and the bf16-weight variant once); split schedules reduce in-kernel."""
+    codes with bf16 x (and the bf16-weight variant once); split schedules reduce in-kernel.
+    e_proj's rows also with eh_proj's epilogue add (4 rows of h per row of e)."""
     sig = dict(
         x_ptr="*bf16", w_ptr="*u8", s_ptr="*fp32", y_ptr="*bf16", part_ptr="*fp32",
-        count_ptr="*i32", R="i32", G="i32", N="i32", K="i32", KB_PER_SPLIT="i32",
+        count_ptr="*i32", add_ptr="*bf16", R="i32", G="i32", N="i32", K="i32",
+        KB_PER_SPLIT="i32", add_row0="i32",
     )  # fmt: skip
     lines = []
     seen: set[tuple[object, ...]] = set()
     for name, (G, N, K) in _LINEARS.items():
         for rows, bi in ((1, False), (64, False), (513, False), (1, True)):
             sc = linear_schedule(rows, N, K, G, bi)
-            for fmt in (FMT_FP8, FMT_DENSE):
-                key = (sc, fmt)
+            adds = (0, 4) if name == "e_proj" else (0,)
+            for fmt, add in [(f, a) for f in (FMT_FP8, FMT_DENSE) for a in adds]:
+                key = (sc, fmt, add)
                 if key in seen:
                     continue
                 seen.add(key)
                 s = dict(sig, w_ptr="*u8" if fmt == FMT_FP8 else "*bf16")
                 consts = dict(
                     FMT=fmt, BLOCK_M=sc.block_m, BLOCK_N=sc.block_n, BLOCK_K=BLOCK_K,
-                    SPLIT_K=sc.split_k, USE_F32=False, INTERP=False,
+                    SPLIT_K=sc.split_k, ADD_ROWS=add, USE_F32=False, INTERP=False,
                 )  # fmt: skip
                 line = resources(linear_kernel, s, consts, ints=("N", "K"),
                                  num_warps=sc.num_warps, num_stages=sc.num_stages)  # fmt: skip
-                what = "fp8 " if fmt == FMT_FP8 else "bf16"
+                what = ("fp8 " if fmt == FMT_FP8 else "bf16") + (" +add" if add else "")
                 tile = (sc.block_m, sc.block_n, sc.split_k, sc.num_warps, sc.num_stages)
                 lines.append(f"linear {what} {name:7s} T={rows:<3d} bi={bi!s:5s} {tile}: {line}")
     return lines

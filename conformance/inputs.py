@@ -55,6 +55,7 @@ __all__ = [
     "attention_inputs",
     "attention_shape",
     "cache_attention_inputs",
+    "eh_proj_inputs",
     "embed_norms_inputs",
     "linear_inputs",
     "linear_shape",
@@ -78,8 +79,8 @@ LINEAR_OPS = ("linear", "grouped_linear")
 ROPE_OPS = ("apply_rope", "q_head_norm_rope", "kv_norm_rope")
 CACHE_OPS = ("sink_attention_cache",)
 OPS = (
-    "rms_norm", "embed_norms", *MHC_OPS, *MOE_OPS, *ATTENTION_OPS, *LINEAR_OPS, *ROPE_OPS,
-    *CACHE_OPS,
+    "rms_norm", "embed_norms", *MHC_OPS, *MOE_OPS, *ATTENTION_OPS, *LINEAR_OPS, "eh_proj",
+    *ROPE_OPS, *CACHE_OPS,
 )  # fmt: skip
 
 Inputs = tuple[tuple[torch.Tensor, ...], dict[str, Any]]
@@ -221,6 +222,11 @@ def op_inputs(
             op, T, seed, shape=linear_shape(op, D), dtype=dtype, device=device,
             magnitude=magnitude, zero_rows=zero_rows,
         )  # fmt: skip
+    if op == "eh_proj":
+        return eh_proj_inputs(
+            T, seed, shape="small" if D < 1024 else (0, D, D), n=n, dtype=dtype, device=device,
+            magnitude=magnitude, zero_rows=zero_rows,
+        )  # fmt: skip
     if op in ATTENTION_OPS:
         return attention_inputs(
             op, T, seed, shape=attention_shape(D), dtype=dtype, device=device, magnitude=magnitude
@@ -276,6 +282,8 @@ def token_rows(op: str, args: tuple[torch.Tensor, ...], index: Any) -> tuple[tor
         return (*(a[index] for a in args[:5]), *args[5:])
     if op == "embed_norms":  # ids, positions, embed, prev_hidden, enorm, hnorm
         return (args[0][index], args[1][index], args[2], args[3][index], *args[4:])
+    if op == "eh_proj":  # e, h, e_proj, h_proj
+        return (args[0][index], args[1][index], *args[2:])
     return (args[0][index], *args[1:])
 
 
@@ -779,6 +787,34 @@ def linear_inputs(
     x = r.normal(T, G, K) if G else r.normal(T, K)
     x = r.zero_rows(x * magnitude, zero_rows).to(dtype)
     return (x, linear_weight(max(G, 1), N, K, fmt, seed + 1, device)), {}
+
+
+def eh_proj_inputs(
+    T: int,
+    seed: int,
+    *,
+    shape: str | tuple[int, int, int],
+    n: int = 4,
+    fmt: str = "fp8_e8m0",
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cuda",
+    magnitude: float = 1.0,
+    zero_rows: float = 0.0,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(e, h, e_proj, h_proj), {}`` of one ``eh_proj`` call: e (T, K) and h (T, n, K) ~
+    N(0, magnitude^2) in ``dtype`` (a drawn fraction of tokens zeroed in both), the two weights
+    as core ``QuantizedWeight`` s of one format (:func:`linear_weight`, seeded ``seed + 1`` and
+    ``seed + 2``).  ``shape``: a plain :data:`LINEAR_SHAPES` name or its (0, N, K)."""
+    G, N, K = LINEAR_SHAPES[shape] if isinstance(shape, str) else shape
+    if G:
+        raise ValueError(f"shape: eh_proj's linears are plain (G 0), got {shape!r}")
+    r = _Draw(device, seed)
+    e, h = r.normal(T, K) * magnitude, r.normal(T, n, K) * magnitude
+    if zero_rows > 0 and T > 0:
+        gone = r.uniform(T) < zero_rows
+        e[gone], h[gone] = 0, 0
+    weights = (linear_weight(1, N, K, fmt, seed + k, device) for k in (1, 2))
+    return (e.to(dtype), h.to(dtype), *weights), {}
 
 
 # ==================================================================================== RoPE

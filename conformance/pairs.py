@@ -674,6 +674,83 @@ for _op in ("linear", "grouped_linear"):
     )
 
 
+# --------------------------------------------------------------------------- eh_proj
+# Inputs: conformance/inputs.py, eh_proj_inputs: e (T, K), h (T, n, K) and two checkpoint-format
+# weights of one format.  On CPU the small shape (N 192, K 384) with n in {4, 1, 3} and rows
+# 0..70 per stream (T*n past 256 reaches the prefill path's add pass); on CUDA V4-Flash's
+# e_proj / h_proj (4096 x 4096), n 4, up to 4096 tokens.
+def _packed_eh(args: tuple[Any, ...], kwargs: dict[str, Any]):
+    """(e, h, w_e, w_h) -> (e, h, pack_e, pack_h), each packed once per weight object."""
+    from dsv4mtp.optimized import pack_linear  # type: ignore[attr-defined]
+
+    e, h, *weights = args
+    packs = []
+    for w in weights:
+        key = (id(w), False)
+        if key not in _LINEAR_PACKS:
+            evict_oldest(_LINEAR_PACKS, 16, False)
+            _LINEAR_PACKS[key] = (w, pack_linear(w, e.device))
+        packs.append(_LINEAR_PACKS[key][1])
+    return (e, h, *packs), kwargs
+
+
+@st.composite
+def _eh_case(draw: Any, dtype: torch.dtype, device: str, max_tokens: int) -> Case:
+    from dsv4mtp.conformance.inputs import LINEAR_FORMATS, eh_proj_inputs
+
+    if device == "cpu":
+        T = draw(st.one_of(st.sampled_from([0, 1, 2, 7, 65]), st.integers(0, 70)))
+        n = draw(st.sampled_from([4, 4, 1, 3]))
+        shape: Any = "small"
+    else:
+        T = draw(st.one_of(st.sampled_from([0, 1, 8, 64, 65, 513]), st.integers(0, 4096)))
+        T, n, shape = min(T, max_tokens), 4, "e_proj"
+    fmt = draw(st.sampled_from(LINEAR_FORMATS))
+    magnitude = draw(st.sampled_from([1.0, 1e-3, 30.0]))
+    zero_rows = 0.25 if draw(st.booleans()) else 0.0
+    seed = draw(st.integers(0, 2**31 - 1))
+    args, kw = eh_proj_inputs(
+        T, seed, shape=shape, n=n, fmt=fmt, dtype=dtype, device=device, magnitude=magnitude,
+        zero_rows=zero_rows,
+    )  # fmt: skip
+    label = f"T={T} n={n} {fmt} magnitude={magnitude:g} zero_rows={zero_rows} seed={seed}"
+    return Case(args, kw, label=label)
+
+
+def _eh_facts(case: Case) -> Facts:
+    e = case.args[0]
+    return Facts(e.device, (e.dtype,))
+
+
+# Each product is linear's (the same kernel and paths, the same bounds per product); the sum
+# of the two rounded products is rounded once more, by the same rule in both (the reference's
+# bf16 add, the kernel's fp32 sum of the two rounded values).  Against the float64 oracle
+# that is three roundings of 2^-9 where linear has one, on the drawn data (independent
+# weights, no cancellation to speak of) about 1.3x linear's error: linear's bounds, widened.
+_EH_BF16 = Tolerance(5e-3, 1e-2, "bf16: each product rounded once (2^-9), then their sum once more")
+_EH_OFFICIAL = dataclasses.replace(
+    _EH_BF16, why="e's and h's e4m3 rounding identical in both; then as math: " + _EH_BF16.why
+)
+register(
+    OpPair(
+        name="eh_proj",
+        concept="linear",
+        strategy=_eh_case,
+        build=partial(_build, "eh_proj"),
+        facts=_eh_facts,
+        switches=lambda s: {"act_quant": s.act_quant},
+        optimized_args=_packed_eh,
+        cpu_D=256,
+        cpu_examples=4,
+        tolerances={
+            (BF16, "math"): _EH_BF16,
+            (FP32, "math"): _LINEAR_FP32,
+            (BF16, "official"): _EH_OFFICIAL,
+        },
+    )
+)
+
+
 # --------------------------------------------------------------------------- RoPE, q / kv paths
 # Inputs: conformance/inputs.py, rope_inputs.  On CPU the tiny shape (H 4, Dh 64, rope 16) with
 # T 0..40; on CUDA V4-Flash and V4-Pro (H 64 / 128, Dh 512, rope 64).  Positions U[0, 16) or

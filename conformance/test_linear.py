@@ -1,5 +1,6 @@
-"""The dense linears (``linear``, ``grouped_linear``): packing, the FP8 block decode, schedules,
-batch invariance, errors, non-finite inputs and the operators.
+"""The dense linears (``linear``, ``grouped_linear``, and ``eh_proj``, the layer's two input
+projections and their broadcast sum): packing, the FP8 block decode, schedules, batch
+invariance, errors, non-finite inputs and the operators.
 
 The generated contract (test_contract.py) draws cases against the float64 oracle; these tests
 pin what it cannot: pack/dequantize bit for bit against the core, a block scale that must land on
@@ -479,6 +480,84 @@ def test_linear_opcheck(op: str, variant: str, rows: int, device: str) -> None:
     if variant:
         kw["out"] = x.new_empty((rows, 2, 128) if grouped else (rows, 128))
     torch.library.opcheck(getattr(torch.ops.dsv4mtp, op + variant).default, args, kw)
+
+
+# ------------------------------------------------------------------------------ eh_proj
+def _eh(
+    T: int, n: int, fmt: str, device: str, N: int = 192, K: int = 384, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, QuantizedWeight, QuantizedWeight]:
+    e, h = _x(T, K, device=device, seed=seed), _x(T, n, K, device=device, seed=seed + 1)
+    we, wh = (linear_weight(1, N, K, fmt, seed=s, device=device) for s in (31, 32))
+    return e, h, we, wh
+
+
+@pytest.mark.parametrize(("T", "n"), [(1, 4), (16, 4), (5, 3), (70, 4)])
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_eh_proj_is_the_two_linears_and_their_sum_bit_for_bit(
+    T: int, n: int, batch_invariant: bool, device: str
+) -> None:
+    """eh_proj adds e's projection in the epilogue of h's (split-K at 4-64 rows, one tile pass
+    past them, batch-invariant schedules) or, from 256 rows (T 70 x 4 streams), after the
+    prefill path's cuBLAS GEMM: bitwise the two ``linear`` calls and torch's broadcast add,
+    out= included (poisoned first), with act_quant too."""
+    e, h, we, wh = _eh(T, n, "fp8_e8m0", device)
+    pe, ph = opt.pack_linear(we, device), opt.pack_linear(wh, device)
+    for act_quant in (False, True):
+        kw = dict(act_quant=act_quant, batch_invariant=batch_invariant)
+        want = opt.linear(h, ph, **kw) + opt.linear(e, pe, **kw)[:, None, :]
+        got = opt.eh_proj(e, h, pe, ph, **kw)
+        assert torch.equal(got, want), f"act_quant={act_quant}"
+        out = torch.full_like(want, float("nan"))
+        assert opt.eh_proj(e, h, pe, ph, **kw, out=out) is out and torch.equal(out, want)
+    assert not pe.counters.any() and not ph.counters.any()  # left zeroed
+
+
+def test_eh_proj_matches_the_reference(device: str) -> None:
+    """fp32 scales (the kernel path at every row count) and bf16 weights, against the float64
+    reference's eh_proj under the pair's tolerance; the reference is its own linears' sum."""
+    for fmt in ("fp8_f32", "bf16"):
+        e, h, we, wh = _eh(9, 4, fmt, device)
+        got = opt.eh_proj(e, h, opt.pack_linear(we, device), opt.pack_linear(wh, device))
+        oracle = ref.eh_proj(e.double(), h.double(), we, wh)
+        rep = compare(got, oracle)
+        tol = _PAIRS["eh_proj"].tolerance(BF16, "math")
+        assert rep.within(tol), f"{fmt}: {rep} exceeds {tol}"
+    e, h, we, wh = _eh(3, 2, "fp8_e8m0", "cpu")
+    want = ref.linear(h, wh) + ref.linear(e, we)[:, None, :]
+    assert torch.equal(ref.eh_proj(e, h, we, wh), want)
+
+
+def test_eh_proj_bad_inputs_raise_input_errors_naming_the_tensor(device: str) -> None:
+    e, h, we, wh = _eh(2, 4, "fp8_e8m0", device)
+    pe, ph = opt.pack_linear(we, device), opt.pack_linear(wh, device)
+    w_other = linear_weight(1, 128, 384, "fp8_e8m0", seed=33, device=device)
+    other = opt.pack_linear(w_other, device)
+    with pytest.raises(InputError, match=r"^h_proj: expected 192 output features"):
+        opt.eh_proj(e, h, pe, other)
+    with pytest.raises(InputError, match=r"^h: expected shape \(2, \*, 384\)"):
+        opt.eh_proj(e, h[:1], pe, ph)
+    with pytest.raises(InputError, match=r"^e: expected"):
+        opt.eh_proj(e[0], h, pe, ph)
+    with pytest.raises(InputError, match=r"^h: expected dtype"):
+        opt.eh_proj(e, h.float(), pe, ph)
+    with pytest.raises(InputError, match=r"^out: expected"):
+        opt.eh_proj(e, h, pe, ph, out=h.new_empty(2, 4, 191))
+    with pytest.raises(InputError, match=r"^h: expected"):
+        ref.eh_proj(e.cpu(), h[:1].cpu(), we, wh)
+
+
+@pytest.mark.parametrize("rows", [2, 70])
+@pytest.mark.parametrize("variant", ["", "_out"])
+def test_eh_proj_opcheck(variant: str, rows: int, device: str) -> None:
+    """Schema, fake kernel and AOT dispatch (torch.library.opcheck): 2 tokens x 4 streams on
+    the split-K schedules (both counters written), 70 x 4 rows on the prefill path."""
+    e, h, we, wh = _eh(rows, 4, "fp8_e8m0", device, N=128, K=512)
+    pe, ph = opt.pack_linear(we, device), opt.pack_linear(wh, device)
+    args = (e, h, pe.weight, pe.scale, pe.op_fmt, ph.weight, ph.scale, ph.op_fmt, False, False)
+    kw: dict[str, torch.Tensor] = {"e_counters": pe.counters, "h_counters": ph.counters}
+    if variant:
+        kw["out"] = h.new_empty((rows, 4, 128))
+    torch.library.opcheck(getattr(torch.ops.dsv4mtp, "eh_proj" + variant).default, args, kw)
 
 
 # ------------------------------------------------------------------------------ gpu tier

@@ -373,8 +373,8 @@ def test_batch_invariant_layer_passes_the_switch_to_every_op(loaded, device, mon
     step.step(*(t.to(layer.device) for t in (ids[:2], pos[:2] + 40, prev[:2])),
               torch.arange(2, device=layer.device))  # fmt: skip
     names = {n for n, _ in seen}
-    assert {"rms_norm", "linear", "hc_pre", "hc_post", "hc_post_pre", "hc_post_head", "attention",
-            "moe", "hc_head", "lm_head_logits", "lm_head_argmax", "step_guard",
+    assert {"rms_norm", "eh_proj", "hc_pre", "hc_post", "hc_post_pre", "hc_post_head",
+            "attention", "moe", "hc_head", "lm_head_logits", "lm_head_argmax", "step_guard",
             "embed_norms"} <= names, names  # fmt: skip
     assert all(bi is True for _, bi in seen), [n for n, bi in seen if bi is not True]
 

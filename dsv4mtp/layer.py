@@ -156,13 +156,13 @@ class LayerOps(NamedTuple):
     reference's (float64-exact PyTorch) or the optimized ones (Triton kernels).
 
     ``hc_post_pre`` (the attention sublayer's hc_post, then the MoE sublayer's hc_pre),
-    ``hc_post_head`` (the layer's last hc_post, then hc_head) and ``embed_norms`` (the
-    embedding gather through enorm beside hnorm over the previous hidden streams) are the op
-    pairs the layer runs back to back: the reference's are the plain compositions of its ops,
+    ``hc_post_head`` (the layer's last hc_post, then hc_head), ``embed_norms`` (the
+    embedding gather through enorm beside hnorm over the previous hidden streams) and
+    ``eh_proj`` (h_proj per stream plus e_proj broadcast to every stream) are the op pairs
+    the layer runs back to back: the reference's are the plain compositions of its ops,
     the optimized ones fuse where it pays."""
 
     rms_norm: Callable[..., torch.Tensor]
-    linear: Callable[..., torch.Tensor]
     hc_pre: Callable[..., Any]
     hc_post: Callable[..., torch.Tensor]
     attention: Callable[..., torch.Tensor]
@@ -170,6 +170,7 @@ class LayerOps(NamedTuple):
     hc_post_pre: Callable[..., Any]
     hc_post_head: Callable[..., Any]
     embed_norms: Callable[..., Any]
+    eh_proj: Callable[..., torch.Tensor]
 
 
 # ---------------------------------------------------------------------- the checked API
@@ -275,10 +276,8 @@ class MTPLayerAPI:
             mask_pos0=sem.mask_pos0,
             **bi,
         )  # fmt: skip  (T, D), (T, n, D)
-        x = (
-            o.linear(h, p.h_proj, act_quant=q_dense, **bi)  # per stream
-            + o.linear(e, p.e_proj, act_quant=q_dense, **bi)[:, None, :]
-        )
+        # h_proj per stream plus e_proj broadcast to every stream: one op pair
+        x = o.eh_proj(e, h, p.e_proj, p.h_proj, act_quant=q_dense, **bi)  # (T, n, D)
 
         # attention sublayer: hc_pre -> attn_norm -> attention -> hc_post (the MoE one alike)
         a_in, post, comb = o.hc_pre(x, p.hc_attn_fn, p.hc_attn_scale, p.hc_attn_base, **hc)

@@ -18,7 +18,7 @@ from .attention import (
     sink_attention_varlen,
 )
 from .kv_cache import DeviceKVCache
-from .linear import LinearPack, grouped_linear, linear, pack_linear
+from .linear import LinearPack, eh_proj, grouped_linear, linear, pack_linear
 from .mhc import CollapseSchedule, hc_head, hc_post, hc_post_head, hc_post_pre, hc_pre
 from .moe import MoEPack, fused_experts, moe, pack_moe, route
 from .mtp import MTPLayer, MTPLayerPack
@@ -33,7 +33,7 @@ __all__ += ["MoEPack", "fused_experts", "moe", "pack_moe", "route"]
 __all__ += ["AttentionPack", "attention", "pack_attention", "pack_attention_weights"]
 __all__ += ["sink_attention", "sink_attention_varlen"]
 
-__all__ += ["LinearPack", "grouped_linear", "linear", "pack_linear"]
+__all__ += ["LinearPack", "eh_proj", "grouped_linear", "linear", "pack_linear"]
 __all__ += ["apply_rope", "kv_norm_rope", "q_head_norm_rope"]
 __all__ += ["MTPLayer", "MTPLayerPack"]
 __all__ += ["DeviceKVCache", "sink_attention_cache"]

@@ -374,9 +374,9 @@ TABLES.update(
 
 
 # ------------------------------------------------------------------------------ linear
-# linear / grouped_linear run the Triton kernel of optimized/kernels/linear.py (FP8 block or
-# bf16 / fp32 weights, bf16 / fp32 activations, on CUDA or under the interpreter; the entry
-# points check dtypes and devices before the table is read).  No by_T rule: the backend's own
+# linear / grouped_linear / eh_proj run the Triton kernel of optimized/kernels/linear.py (FP8
+# block or bf16 / fp32 weights, bf16 / fp32 activations, on CUDA or under the interpreter; the
+# entry points check dtypes and devices before the table is read).  No by_T rule: the backend's own
 # schedule reads the row count (kernels/linear.py, linear_schedule; from DEQUANT_MM_MIN_ROWS rows
 # an exact-bf16 FP8 pack is dequantized by a Triton pass and multiplied by cuBLAS,
 # ``dequant_mm_selected``), and batch_invariant pins the Triton kernel's decode schedule.
@@ -386,6 +386,7 @@ TABLES.update(
         "grouped_linear": OpTable(
             "grouped_linear", (Backend("triton", _always),), auto=("triton",)
         ),
+        "eh_proj": OpTable("eh_proj", (Backend("triton", _always),), auto=("triton",)),
     }
 )
 

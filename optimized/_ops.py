@@ -1086,12 +1086,14 @@ _ATTN_LIB = _register(_ATTN_SCHEMAS)
 # Triton kernel, which computes the same math for "fp8" and "fp8_exact".
 if TYPE_CHECKING:
     from .kernels.linear import (
+        add_rows_triton,
         dequant_mm_selected,
         linear_dequant_mm,
         linear_schedule,
         linear_triton,
     )
 else:
+    add_rows_triton = triton_kernel("linear", "add_rows_triton")
     dequant_mm_selected = triton_kernel("linear", "dequant_mm_selected")
     linear_dequant_mm = triton_kernel("linear", "linear_dequant_mm")
     linear_schedule = triton_kernel("linear", "linear_schedule")
@@ -1126,8 +1128,11 @@ def _linear_into(
     batch_invariant: bool,
     out: torch.Tensor,
     counters: torch.Tensor,
+    add: torch.Tensor | None = None,
 ) -> None:
-    """x (R, G, K) rows into out (R, G, N) (both views of the caller's tensors)."""
+    """x (R, G, K) rows into out (R, G, N) (both views of the caller's tensors); ``add``
+    (R', N), G = 1: out's row r plus add's row ``r // (R / R')`` after the product's rounding,
+    rounded again (kernels/linear.py, ``linear_triton``'s ``add``)."""
     if fmt not in _LINEAR_OP_FMT:
         raise InputError(f"fmt: expected one of {tuple(_LINEAR_OP_FMT)}, got {fmt!r}")
     if _LINEAR_OP_FMT[fmt] == 1 and weight.dtype != torch.uint8:
@@ -1148,11 +1153,13 @@ def _linear_into(
     w, s = weight.contiguous(), scale.contiguous()
     if dequant_mm_selected(R, fmt == _FP8_EXACT, x.dtype, batch_invariant):
         linear_dequant_mm(xin, w, s, out)
+        if add is not None:
+            add_rows_triton(out.view(R, -1), add)
         return
     sched = linear_schedule(R, weight.shape[1], K, G, batch_invariant)
     linear_triton(
         xin, w, s, out, fmt=_LINEAR_OP_FMT[fmt], sched=sched,
-        counters=counters if counters.numel() else None,
+        counters=counters if counters.numel() else None, add=add,
     )  # fmt: skip
 
 
@@ -1226,6 +1233,73 @@ _KERNELS.update(
 
 
 _LINEAR_LIB = _register(_LINEAR_SCHEMAS)
+
+
+# ------------------------------------------------------------------------------ eh_proj
+# The layer's input projection x = h_proj(h) + e_proj(e) per stream (optimized/linear.py,
+# eh_proj): e (T, K) and h (T, n, K) with the two packs flat as in linear, each with its own
+# split-K counters.  e's projection (T, N) is computed first, into a scratch tensor; h's (T*n
+# rows) then adds its row t to the n rows of token t after its own rounding: in the Triton
+# kernel's epilogue, or after the prefill path's cuBLAS GEMM in one Triton pass.
+_EH_ARGS = (
+    "Tensor e, Tensor h, Tensor e_weight, Tensor e_scale, str e_fmt, Tensor h_weight, "
+    "Tensor h_scale, str h_fmt, bool act_quant, bool batch_invariant"
+)
+_EH_SCHEMAS: dict[str, str] = {
+    "eh_proj": f"eh_proj({_EH_ARGS}, *, Tensor(a!) e_counters, Tensor(b!) h_counters) -> Tensor",
+    "eh_proj_out": (
+        f"eh_proj_out({_EH_ARGS}, *, Tensor(a!) out, Tensor(b!) e_counters, "
+        "Tensor(c!) h_counters) -> ()"
+    ),
+}
+SCHEMAS.update(_EH_SCHEMAS)
+OPS = tuple(SCHEMAS)
+
+
+def _eh_proj_out(
+    e: torch.Tensor,
+    h: torch.Tensor,
+    e_weight: torch.Tensor,
+    e_scale: torch.Tensor,
+    e_fmt: str,
+    h_weight: torch.Tensor,
+    h_scale: torch.Tensor,
+    h_fmt: str,
+    act_quant: bool,
+    batch_invariant: bool,
+    *,
+    out: torch.Tensor,
+    e_counters: torch.Tensor,
+    h_counters: torch.Tensor,
+) -> None:
+    T, n, K = h.shape
+    N = h_weight.shape[1]
+    if T == 0:
+        return
+    ep = e.new_empty((T, N))
+    _linear_into(
+        e.reshape(T, 1, -1), e_weight, e_scale, e_fmt, act_quant, batch_invariant,
+        ep.view(T, 1, N), e_counters,
+    )  # fmt: skip
+    _linear_into(
+        h.reshape(T * n, 1, K), h_weight, h_scale, h_fmt, act_quant, batch_invariant,
+        out.view(T * n, 1, N), h_counters, add=ep,
+    )  # fmt: skip
+
+
+def _eh_proj_fake(e: torch.Tensor, h: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    h_weight = args[3]  # after e_weight, e_scale, e_fmt
+    return h.new_empty((h.shape[0], h.shape[1], h_weight.shape[1]))
+
+
+def _eh_proj(*args: Any, e_counters: torch.Tensor, h_counters: torch.Tensor) -> torch.Tensor:
+    out = _eh_proj_fake(*args)
+    _eh_proj_out(*args, out=out, e_counters=e_counters, h_counters=h_counters)
+    return out
+
+
+_KERNELS.update({"eh_proj": (_eh_proj, _eh_proj_fake), "eh_proj_out": (_eh_proj_out, _out_fake)})
+_EH_LIB = _register(_EH_SCHEMAS)
 
 
 # ------------------------------------------------------------------------------ RoPE, q / kv paths

@@ -62,7 +62,7 @@ from dsv4mtp.semantics import Semantics
 from .attention import AttentionPack, attention, pack_attention, pack_attention_weights
 from .kernels._launch import check_device, device_ints, triton_kernel
 from .kv_cache import DeviceKVCache
-from .linear import LinearPack, linear, pack_linear
+from .linear import LinearPack, eh_proj, pack_linear
 from .lm_head import HeadPack, lm_head_argmax, lm_head_logits, pack_head
 from .mhc import hc_head, hc_post, hc_post_head, hc_post_pre, hc_pre
 from .moe import MoEPack, moe, pack_moe
@@ -175,9 +175,9 @@ class MTPLayer(MTPLayerAPI):
     """
 
     ops = LayerOps(
-        rms_norm=rms_norm, linear=linear, hc_pre=hc_pre, hc_post=hc_post, attention=attention,
+        rms_norm=rms_norm, hc_pre=hc_pre, hc_post=hc_post, attention=attention,
         moe=moe, hc_post_pre=hc_post_pre, hc_post_head=hc_post_head,
-        embed_norms=embed_norms,
+        embed_norms=embed_norms, eh_proj=eh_proj,
     )  # fmt: skip
 
     def __init__(

@@ -38,7 +38,7 @@ from dsv4mtp.formats import (
 from .norm import embed_norms, rms_norm
 from .mhc import hc_head, hc_post, hc_post_head, hc_post_pre, hc_pre, sinkhorn
 from .rope import apply_rope, rope_frequencies
-from .linear import grouped_linear, linear
+from .linear import eh_proj, grouped_linear, linear
 from .quant_sim import fp8_block_roundtrip
 from .attention import (
     attention,
@@ -115,6 +115,7 @@ __all__ = [
     "dequantize_fp8_block",
     "dequantize_mxfp4",
     "dequantize_nvfp4",
+    "eh_proj",
     "embed_norms",
     "encode_e2m1",
     "encode_e4m3",

@@ -26,7 +26,7 @@ from dsv4mtp.quant import ACT_QUANT_BLOCK
 
 from .quant_sim import fp8_block_roundtrip
 
-__all__ = ["grouped_linear", "linear", "rowwise_matmul"]
+__all__ = ["eh_proj", "grouped_linear", "linear", "rowwise_matmul"]
 
 
 def rowwise_matmul(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
@@ -105,6 +105,37 @@ def grouped_linear(
     ys = [linear(x[:, g], w[g], act_quant=act_quant) for g in range(G)]  # G x (T, N)
     y = torch.stack(ys, dim=1) if ys else x.new_zeros(T, 0, w.shape[1])  # (T, G, N)
     return _write(y, out)
+
+
+def eh_proj(
+    e: torch.Tensor,
+    h: torch.Tensor,
+    e_proj: torch.Tensor | QuantizedWeight,
+    h_proj: torch.Tensor | QuantizedWeight,
+    *,
+    act_quant: bool = False,
+    batch_invariant: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The layer's input projection (docs/semantics.md, "The MTP layer end to end"):
+    ``x = h_proj(h) + e_proj(e)``, e's projection added to every stream.  e (T, K) the normed
+    embedding rows, h (T, n, K) the normed hidden streams; each product rounded to x's dtype
+    (:func:`linear`), then their sum.  Keywords as :func:`linear`; ``out`` (T, n, N)."""
+    check_dtype("e", e, FLOAT_DTYPES)
+    check_ndim("e", e, 2)
+    check_ndim("h", h, 3)
+    if h.shape[0] != e.shape[0] or h.dtype != e.dtype:
+        raise InputError(
+            f"h: expected (T={e.shape[0]}, n, K) in {e.dtype} (e's tokens and dtype), got "
+            f"{h.dtype} {tuple(h.shape)}"
+        )
+    ep = linear(e, e_proj, act_quant=act_quant)  # (T, N)
+    hp = linear(h, h_proj, act_quant=act_quant)  # (T, n, N)
+    if hp.shape[-1] != ep.shape[-1]:
+        raise InputError(
+            f"h_proj: expected {ep.shape[-1]} output features (e_proj's), got {hp.shape[-1]}"
+        )
+    return _write(hp + ep[:, None, :], out)  # (T, n, N)
 
 
 def _write(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

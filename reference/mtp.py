@@ -35,7 +35,7 @@ from dsv4mtp.params import MTPLayerParams, build_layer_params
 from dsv4mtp.semantics import PRESETS, Semantics, resolve_semantics
 
 from .attention import attention
-from .linear import linear
+from .linear import eh_proj
 from .mhc import hc_head, hc_post, hc_post_head, hc_post_pre, hc_pre
 from .moe import moe
 from .norm import embed_norms, rms_norm
@@ -56,9 +56,9 @@ class MTPLayer(MTPLayerAPI):
     """
 
     ops = LayerOps(
-        rms_norm=rms_norm, linear=linear, hc_pre=hc_pre, hc_post=hc_post, attention=attention,
+        rms_norm=rms_norm, hc_pre=hc_pre, hc_post=hc_post, attention=attention,
         moe=moe, hc_post_pre=hc_post_pre, hc_post_head=hc_post_head,
-        embed_norms=embed_norms,
+        embed_norms=embed_norms, eh_proj=eh_proj,
     )  # fmt: skip
 
     def __init__(

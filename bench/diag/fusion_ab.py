@@ -20,7 +20,8 @@ INVERSE_ROPE_IN_PLACE``).  Each is swapped in only while its setting's graphs ar
 graphs keep what they captured).
 
 Run (GPU machine, repository root, after the README's install):
-``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms] [--no-guard] [--no-rope]``
+``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms,eh_proj] [--no-guard]
+[--no-rope]``
 (about two minutes).
 """
 
@@ -44,7 +45,7 @@ from h200_mtp import DECODE_T
 from moe_stream_ab import decode_table
 
 from dsv4mtp.checkpoint.fullsize import make_fullsize_checkpoint
-from dsv4mtp.optimized import MTPLayer, rms_norm
+from dsv4mtp.optimized import MTPLayer, linear, rms_norm
 from dsv4mtp.optimized.kernels import step_guard as guard_kernels
 from dsv4mtp.optimized.kernels.moe_common import jit_loop_bounds
 from dsv4mtp.optimized.mtp import DecodeGraphs
@@ -74,8 +75,25 @@ def composed_embed_norms(
     return rms_norm(e, enorm, eps, **bi), rms_norm(prev_hidden, hnorm, eps, **bi)
 
 
+def composed_eh_proj(
+    e: torch.Tensor,
+    h: torch.Tensor,
+    e_proj: Any,
+    h_proj: Any,
+    *,
+    act_quant: bool = False,
+    batch_invariant: bool = False,
+) -> torch.Tensor:
+    """The launches eh_proj replaces: the two linears and torch's broadcast add."""
+    kw = {"act_quant": act_quant, "batch_invariant": batch_invariant}
+    return linear(h, h_proj, **kw) + linear(e, e_proj, **kw)[:, None, :]
+
+
 #: pair -> its composition from the optimized ops (what the layer ran before the pair)
-COMPOSED: dict[str, Callable[..., Any]] = {"embed_norms": composed_embed_norms}
+COMPOSED: dict[str, Callable[..., Any]] = {
+    "embed_norms": composed_embed_norms,
+    "eh_proj": composed_eh_proj,
+}
 
 SHIPPED_GUARD = guard_kernels.guard_schedule, guard_kernels.step_guard_kernel
 

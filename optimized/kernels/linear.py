@@ -22,15 +22,23 @@ ways to speed the decode linears").  SPLIT_K == 1 rounds the sum once to y's dty
 from its output tile's int32 counter (one atomic add per program, acquire-release at gpu
 scope); the program that draws ticket SPLIT_K - 1, the tile's last split to finish, loads
 ``part[0..SPLIT_K-1]`` from L2, adds them to fp32 zeros in the order 0, 1, ..., SPLIT_K - 1,
-rounds once to y's dtype, writes y and sets the counter back to zero.  Which program reduces depends on timing, the arithmetic does
-not: the sum is always taken in split order, so the result is deterministic and a row's bits
-depend only on the schedule (BLOCK_M, BLOCK_N, SPLIT_K, warps), never on the other rows.  No
+rounds once to y's dtype, writes y and sets the counter back to zero.  Which program reduces
+depends on timing, the arithmetic does not: the sum is always taken in split order, so the
+result is deterministic and a row's bits depend only on the schedule (BLOCK_M, BLOCK_N,
+SPLIT_K, warps), never on the other rows.  No
 program waits for another, so nothing depends on how many programs are resident.  The counters
 (one per M block, N tile and group) are zero before every launch and left zero after it: a
 pack's own (optimized/linear.py, ``LinearPack.counters``, zeroed once when packed: no memset
 per call, in a CUDA graph neither), or for a call without a pack's the stream's
 (kernels/_sync.py, ``counters``; fresh zeros while capturing).  Under the interpreter the
 programs run one after another and the tile's last program in grid order reduces.
+
+The epilogue's add (``ADD_ROWS`` > 0, the layer's ``h_proj(h) + e_proj(e)``: ``eh_proj`` in
+optimized/linear.py): whoever stores a tile, the program without a split or the tile's last
+split, rounds its sums to y's dtype, adds row ``r // ADD_ROWS`` of ``add`` in fp32 and rounds
+again, which is bitwise the product followed by a separate add in y's dtype (torch's bf16 add
+sums in fp32 and rounds once), without the add's launch and y's second round trip.  On the
+prefill path ``add_rows_kernel`` does the same after the GEMM, in place.
 
 ``dequant_kernel`` + ``linear_dequant_mm`` (the prefill path, FP8 packs whose every code x
 scale product is exact in bf16, bf16 x, ``DEQUANT_MM_MIN_ROWS`` rows or more, not
@@ -64,6 +72,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4mtp.errors import InputError
+
 from ._launch import (
     INTERPRET,
     cdiv,
@@ -82,6 +92,7 @@ __all__ = [
     "FMT_DENSE",
     "FMT_FP8",
     "LinearSchedule",
+    "add_rows_triton",
     "dequant_bf16_triton",
     "dequant_mm_selected",
     "fp32_reduction",
@@ -171,6 +182,21 @@ def _dot(a, b, USE_F32: tl.constexpr, INTERP: tl.constexpr):
         return tl.dot(a, b)
 
 
+@triton.jit
+def _add_rows(acc, add_ptr, rows, cols, mask, N, y_ty: tl.constexpr, ADD_ROWS: tl.constexpr,
+              INTERP: tl.constexpr):  # fmt: skip
+    """The fp32 sums ``acc`` (BLOCK_M, BLOCK_N) as y's dtype; with ``ADD_ROWS`` > 0, plus row
+    ``rows // ADD_ROWS`` of ``add`` (N columns, y's dtype) after that rounding, then rounded
+    again: bitwise the rounded product followed by a separate add in y's dtype (torch's add
+    of two bf16 tensors sums them in fp32 and rounds once)."""
+    y = rne_bf16_if_interpreted(acc, y_ty, INTERP).to(y_ty)
+    if ADD_ROWS > 0:
+        a_off = (rows // ADD_ROWS).to(tl.int64)[:, None] * N + cols[None, :]
+        a = tl.load(add_ptr + a_off, mask=mask, other=0.0)
+        y = rne_bf16_if_interpreted(y.to(tl.float32) + a.to(tl.float32), y_ty, INTERP).to(y_ty)
+    return y
+
+
 @jit_loop_bounds("KB_PER_SPLIT")
 def linear_kernel(
     x_ptr,
@@ -179,16 +205,19 @@ def linear_kernel(
     y_ptr,
     part_ptr,
     count_ptr,
+    add_ptr,
     R,
     G,
     N,
     K,
     KB_PER_SPLIT,
+    add_row0,
     FMT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    ADD_ROWS: tl.constexpr,
     USE_F32: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -226,8 +255,8 @@ def linear_kernel(
     mask = rm[:, None] & cm[None, :]
     y_ty = y_ptr.dtype.element_ty
     if SPLIT_K == 1:
-        acc = rne_bf16_if_interpreted(acc, y_ty, INTERP)
-        tl.store(y_ptr + out_off, acc.to(y_ty), mask=mask)
+        y = _add_rows(acc, add_ptr, add_row0 + rows, cols, mask, N, y_ty, ADD_ROWS, INTERP)
+        tl.store(y_ptr + out_off, y, mask=mask)
     else:
         # Split s's fp32 partial goes to part[s] (SPLIT_K planes of R*G*N); the last of the tile's
         # SPLIT_K programs to arrive sums the planes in split order (module docstring).
@@ -253,8 +282,8 @@ def linear_kernel(
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for j in tl.static_range(SPLIT_K):
                 total += tl.load(tile_part + j * plane, mask=mask, other=0.0, cache_modifier=".cg")
-            total = rne_bf16_if_interpreted(total, y_ty, INTERP)
-            tl.store(y_ptr + out_off, total.to(y_ty), mask=mask)
+            y = _add_rows(total, add_ptr, add_row0 + rows, cols, mask, N, y_ty, ADD_ROWS, INTERP)
+            tl.store(y_ptr + out_off, y, mask=mask)
             # Every program of the tile has incremented (ticket SPLIT_K - 1) and none touches
             # the counter again in this launch; the next launch starts after this one ends.
             tl.store(count_ptr + tile, 0)
@@ -269,17 +298,25 @@ def linear_triton(
     fmt: int,
     sched: LinearSchedule,
     counters: torch.Tensor | None = None,
+    add: torch.Tensor | None = None,
 ) -> None:
     """y (R, G, N) = x (R, G, K) @ w (G, N, K)^T per group (module doc); all contiguous.
 
     ``counters``: int32 zeros (left zeroed), one per (M block, N tile, group) output tile of a
     split schedule; a pack's own (optimized/linear.py).  When it holds fewer tiles than the
     call has, the rows run in launches of as many M blocks as it holds; None, or fewer than one
-    M block's tiles: the stream's zeroed counters (kernels/_sync.py, ``counters``)."""
+    M block's tiles: the stream's zeroed counters (kernels/_sync.py, ``counters``).
+
+    ``add``: (R', N) contiguous in y's dtype, G = 1 and R a multiple of R': row r of y gets row
+    ``r // (R / R')`` of ``add`` added after its rounding and is rounded again, in the
+    epilogue of the program (or the split) that stores it (``_add_rows``): bitwise the product
+    followed by a separate broadcast add (the layer's ``h_proj(h) + e_proj(e)`` per stream),
+    with neither the second launch nor y's second round trip."""
     R, G, K = x.shape
     N = w.shape[1]
     if R == 0:
         return
+    add_rows = _add_ratio(add, R, G, N)
     kb = cdiv(K, BLOCK_K)
     split = sched.split_k
     per_split = cdiv(kb, split)
@@ -298,14 +335,62 @@ def linear_triton(
     step = chunk * sched.block_m
     launch = triton_launch(
         linear_kernel, FMT=fmt, BLOCK_M=sched.block_m, BLOCK_N=sched.block_n, BLOCK_K=BLOCK_K,
-        SPLIT_K=split, USE_F32=use_f32, INTERP=INTERPRET, num_warps=sched.num_warps,
-        num_stages=sched.num_stages,
+        SPLIT_K=split, ADD_ROWS=add_rows, USE_F32=use_f32, INTERP=INTERPRET,
+        num_warps=sched.num_warps, num_stages=sched.num_stages,
     )  # fmt: skip
     for r0 in range(0, R, step):
         xc, yc = (x, y) if step >= R else (x[r0 : r0 + step], y[r0 : r0 + step])
         rc = xc.shape[0]
         grid = (cdiv(rc, sched.block_m), n_tiles, G * split)
-        launch(grid, xc, w, s if s.numel() else w, yc, part, count, rc, G, N, K, per_split)
+        launch(
+            grid, xc, w, s if s.numel() else w, yc, part, count, y if add is None else add, rc,
+            G, N, K, per_split, r0,
+        )  # fmt: skip
+
+
+def _add_ratio(add: torch.Tensor | None, R: int, G: int, N: int) -> int:
+    """How many rows of y share one row of ``add`` (0 without one); its shape checked."""
+    if add is None:
+        return 0
+    Ra = add.shape[0]
+    if G != 1 or add.dim() != 2 or add.shape[1] != N or Ra == 0 or R % Ra:
+        raise InputError(f"add: expected (R', {N}) with R' dividing {R} rows, G 1; got "
+                         f"{tuple(add.shape)}, G {G}")  # fmt: skip
+    return R // Ra
+
+
+@triton.jit
+def add_rows_kernel(y_ptr, add_ptr, R, N, ADD_ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_N: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """y[r, :] = y[r, :] + add[r // ADD_ROWS, :] in place, in y's dtype (summed in fp32,
+    rounded once): program (r, n) takes rows [r*BLOCK_R, +BLOCK_R) x columns
+    [n*BLOCK_N, +BLOCK_N)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < R)[:, None] & (cols < N)[None, :]
+    off = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    y = tl.load(y_ptr + off, mask=mask, other=0.0)
+    a_off = (rows // ADD_ROWS).to(tl.int64)[:, None] * N + cols[None, :]
+    a = tl.load(add_ptr + a_off, mask=mask, other=0.0)
+    s = rne_bf16_if_interpreted(y.to(tl.float32) + a.to(tl.float32), y.dtype, INTERP)
+    tl.store(y_ptr + off, s.to(y.dtype), mask=mask)
+
+
+def add_rows_triton(y: torch.Tensor, add: torch.Tensor) -> None:
+    """y (R, N) += add (R', N) broadcast over runs of R / R' rows, in place (both contiguous,
+    one dtype): the prefill path's form of :func:`linear_triton`'s ``add``.  Moves y twice
+    (read, write) and ``add`` once: at 4096 tokens x 4 streams of 4096 bf16, 268 MiB + 32 MiB."""
+    R, N = y.shape
+    if R == 0:
+        return
+    ratio = _add_ratio(add, R, 1, N)
+    # 8 rows x 512 columns of bf16 per 4-warp program: 16 B per thread per row
+    block_r, block_n = 8, min(512, next_pow2(N))
+    launch = triton_launch(
+        add_rows_kernel, ADD_ROWS=ratio, BLOCK_R=block_r, BLOCK_N=block_n, INTERP=INTERPRET,
+        num_warps=4,
+    )  # fmt: skip
+    launch((cdiv(R, block_r), cdiv(N, block_n)), y, add, R, N)
 
 
 # ------------------------------------------------------------------------------ prefill path
