@@ -581,23 +581,38 @@ register(
 _LINEAR_PACKS: dict[tuple[int, bool], tuple[Any, Any]] = {}
 
 
-def _packed_linear(grouped: bool, args: tuple[Any, ...], kwargs: dict[str, Any]):
-    """(x, QuantizedWeight) -> (x, its LinearPack), packed once per weight object (kept alive
-    with its pack, so the id stays unique while cached)."""
+def _pack_once(weight: Any, device: torch.device, groups: int | None = None) -> Any:
+    """The LinearPack of a QuantizedWeight, packed once per weight object (kept alive with its
+    pack, so the id stays unique while cached)."""
     from dsv4mtp.optimized import pack_linear  # type: ignore[attr-defined]
 
-    x, weight = args[0], args[1]
-    key = (id(weight), grouped)
+    key = (id(weight), groups is not None)
     if key not in _LINEAR_PACKS:
-        groups = x.shape[1] if grouped and x.dim() == 3 else None
         evict_oldest(_LINEAR_PACKS, 16, False)
-        _LINEAR_PACKS[key] = (weight, pack_linear(weight, x.device, groups=groups))
-    return (x, _LINEAR_PACKS[key][1], *args[2:]), kwargs
+        _LINEAR_PACKS[key] = (weight, pack_linear(weight, device, groups=groups))
+    return _LINEAR_PACKS[key][1]
+
+
+def _packed_linear(grouped: bool, args: tuple[Any, ...], kwargs: dict[str, Any]):
+    """(x, QuantizedWeight) -> (x, its LinearPack)."""
+    x, weight = args[0], args[1]
+    groups = x.shape[1] if grouped and x.dim() == 3 else None
+    return (x, _pack_once(weight, x.device, groups), *args[2:]), kwargs
+
+
+def _weight_draws(draw: Any) -> tuple[str, float, float, int]:
+    """A linear case's weight format, input magnitude, zeroed-row fraction and seed."""
+    from dsv4mtp.conformance.inputs import LINEAR_FORMATS
+
+    fmt = draw(st.sampled_from(LINEAR_FORMATS))
+    magnitude = draw(st.sampled_from([1.0, 1e-3, 30.0]))
+    zero_rows = 0.25 if draw(st.booleans()) else 0.0
+    return fmt, magnitude, zero_rows, draw(st.integers(0, 2**31 - 1))
 
 
 @st.composite
 def _linear_case(draw: Any, op: str, dtype: torch.dtype, device: str, max_tokens: int) -> Case:
-    from dsv4mtp.conformance.inputs import LINEAR_FORMATS, linear_inputs
+    from dsv4mtp.conformance.inputs import linear_inputs
 
     grouped = op == "grouped_linear"
     if device == "cpu":
@@ -611,10 +626,7 @@ def _linear_case(draw: Any, op: str, dtype: torch.dtype, device: str, max_tokens
         T = draw(st.one_of(st.sampled_from([0, 1, 4, 64, 65, 513]), st.integers(0, 4096)))
         T = min(T, max_tokens)
         shape = "wo_a" if grouped else draw(st.sampled_from(["e_proj", "wqa_wkv", "wq_b", "wo_b"]))
-    fmt = draw(st.sampled_from(LINEAR_FORMATS))
-    magnitude = draw(st.sampled_from([1.0, 1e-3, 30.0]))
-    zero_rows = 0.25 if draw(st.booleans()) else 0.0
-    seed = draw(st.integers(0, 2**31 - 1))
+    fmt, magnitude, zero_rows, seed = _weight_draws(draw)
     args, kw = linear_inputs(
         op, T, seed, shape=shape, fmt=fmt, dtype=dtype, device=device, magnitude=magnitude,
         zero_rows=zero_rows,
@@ -679,26 +691,17 @@ for _op in ("linear", "grouped_linear"):
 # weights of one format.  On CPU the small shape (N 192, K 384) with n in {4, 1, 3} and rows
 # 0..70 per stream (T*n past 256 reaches the prefill path's add pass); on CUDA V4-Flash's
 # e_proj / h_proj (4096 x 4096), n 4, up to 1024 tokens: 4096 rows of h, the prefill path from
-# 64 tokens on (drawn up to 4096 tokens, the float64 oracle's row-by-row products over 4 x 4096
-# rows kept eh_proj's GPU contracts from finishing in 200 s on the H200).
+# 64 tokens on (the float64 oracle's row-by-row products over 4 x 4096 rows take minutes per
+# generated test on the H200).
 def _packed_eh(args: tuple[Any, ...], kwargs: dict[str, Any]):
-    """(e, h, w_e, w_h) -> (e, h, pack_e, pack_h), each packed once per weight object."""
-    from dsv4mtp.optimized import pack_linear  # type: ignore[attr-defined]
-
+    """(e, h, w_e, w_h) -> (e, h, pack_e, pack_h)."""
     e, h, *weights = args
-    packs = []
-    for w in weights:
-        key = (id(w), False)
-        if key not in _LINEAR_PACKS:
-            evict_oldest(_LINEAR_PACKS, 16, False)
-            _LINEAR_PACKS[key] = (w, pack_linear(w, e.device))
-        packs.append(_LINEAR_PACKS[key][1])
-    return (e, h, *packs), kwargs
+    return (e, h, *(_pack_once(w, e.device) for w in weights)), kwargs
 
 
 @st.composite
 def _eh_case(draw: Any, dtype: torch.dtype, device: str, max_tokens: int) -> Case:
-    from dsv4mtp.conformance.inputs import LINEAR_FORMATS, eh_proj_inputs
+    from dsv4mtp.conformance.inputs import eh_proj_inputs
 
     if device == "cpu":
         T = draw(st.one_of(st.sampled_from([0, 1, 2, 7, 65]), st.integers(0, 70)))
@@ -707,21 +710,13 @@ def _eh_case(draw: Any, dtype: torch.dtype, device: str, max_tokens: int) -> Cas
     else:
         T = draw(st.one_of(st.sampled_from([0, 1, 8, 64, 65, 513]), st.integers(0, 1024)))
         T, n, shape = min(T, max_tokens), 4, "e_proj"
-    fmt = draw(st.sampled_from(LINEAR_FORMATS))
-    magnitude = draw(st.sampled_from([1.0, 1e-3, 30.0]))
-    zero_rows = 0.25 if draw(st.booleans()) else 0.0
-    seed = draw(st.integers(0, 2**31 - 1))
+    fmt, magnitude, zero_rows, seed = _weight_draws(draw)
     args, kw = eh_proj_inputs(
         T, seed, shape=shape, n=n, fmt=fmt, dtype=dtype, device=device, magnitude=magnitude,
         zero_rows=zero_rows,
     )  # fmt: skip
     label = f"T={T} n={n} {fmt} magnitude={magnitude:g} zero_rows={zero_rows} seed={seed}"
     return Case(args, kw, label=label)
-
-
-def _eh_facts(case: Case) -> Facts:
-    e = case.args[0]
-    return Facts(e.device, (e.dtype,))
 
 
 # Each product is linear's (the same kernel and paths, the same bounds per product); the sum
@@ -739,7 +734,7 @@ register(
         concept="linear",
         strategy=_eh_case,
         build=partial(_build, "eh_proj"),
-        facts=_eh_facts,
+        facts=_linear_facts,  # e's device and dtype
         switches=lambda s: {"act_quant": s.act_quant},
         optimized_args=_packed_eh,
         cpu_D=256,

@@ -432,10 +432,10 @@ def test_the_default_schedule_reads_the_row_count_only_outside_batch_invariant_m
     with three pipeline stages; from WHOLE_ROWS rows at Dh 512 it takes the whole row per
     program (Dh in one chunk, the 512-wide output, 8 warps, three stages; two in the
     ring-cache and paged kernels); each with two stages on a device with less shared memory
-    per block.  The heads, key blocks and search
-    (what sets the reduction order over keys) never change.  Other Dh from 256 stop at the
-    256-wide slices; fp32, a Dh without a 256-wide slice and the T-independent default
-    (``rows=None``, what ``batch_invariant=True`` pins) keep the narrow tiles."""
+    per block.  The heads, key blocks and search (what sets the reduction order over keys)
+    never change.  Other Dh from 256 stop at the 256-wide slices; fp32, a Dh without a
+    256-wide slice and the T-independent default (``rows=None``, what
+    ``batch_invariant=True`` pins) keep the narrow tiles."""
     pytest.importorskip("triton")
     from dsv4mtp.optimized.attention import _schedule_fields
     from dsv4mtp.optimized.kernels.sink_attention import (
@@ -497,16 +497,18 @@ def _default_tiles() -> dict[str, object]:
         "narrow": attention_schedule(64, 512, 128),
         "wide": attention_schedule(64, 512, 128, rows=WIDE_ROWS),
         "whole": attention_schedule(64, 512, 128, rows=WHOLE_ROWS),
+        # the ring-cache and paged kernels' own (two stages)
+        "whole_cached": attention_schedule(64, 512, 128, rows=WHOLE_ROWS, cached=True),
     }
 
 
 @pytest.mark.gpu
 def test_the_wide_and_narrow_schedules_give_the_same_bits() -> None:
-    """The default's three bf16 schedules at V4-Flash shapes (the narrow tiles, the 256-wide
-    slices, the whole row), in the contiguous kernel on a 200-row prefill and on 64 decode rows
-    against full windows, and in the ring-cache and paged kernels: bitwise equal outputs (so a
-    decode row keeps the bits of the same row inside a prefill whatever the two calls' row
-    counts)."""
+    """The default's bf16 schedules at V4-Flash shapes (the narrow tiles, the 256-wide slices,
+    the whole row with three stages and the cached kernels' two), in the contiguous kernel on
+    a 200-row prefill and on 64 decode rows against full windows, and in the ring-cache and
+    paged kernels: bitwise equal outputs (so a decode row keeps the bits of the same row inside
+    a prefill whatever the two calls' row counts)."""
     from dsv4mtp.conformance.inputs import attention_inputs
 
     opt = _opt()
@@ -518,7 +520,7 @@ def test_the_wide_and_narrow_schedules_give_the_same_bits() -> None:
         )
         outs = {n: opt.sink_attention_varlen(*args, **kw, schedule=t) for n, t in tiles.items()}
         assert torch.isfinite(outs["whole"]).all()
-        for name in ("wide", "whole"):
+        for name in tiles:
             assert torch.equal(outs[name], outs["narrow"]), f"{name} lens {lens[:2]}"
         if lens == [200]:  # the op's own default at 200 rows is the whole row
             assert torch.equal(opt.sink_attention_varlen(*args, **kw), outs["narrow"])

@@ -484,25 +484,38 @@ def test_linear_opcheck(op: str, variant: str, rows: int, device: str) -> None:
 
 # ------------------------------------------------------------------------------ eh_proj
 def _eh(
-    T: int, n: int, fmt: str, device: str, N: int = 192, K: int = 384, seed: int = 0
+    T: int, n: int, fmt: str, device: str, N: int = 192, K: int = 1024, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, QuantizedWeight, QuantizedWeight]:
+    """e (T, K), h (T, n, K) and two (N, K) weights; K 1024 (8 K blocks) gives the decode
+    schedules a 4-way K split at N 192."""
     e, h = _x(T, K, device=device, seed=seed), _x(T, n, K, device=device, seed=seed + 1)
     we, wh = (linear_weight(1, N, K, fmt, seed=s, device=device) for s in (31, 32))
     return e, h, we, wh
 
 
-@pytest.mark.parametrize(("T", "n"), [(1, 4), (16, 4), (5, 3), (70, 4)])
-@pytest.mark.parametrize("batch_invariant", [False, True])
+# (T, n, batch_invariant): h's 4 / 15 / 64 rows on split-K schedules (K 1024), 280 rows on the
+# prefill path (batch_invariant off) or the batch-invariant split schedule (K 384 there: the
+# interpreter's time grows with K and the split is what K 1024 is for)
+_EH_CASES = [(1, 4, False), (1, 4, True), (5, 3, False), (16, 4, False), (70, 4, False),
+             (70, 4, True)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("T", "n", "batch_invariant"), _EH_CASES)
 def test_eh_proj_is_the_two_linears_and_their_sum_bit_for_bit(
     T: int, n: int, batch_invariant: bool, device: str
 ) -> None:
-    """eh_proj adds e's projection in the epilogue of h's (split-K at 4-64 rows, one tile pass
-    past them, batch-invariant schedules) or, from 256 rows (T 70 x 4 streams), after the
-    prefill path's cuBLAS GEMM: bitwise the two ``linear`` calls and torch's broadcast add,
-    out= included (poisoned first), with act_quant too."""
-    e, h, we, wh = _eh(T, n, "fp8_e8m0", device)
+    """eh_proj adds e's projection in the epilogue of h's (the split-K schedules' last split
+    at 4-64 rows, the batch-invariant schedules) or, from 256 rows (T 70 x 4 streams), after
+    the prefill path's cuBLAS GEMM: bitwise the two ``linear`` calls and torch's broadcast add,
+    out= included (poisoned first), with act_quant too at up to 15 rows."""
+    from dsv4mtp.optimized.kernels.linear import linear_schedule
+
+    K = 1024 if T * n <= 64 else 384
+    e, h, we, wh = _eh(T, n, "fp8_e8m0", device, K=K)
     pe, ph = opt.pack_linear(we, device), opt.pack_linear(wh, device)
-    for act_quant in (False, True):
+    if T * n <= 64:  # the epilogue under test is a split's
+        assert linear_schedule(T * n, 192, K, 1, batch_invariant).split_k > 1
+    for act_quant in (False, True) if T * n <= 15 else (False,):
         kw = dict(act_quant=act_quant, batch_invariant=batch_invariant)
         want = opt.linear(h, ph, **kw) + opt.linear(e, pe, **kw)[:, None, :]
         got = opt.eh_proj(e, h, pe, ph, **kw)
@@ -510,6 +523,20 @@ def test_eh_proj_is_the_two_linears_and_their_sum_bit_for_bit(
         out = torch.full_like(want, float("nan"))
         assert opt.eh_proj(e, h, pe, ph, **kw, out=out) is out and torch.equal(out, want)
     assert not pe.counters.any() and not ph.counters.any()  # left zeroed
+
+
+def test_eh_proj_rows_past_the_counters_add_each_launch_its_own_rows(device: str) -> None:
+    """With counters for one M block, h's 80 rows (T 20 x 4, batch-invariant 64-row blocks)
+    run as two launches of the split schedule: the second's rows start at 64 and must add
+    e's rows 16-19, bitwise the composition."""
+    e, h, we, wh = _eh(20, 4, "fp8_e8m0", device)
+    pe, ph = opt.pack_linear(we, device), opt.pack_linear(wh, device)
+    tiles = ph.counters.numel() // 16  # the pack's counters hold 16 M blocks of N tiles
+    ph = dataclasses.replace(ph, counters=torch.zeros(tiles, dtype=torch.int32, device=device))
+    kw = dict(batch_invariant=True)
+    want = opt.linear(h, ph, **kw) + opt.linear(e, pe, **kw)[:, None, :]
+    assert torch.equal(opt.eh_proj(e, h, pe, ph, **kw), want)
+    assert not ph.counters.any()
 
 
 def test_eh_proj_matches_the_reference(device: str) -> None:
@@ -530,20 +557,37 @@ def test_eh_proj_matches_the_reference(device: str) -> None:
 def test_eh_proj_bad_inputs_raise_input_errors_naming_the_tensor(device: str) -> None:
     e, h, we, wh = _eh(2, 4, "fp8_e8m0", device)
     pe, ph = opt.pack_linear(we, device), opt.pack_linear(wh, device)
-    w_other = linear_weight(1, 128, 384, "fp8_e8m0", seed=33, device=device)
+    w_other = linear_weight(1, 128, 1024, "fp8_e8m0", seed=33, device=device)
     other = opt.pack_linear(w_other, device)
-    with pytest.raises(InputError, match=r"^h_proj: expected 192 output features"):
-        opt.eh_proj(e, h, pe, other)
-    with pytest.raises(InputError, match=r"^h: expected shape \(2, \*, 384\)"):
-        opt.eh_proj(e, h[:1], pe, ph)
-    with pytest.raises(InputError, match=r"^e: expected"):
-        opt.eh_proj(e[0], h, pe, ph)
-    with pytest.raises(InputError, match=r"^h: expected dtype"):
-        opt.eh_proj(e, h.float(), pe, ph)
-    with pytest.raises(InputError, match=r"^out: expected"):
-        opt.eh_proj(e, h, pe, ph, out=h.new_empty(2, 4, 191))
+    cases = [
+        (lambda: opt.eh_proj(e, h, pe, other), r"^h_proj: expected 192 output features"),
+        (lambda: opt.eh_proj(e, h[:1], pe, ph), r"^h: expected shape \(2, \*, 1024\)"),
+        (lambda: opt.eh_proj(e[0], h, pe, ph), r"^e: expected"),
+        (lambda: opt.eh_proj(e, h.float(), pe, ph), r"^h: expected dtype"),
+        (lambda: opt.eh_proj(e, h, pe, ph, out=h.new_empty(2, 4, 191)), r"^out: expected"),
+        (lambda: opt.eh_proj(e, h, pe, pe), r"^h_proj: expected its own pack"),
+        (lambda: opt.eh_proj(e, h, we, ph), r"^e_proj: a QuantizedWeight is packed once"),
+        (lambda: opt.eh_proj(e, h, pe, "w"), r"^h_proj: expected a LinearPack"),
+        (lambda: opt.eh_proj(e, h, pe, wh.data), r"^h_proj: expected"),  # uint8 codes
+    ]
+    for call, match in cases:
+        with pytest.raises(InputError, match=match):
+            call()
+    # out over h's own memory (a square weight makes the shapes agree): refused, never a
+    # result computed from rows the kernel has already overwritten
+    sq_e, sq_h = (
+        opt.pack_linear(linear_weight(1, 1024, 1024, "fp8_e8m0", seed=s, device=device), device)
+        for s in (34, 35)
+    )
+    with pytest.raises(InputError, match=r"^out: expected memory apart from h's"):
+        opt.eh_proj(e, h, sq_e, sq_h, out=h)
+    opt.eh_proj(e, h, sq_e, sq_h, out=torch.empty_like(h))  # apart: accepted
     with pytest.raises(InputError, match=r"^h: expected"):
         ref.eh_proj(e.cpu(), h[:1].cpu(), we, wh)
+    with pytest.raises(InputError, match=r"^e: expected shape \(T, 1024\)"):
+        ref.eh_proj(e[:, :512].cpu(), h.cpu(), we, wh)
+    with pytest.raises(InputError, match=r"^h_proj: expected 192 output features"):
+        ref.eh_proj(e.cpu(), h.cpu(), we, w_other)
 
 
 @pytest.mark.parametrize("rows", [2, 70])

@@ -1274,6 +1274,13 @@ def _eh_proj_out(
 ) -> None:
     T, n, K = h.shape
     N = h_weight.shape[1]
+    if e.dim() != 2 or e.shape[0] != T or e.shape[1] != e_weight.shape[2]:
+        raise InputError(f"e: expected shape ({T}, {e_weight.shape[2]}), got {tuple(e.shape)}")
+    if e_weight.shape[1] != N or h_weight.shape[2] != K:
+        raise InputError(
+            f"h_weight: expected N {e_weight.shape[1]} (e_weight's) and K {K} (h's), got shape "
+            f"{tuple(h_weight.shape)}"
+        )
     if T == 0:
         return
     ep = e.new_empty((T, N))

@@ -275,10 +275,12 @@ def sink_attention(
     (kernels/sink_attention.py); moves q and out once and each query's visible keys (at most
     ``window`` rows of Dh) once for all heads.  ``schedule``: an
     :class:`~dsv4mtp.optimized.kernels.sink_attention.AttentionSchedule` (tile sweeps), default
-    by H, Dh, the window and the row count (``attention_schedule``: wider output slices from 64
-    rows, the same bits).  Every schedule is batch invariant (a row's reduction order depends
-    on its own keys only); ``batch_invariant=True`` also pins the default to the one that does
-    not read the row count.
+    by H, Dh, the window and the row count (``attention_schedule``: 256-wide output slices from
+    64 rows, at Dh 512 the whole row per program from 128; bitwise the narrow tiles on the GPU,
+    where a dot's Dh reduction is one chain of MMA steps whatever the chunk; under the
+    interpreter the whole row can differ in the last bit).  Every schedule is batch invariant
+    (a row's reduction order depends on its own keys only); ``batch_invariant=True`` also pins
+    the default to the one that does not read the row count.
     """
     return _call(
         "sink_attention", q, q_pos, kv, k_pos, attn_sink, None, window, scale, batch_invariant,

@@ -261,17 +261,17 @@ def pack_linear(
     )  # fmt: skip
 
 
-def _as_pack(weight: object, grouped: bool) -> LinearPack:
+def _as_pack(weight: object, grouped: bool, name: str = "weight") -> LinearPack:
     """A LinearPack as given (of the right kind), or a dense tensor viewed as one (no copy when
-    it is contiguous bf16 / fp32)."""
+    it is contiguous bf16 / fp32); errors name the argument ``name``."""
     if isinstance(weight, LinearPack):
         if weight.grouped != grouped:
             want = "a grouped pack (pack_linear(w, groups=G))" if grouped else "a plain pack"
-            raise InputError(f"weight: expected {want}, got grouped={weight.grouped}")
+            raise InputError(f"{name}: expected {want}, got grouped={weight.grouped}")
         return weight
     if isinstance(weight, torch.Tensor):
-        check_kernel_dtype("weight", weight)
-        check_ndim("weight", weight, 3 if grouped else 2)
+        check_kernel_dtype(name, weight)
+        check_ndim(name, weight, 3 if grouped else 2)
         w = weight.contiguous()
         w3 = w if grouped else w[None]
         # No counters of its own: a split call takes the stream's zeroed ones (kernels/_sync.py).
@@ -280,11 +280,11 @@ def _as_pack(weight: object, grouped: bool) -> LinearPack:
         return LinearPack("bf16", w3, scale, no_counters, grouped)
     if isinstance(weight, QuantizedWeight):
         raise InputError(
-            "weight: a QuantizedWeight is packed once with dsv4mtp.optimized.pack_linear(weight)"
+            f"{name}: a QuantizedWeight is packed once with dsv4mtp.optimized.pack_linear(weight)"
             " before the call"
         )
     raise InputError(
-        f"weight: expected a LinearPack or a torch.Tensor, got {type(weight).__name__}"
+        f"{name}: expected a LinearPack or a torch.Tensor, got {type(weight).__name__}"
     )
 
 
@@ -412,7 +412,7 @@ def eh_proj(
     adding e's row t to the n rows of token t after its own rounding, in the epilogue of the
     program (or split) that stores each tile.  At prefill sizes, where :func:`linear` takes the
     dequantize + cuBLAS path, the sum is one more Triton pass over x instead (in place: x read
-    and written once, e's rows once; 268 + 32 MiB at 4096 tokens of V4-Flash).  Against the two
+    and written once, e's rows once; 256 + 32 MiB at 4096 tokens of V4-Flash).  Against the two
     linears and a broadcast add in torch: the same bits, one launch and one round trip of x
     fewer at decode sizes (torch's broadcast add does not take its vectorized path: 0.19 ms at
     4096 tokens).  Bytes: :func:`linear`'s for each weight (e_proj and h_proj 16 MiB of codes
@@ -425,7 +425,9 @@ def eh_proj(
     check_kernel_dtype("h", h)
     check_ndim("e", e, 2)
     check_ndim("h", h, 3)
-    pe, pack_h = _as_pack(e_proj, False), _as_pack(h_proj, False)
+    pe, pack_h = _as_pack(e_proj, False, "e_proj"), _as_pack(h_proj, False, "h_proj")
+    if pe is pack_h:  # one pack's split-K counters would serve both launches of a call
+        raise InputError("h_proj: expected its own pack, got e_proj's (pack the weight twice)")
     if pe.out_features != pack_h.out_features:
         raise InputError(
             f"h_proj: expected {pe.out_features} output features (e_proj's), got "
@@ -449,5 +451,27 @@ def eh_proj(
     if out is None:
         return _ops_eh(*args, **counters)  # type: ignore[no-any-return]
     check_out("out", out, (*h.shape[:2], pack_h.out_features), e.dtype, dev)
+    for name, t in (("e", e), ("h", h)):
+        if out.numel() and t.numel() and _overlaps(out, t):
+            raise InputError(f"out: expected memory apart from {name}'s (the kernel reads {name})")
     _ops_eh_out(*args, out=out, **counters)
     return out
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges of two tensors' storage spans intersect (a conservative test:
+    strided views that interleave count as overlapping)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0 = a.data_ptr()
+    b0 = b.data_ptr()
+    a1 = a0 + _span(a) * a.element_size()
+    b1 = b0 + _span(b) * b.element_size()
+    return a0 < b1 and b0 < a1
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements from a tensor's first to one past its last (its strides' reach)."""
+    return 1 + sum(
+        (size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True)
+    )

@@ -124,18 +124,31 @@ def eh_proj(
     check_dtype("e", e, FLOAT_DTYPES)
     check_ndim("e", e, 2)
     check_ndim("h", h, 3)
-    if h.shape[0] != e.shape[0] or h.dtype != e.dtype:
+    (Ne, Ke), (Nh, Kh) = _out_in("e_proj", e_proj), _out_in("h_proj", h_proj)
+    if e.shape[1] != Ke:
+        raise InputError(f"e: expected shape (T, {Ke}) (e_proj's K), got {tuple(e.shape)}")
+    if h.shape[0] != e.shape[0] or h.shape[2] != Kh or h.dtype != e.dtype:
         raise InputError(
-            f"h: expected (T={e.shape[0]}, n, K) in {e.dtype} (e's tokens and dtype), got "
-            f"{h.dtype} {tuple(h.shape)}"
+            f"h: expected (T={e.shape[0]}, n, {Kh}) in {e.dtype} (e's tokens and dtype, "
+            f"h_proj's K), got {h.dtype} {tuple(h.shape)}"
         )
+    if Nh != Ne:
+        raise InputError(f"h_proj: expected {Ne} output features (e_proj's), got {Nh}")
     ep = linear(e, e_proj, act_quant=act_quant)  # (T, N)
     hp = linear(h, h_proj, act_quant=act_quant)  # (T, n, N)
-    if hp.shape[-1] != ep.shape[-1]:
-        raise InputError(
-            f"h_proj: expected {ep.shape[-1]} output features (e_proj's), got {hp.shape[-1]}"
-        )
     return _write(hp + ep[:, None, :], out)  # (T, n, N)
+
+
+def _out_in(name: str, weight: torch.Tensor | QuantizedWeight) -> tuple[int, int]:
+    """(N, K) of a plain linear's weight (a QuantizedWeight's logical shape), checked 2-D."""
+    if not isinstance(weight, (torch.Tensor, QuantizedWeight)):
+        raise InputError(
+            f"{name}: expected a torch.Tensor or a QuantizedWeight, got {type(weight).__name__}"
+        )
+    shape = tuple(weight.shape)
+    if len(shape) != 2:
+        raise InputError(f"{name}: expected a 2-D (N, K) weight, got shape {shape}")
+    return shape[0], shape[1]
 
 
 def _write(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

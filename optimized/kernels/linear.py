@@ -25,9 +25,9 @@ scope); the program that draws ticket SPLIT_K - 1, the tile's last split to fini
 rounds once to y's dtype, writes y and sets the counter back to zero.  Which program reduces
 depends on timing, the arithmetic does not: the sum is always taken in split order, so the
 result is deterministic and a row's bits depend only on the schedule (BLOCK_M, BLOCK_N,
-SPLIT_K, warps), never on the other rows.  No
-program waits for another, so nothing depends on how many programs are resident.  The counters
-(one per M block, N tile and group) are zero before every launch and left zero after it: a
+SPLIT_K, warps), never on the other rows.  No program waits for another, so nothing depends on
+how many programs are resident.  The counters (one per M block, N tile and group) are zero
+before every launch and left zero after it: a
 pack's own (optimized/linear.py, ``LinearPack.counters``, zeroed once when packed: no memset
 per call, in a CUDA graph neither), or for a call without a pack's the stream's
 (kernels/_sync.py, ``counters``; fresh zeros while capturing).  Under the interpreter the
@@ -379,7 +379,7 @@ def add_rows_kernel(y_ptr, add_ptr, R, N, ADD_ROWS: tl.constexpr, BLOCK_R: tl.co
 def add_rows_triton(y: torch.Tensor, add: torch.Tensor) -> None:
     """y (R, N) += add (R', N) broadcast over runs of R / R' rows, in place (both contiguous,
     one dtype): the prefill path's form of :func:`linear_triton`'s ``add``.  Moves y twice
-    (read, write) and ``add`` once: at 4096 tokens x 4 streams of 4096 bf16, 268 MiB + 32 MiB."""
+    (read, write) and ``add`` once: at 4096 tokens x 4 streams of 4096 bf16, 256 + 32 MiB."""
     R, N = y.shape
     if R == 0:
         return
