@@ -289,20 +289,27 @@ def _as_pack(weight: object, grouped: bool, name: str = "weight") -> LinearPack:
 
 
 def _check_call(
-    x: torch.Tensor, weight: object, grouped: bool, act_quant: object, batch_invariant: object
+    x: torch.Tensor,
+    weight: object,
+    grouped: bool,
+    act_quant: object,
+    batch_invariant: object,
+    names: tuple[str, str] = ("x", "weight"),
 ) -> tuple[LinearPack, torch.device]:
+    """The checks of one product's arguments; ``names``: how errors call x and the weight."""
+    xn, wn = names
     check_instance("act_quant", act_quant, bool)
     check_instance("batch_invariant", batch_invariant, bool)
-    check_kernel_dtype("x", x)
-    pack = _as_pack(weight, grouped)
+    check_kernel_dtype(xn, x)
+    pack = _as_pack(weight, grouped, wn)
     G, K = pack.groups, pack.in_features
     if grouped:
-        check_shape("x", x, (None, G, K))
+        check_shape(xn, x, (None, G, K))
     elif x.dim() < 1 or x.shape[-1] != K:
-        raise InputError(f"x: expected shape (..., {K}) (the weight's K), got {tuple(x.shape)}")
-    dev = check_device([("x", x)])
+        raise InputError(f"{xn}: expected shape (..., {K}) (the weight's K), got {tuple(x.shape)}")
+    dev = check_device([(xn, x)])
     if pack.device != dev:
-        raise InputError(f"weight: packed on {pack.device}, x is on {dev}")
+        raise InputError(f"{wn}: packed on {pack.device}, {xn} is on {dev}")
     return pack, dev
 
 
@@ -419,13 +426,13 @@ def eh_proj(
     each at V4-Flash), e's projection written and read once.  ``out``: a contiguous
     (T, n, N) tensor of the inputs' dtype.
     """
-    check_instance("act_quant", act_quant, bool)
-    check_instance("batch_invariant", batch_invariant, bool)
-    check_kernel_dtype("e", e)
-    check_kernel_dtype("h", h)
+    pe, dev = _check_call(e, e_proj, False, act_quant, batch_invariant, ("e", "e_proj"))
+    pack_h, _ = _check_call(h, h_proj, False, act_quant, batch_invariant, ("h", "h_proj"))
     check_ndim("e", e, 2)
-    check_ndim("h", h, 3)
-    pe, pack_h = _as_pack(e_proj, False, "e_proj"), _as_pack(h_proj, False, "h_proj")
+    check_shape("h", h, (e.shape[0], None, pack_h.in_features))
+    if h.dtype != e.dtype:
+        raise InputError(f"h: expected dtype {e.dtype} (e's), got {h.dtype}")
+    check_device([("e", e), ("h", h)])
     if pe is pack_h:  # one pack's split-K counters would serve both launches of a call
         raise InputError("h_proj: expected its own pack, got e_proj's (pack the weight twice)")
     if pe.out_features != pack_h.out_features:
@@ -433,14 +440,6 @@ def eh_proj(
             f"h_proj: expected {pe.out_features} output features (e_proj's), got "
             f"{pack_h.out_features}"
         )
-    check_shape("e", e, (None, pe.in_features))
-    check_shape("h", h, (e.shape[0], None, pack_h.in_features))
-    if h.dtype != e.dtype:
-        raise InputError(f"h: expected dtype {e.dtype} (e's), got {h.dtype}")
-    dev = check_device([("e", e), ("h", h)])
-    for name, pack in (("e_proj", pe), ("h_proj", pack_h)):
-        if pack.device != dev:
-            raise InputError(f"{name}: packed on {pack.device}, e is on {dev}")
     facts = Facts(dev, (e.dtype, pe.weight.dtype, pack_h.weight.dtype))
     select("eh_proj", backend, facts)
     args = (

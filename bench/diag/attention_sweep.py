@@ -71,27 +71,31 @@ def schedules() -> list[tuple[str, AttentionSchedule]]:
     ]
 
 
-def decode_case(B: int, g: torch.Generator) -> tuple[str, Callable[..., Any]]:
+Maker = Callable[[AttentionSchedule], tuple[Callable[[], Any], torch.Tensor]]
+
+
+def _case(name: str, kernel: Callable[..., Any], q: torch.Tensor, *args: Any) -> tuple[str, Maker]:
+    """(name, make): make(sched) gives a call of ``kernel(q, *args, out, WINDOW, SCALE, sched)``
+    writing a fresh ``out`` like q, and that out."""
+
+    def make(sched: AttentionSchedule) -> tuple[Callable[[], Any], torch.Tensor]:
+        out = torch.empty_like(q)
+        return (lambda: kernel(q, *args, out, WINDOW, SCALE, sched)), out
+
+    return name, make
+
+
+def decode_case(B: int, g: torch.Generator) -> tuple[str, Maker]:
     q = torch.randn(B, H, DH, device="cuda", generator=g).to(BF16)
     kv = torch.randn(B, WINDOW, DH, device="cuda", generator=g).to(BF16)
     pos = torch.arange(WINDOW, device="cuda").repeat(B, 1)  # row p % C holds position p
     slots = torch.arange(B, device="cuda")
     q_pos = torch.full((B,), WINDOW - 1, device="cuda")
     sink = torch.randn(H, device="cuda", generator=g) * 2
-
-    def make(sched: AttentionSchedule) -> tuple[Callable[[], Any], torch.Tensor]:
-        out = torch.empty_like(q)
-        return (
-            lambda: sink_attention_cache_triton(
-                q, q_pos, kv, pos, slots, sink, out, WINDOW, SCALE, sched
-            ),
-            out,
-        )
-
-    return f"decode B {B}", make
+    return _case(f"decode B {B}", sink_attention_cache_triton, q, q_pos, kv, pos, slots, sink)
 
 
-def paged_case(B: int, g: torch.Generator) -> tuple[str, Callable[..., Any]]:
+def paged_case(B: int, g: torch.Generator) -> tuple[str, Maker]:
     """Decode rows against vLLM-style 16-row blocks, each row's window in its own 8 blocks."""
     BS = 16
     q = torch.randn(B, H, DH, device="cuda", generator=g).to(BF16)
@@ -100,34 +104,16 @@ def paged_case(B: int, g: torch.Generator) -> tuple[str, Callable[..., Any]]:
     table = torch.arange(B * WINDOW // BS, device="cuda", dtype=torch.int32).view(B, -1)
     q_pos = torch.full((B,), WINDOW - 1, device="cuda")
     sink = torch.randn(H, device="cuda", generator=g) * 2
-
-    def make(sched: AttentionSchedule) -> tuple[Callable[[], Any], torch.Tensor]:
-        out = torch.empty_like(q)
-        return (
-            lambda: sink_attention_paged_triton(
-                q, q_pos, kv, pos, table, sink, out, WINDOW, SCALE, sched
-            ),
-            out,
-        )
-
-    return f"paged B {B}", make
+    return _case(f"paged B {B}", sink_attention_paged_triton, q, q_pos, kv, pos, table, sink)
 
 
-def prefill_case(T: int, g: torch.Generator) -> tuple[str, Callable[..., Any]]:
+def prefill_case(T: int, g: torch.Generator) -> tuple[str, Maker]:
     q = torch.randn(T, H, DH, device="cuda", generator=g).to(BF16)
     kv = torch.randn(T, DH, device="cuda", generator=g).to(BF16)
     pos = torch.arange(T, device="cuda")
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
     sink = torch.randn(H, device="cuda", generator=g) * 2
-
-    def make(sched: AttentionSchedule) -> tuple[Callable[[], Any], torch.Tensor]:
-        out = torch.empty_like(q)
-        return (
-            lambda: sink_attention_triton(q, pos, kv, pos, sink, cu, cu, out, WINDOW, SCALE, sched),
-            out,
-        )
-
-    return f"prefill T {T}", make
+    return _case(f"prefill T {T}", sink_attention_triton, q, pos, kv, pos, sink, cu, cu)
 
 
 def main() -> None:
