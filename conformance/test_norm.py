@@ -105,6 +105,22 @@ def test_optimized_rms_norm_vllm_order_and_no_weight(device: str) -> None:
     assert y3.shape == (3, 3, 256)
 
 
+def test_optimized_rms_norm_reads_rows_through_their_stride(device: str) -> None:
+    """A 2-D x that is a column slice of a wider tensor (the attention's q rows of the fused
+    wq_a + wkv output) is read in place, with the bits of its contiguous copy, in both orders and
+    into ``out``; the slice right of it too (a row start off the tensor's start)."""
+    x, w = _norm_inputs(7, 96, torch.bfloat16, device, seed=5)
+    wide = torch.cat([x, x.flip(0)[:, :32]], dim=1)  # (7, 128)
+    for part in (wide[:, :96], wide[:, 32:]):
+        assert part.stride() == (128, 1) and part.shape == (7, 96)
+        for order in ("official", "vllm"):
+            want = opt.rms_norm(part.contiguous(), w, 1e-6, order=order)
+            assert torch.equal(opt.rms_norm(part, w, 1e-6, order=order), want), order
+            out = torch.full_like(want, float("nan"))
+            opt.rms_norm(part, w, 1e-6, order=order, out=out)
+            assert torch.equal(out, want)
+
+
 def test_optimized_rms_norm_rejects_bad_input(device: str) -> None:
     x, w = _norm_inputs(2, 64, torch.float32, device, seed=0)
     for bad in (torch.float64, torch.float16):

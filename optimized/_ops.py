@@ -159,8 +159,11 @@ def _rms_norm_out(
     if x.numel() == 0:
         return
     D = x.shape[-1]
-    # (R, D) rows; a view only where x is not 2-D already (a view costs ~1 us of host time)
-    x2d = x.contiguous()
+    # (R, D) rows; a view only where x is not 2-D already (a view costs ~1 us of host time).
+    # The Triton kernel reads 2-D rows through their stride (the attention's q rows, a column
+    # slice of the fused wq_a + wkv output: no copy launch).
+    strided = backend == "triton" and x.dim() == 2 and x.stride(1) == 1
+    x2d = x if strided else x.contiguous()
     out2d = out
     if x.dim() != 2:
         x2d = x2d.view(-1, D)

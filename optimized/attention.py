@@ -1462,7 +1462,8 @@ def attention(
     if pack.wqa_wkv is not None:
         qkv = linear(x, pack.wqa_wkv, act_quant=act_quant, batch_invariant=bi)  # (T, Rq + Dh)
         Rq = qkv.shape[1] - Dh
-        qr, kv = qkv[:, :Rq].contiguous(), qkv[:, Rq:].contiguous()
+        # column slices read in place: rms_norm and kv_norm_rope take rows with a stride
+        qr, kv = qkv[:, :Rq], qkv[:, Rq:]
     else:
         assert pack.wq_a is not None and pack.wkv is not None
         qr = linear(x, pack.wq_a, act_quant=act_quant, batch_invariant=bi)  # (T, Rq)

@@ -45,9 +45,11 @@ def rms_norm(
 ) -> torch.Tensor:
     """``y = w * x * rsqrt(mean(x**2, -1) + eps)`` over the last dim, in x.dtype.
 
-    x: (..., D) bf16 / fp32; weight: (D,) bf16 / fp32 or None.  ``out`` (same shape and dtype as
-    x, contiguous) is written in place and returned.  ``backend="flashinfer"`` (bf16 x and weight,
-    official order, CUDA) calls FlashInfer's ``rmsnorm``; "auto" and "triton" the Triton kernel.
+    x: (..., D) bf16 / fp32 (the Triton kernel reads a 2-D x with unit column stride through its
+    row stride, without a copy); weight: (D,) bf16 / fp32 or None.  ``out`` (same shape and
+    dtype as x, contiguous) is written in place and returned.  ``backend="flashinfer"`` (bf16 x
+    and weight, official order, CUDA) calls FlashInfer's ``rmsnorm``; "auto" and "triton" the
+    Triton kernel.
     ``batch_invariant=True`` pins a schedule that does not depend on the number of rows; every
     rms_norm backend already reduces each row in one program, so the default is batch invariant
     too.

@@ -1,5 +1,5 @@
-"""Do the optimized layer's fused op pairs, its latency-first step guard and its in-place
-inverse rotation shorten the whole draft step?  (H200)
+"""Do the optimized layer's fused op pairs, its latency-first step guard, its in-place
+inverse rotation and its in-place q / kv rows shorten the whole draft step?  (H200)
 
 The layer runs its fused op pairs through :attr:`MTPLayer.ops` (``dsv4mtp/layer.py``,
 ``LayerOps``).  A fused pair is bitwise its composition, so its only possible effect is time,
@@ -16,12 +16,14 @@ The settings: "shipped" (the layer as it is), one "composed: <pair>" per pair in
 (:data:`guard_in_pieces`: the step guard's kernel and schedule before it read the row in one
 piece, kernels/step_guard.py) and "rope copied back" (the attention
 output's inverse rotation into a new tensor, then copied into o: ``attention.
-INVERSE_ROPE_IN_PLACE``).  Each is swapped in only while its setting's graphs are captured (the
-graphs keep what they captured).
+INVERSE_ROPE_IN_PLACE``) and "q / kv rows copied" (the fused wq_a + wkv output's two column
+slices made contiguous before rms_norm and kv_norm_rope, as before they were read through their
+row stride).  Each is swapped in only while its setting's graphs are captured (the graphs keep
+what they captured).
 
 Run (GPU machine, repository root, after the README's install):
 ``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms,eh_proj] [--no-guard]
-[--no-rope]``
+[--no-rope] [--no-qkv]``
 (about two minutes).
 """
 
@@ -149,12 +151,31 @@ def pieces_schedule(H: int) -> tuple[int, int]:
 guard_in_pieces = pieces_schedule, pieces_step_guard_kernel
 
 
+def _copied_first(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` on a contiguous copy of its first argument (the q / kv rows' old copy launch)."""
+
+    def wrapped(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return fn(x.contiguous(), *args, **kwargs)
+
+    return wrapped
+
+
+def _qkv_copied() -> list[tuple[Any, str, Any]]:
+    """(module, attribute, value) swaps: the attention's q_norm and kv_norm_rope on contiguous
+    copies of their rows."""
+    return [
+        (attention_module, "rms_norm", _copied_first(attention_module.rms_norm)),
+        (attention_module, "kv_norm_rope", _copied_first(attention_module.kv_norm_rope)),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--pairs", default=",".join(COMPOSED), help="comma-separated")
     ap.add_argument("--no-guard", action="store_true", help="leave out the guard's setting")
     ap.add_argument("--no-rope", action="store_true", help="leave out the rotation's setting")
+    ap.add_argument("--no-qkv", action="store_true", help="leave out the copied q / kv rows")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -163,15 +184,18 @@ def main(argv: list[str] | None = None) -> int:
     layer = MTPLayer.from_checkpoint(ckdir, device="cuda", max_num_tokens=4096, max_batch=64)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     shipped = MTPLayer.ops
-    # name -> (the layer's ops, the guard's schedule, the inverse rotation in place)
-    settings = {"shipped": (shipped, SHIPPED_GUARD, True)}
+    # name -> (the layer's ops, the guard's schedule, the inverse rotation in place, module
+    # attribute swaps)
+    settings = {"shipped": (shipped, SHIPPED_GUARD, True, [])}
     for name in filter(None, args.pairs.split(",")):
         ops = shipped._replace(**{name: COMPOSED[name]})
-        settings[f"composed: {name}"] = (ops, SHIPPED_GUARD, True)
+        settings[f"composed: {name}"] = (ops, SHIPPED_GUARD, True, [])
     if not args.no_guard:
-        settings["guard in 4096 pieces"] = (shipped, guard_in_pieces, True)
+        settings["guard in 4096 pieces"] = (shipped, guard_in_pieces, True, [])
     if not args.no_rope:
-        settings["rope copied back"] = (shipped, SHIPPED_GUARD, False)
+        settings["rope copied back"] = (shipped, SHIPPED_GUARD, False, [])
+    if not args.no_qkv:
+        settings["q / kv rows copied"] = (shipped, SHIPPED_GUARD, True, _qkv_copied())
     graphs: dict[str, DecodeGraphs] = {}
     cache = layer.new_device_cache(max(DECODE_T))
     # the guard's launches are cached by schedule: kept aside so that no setting reuses
@@ -179,13 +203,20 @@ def main(argv: list[str] | None = None) -> int:
     guard_launches = dict(guard_kernels._LAUNCHES)
     in_place = attention_module.INVERSE_ROPE_IN_PLACE
     try:
-        for name, (ops, guard, rope_in_place) in settings.items():
+        for name, (ops, guard, rope_in_place, patches) in settings.items():
             MTPLayer.ops = ops  # type: ignore[misc]
             # the launcher looks both up when it first meets a schedule
             guard_kernels.guard_schedule, guard_kernels.step_guard_kernel = guard
             guard_kernels._LAUNCHES.clear()
             attention_module.INVERSE_ROPE_IN_PLACE = rope_in_place
-            graphs[name] = DecodeGraphs(layer, cache, buckets=DECODE_T, logits=False)
+            saved = [(m, a, getattr(m, a)) for m, a, _ in patches]
+            for m, a, v in patches:
+                setattr(m, a, v)
+            try:
+                graphs[name] = DecodeGraphs(layer, cache, buckets=DECODE_T, logits=False)
+            finally:
+                for m, a, v in saved:
+                    setattr(m, a, v)
     finally:
         MTPLayer.ops = shipped  # type: ignore[misc]
         guard_kernels.guard_schedule, guard_kernels.step_guard_kernel = SHIPPED_GUARD

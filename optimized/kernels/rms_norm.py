@@ -3,10 +3,12 @@
 ``y = w * x * rsqrt(mean(x**2) + eps)`` per row, fp32 statistics (docs/semantics.md,
 "RMSNorm").
 
-Shapes: x (R, D) contiguous rows in bf16 / fp32; weight (D,) in bf16 / fp32, or absent;
-out (R, D) in x.dtype.  ``VLLM_ORDER`` rounds the normalized row to x.dtype before multiplying
-by the weight in x.dtype (vLLM's ``forward_native``); otherwise the weight multiplies in fp32 and
-the result is rounded once (DeepSeek's official ``RMSNorm``).
+Shapes: x (R, D) rows in bf16 / fp32, unit column stride, any row stride (a column slice of a
+wider tensor is read in place: the attention's q rows of the fused wq_a + wkv output); weight
+(D,) in bf16 / fp32, or absent; out (R, D) contiguous in x.dtype.  ``VLLM_ORDER`` rounds the
+normalized row to x.dtype before multiplying by the weight in x.dtype (vLLM's
+``forward_native``); otherwise the weight multiplies in fp32 and the result is rounded once
+(DeepSeek's official ``RMSNorm``).
 
 One program per row; the row is walked in BLOCK_D chunks twice (square sum, then scale), the
 second walk from L1/L2.  The chunk size depends on D only, so rows are batch invariant.
@@ -88,6 +90,7 @@ def rms_norm_kernel(
     w_ptr,
     out_ptr,
     D,
+    X_STRIDE,
     eps,
     HAS_WEIGHT: tl.constexpr,
     VLLM_ORDER: tl.constexpr,
@@ -97,8 +100,8 @@ def rms_norm_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     _norm_row(
-        x_ptr + row * D, w_ptr, out_ptr + row * D, D, eps, True, False, HAS_WEIGHT, VLLM_ORDER,
-        BLOCK_D, NUM_CHUNKS, INTERP,
+        x_ptr + row * X_STRIDE, w_ptr, out_ptr + row * D, D, eps, True, False, HAS_WEIGHT,
+        VLLM_ORDER, BLOCK_D, NUM_CHUNKS, INTERP,
     )  # fmt: skip
 
 
@@ -188,7 +191,8 @@ def rms_norm_triton(
     vllm_order: bool,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """Launch :func:`rms_norm_kernel` over the rows of a contiguous (R, D) tensor."""
+    """Launch :func:`rms_norm_kernel` over the rows of an (R, D) tensor with unit column stride
+    (rows ``x2d.stride(0)`` apart) into contiguous ``out2d``."""
     R, D = x2d.shape
     if R == 0 or D == 0:
         return out2d
@@ -196,7 +200,7 @@ def rms_norm_triton(
     launch = _LAUNCHES.get(key)
     if launch is None:
         launch = _LAUNCHES[key] = _launch(*key)
-    launch((R,), x2d, weight if weight is not None else x2d, out2d, D, float(eps))
+    launch((R,), x2d, weight if weight is not None else x2d, out2d, D, x2d.stride(0), float(eps))
     return out2d
 
 
