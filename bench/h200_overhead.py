@@ -244,8 +244,9 @@ def cases(T: int, D: int) -> list[dict[str, Any]]:
                 public=lambda b=b: opt.hc_pre(*pre, **pkw, backend=b),
                 public_out=lambda b=b: opt.hc_pre(*pre, **pkw, backend=b, out=o_pre),
                 operator=lambda b=b: ops.hc_pre.default(
-                    *pre, EPS, EPS, 20, 2.0, b, nothing, nothing),
-                launcher=lambda b=b: _ops._hc_pre(*pre, EPS, EPS, 20, 2.0, b, nothing, nothing),
+                    *pre, EPS, EPS, 20, 2.0, b, nothing, nothing, False),
+                launcher=lambda b=b: _ops._hc_pre(
+                    *pre, EPS, EPS, 20, 2.0, b, nothing, nothing, False),
             ))  # fmt: skip
     for b in backend_names("hc_post"):
         if requirement("hc_post", b, Facts(dev, (bf, bf), n=N, D=D)) is None:
@@ -465,7 +466,7 @@ def mock_cases(T: int, D: int) -> dict[str, Callable[[], Any]]:
         "op impl rms_norm": lambda: _ops._rms_norm(x2, w, EPS, "official", "triton"),
         "op impl hc_post": lambda: _ops._hc_post(x2, x, pm, cm, "triton"),
         "op impl hc_pre": lambda: _ops._hc_pre(x, fn_pre, s3, b_pre, EPS, EPS, 20, 2.0,
-                                               "triton", [], []),
+                                               "triton", [], [], False),
         "op impl hc_head fma": lambda: _ops._hc_head(x, fn_head, s1, b_head, EPS, EPS,
                                                      "triton_fma", []),
         "op impl hc_head mma": lambda: _ops._hc_head(x, fn_head, s1, b_head, EPS, EPS,

@@ -283,7 +283,8 @@ _DIRECT = _MOCK + textwrap.dedent(
     assert plain[:6] == direct[:6]
     # the launcher gets every parameter in signature order, constexprs included, either way
     assert direct[9:] == plain[9:], (direct[9:], plain[9:])
-    assert direct[9] is x and direct[10] is w and direct[11] is o and direct[12:14] == (64, 1e-6)
+    assert direct[9] is x and direct[10] is w and direct[11] is o
+    assert direct[12:15] == (64, 64, 1e-6), direct[12:15]  # D, x's row stride, eps
     # a 4-byte offset: another alignment, another specialization
     xs = torch.randn(2 * 64 + 1)[1:].view(2, 64)
     assert xs.data_ptr() % 16
@@ -355,11 +356,11 @@ _CASES = textwrap.dedent(
                                                            one_launch=True),
         "op rms_norm": lambda: _ops._rms_norm(x2, w, E, "official", "triton"),
         "op hc_post": lambda: _ops._hc_post(x2, x, pm, cm, "triton"),
-        "op hc_pre": lambda: _ops._hc_pre(x, fp, s3, bp, E, E, 3, 2.0, "triton", [], []),
+        "op hc_pre": lambda: _ops._hc_pre(x, fp, s3, bp, E, E, 3, 2.0, "triton", [], [], False),
         "op hc_head fma": lambda: _ops._hc_head(x, fh, s1, bh, E, E, "triton_fma", []),
         "op hc_head mma": lambda: _ops._hc_head(x, fh, s1, bh, E, E, "triton_mma", []),
         "op hc_post_pre fma": lambda: _ops._hc_post_pre(
-            x2, x, pm, cm, fp, s3, bp, E, E, 3, 2.0, "triton_fma", "triton", "triton_fma"),
+            x2, x, pm, cm, fp, s3, bp, E, E, 3, 2.0, "triton_fma", "triton", "triton_fma", False),
         "op hc_post_head fma": lambda: _ops._hc_post_head(
             x2, x, pm, cm, fh, s1, bh, E, E, "triton_fma", "triton", "triton_fma"),
     }

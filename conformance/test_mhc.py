@@ -402,6 +402,36 @@ def test_optimized_hc_pre_fma_schedules_compute_one_function(device: str) -> Non
         PreFmaConfig(8, 16, 48, 2, 4, 256, 4)
 
 
+def test_optimized_hc_pre_token_block_follows_t_outside_batch_invariant_mode(device: str) -> None:
+    """The small-batch hc_pre's token block: 16 under batch_invariant=True at every T; without
+    it, the next power of two >= T below 16.  The public op at T 3 asks for the schedule of 3
+    tokens only without batch invariance (both within the float64 reference's tolerance)."""
+    from dsv4mtp.optimized.kernels import mhc_pre_small as small
+
+    blocks = {T: small.pre_fma_config(4, 4096, T).block_t for T in (1, 2, 3, 5, 8, 9, 64)}
+    assert blocks == {1: 1, 2: 2, 3: 4, 5: 8, 8: 8, 9: 16, 64: 16}
+    assert small.pre_fma_config(4, 4096).block_t == small.BLOCK_T == 16
+    T, D = 3, 64
+    (x, fn, scale, base), kw = _opt_inputs("hc_pre", T, 4, D, torch.float32, device, seed=4)
+    asked: list[int | None] = []
+    config = small.pre_fma_config
+
+    def spy(n: int, D: int, tokens: int | None = None) -> object:
+        asked.append(tokens)
+        return config(n, D, tokens)
+
+    small.pre_fma_config = spy  # type: ignore[assignment]
+    try:
+        for bi in (False, True):
+            got = opt.hc_pre(x, fn, scale, base, **kw, backend="triton_fma", batch_invariant=bi)
+            want = hc_pre(*(t.cpu().double() for t in (x, fn, scale, base)), **kw)
+            for g, w in zip(got, want, strict=True):
+                assert torch.allclose(g.cpu().double(), w, rtol=1e-5, atol=1e-6), bi
+    finally:
+        small.pre_fma_config = config  # type: ignore[assignment]
+    assert asked == [3, None]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_optimized_hc_head_backends_agree(dtype: torch.dtype, device: str) -> None:
     """hc_head's two kernels (fp32 FMA mix; bf16 hi/lo tensor-core mix) compute one function:
@@ -755,7 +785,7 @@ def test_optimized_fused_operators_pass_opcheck(
     post_backend = "flashinfer" if device == "cuda" else "triton"
     eps = (EPS, EPS)
     if op == "hc_post_pre":
-        call = (*args, *eps, 3, 2.0, backend, post_backend, "triton_fma")
+        call = (*args, *eps, 3, 2.0, backend, post_backend, "triton_fma", False)
         outs = dict(
             x_out=torch.empty_like(x), layer_input=x.new_empty((T, D)),
             post_out=x.new_empty((T, n), dtype=torch.float32),

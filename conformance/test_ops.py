@@ -67,7 +67,7 @@ def _op_call(op: str, backend: str, tensors: tuple[torch.Tensor, ...]) -> tuple[
     if op == "rms_norm":
         return (*tensors, EPS, "official", backend)
     if op == "hc_pre":
-        return (*tensors, EPS, EPS, 3, 2.0, backend, nothing, nothing)
+        return (*tensors, EPS, EPS, 3, 2.0, backend, nothing, nothing, False)
     if op == "hc_head":
         return (*tensors, EPS, EPS, backend, nothing)
     return (*tensors, backend)

@@ -61,7 +61,8 @@ NAMESPACE = "dsv4mtp"
 
 _PRE_ARGS = (
     "Tensor x, Tensor fn, Tensor scale, Tensor base, float rms_norm_eps, float hc_eps, "
-    "int sinkhorn_iters, float post_mult, str backend, int[] collapse, int[] mix"
+    "int sinkhorn_iters, float post_mult, str backend, int[] collapse, int[] mix, "
+    "bool batch_invariant"
 )
 _HEAD_ARGS = (
     "Tensor x, Tensor fn, Tensor scale, Tensor base, float rms_norm_eps, float hc_eps, "
@@ -74,7 +75,7 @@ _POST_ARGS = "Tensor f, Tensor residual, Tensor post, Tensor comb, str backend"
 _POST_PRE_ARGS = (
     "Tensor a, Tensor x, Tensor post, Tensor comb, Tensor fn, Tensor scale, Tensor base, "
     "float rms_norm_eps, float hc_eps, int sinkhorn_iters, float post_mult, str backend, "
-    "str post_backend, str pre_backend"
+    "str post_backend, str pre_backend, bool batch_invariant"
 )
 _POST_HEAD_ARGS = (
     "Tensor f, Tensor x, Tensor post, Tensor comb, Tensor fn, Tensor scale, Tensor base, "
@@ -214,6 +215,7 @@ def _hc_pre_out(
     backend: str,
     collapse: Sequence[int],
     mix: Sequence[int],
+    batch_invariant: bool,
     *,
     layer_input: torch.Tensor,
     post: torch.Tensor,
@@ -234,6 +236,7 @@ def _hc_pre_out(
         mhc_pre_fma(
             x, fn, scale32, base32, layer_input, post, comb, rms_norm_eps=rms_norm_eps,
             hc_eps=hc_eps, post_mult=post_mult, sinkhorn_iters=sinkhorn_iters,
+            by_tokens=not batch_invariant,
         )  # fmt: skip
         return
     if backend not in ("flashinfer", "flashinfer_prenorm"):
@@ -388,6 +391,7 @@ def _hc_post_pre_out(
     backend: str,
     post_backend: str,
     pre_backend: str,
+    batch_invariant: bool,
     *,
     x_out: torch.Tensor,
     layer_input: torch.Tensor,
@@ -400,14 +404,15 @@ def _hc_post_pre_out(
         _hc_post_out(a, x, post, comb, post_backend, out=x_out)
         _hc_pre_out(
             x_out, fn, scale, base, rms_norm_eps, hc_eps, sinkhorn_iters, post_mult, pre_backend,
-            NO_SCHEDULE, NO_SCHEDULE, layer_input=layer_input, post=post_out, comb=comb_out,
+            NO_SCHEDULE, NO_SCHEDULE, batch_invariant, layer_input=layer_input, post=post_out,
+            comb=comb_out,
         )  # fmt: skip
     elif backend == "triton_fma":
         x, fn, scale32, base32 = _collapse_inputs(x, fn, scale, base)
         mhc_post_pre_fma(
             a.contiguous(), x, _f32(post), _f32(comb), fn, scale32, base32, x_out, layer_input,
             post_out, comb_out, rms_norm_eps=rms_norm_eps, hc_eps=hc_eps, post_mult=post_mult,
-            sinkhorn_iters=sinkhorn_iters,
+            sinkhorn_iters=sinkhorn_iters, by_tokens=not batch_invariant,
         )  # fmt: skip
     else:
         raise _unknown("hc_post_pre", backend, ("triton_fma", "composed"))

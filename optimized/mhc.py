@@ -182,7 +182,7 @@ def hc_pre(
     choice, collapse, mix = plan
     args = (
         x, fn, scale, base, float(rms_norm_eps), float(hc_eps), sinkhorn_iters, float(post_mult),
-        choice, collapse, mix,
+        choice, collapse, mix, batch_invariant,
     )  # fmt: skip
     if out is None:
         return _ops_hc_pre(*args)  # type: ignore[no-any-return]
@@ -440,7 +440,7 @@ def hc_post_pre(
     choice, post_choice, pre_choice = plan
     args = (
         a, x, post, comb, fn, scale, base, float(rms_norm_eps), float(hc_eps), sinkhorn_iters,
-        float(post_mult), choice, post_choice, pre_choice,
+        float(post_mult), choice, post_choice, pre_choice, batch_invariant,
     )  # fmt: skip
     if out is None:
         return _ops_hc_post_pre(*args)  # type: ignore[no-any-return]

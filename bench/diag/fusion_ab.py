@@ -1,5 +1,6 @@
 """Do the optimized layer's fused op pairs, its latency-first step guard, its in-place
-inverse rotation and its in-place q / kv rows shorten the whole draft step?  (H200)
+inverse rotation, its in-place q / kv rows and hc_pre's token block by T shorten the whole
+draft step?  (H200)
 
 The layer runs its fused op pairs through :attr:`MTPLayer.ops` (``dsv4mtp/layer.py``,
 ``LayerOps``).  A fused pair is bitwise its composition, so its only possible effect is time,
@@ -18,12 +19,14 @@ piece, kernels/step_guard.py) and "rope copied back" (the attention
 output's inverse rotation into a new tensor, then copied into o: ``attention.
 INVERSE_ROPE_IN_PLACE``) and "q / kv rows copied" (the fused wq_a + wkv output's two column
 slices made contiguous before rms_norm and kv_norm_rope, as before they were read through their
-row stride).  Each is swapped in only while its setting's graphs are captured (the graphs keep
+row stride) and "hc_pre 16-token blocks" (the small-batch hc_pre kernels' T-independent token
+block at every T, as before the default took it by T: kernels/mhc_pre_small.py
+``pre_fma_config``; hc_post_pre's too).  Each is swapped in only while its setting's graphs are captured (the graphs keep
 what they captured).
 
 Run (GPU machine, repository root, after the README's install):
 ``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms,eh_proj] [--no-guard]
-[--no-rope] [--no-qkv]``
+[--no-rope] [--no-qkv] [--no-mhc]``
 (about two minutes).
 """
 
@@ -48,6 +51,7 @@ from moe_stream_ab import decode_table
 
 from dsv4mtp.checkpoint.fullsize import make_fullsize_checkpoint
 from dsv4mtp.optimized import MTPLayer, linear, rms_norm
+from dsv4mtp.optimized.kernels import mhc_pre_small
 from dsv4mtp.optimized.kernels import step_guard as guard_kernels
 from dsv4mtp.optimized.kernels.moe_common import jit_loop_bounds
 from dsv4mtp.optimized.mtp import DecodeGraphs
@@ -176,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-guard", action="store_true", help="leave out the guard's setting")
     ap.add_argument("--no-rope", action="store_true", help="leave out the rotation's setting")
     ap.add_argument("--no-qkv", action="store_true", help="leave out the copied q / kv rows")
+    ap.add_argument("--no-mhc", action="store_true", help="leave out hc_pre's fixed blocks")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -196,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         settings["rope copied back"] = (shipped, SHIPPED_GUARD, False, [])
     if not args.no_qkv:
         settings["q / kv rows copied"] = (shipped, SHIPPED_GUARD, True, _qkv_copied())
+    if not args.no_mhc:
+        config = mhc_pre_small.pre_fma_config
+        fixed_pre = [(mhc_pre_small, "pre_fma_config", lambda n, D, tokens=None: config(n, D))]
+        settings["hc_pre 16-token blocks"] = (shipped, SHIPPED_GUARD, True, fixed_pre)
     graphs: dict[str, DecodeGraphs] = {}
     cache = layer.new_device_cache(max(DECODE_T))
     # the guard's launches are cached by schedule: kept aside so that no setting reuses

@@ -2,17 +2,20 @@
 
     cd bench; python3 diag/hc_pre_small_t.py --out DIR [--tokens 1,2,4] [--widths 4096]
         [--backends triton,triton_fma,flashinfer] [--fma-tiles '[[8, 8, 64, 2, 4, 256, 4]]']
+        [--sinkhorn-iters N]
 
-Per (D, T), n = 4, bf16 x, fp32 parameters, 20 Sinkhorn iterations: GPU time per call of each
+Per (D, T), n = 4, bf16 x, fp32 parameters, 20 Sinkhorn iterations (``--sinkhorn-iters``:
+another count, to see what the Sinkhorn's dependent chain costs): GPU time per call of each
 backend (and, with ``--fma-tiles``, of the FMA kernel at each other schedule: PreFmaConfig
-7-tuples, named ``fma:<tuple>``) by CUDA-graph replay (``h200_mhc.graph_time_us``: a graph of >= 100 calls walking through
-input sets, parameters included, that together exceed 2.2x the L2, so fn comes from HBM as in a
-draft step whose other weights evict it; median of 10 replays), then each backend's outputs
-(layer_input, post, comb) against "triton"'s on one input set: ``=`` where bitwise equal, else
-max |diff| / max |triton|, and against the float64 reference under the registry's tolerance
-(``ok`` / ``OUT``).  A backend that does not apply (FlashInfer missing) or fails is reported and
-skipped.  Prints one table; writes DIR/hc_pre_small_t.json.  About a minute on the H200, most of
-it compiling the kernels for the two widths.
+7-tuples, named ``fma:<tuple>``) by CUDA-graph replay (``h200_mhc.graph_time_us``: a graph of
+>= 100 calls walking through input sets, parameters included, that together exceed 2.2x the
+L2, so fn comes from HBM as in a draft step whose other weights evict it; median of 10
+replays), then each backend's outputs (layer_input, post, comb) against the first backend's
+("triton" by default) on one input set: ``=`` where bitwise equal, else max |diff| / max
+|first|, and against the float64 reference under the registry's tolerance (``ok`` / ``OUT``).
+A backend that does not apply (FlashInfer missing) or fails is reported and skipped.  Prints
+one table; writes DIR/hc_pre_small_t.json.  About a minute on the H200, most of it compiling
+the kernels for the two widths.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ def main() -> None:
     p.add_argument("--widths", default="4096,7168")
     p.add_argument("--backends", default="triton,triton_fma,flashinfer")
     p.add_argument("--fma-tiles", default="[]", help="JSON list of PreFmaConfig 7-tuples")
+    p.add_argument("--sinkhorn-iters", type=int, default=None, help="instead of the inputs' 20")
     a = p.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA device"
     l2 = int(torch.cuda.get_device_properties(0).L2_cache_size)
@@ -88,6 +92,8 @@ def main() -> None:
     for D in map(int, a.widths.split(",")):
         for T in map(int, a.tokens.split(",")):
             probe, kw = op_inputs("hc_pre", T, D, seed=T)
+            if a.sinkhorn_iters is not None:
+                kw = {**kw, "sinkhorn_iters": a.sinkhorn_iters}
             R = max(2, math.ceil(2.2 * l2 / nbytes(probe)))
             sets = [probe] + [op_inputs("hc_pre", T, D, seed=T + 1000 * i)[0] for i in range(1, R)]
             oracle = ref.hc_pre(*(t.double() for t in probe), **kw)
@@ -106,7 +112,7 @@ def main() -> None:
                     rows.append(row)
                     continue
                 base = base if base is not None else got
-                row["vs_triton"] = _vs(got, base) if backends[0] == "triton" else None
+                row["vs_triton"] = _vs(got, base)  # the first backend's outputs
                 reps = [compare(g, o) for g, o in zip(got, oracle, strict=True)]
                 row["vs_f64"] = ["ok" if r.within(tol) else "OUT" for r in reps]
                 row["vs_f64_detail"] = [str(r) for r in reps]

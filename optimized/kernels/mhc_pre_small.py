@@ -46,8 +46,10 @@ reduction, whose barrier would otherwise make each later load wait for the ones 
 memory round trip per stream or per tile instead of one per phase; checked in the sm_90 SASS).
 
 Arithmetic: fp32 throughout, exact fp32 products in the mix (the collapse's tensor-core mix keeps
-~16 bits of fn; this one all 24).  Tile sizes depend on n and D only, and every sum runs in an
-order fixed by them: a token's result does not depend on its batch.
+~16 bits of fn; this one all 24).  The T-independent schedule's tiles depend on n and D only,
+and every sum runs in an order fixed by them: a token's result does not depend on its batch
+(``batch_invariant=True``).  Without batch invariance a call of fewer than 16 tokens shrinks the
+mix's token block to fit them (``by_tokens``, :func:`pre_fma_config`).
 
 Bytes: fn once per BLOCK_T tokens (from HBM for the first block, L2 after), x G times in the mix
 (once from HBM) and once more in the apply (mostly L2), layer_input / post / comb once; the
@@ -322,9 +324,24 @@ class PreFmaConfig:
             raise ConfigError(f"PreFmaConfig.num_warps: expected 1..16, got {self.num_warps}")
 
 
+#: The mix's token block of the T-independent schedule (``batch_invariant=True``) and of calls of
+#: more tokens; below it a call by T takes the next power of two >= T (:func:`pre_fma_config`).
+BLOCK_T = 16
+
+
 @functools.cache
-def pre_fma_config(n: int, D: int) -> PreFmaConfig:
-    """The default schedule for (n, D); never a function of T (batch invariance).
+def pre_fma_config(n: int, D: int, tokens: int | None = None) -> PreFmaConfig:
+    """The default schedule for (n, D), and with ``tokens`` for a call of that many tokens.
+
+    ``tokens=None`` (what ``batch_invariant=True`` takes) gives the T-independent schedule; with
+    ``tokens`` below :data:`BLOCK_T` the mix's token block shrinks to the next power of two >=
+    T, so one block still holds the call and each program's (tokens x rows x columns) tile,
+    its layout conversions and its registers shrink with it: on the H200 at D 4096, hc_pre
+    7.2 / 7.6 / 7.9 / 8.7 us at T 1 / 2 / 4 / 8 against 9.7 / 9.9 / 9.8 / 10.3 us with 16-token
+    blocks, and the whole draft step 4.6 / 4.1 us shorter at T 1 / 8 (bench/results/
+    mhc-h200.md, "hc_pre's token block by T").  Bits can differ between token blocks (the fp32
+    tree over a program's columns follows the tile's layout: at T 16 an 8-token block changed
+    post and comb by an ulp), hence the T-independent schedule under batch invariance.
 
     Mix: 8 fn rows x 16 tokens x 64 columns per program (M = 24 rows in 3 groups at n = 4):
     192 / 336 programs at T <= 16 for D 4096 / 7168, enough for the 132 SMs, while the
@@ -341,7 +358,8 @@ def pre_fma_config(n: int, D: int) -> PreFmaConfig:
     """
     block_d = min(64, max(16, next_pow2(D)))
     block_da = min(128 if INTERPRET else 256, max(16, next_pow2(D)))
-    return PreFmaConfig(rows=8, block_t=16, block_d=block_d, tpp=2, block_ta=4,
+    block_t = BLOCK_T if tokens is None else min(BLOCK_T, next_pow2(max(1, tokens)))
+    return PreFmaConfig(rows=8, block_t=block_t, block_d=block_d, tpp=2, block_ta=4,
                         block_da=block_da, num_warps=4)  # fmt: skip
 
 
@@ -403,16 +421,20 @@ def mhc_pre_fma(
     post_mult: float,
     sinkhorn_iters: int,
     cfg: PreFmaConfig | None = None,
+    by_tokens: bool = False,
 ) -> None:
     """hc_pre of x (T, n, D) into ``out`` (T, D), ``post`` (T, n) and ``comb`` (T, n, n).
 
     Contiguous inputs and outputs on one device, scale / base in fp32 (validated by the
     caller).  Two launches: the mix, then the reducers and the weighted sum (module docstring).
-    ``cfg``: a schedule other than :func:`pre_fma_config`'s (tile sweeps and tests).
+    ``cfg``: a schedule other than :func:`pre_fma_config`'s (tile sweeps and tests);
+    ``by_tokens``: the default schedule of T tokens (``batch_invariant=False``) instead of the
+    T-independent one.
     """
     T, n, D = x.shape
     if T == 0:
         return
+    cfg = cfg or pre_fma_config(n, D, T if by_tokens else None)
     mix_grid, apply_grid, mix, apply, part, sq = plan(
         _plan, x.device, T, n, D, int(sinkhorn_iters), cfg
     )
@@ -440,6 +462,7 @@ def mhc_post_pre_fma(
     hc_eps: float,
     post_mult: float,
     sinkhorn_iters: int,
+    by_tokens: bool = False,
 ) -> None:
     """hc_post (a, x, post_in, comb_in) into ``x_out`` (T, n, D), then hc_pre of it into
     ``out`` (T, D), ``post`` (T, n), ``comb`` (T, n, n): the same two launches as
@@ -449,12 +472,15 @@ def mhc_post_pre_fma(
     schedule).  x_out must not overlap x (programs of other row groups still read x while the
     first stores x_out).  Extra bytes over mhc_pre_fma: a (T*D) and post / comb read, x_out
     (T*n*D) written once; the separate hc_post launch and its x_out re-read are what it saves.
+    ``by_tokens``: as :func:`mhc_pre_fma`'s (then bitwise hc_post followed by :func:`mhc_pre_fma`
+    with ``by_tokens`` too).
     """
     T, n, D = x.shape
     if T == 0:
         return
+    cfg = pre_fma_config(n, D, T if by_tokens else None)
     mix_grid, apply_grid, mix, apply, part, sq = plan(
-        _plan, x.device, T, n, D, int(sinkhorn_iters), None, True
+        _plan, x.device, T, n, D, int(sinkhorn_iters), cfg, True
     )
     mix(mix_grid, x, fn, part, sq, a, post_in, comb_in, x_out, T)
     apply(
