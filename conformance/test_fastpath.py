@@ -274,7 +274,7 @@ _DIRECT = _MOCK + textwrap.dedent(
     from dsv4mtp.optimized.kernels import rms_norm as rn
     from dsv4mtp.optimized.kernels._launch import INTERPRET
     assert not INTERPRET
-    x = torch.randn(2, 64); w = torch.randn(64); o = torch.empty_like(x)
+    x = torch.randn(2, 80)[:, :64]; w = torch.randn(64); o = torch.empty(2, 64)
     rn.rms_norm_triton(x, w, 1e-6, o, False)          # miss: JITFunction.run
     rn.rms_norm_triton(x, w, 1e-6, o, False)          # hit: the launcher directly
     assert len(compiles) == 1 and len(launches) == 2, (compiles, launches)
@@ -284,7 +284,7 @@ _DIRECT = _MOCK + textwrap.dedent(
     # the launcher gets every parameter in signature order, constexprs included, either way
     assert direct[9:] == plain[9:], (direct[9:], plain[9:])
     assert direct[9] is x and direct[10] is w and direct[11] is o
-    assert direct[12:15] == (64, 64, 1e-6), direct[12:15]  # D, x's row stride, eps
+    assert direct[12:15] == (64, 80, 1e-6), direct[12:15]  # D, x's row stride, eps
     # a 4-byte offset: another alignment, another specialization
     xs = torch.randn(2 * 64 + 1)[1:].view(2, 64)
     assert xs.data_ptr() % 16

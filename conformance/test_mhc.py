@@ -404,8 +404,10 @@ def test_optimized_hc_pre_fma_schedules_compute_one_function(device: str) -> Non
 
 def test_optimized_hc_pre_token_block_follows_t_outside_batch_invariant_mode(device: str) -> None:
     """The small-batch hc_pre's token block: 16 under batch_invariant=True at every T; without
-    it, the next power of two >= T below 16.  The public op at T 3 asks for the schedule of 3
-    tokens only without batch invariance (both within the float64 reference's tolerance)."""
+    it, the next power of two >= T below 16.  hc_pre and hc_post_pre (fused, and composed
+    through hc_pre's operator) at T 3 ask for the schedule of 3 tokens only without batch
+    invariance; hc_pre within the float64 reference's tolerance, the two hc_post_pre forms
+    within fp32 rounding of each other."""
     from dsv4mtp.optimized.kernels import mhc_pre_small as small
 
     blocks = {T: small.pre_fma_config(4, 4096, T).block_t for T in (1, 2, 3, 5, 8, 9, 64)}
@@ -413,6 +415,7 @@ def test_optimized_hc_pre_token_block_follows_t_outside_batch_invariant_mode(dev
     assert small.pre_fma_config(4, 4096).block_t == small.BLOCK_T == 16
     T, D = 3, 64
     (x, fn, scale, base), kw = _opt_inputs("hc_pre", T, 4, D, torch.float32, device, seed=4)
+    pargs, pkw = _opt_inputs("hc_post_pre", T, 4, D, torch.float32, device, seed=5)
     asked: list[int | None] = []
     config = small.pre_fma_config
 
@@ -427,9 +430,17 @@ def test_optimized_hc_pre_token_block_follows_t_outside_batch_invariant_mode(dev
             want = hc_pre(*(t.cpu().double() for t in (x, fn, scale, base)), **kw)
             for g, w in zip(got, want, strict=True):
                 assert torch.allclose(g.cpu().double(), w, rtol=1e-5, atol=1e-6), bi
+            assert asked[-1] == (None if bi else T), asked
+            pair = [
+                opt.hc_post_pre(*pargs, **pkw, backend=b, batch_invariant=bi)
+                for b in ("triton_fma", "composed")
+            ]
+            assert asked[-2:] == [None if bi else T] * 2, (bi, asked)
+            for f, c in zip(*pair, strict=True):
+                assert torch.allclose(f, c, rtol=1e-5, atol=1e-6), bi
     finally:
         small.pre_fma_config = config  # type: ignore[assignment]
-    assert asked == [3, None]
+    assert len(asked) == 6
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -164,8 +164,10 @@ def hc_pre(
     ``mhc_pre_big_fuse_with_prenorm``), or "auto".
     ``schedule`` tunes "triton" and the FlashInfer backends; "triton_fma" refuses one.  With
     ``batch_invariant=False`` (the default) "auto" runs "triton_fma" up to
-    ``_dispatch.PRE_FMA_MAX_T`` (64) tokens and "triton" above; ``batch_invariant=True`` keeps
-    "auto" on "triton_fma" at every T.
+    ``_dispatch.PRE_FMA_MAX_T`` (64) tokens and "triton" above, and "triton_fma" mixes a call of
+    fewer than 16 tokens on a token block that fits it (kernels/mhc_pre_small.py,
+    ``pre_fma_config``); ``batch_invariant=True`` keeps "auto" on "triton_fma" at every T, on
+    its T-independent 16-token block.
     """
     # The plan of this call signature (optimized/_dispatch.py, "plans"): the checks run once
     # per signature.  While torch.compile traces, they run every time and become its guards.

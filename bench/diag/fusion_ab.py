@@ -15,14 +15,13 @@ CUDA-event timed replays.  The outputs (ids and hidden) are compared bitwise bet
 The settings: "shipped" (the layer as it is), one "composed: <pair>" per pair in
 :data:`COMPOSED` (the layer with that pair run as the ops it replaces), "guard in 4096 pieces"
 (:data:`guard_in_pieces`: the step guard's kernel and schedule before it read the row in one
-piece, kernels/step_guard.py) and "rope copied back" (the attention
-output's inverse rotation into a new tensor, then copied into o: ``attention.
-INVERSE_ROPE_IN_PLACE``) and "q / kv rows copied" (the fused wq_a + wkv output's two column
-slices made contiguous before rms_norm and kv_norm_rope, as before they were read through their
-row stride) and "hc_pre 16-token blocks" (the small-batch hc_pre kernels' T-independent token
-block at every T, as before the default took it by T: kernels/mhc_pre_small.py
-``pre_fma_config``; hc_post_pre's too).  Each is swapped in only while its setting's graphs are captured (the graphs keep
-what they captured).
+piece, kernels/step_guard.py), "rope copied back" (the attention output's inverse rotation
+into a new tensor, then copied into o: ``attention.INVERSE_ROPE_IN_PLACE``), "q / kv rows
+copied" (the fused wq_a + wkv output's two column slices copied to contiguous tensors before
+rms_norm and kv_norm_rope) and "hc_pre 16-token blocks" (the small-batch hc_pre and
+hc_post_pre kernels on their T-independent 16-token block at every T: kernels/mhc_pre_small.py
+``pre_fma_config``).  Each is swapped in only while its setting's graphs are captured (the
+graphs keep what they captured).
 
 Run (GPU machine, repository root, after the README's install):
 ``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms,eh_proj] [--no-guard]
@@ -156,7 +155,7 @@ guard_in_pieces = pieces_schedule, pieces_step_guard_kernel
 
 
 def _copied_first(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` on a contiguous copy of its first argument (the q / kv rows' old copy launch)."""
+    """``fn`` on a contiguous copy of its first argument (a copy launch before ``fn``)."""
 
     def wrapped(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         return fn(x.contiguous(), *args, **kwargs)

@@ -343,15 +343,16 @@ def pre_fma_config(n: int, D: int, tokens: int | None = None) -> PreFmaConfig:
     tree over a program's columns follows the tile's layout: at T 16 an 8-token block changed
     post and comb by an ulp), hence the T-independent schedule under batch invariance.
 
-    Mix: 8 fn rows x 16 tokens x 64 columns per program (M = 24 rows in 3 groups at n = 4):
+    Mix: 8 fn rows x 16 tokens (fewer below T 16 with ``tokens``) x 64 columns per program
+    (M = 24 rows in 3 groups at n = 4):
     192 / 336 programs at T <= 16 for D 4096 / 7168, enough for the 132 SMs, while the
     (16, 8, 64) accumulator takes 64 of the 128 registers per thread (4 warps, no spills:
     bench/sm90_resources.py); 16 tokens per block read fn from L2 4 times at T 64.
     64-column slices keep the slot count S (what phase 2 sums per token) at 64 / 112.
     Reducers take 2 tokens each, the apply 4 tokens x 256 columns (hc_head's FMA tile).
-    Timed as the default on the H200 (bench/results/mhc-h200.md, "hc_pre at small T": 9.7 us
-    at T 1, D 4096); other tiles not swept yet (bench/diag/hc_pre_small_t.py --fma-tiles
-    times them).  Under the interpreter the apply's slices are narrower, 128 columns, so that
+    Timed on the H200 (bench/results/mhc-h200.md, "hc_pre at small T": 9.7 us at T 1, D 4096
+    on 16-token blocks; "hc_pre's token block by T": 7.2 us on the 1-token block, and the other
+    tiles swept with ``bench/diag/hc_pre_small_t.py --fma-tiles``, none faster).  Under the interpreter the apply's slices are narrower, 128 columns, so that
     the CPU tier's D 256 still has two of them (the mix has four of 64); every program is
     interpreted op by op, so the CPU tier's time goes with the program count, not the tile size
     (narrower tiles: ``test_optimized_hc_pre_fma_schedules_compute_one_function``).
@@ -392,12 +393,11 @@ def _plan(
     n: int,
     D: int,
     sinkhorn_iters: int,
-    cfg: PreFmaConfig | None,
+    cfg: PreFmaConfig,
     fuse_post: bool = False,
 ) -> _Plan:
     """Everything of a call but its tensors and scalars; kept per (shapes, stream) by
     :func:`~._launch.plan`."""
-    cfg = cfg or pre_fma_config(n, D)
     (S, G, SA), mix, apply = _launches(cfg, n, D, sinkhorn_iters, fuse_post)
     M = (2 + n) * n
     # (S, T, M), (S, T): written by the mix before the second launch reads them.
