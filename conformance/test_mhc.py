@@ -407,7 +407,9 @@ def test_optimized_hc_pre_token_block_follows_t_outside_batch_invariant_mode(dev
     it, the next power of two >= T below 16.  hc_pre and hc_post_pre (fused, and composed
     through hc_pre's operator) at T 3 ask for the schedule of 3 tokens only without batch
     invariance; hc_pre within the float64 reference's tolerance, the two hc_post_pre forms
-    within fp32 rounding of each other."""
+    within fp32 rounding of each other.  The kept plans are dropped before each call, so that
+    each call builds its plan and asks for its schedule."""
+    from dsv4mtp.optimized.kernels import _launch
     from dsv4mtp.optimized.kernels import mhc_pre_small as small
 
     blocks = {T: small.pre_fma_config(4, 4096, T).block_t for T in (1, 2, 3, 5, 8, 9, 64)}
@@ -423,16 +425,21 @@ def test_optimized_hc_pre_token_block_follows_t_outside_batch_invariant_mode(dev
         asked.append(tokens)
         return config(n, D, tokens)
 
+    def fresh(op, *args, **kwargs):  # type: ignore[no-untyped-def]
+        _launch._PLANS.clear()
+        return op(*args, **kwargs)
+
     small.pre_fma_config = spy  # type: ignore[assignment]
     try:
         for bi in (False, True):
-            got = opt.hc_pre(x, fn, scale, base, **kw, backend="triton_fma", batch_invariant=bi)
+            got = fresh(opt.hc_pre, x, fn, scale, base, **kw, backend="triton_fma",
+                        batch_invariant=bi)  # fmt: skip
             want = hc_pre(*(t.cpu().double() for t in (x, fn, scale, base)), **kw)
             for g, w in zip(got, want, strict=True):
                 assert torch.allclose(g.cpu().double(), w, rtol=1e-5, atol=1e-6), bi
             assert asked[-1] == (None if bi else T), asked
             pair = [
-                opt.hc_post_pre(*pargs, **pkw, backend=b, batch_invariant=bi)
+                fresh(opt.hc_post_pre, *pargs, **pkw, backend=b, batch_invariant=bi)
                 for b in ("triton_fma", "composed")
             ]
             assert asked[-2:] == [None if bi else T] * 2, (bi, asked)

@@ -161,8 +161,8 @@ def _head_by_T(facts: Facts) -> str | None:
 # Measured on the H200 (bench/diag/hc_pre_small_t.py, CUDA-graph replay, inputs rotated past the
 # L2; bench/results/mhc-h200.md): triton_fma vs the collapse at D 4096 9.7 / 9.9 / 12.4 / 17.0 /
 # 26.5 us (16-token blocks; 7.2 / 8.7 us at T 1 / 8 on the block by T) vs 21.4 / 21.9 / 21.9 /
-# 22.7 / 23.2 us at T 1 / 8 / 32 / 64 / 128; at D 7168 13.5 /
-# 14.3 / 19.9 / 28.4 us vs 21.0 / 21.1 / 21.7 / 23.0 us at T 1 / 8 / 32 / 64.  So the FMA kernel
+# 22.7 / 23.2 us at T 1 / 8 / 32 / 64 / 128; at D 7168 13.5 / 14.3 / 19.9 / 28.4 us vs 21.0 /
+# 21.1 / 21.7 / 23.0 us at T 1 / 8 / 32 / 64.  So the FMA kernel
 # up to T 64 at D <= 4096 and up to T 32 at wider D (its mix re-reads fn per 16-token block).
 PRE_FMA_MAX_T = 64
 PRE_FMA_MAX_T_WIDE = 32  # D > 4096

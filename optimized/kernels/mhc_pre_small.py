@@ -352,10 +352,11 @@ def pre_fma_config(n: int, D: int, tokens: int | None = None) -> PreFmaConfig:
     Reducers take 2 tokens each, the apply 4 tokens x 256 columns (hc_head's FMA tile).
     Timed on the H200 (bench/results/mhc-h200.md, "hc_pre at small T": 9.7 us at T 1, D 4096
     on 16-token blocks; "hc_pre's token block by T": 7.2 us on the 1-token block, and the other
-    tiles swept with ``bench/diag/hc_pre_small_t.py --fma-tiles``, none faster).  Under the interpreter the apply's slices are narrower, 128 columns, so that
-    the CPU tier's D 256 still has two of them (the mix has four of 64); every program is
-    interpreted op by op, so the CPU tier's time goes with the program count, not the tile size
-    (narrower tiles: ``test_optimized_hc_pre_fma_schedules_compute_one_function``).
+    tiles swept with ``bench/diag/hc_pre_small_t.py --fma-tiles``, none faster).  Under the
+    interpreter the apply's slices are narrower, 128 columns, so that the CPU tier's D 256 still
+    has two of them (the mix has four of 64); every program is interpreted op by op, so the CPU
+    tier's time goes with the program count, not the tile size (narrower tiles:
+    ``test_optimized_hc_pre_fma_schedules_compute_one_function``).
     """
     block_d = min(64, max(16, next_pow2(D)))
     block_da = min(128 if INTERPRET else 256, max(16, next_pow2(D)))
@@ -393,11 +394,14 @@ def _plan(
     n: int,
     D: int,
     sinkhorn_iters: int,
-    cfg: PreFmaConfig,
+    cfg: PreFmaConfig | None,
     fuse_post: bool = False,
+    by_tokens: bool = False,
 ) -> _Plan:
     """Everything of a call but its tensors and scalars; kept per (shapes, stream) by
-    :func:`~._launch.plan`."""
+    :func:`~._launch.plan`.  ``cfg`` None: the default schedule, of T tokens with
+    ``by_tokens``."""
+    cfg = cfg or pre_fma_config(n, D, T if by_tokens else None)
     (S, G, SA), mix, apply = _launches(cfg, n, D, sinkhorn_iters, fuse_post)
     M = (2 + n) * n
     # (S, T, M), (S, T): written by the mix before the second launch reads them.
@@ -434,9 +438,8 @@ def mhc_pre_fma(
     T, n, D = x.shape
     if T == 0:
         return
-    cfg = cfg or pre_fma_config(n, D, T if by_tokens else None)
     mix_grid, apply_grid, mix, apply, part, sq = plan(
-        _plan, x.device, T, n, D, int(sinkhorn_iters), cfg
+        _plan, x.device, T, n, D, int(sinkhorn_iters), cfg, False, by_tokens
     )
     mix(mix_grid, x, fn, part, sq, x, x, x, x, T)  # no hc_post: its pointers are not read
     apply(
@@ -478,9 +481,8 @@ def mhc_post_pre_fma(
     T, n, D = x.shape
     if T == 0:
         return
-    cfg = pre_fma_config(n, D, T if by_tokens else None)
     mix_grid, apply_grid, mix, apply, part, sq = plan(
-        _plan, x.device, T, n, D, int(sinkhorn_iters), cfg, True
+        _plan, x.device, T, n, D, int(sinkhorn_iters), None, True, by_tokens
     )
     mix(mix_grid, x, fn, part, sq, a, post_in, comb_in, x_out, T)
     apply(
