@@ -486,6 +486,45 @@ def test_captured_decode_step_replays_as_eager() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8_kv", [False, True], ids=["math", "fp8_kv"])
+def test_kv_path_on_the_side_stream_gives_the_in_line_bits(
+    fp8_kv: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At decode the attention runs its kv path (norm + RoPE, ring write) on a side stream
+    beside the q path: outputs and rings bitwise those of the same steps with the kv path in
+    line (``KV_SIDE_STREAM`` off), over steps that wrap the ring, and the side stream was the
+    one used."""
+    attention_module = importlib.import_module("dsv4mtp.optimized.attention")
+    dev = "cuda"
+    pack = pack_attention(layer_params(BF16), dev)
+    caches = [DeviceKVCache(CFG, num_seqs=3, max_draft=0, dtype=BF16, device=dev) for _ in "ab"]
+    slots = _slots([2, 0, -1], dev)
+    g = torch.Generator().manual_seed(5)
+    last = [30, 3, 0]
+    spied: list[torch.cuda.Stream | None] = []
+    side_stream = attention_module._kv_side_stream
+
+    def spy(d: torch.device) -> torch.cuda.Stream | None:
+        spied.append(side_stream(d))
+        return spied[-1]
+
+    monkeypatch.setattr(attention_module, "_kv_side_stream", spy)
+    for step in range(W + 3):
+        last = [last[0] + 1, last[1] + 1, 0]
+        x, pos = _rows(g, 3, BF16, dev), torch.tensor(last, device=dev)
+        outs = []
+        for cache, on in zip(caches, (True, False), strict=True):
+            monkeypatch.setattr(attention_module, "KV_SIDE_STREAM", on)
+            outs.append(opt_attention(x, pos, pack, CFG, kv_cache=cache, cache_slots=slots,
+                                      fp8_kv=fp8_kv))  # fmt: skip
+        torch.cuda.synchronize()
+        assert torch.isfinite(outs[0]).all()
+        assert torch.equal(outs[0], outs[1]), f"step {step}"
+        assert torch.equal(caches[0].kv, caches[1].kv) and torch.equal(caches[0].pos, caches[1].pos)
+    assert spied[0] is not None and spied[1] is None  # the side stream, then in line
+
+
+@pytest.mark.gpu
 def test_captured_rollback_and_write_replay_as_eager() -> None:
     """``rollback`` and ``write`` captured in one CUDA graph, replayed on new slots, bounds,
     rows and positions: the rings bitwise those of the same calls run eagerly."""

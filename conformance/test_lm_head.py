@@ -226,6 +226,30 @@ def test_out_buffers_are_written_and_returned(device: str) -> None:
     assert torch.equal(logits, opt.lm_head_logits(y, head))
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_row_mask_writes_minus_one_in_its_false_rows(fmt: str, device: str) -> None:
+    """row_mask: -1 where false, the unmasked call's ids elsewhere (functional and out=, one
+    and several reduce programs); the operators with a mask pass opcheck."""
+    y, head = _inputs(6, 64, 300, BF16, device, seed=9, fmt=fmt)
+    h = _pack(head, device)
+    base = opt.lm_head_argmax(y, h)
+    assert bool((base >= 0).all())
+    for keep in ([True, False, True, True, False, False], [False] * 6, [True] * 6):
+        mask = torch.tensor(keep, device=device)
+        want = torch.where(mask, base, -1)
+        assert torch.equal(opt.lm_head_argmax(y, h, row_mask=mask), want), keep
+        out = torch.full((6,), 7, dtype=torch.int64, device=device)
+        assert opt.lm_head_argmax(y, h, row_mask=mask, out=out) is out
+        assert torch.equal(out, want), keep
+    one = torch.tensor([False], device=device)
+    assert opt.lm_head_argmax(y[:1], h, row_mask=one).tolist() == [-1]
+    args = _op_args("lm_head_argmax", device, fmt)
+    margs = (*args, torch.arange(args[0].shape[0], device=device) % 2 == 0)
+    torch.library.opcheck(torch.ops.dsv4mtp.lm_head_argmax.default, margs)
+    out = torch.empty(args[0].shape[0], dtype=torch.int64, device=device)
+    torch.library.opcheck(torch.ops.dsv4mtp.lm_head_argmax_out.default, margs, {"out": out})
+
+
 # ------------------------------------------------------------------------------ pack_head
 def test_fp8_pack_is_the_core_quantizer_and_decodes_exactly(
     monkeypatch: pytest.MonkeyPatch,
@@ -267,6 +291,15 @@ def test_bad_inputs_are_typed_errors_naming_the_tensor(device: str) -> None:
             r"^out: expected",
         ),
         (lambda: opt.lm_head_logits(y, head, out=torch.empty(3, 299)), r"^out: expected shape"),
+        (lambda: opt.lm_head_argmax(y, head, row_mask=[True] * 3), r"^row_mask: expected"),
+        (
+            lambda: opt.lm_head_argmax(y, head, row_mask=torch.ones(3, dtype=torch.int64)),
+            r"^row_mask: expected dtype torch.bool",
+        ),
+        (
+            lambda: opt.lm_head_argmax(y, head, row_mask=torch.ones(4, dtype=torch.bool)),
+            r"^row_mask: expected shape",
+        ),
         (lambda: opt.pack_head(head, format="fp4"), r"^format: expected"),  # type: ignore[arg-type]
         (lambda: opt.pack_head(head[0]), r"^head: expected shape"),
         (lambda: opt.pack_head(torch.ones(2, 2, dtype=torch.int8)), r"^head: expected a floating"),

@@ -791,6 +791,52 @@ def test_wgmma_swiglu_epilogue_gives_the_bits_of_the_swiglu_pass(
         _check("moe", got, (x, params, cfg), kw)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 3, 8, 64, 512])
+def test_gluon_swiglu_tail_gives_the_bits_of_the_swiglu_pass(
+    T: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mma_v2 gate/up GEMM finishes the SwiGLU in its own launch (``GLUON_SWIGLU_TAIL``,
+    kernels/moe_gemm_gluon.py ``_swiglu_after_splits``: each tile's last K split, by ticket):
+    the whole moe at V4-Flash experts with inputs of magnitude 8 (gate and up past the clamp)
+    gives the bits of the same partials finished by ``moe_swiglu_kernel``, under the default
+    (K split 4 / 2 / 2 / 1 / 1 at T 1 / 3 / 8 / 64 / 512, 8- and 16-row blocks), with the
+    split doubled and halved, and without the fold; a CUDA-graph replay (its counters zeroed
+    inside the graph) equals the eager call.  The fused launches are counted."""
+    fused: list[bool] = []
+    real = moe_gemm_module.moe_mx_gluon
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        fused.append(kwargs.get("swiglu") is not None)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(moe_gemm_module, "moe_mx_gluon", spy)
+    (x, params, cfg), kw = moe_inputs(
+        "moe", T, 6, shape="flash", fmt="mxfp4", device="cuda", magnitude=8.0
+    )
+    pack = pack_moe(params, "cuda")
+    d = moe_config(T, batch_invariant=False, fmt=pack.kernel_fmt)
+    assert d.decode == "gluon" and not uses_wgmma(d.gate_up, d.block_m, pack.mx_fold)
+    k = d.gate_up.split_k
+    splits = {k, 2 * k, max(1, k // 2)}
+    for pk in (pack, replace(pack, mx_fold=False)):
+        for split in sorted(splits):
+            s = replace(d, gate_up=replace(d.gate_up, split_k=split))
+            fused.clear()
+            got = moe(x, pk, cfg, **kw, schedule=s)
+            assert fused == [True, False], (split, pk.mx_fold)
+            monkeypatch.setattr(moe_gemm_module, "GLUON_SWIGLU_TAIL", False)
+            fused.clear()
+            want = moe(x, pk, cfg, **kw, schedule=s)
+            monkeypatch.setattr(moe_gemm_module, "GLUON_SWIGLU_TAIL", True)
+            assert fused == [False, False], (split, pk.mx_fold)
+            assert torch.equal(got, want), (split, pk.mx_fold)
+    _check("moe", got, (x, params, cfg), kw)
+    # replay == eager is asserted inside; one row reversed is the same input, so the output
+    # changes only from 2 rows on
+    assert _replay_equals_eager(x, pack, cfg, kw) or T == 1
+
+
 @pytest.mark.parametrize("T", [1, 2, 5, 8])
 def test_default_schedule_fits_small_k(T: int, device: str) -> None:
     """The default schedule's K splits (GPU: 4-way at T <= 2, 2-way at T <= 8) on the tiny
@@ -1091,9 +1137,13 @@ def test_route_flag_reaches_the_schedule(device: str) -> None:
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), flag
 
 
-def test_route_value_preserving_knobs_are_bitwise(device: str) -> None:
-    """topk_rows (the top-k sums the selected weights one at a time, whatever its tile) and
-    num_stages change no output bit."""
+def test_route_value_preserving_knobs_are_bitwise(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """topk_rows (the top-k sums the selected weights one at a time, whatever its tile),
+    num_stages and the top-k's warps (its reductions are exact) change no output bit."""
+    from dsv4mtp.optimized.kernels import _launch, moe_route
+
     (x, gw, gb, cfg), _ = moe_inputs("route", 23, 4, shape=_shape(device), device=device)
     k, rho = cfg.num_experts_per_tok, float(cfg.routed_scaling_factor)
     base = RouteSchedule(32, 32, 32, split=4)
@@ -1102,6 +1152,14 @@ def test_route_value_preserving_knobs_are_bitwise(device: str) -> None:
         s = RouteSchedule(32, 32, 32, split=4, num_stages=stages, topk_rows=rows)
         got = _run_route(x, gw, gb, k, rho, schedule=s)
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), s
+    assert moe_route.topk_warps(1, 256) == 1 and moe_route.topk_warps(4, 256) == 4
+    for per_warp in (1, 8):  # 4 warps, then 1 to 4 by the tile: on other launches
+        monkeypatch.setattr(moe_route, "TOPK_SCORES_PER_WARP", per_warp)
+        monkeypatch.setattr(_launch, "_PLANS", {})
+        for rows in (1, 2, 32):
+            s = RouteSchedule(32, 32, 32, split=4, topk_rows=rows)
+            got = _run_route(x, gw, gb, k, rho, schedule=s)
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (per_warp, s)
 
 
 def test_route_config_and_validation() -> None:

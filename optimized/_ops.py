@@ -558,7 +558,7 @@ if TYPE_CHECKING:
         shared_expert_mm,
         shared_mm_selected,
     )
-    from .kernels.moe_route import route_triton
+    from .kernels.moe_route import RouteAlign, fused_align, route_triton
 else:
     moe_align_triton = triton_kernel("moe_align", "moe_align_triton")
     act_quant_triton = triton_kernel("moe_gemm", "act_quant_triton")
@@ -568,6 +568,8 @@ else:
     shared_expert_mm = triton_kernel("moe_gemm", "shared_expert_mm")
     shared_mm_selected = triton_kernel("moe_gemm", "shared_mm_selected")
     route_triton = triton_kernel("moe_route", "route_triton")
+    RouteAlign = triton_kernel("moe_route", "RouteAlign")
+    fused_align = triton_kernel("moe_route", "fused_align")
 
 # A MoESchedule travels as an int list (kernels/moe_schedule.py, schedule_to_fields); an empty
 # list is the default of the call's T (moe_config).
@@ -654,11 +656,14 @@ def _routed_into(
     shared: Callable[[], torch.Tensor | None],
     out: torch.Tensor,
     fork: Callable[[], None] | None = None,
+    aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """The routed experts into ``out``; ``shared()`` gives the shared expert's rows (or None)
     to the reduce, called just before it (it may join a side stream there); ``fork()`` (when
     given) starts the shared expert on its side stream where :func:`shared_fork` says: the
-    side stream then waits for everything this stream launched up to that point."""
+    side stream then waits for everything this stream launched up to that point.
+    ``aligned``: (sorted_slot, block_expert) already sorted by the router's program (for this
+    call's ``block_m``), else the sort runs here."""
     T, D = x.shape
     K = topk_ids.shape[1]
     if T == 0:
@@ -673,9 +678,13 @@ def _routed_into(
     bm = sched.block_m
     xin = _act_quant(x.contiguous()) if act_quant else x.contiguous()
     ids = topk_ids.contiguous()
-    sorted_slot, block_expert = moe_align_triton(
-        ids, expert_map, w13.shape[0], bm, chunk=sched.align_chunk, num_warps=sched.align_warps
-    )
+    if aligned is not None:
+        sorted_slot, block_expert = aligned
+    else:
+        sorted_slot, block_expert = moe_align_triton(
+            ids, expert_map, w13.shape[0], bm, chunk=sched.align_chunk,
+            num_warps=sched.align_warps,
+        )  # fmt: skip
     if at == "align":
         start_shared()
     nb = block_expert.numel()
@@ -788,6 +797,40 @@ def _moe_route(
     return w, ids
 
 
+def _route_and_align(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: torch.Tensor,
+    top_k: int,
+    scaling: float,
+    batch_invariant: bool,
+    row_mask: torch.Tensor | None,
+    expert_map: torch.Tensor,
+    e_local: int,
+    sched: MoESchedule,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The router, and where the slots fit (kernels/moe_route.py, ``fused_align``) their sort
+    by expert in the top-k's program -> (weights, ids, (sorted_slot, block_expert) or None:
+    :func:`_routed_into` sorts)."""
+    T = x.shape[0]
+    small = fused_align(T, top_k, e_local, sched.block_m, sched.align_chunk)
+    if small is None or T == 0:
+        return (*_moe_route(x, gate_weight, gate_bias, top_k, scaling, batch_invariant,
+                            row_mask), None)  # fmt: skip
+    w, ids = _route_outputs(x, top_k)
+    nb, bm = small[0], sched.block_m
+    align = RouteAlign(
+        expert_map, e_local, bm, sched.align_chunk,
+        torch.empty((nb * bm,), dtype=torch.int32, device=x.device),
+        torch.empty((nb,), dtype=torch.int32, device=x.device),
+    )  # fmt: skip
+    route_triton(
+        x.contiguous(), gate_weight.contiguous(), gate_bias.contiguous(), top_k, scaling, w, ids,
+        batch_invariant, row_mask=row_mask, align=align,
+    )  # fmt: skip
+    return w, ids, (align.sorted_slot, align.block_expert)
+
+
 def _moe_route_fake(x: torch.Tensor, gw: Any, gb: Any, top_k: int, scaling: float, bi: Any) -> Any:
     return _route_outputs(x, top_k)
 
@@ -836,10 +879,13 @@ def _moe_out(
 ) -> None:
     if x.shape[0] == 0:
         return
-    weights, ids = _moe_route(
-        x, gate_weight, gate_bias, top_k, scaling, batch_invariant, row_mask
-    )  # padding rows (row_mask False) get ids -1 inside the top-k kernel
     sched = _moe_schedule(x.shape[0], batch_invariant, schedule, fmt)
+    # padding rows (row_mask False) get ids -1 inside the top-k kernel; at decode sizes the
+    # same program sorts the slots by expert (one launch fewer)
+    weights, ids, aligned = _route_and_align(
+        x, gate_weight, gate_bias, top_k, scaling, batch_invariant, row_mask, expert_map,
+        w13.shape[0], sched,
+    )  # fmt: skip
     shared_args = (
         x, shared_w13, shared_s13, shared_w2, shared_s2, shared_fmt, shared_limit,
         shared_act_quant, sched, batch_invariant,
@@ -849,7 +895,7 @@ def _moe_out(
         rows = _shared_expert(*shared_args)
         _routed_into(
             x, ids, weights, expert_map, w13, s13, w2, s2, gscale, fmt, limit, act_quant,
-            batch_invariant, schedule, lambda: rows, out,
+            batch_invariant, schedule, lambda: rows, out, aligned=aligned,
         )  # fmt: skip
         return
     # The shared expert on a side stream, beside the routed GEMMs (forking at shared_fork): at
@@ -873,7 +919,7 @@ def _moe_out(
 
     _routed_into(
         x, ids, weights, expert_map, w13, s13, w2, s2, gscale, fmt, limit, act_quant,
-        batch_invariant, schedule, shared, out, fork,
+        batch_invariant, schedule, shared, out, fork, aligned,
     )  # fmt: skip
 
 
@@ -1572,9 +1618,12 @@ else:
 
 _HEAD_ARGS = "Tensor y, Tensor head, Tensor scale, str fmt, bool batch_invariant"
 _LM_HEAD_SCHEMAS: dict[str, str] = {
-    "lm_head_argmax": f"lm_head_argmax({_HEAD_ARGS}, int[] schedule) -> Tensor",
+    "lm_head_argmax": (
+        f"lm_head_argmax({_HEAD_ARGS}, int[] schedule, Tensor? row_mask=None) -> Tensor"
+    ),
     "lm_head_argmax_out": (
-        f"lm_head_argmax_out({_HEAD_ARGS}, int[] schedule, *, Tensor(a!) out) -> ()"
+        f"lm_head_argmax_out({_HEAD_ARGS}, int[] schedule, Tensor? row_mask=None, *, "
+        "Tensor(a!) out) -> ()"
     ),
     "lm_head_logits": f"lm_head_logits({_HEAD_ARGS}) -> Tensor",
     "lm_head_logits_out": f"lm_head_logits_out({_HEAD_ARGS}, *, Tensor(a!) out) -> ()",
@@ -1601,6 +1650,7 @@ def _lm_head_argmax_out(
     fmt: str,
     batch_invariant: bool,
     schedule: Sequence[int],
+    row_mask: torch.Tensor | None = None,
     *,
     out: torch.Tensor,
 ) -> None:
@@ -1611,8 +1661,9 @@ def _lm_head_argmax_out(
     fp32 = y.dtype == torch.float32 or head.dtype == torch.float32
     sched = LmHeadSchedule(*schedule) if schedule else lm_head_schedule(T, batch_invariant, fp32)
     lm_head_argmax_triton(
-        y.contiguous(), head.contiguous(), scale.contiguous(), out, fmt=code, sched=sched
-    )
+        y.contiguous(), head.contiguous(), scale.contiguous(), out, fmt=code, sched=sched,
+        row_mask=None if row_mask is None else row_mask.contiguous(),
+    )  # fmt: skip
 
 
 def _lm_head_argmax_fake(y: torch.Tensor, *args: Any) -> torch.Tensor:

@@ -1235,6 +1235,22 @@ _FREQS: dict[tuple[object, ...], torch.Tensor] = {}
 #: copied back into o (two launches; the same bits).  The switch exists for
 #: bench/diag/fusion_ab.py, which times the whole step both ways.
 INVERSE_ROPE_IN_PLACE = True
+#: At decode against a device cache, the kv path (norm + RoPE, cache write) on a side stream
+#: beside the q path (see :func:`attention`); False runs it in line (bench/diag/fusion_ab.py
+#: times the step both ways).
+KV_SIDE_STREAM = True
+_KV_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _kv_side_stream(dev: torch.device) -> torch.cuda.Stream | None:
+    """The attention's side stream on a CUDA device (one per device, made once), or None: on
+    the CPU (the interpreter), under torch.compile and with :data:`KV_SIDE_STREAM` off."""
+    if dev.type != "cuda" or not KV_SIDE_STREAM or torch.compiler.is_compiling():
+        return None
+    side = _KV_STREAMS.get(dev)
+    if side is None:
+        side = _KV_STREAMS[dev] = torch.cuda.Stream(device=dev)
+    return side
 
 
 def _rope_table(config: DSV4Config, rope_mode: RopeMode, dev: torch.device) -> torch.Tensor:
@@ -1293,6 +1309,9 @@ def attention(
     ``q_head_norm_rope``; ``linear`` wkv (T, Dh) -> ``kv_norm_rope`` (one fused wq_a+wkv GEMM
     for a :func:`pack_attention_weights` pack); the attention core -> ``apply_rope`` inverse on
     the output's rope dims -> ``grouped_linear`` wo_a (T, G, Ro) -> ``linear`` wo_b (T, D).
+    At decode against a device cache (ring or paged) the kv path (``kv_norm_rope``, the cache
+    write) runs on a side stream beside the q path and is joined before the attention core:
+    the same bits, two launches off the step's dependent chain.
     Bytes per call at V4-Flash (FP8 codes): wq_a 4 MiB, wq_b 32 MiB, wkv 2 MiB, wo_a 32 MiB,
     wo_b 32 MiB, plus each sequence's KV window (at most 128 rows of 512, 128 KiB in bf16) and
     the activations.  Every op's schedule is batch invariant under ``batch_invariant=True``;
@@ -1468,25 +1487,44 @@ def attention(
         assert pack.wq_a is not None and pack.wkv is not None
         qr = linear(x, pack.wq_a, act_quant=act_quant, batch_invariant=bi)  # (T, Rq)
         kv = linear(x, pack.wkv, act_quant=act_quant, batch_invariant=bi)  # (T, Dh)
+
+    def kv_path(kv: torch.Tensor) -> torch.Tensor:
+        """kv's norm + RoPE (T, Dh): the rows attended and cached; at decode also their write
+        into the cache (ring or paged), which the attention then reads."""
+        kv = kv_norm_rope(
+            kv, pack.kv_norm, positions, freqs, eps=eps, rope_dim=Dr, fp8_kv=fp8_kv,
+            norm_order=norm_order, batch_invariant=bi,
+        )  # fmt: skip
+        if ring is not None and decode:
+            assert cache_slots is not None
+            _write_out(kv, positions, cache_slots, cache_kv=ring.kv, cache_pos=ring.pos)
+        elif paged is not None and decode:
+            assert slot_mapping is not None
+            paged._write(kv, positions, slot_mapping)
+        return kv
+
+    # At decode the kv path (its norm + RoPE and the cache write, two small launches) runs on a
+    # side stream beside the q path (q_norm, wq_b, q's norm + RoPE): it only needs qkv, and only
+    # the attention reads what it writes, so the attention waits for it.  Captured, the fork and
+    # join are graph edges; the values are the same.  kv is allocated and read on the side
+    # stream only; qkv and the positions outlive the join.
+    side = _kv_side_stream(dev) if decode and (ring is not None or paged is not None) else None
+    if side is not None:
+        cur = torch.cuda.current_stream(dev)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            kv = kv_path(kv)
     qr = rms_norm(qr, pack.q_norm, eps, order=norm_order, batch_invariant=bi)
     q = linear(qr, pack.wq_b, act_quant=act_quant, batch_invariant=bi).view(T, H, Dh)
     q = q_head_norm_rope(q, positions, freqs, eps=eps, rope_dim=Dr, batch_invariant=bi)
-    kv = kv_norm_rope(
-        kv,
-        pack.kv_norm,
-        positions,
-        freqs,
-        eps=eps,
-        rope_dim=Dr,
-        fp8_kv=fp8_kv,
-        norm_order=norm_order,
-        batch_invariant=bi,
-    )  # fmt: skip  (T, Dh): the rows attended and cached
+    if side is not None:
+        cur.wait_stream(side)
+    else:
+        kv = kv_path(kv)
 
     if ring is not None and decode:
-        # decode against the rings: write each row into its ring, then attend to the ring
+        # decode against the rings: each row written into its ring (kv_path), then attend
         assert cache_slots is not None
-        _write_out(kv, positions, cache_slots, cache_kv=ring.kv, cache_pos=ring.pos)
         o = _cache_call(
             q,
             positions,
@@ -1516,7 +1554,7 @@ def attention(
         table = block_table
         if not decode:  # one table row per query row (lens are host ints: eager only)
             table = block_table.repeat_interleave(device_ints(lens, dev), dim=0, output_size=T)
-        paged._write(kv, positions, slot_mapping)
+            paged._write(kv, positions, slot_mapping)  # at decode: kv_path wrote them
         o = _paged_call(
             q, positions, paged.kv, paged.pos, table, pack.attn_sink, W, Dh**-0.5, bi, None,
             "auto", None, check_values=False,

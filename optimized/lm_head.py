@@ -231,6 +231,7 @@ def lm_head_argmax(
     batch_invariant: bool = False,
     out: torch.Tensor | None = None,
     schedule: LmHeadSchedule | None = None,
+    row_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Greedy ids ``argmax_v (y @ head^T)[t, v]`` -> (T,) int64, without writing the logits.
 
@@ -244,15 +245,24 @@ def lm_head_argmax(
     ``batch_invariant=True``: the 64-row schedule whatever T, so each row's id does not depend
     on its batch.  ``schedule``: an explicit :class:`~.kernels.lm_head.LmHeadSchedule`
     (benchmarks; default ``lm_head_schedule(T, batch_invariant)``).  ``out``: a (T,) int64
-    tensor, written in place.  CUDA-graph capturable (two launches, a per-stream workspace).
+    tensor, written in place.  ``row_mask`` (T,) bool on y's device (optimized only): rows
+    where it is false get id -1 (a CUDA-graph step's padding and bad rows), written by the
+    reduce launch, so the caller needs no ``torch.where`` (two launches) after it.
+    CUDA-graph capturable (two launches, a per-stream workspace).
     """
     pack, dev = _check_call(y, head, batch_invariant)
+    if row_mask is not None:
+        check_instance("row_mask", row_mask, torch.Tensor)
+        if row_mask.dtype != torch.bool:
+            raise InputError(f"row_mask: expected dtype torch.bool, got {row_mask.dtype}")
+        check_shape("row_mask", row_mask, (y.shape[0],))
+        check_device([("y", y), ("row_mask", row_mask)])
     fields = schedule.fields() if schedule is not None else []
     args = (y, pack.weight, pack.scale, "fp8" if pack.format == "fp8" else "bf16")
     if out is None:
-        return _ops_argmax(*args, batch_invariant, fields)  # type: ignore[no-any-return]
+        return _ops_argmax(*args, batch_invariant, fields, row_mask)  # type: ignore[no-any-return]
     check_out("out", out, (y.shape[0],), torch.int64, dev)
-    _ops_argmax_out(*args, batch_invariant, fields, out=out)
+    _ops_argmax_out(*args, batch_invariant, fields, row_mask, out=out)
     return out
 
 

@@ -588,19 +588,26 @@ class MTPLayer(MTPLayerAPI):
         )
 
     def _greedy(
-        self, hidden: torch.Tensor, spec_step: int, head_input: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        spec_step: int,
+        head_input: torch.Tensor | None = None,
+        row_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Greedy ids (T,), torch.argmax's tie and NaN rules.  bf16 head: :func:`lm_head_argmax`,
         without the (T, V) logits (H200, V4-Flash head: 243 / 244 / 266 us at T 1 / 8 / 64
         against cuBLAS logits + argmax 282 / 286 / 330 us, bench/results/head-h200.json).  FP8
         head: its logits from the FP8 linear kernel, then torch.argmax, which measured faster
         than the argmax kernel's FP8 decode (152 / 156 / 319 us + the argmax against 222 / 240 /
-        469 us).  ``head_input``: see :meth:`_head_input`."""
+        469 us).  ``head_input``: see :meth:`_head_input`.  ``row_mask`` (T,) bool: -1 where
+        false (the bf16 head's reduce writes it; the FP8 head's argmax is followed by a
+        ``torch.where``)."""
         y = self._head_input(hidden, spec_step, head_input)
         head = self.heads[spec_step % len(self.heads)]
         if head.format == "fp8":
-            return lm_head_logits(y, head, batch_invariant=self.batch_invariant).argmax(-1)
-        return lm_head_argmax(y, head, batch_invariant=self.batch_invariant)
+            ids = lm_head_logits(y, head, batch_invariant=self.batch_invariant).argmax(-1)
+            return ids if row_mask is None else torch.where(row_mask, ids, -1)
+        return lm_head_argmax(y, head, batch_invariant=self.batch_invariant, row_mask=row_mask)
 
 
 def _capture(
@@ -671,16 +678,18 @@ def _head(
     hidden: torch.Tensor,
     spec_step: int,
     logits: bool,
+    row_mask: torch.Tensor,
     head_input: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A captured step's head over hidden (R, nD) -> (greedy ids (R,), logits (R, V) fp32):
-    the logits and their argmax, or with ``logits=False`` the logit-free argmax
-    (:meth:`MTPLayer._greedy`) and an empty (R, 0) in place of the logits."""
+    """A captured step's head over hidden (R, nD) -> (greedy ids (R,), -1 where ``row_mask``
+    (R,) bool is false; logits (R, V) fp32): the logits and their argmax, or with
+    ``logits=False`` the logit-free argmax (:meth:`MTPLayer._greedy`, whose reduce launch
+    writes the -1s) and an empty (R, 0) in place of the logits."""
     if logits:
         out = layer._logits(hidden, spec_step, head_input)
-        return out.argmax(-1), out
+        return torch.where(row_mask, out.argmax(-1), -1), out
     empty = hidden.new_empty(hidden.shape[0], 0, dtype=torch.float32)  # none computed
-    return layer._greedy(hidden, spec_step, head_input), empty
+    return layer._greedy(hidden, spec_step, head_input, row_mask), empty
 
 
 def _check_bound(name: str, v: object) -> int:
@@ -777,8 +786,8 @@ class DecodeGraphs:
             moe_extra={"row_mask": ok},
             head=True,
         )  # fmt: skip  (b, nD), hc_head's (b, D) from the fused hc_post_head
-        tokens, logits = _head(L, hidden, self.spec_step, self.logits, y)
-        return torch.where(ok, tokens, -1), hidden, logits
+        tokens, logits = _head(L, hidden, self.spec_step, self.logits, ok, y)
+        return tokens, hidden, logits
 
     def bucket(self, B: int) -> int:
         """The smallest captured bucket >= B."""
@@ -938,9 +947,9 @@ class PrefillGraphs:
         torch.minimum(self.bad_seq, key.amin().view(1), out=self.bad_seq)
         last = (cu[1:].long() - 1).clamp_min(0)  # (S,) each sequence's last row
         h_last = hidden.index_select(0, last)  # (S, nD)
-        tokens, logits = _head(L, h_last, self.spec_step, self.logits)
         live = (cu[1:] > cu[:-1]) & ~dead.bool() & ~failed & (self.slots >= 0)
-        return torch.where(live, tokens, -1), hidden, logits
+        tokens, logits = _head(L, h_last, self.spec_step, self.logits, live)
+        return tokens, hidden, logits
 
     def bucket(self, T: int) -> int:
         """The smallest captured token bucket >= T."""

@@ -1,6 +1,8 @@
 """Do the optimized layer's fused op pairs, its latency-first step guard, its in-place
-inverse rotation, its in-place q / kv rows and hc_pre's token block by T shorten the whole
-draft step?  (H200)
+inverse rotation, its in-place q / kv rows, hc_pre's token block by T, the kv path on a side
+stream, the ids masked in the argmax's reduce, the SwiGLU in the gate/up GEMM's launch, the
+slots' sort in the router's program and the one-warp top-k shorten the whole draft step?
+(H200)
 
 The layer runs its fused op pairs through :attr:`MTPLayer.ops` (``dsv4mtp/layer.py``,
 ``LayerOps``).  A fused pair is bitwise its composition, so its only possible effect is time,
@@ -12,20 +14,44 @@ in one process, and times the replays in rounds that alternate the settings (A B
 machine-to-machine spread cancels; each cell is the median over rounds of the median of 20
 CUDA-event timed replays.  The outputs (ids and hidden) are compared bitwise between settings.
 
-The settings: "shipped" (the layer as it is), one "composed: <pair>" per pair in
-:data:`COMPOSED` (the layer with that pair run as the ops it replaces), "guard in 4096 pieces"
-(:data:`guard_in_pieces`: the step guard's kernel and schedule before it read the row in one
-piece, kernels/step_guard.py), "rope copied back" (the attention output's inverse rotation
-into a new tensor, then copied into o: ``attention.INVERSE_ROPE_IN_PLACE``), "q / kv rows
-copied" (the fused wq_a + wkv output's two column slices copied to contiguous tensors before
-rms_norm and kv_norm_rope) and "hc_pre 16-token blocks" (the small-batch hc_pre and
-hc_post_pre kernels on their T-independent 16-token block at every T: kernels/mhc_pre_small.py
-``pre_fma_config``).  Each is swapped in only while its setting's graphs are captured (the
-graphs keep what they captured).
+The settings (each leaves out with its ``--no-*`` flag):
+
+* "shipped": the layer as it is;
+* "composed: <pair>", one per pair in :data:`COMPOSED`: the layer with that pair run as the
+  ops it replaces;
+* "guard in 4096 pieces" (:data:`guard_in_pieces`): the step guard's kernel and schedule
+  before it read the row in one piece (kernels/step_guard.py);
+* "rope copied back": the attention output's inverse rotation into a new tensor, then copied
+  into o (``attention.INVERSE_ROPE_IN_PLACE``);
+* "q / kv rows copied": the fused wq_a + wkv output's two column slices copied to contiguous
+  tensors before rms_norm and kv_norm_rope;
+* "hc_pre 16-token blocks": the small-batch hc_pre and hc_post_pre kernels on their
+  T-independent 16-token block at every T (kernels/mhc_pre_small.py ``pre_fma_config``);
+* "kv path in line": the attention's kv norm + RoPE and ring write on the step's stream after
+  the q path instead of on a side stream beside it (``attention.KV_SIDE_STREAM``);
+* "ids masked by torch.where": the greedy ids' -1s for bad and padding rows by ``torch.where``
+  after the head (two launches) instead of in the argmax's reduce launch;
+* "SwiGLU pass launched": the routed gate/up's SwiGLU as ``moe_swiglu_kernel`` after the
+  mma_v2 GEMM instead of by each tile's last K split in the GEMM's launch
+  (``moe_gemm.GLUON_SWIGLU_TAIL``);
+* "slots sorted in their own launch": the MoE's sort of the slots by expert as
+  ``moe_align_triton``'s launch instead of in the router's top-k program
+  (``moe_route.FUSED_ALIGN_MAX_T`` 0);
+* "route top-k on 4 warps": the router's one-token top-k program on 4 warps instead of one
+  (``moe_route.TOPK_SCORES_PER_WARP``).
+
+Probes (``--prefetch-mb``): "head prefetch <N> MB <mode>", the first N MB of the LM head's
+weight prefetched into the L2 on a side stream right after the MoE (bench/diag/
+l2_prefetch_probe.py's kernel: "bulk" = its mode 1, bulk prefetches with an evict-last policy;
+"lines" = mode 2, one ``prefetch.global.L2::evict_last`` per line), beside hc_post_head and the
+head's norm, whose few microseconds leave the HBM idle; the head then streams those bytes from
+the L2.  Each setting is swapped in only while its graphs are captured (the graphs keep what
+they captured).
 
 Run (GPU machine, repository root, after the README's install):
 ``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms,eh_proj] [--no-guard]
-[--no-rope] [--no-qkv] [--no-mhc]``
+[--no-rope] [--no-qkv] [--no-mhc] [--no-kv] [--no-mask] [--no-topk] [--no-swiglu] [--no-align]
+[--prefetch-mb 32,48]``
 (about two minutes).
 """
 
@@ -50,10 +76,12 @@ from moe_stream_ab import decode_table
 
 from dsv4mtp.checkpoint.fullsize import make_fullsize_checkpoint
 from dsv4mtp.optimized import MTPLayer, linear, rms_norm
-from dsv4mtp.optimized.kernels import mhc_pre_small
+from dsv4mtp.optimized.kernels import mhc_pre_small, moe_gemm, moe_route
 from dsv4mtp.optimized.kernels import step_guard as guard_kernels
 from dsv4mtp.optimized.kernels.moe_common import jit_loop_bounds
 from dsv4mtp.optimized.mtp import DecodeGraphs
+
+mtp_module = importlib.import_module("dsv4mtp.optimized.mtp")
 
 # the module (the package exports its function ``attention`` under the same name)
 attention_module = importlib.import_module("dsv4mtp.optimized.attention")
@@ -172,6 +200,48 @@ def _qkv_copied() -> list[tuple[Any, str, Any]]:
     ]
 
 
+def _where_after_head(head: Callable[..., Any]) -> Callable[..., Any]:
+    """The step's head with its row mask applied by ``torch.where`` after the greedy ids (a
+    scalar fill and the where: two launches) rather than by the argmax's reduce."""
+
+    def wrapped(layer: Any, hidden: torch.Tensor, spec_step: int, logits: bool,
+                row_mask: torch.Tensor, head_input: Any = None) -> Any:  # fmt: skip
+        if logits:
+            return head(layer, hidden, spec_step, logits, row_mask, head_input)
+        tokens = layer._greedy(hidden, spec_step, head_input)
+        empty = hidden.new_empty(hidden.shape[0], 0, dtype=torch.float32)
+        return torch.where(row_mask, tokens, -1), empty
+
+    return wrapped
+
+
+def _head_prefetch(
+    layer: MTPLayer, shipped: Any, nbytes: int, mode: int
+) -> tuple[Any, list[tuple[Any, str, Any]]]:
+    """(ops, patches): the MoE op followed by a prefetch of the head's first ``nbytes`` on a
+    side stream (forked after the MoE's kernels), joined after the step's head."""
+    from l2_prefetch_probe import prefetch
+
+    side = torch.cuda.Stream()
+    w = layer.heads[0].weight.view(-1)[: nbytes // layer.heads[0].weight.element_size()]
+    piece = 16384 if mode == 1 else 128
+    moe, head = shipped.moe, mtp_module._head
+
+    def moe_then_prefetch(*args: Any, **kwargs: Any) -> Any:
+        f = moe(*args, **kwargs)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            prefetch(w, mode, piece)
+        return f
+
+    def head_then_join(*args: Any, **kwargs: Any) -> Any:
+        out = head(*args, **kwargs)
+        torch.cuda.current_stream().wait_stream(side)
+        return out
+
+    return shipped._replace(moe=moe_then_prefetch), [(mtp_module, "_head", head_then_join)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
@@ -180,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-rope", action="store_true", help="leave out the rotation's setting")
     ap.add_argument("--no-qkv", action="store_true", help="leave out the copied q / kv rows")
     ap.add_argument("--no-mhc", action="store_true", help="leave out hc_pre's fixed blocks")
+    ap.add_argument("--no-kv", action="store_true", help="leave out the kv path in line")
+    ap.add_argument("--no-mask", action="store_true", help="leave out the ids' torch.where")
+    ap.add_argument("--no-topk", action="store_true", help="leave out the 4-warp top-k")
+    ap.add_argument("--no-swiglu", action="store_true", help="leave out the SwiGLU pass")
+    ap.add_argument("--no-align", action="store_true", help="leave out the sort's own launch")
+    ap.add_argument("--prefetch-mb", default="", help="head prefetch probes, e.g. 32,48")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -204,6 +280,26 @@ def main(argv: list[str] | None = None) -> int:
         config = mhc_pre_small.pre_fma_config
         fixed_pre = [(mhc_pre_small, "pre_fma_config", lambda n, D, tokens=None: config(n, D))]
         settings["hc_pre 16-token blocks"] = (shipped, SHIPPED_GUARD, True, fixed_pre)
+    if not args.no_kv:
+        settings["kv path in line"] = (
+            shipped, SHIPPED_GUARD, True, [(attention_module, "KV_SIDE_STREAM", False)]
+        )  # fmt: skip
+    if not args.no_mask:
+        masked = [(mtp_module, "_head", _where_after_head(mtp_module._head))]
+        settings["ids masked by torch.where"] = (shipped, SHIPPED_GUARD, True, masked)
+    if not args.no_swiglu:
+        pass_launched = [(moe_gemm, "GLUON_SWIGLU_TAIL", False)]
+        settings["SwiGLU pass launched"] = (shipped, SHIPPED_GUARD, True, pass_launched)
+    if not args.no_align:
+        own = [(moe_route, "FUSED_ALIGN_MAX_T", 0)]
+        settings["slots sorted in their own launch"] = (shipped, SHIPPED_GUARD, True, own)
+    if not args.no_topk:
+        four = [(moe_route, "TOPK_SCORES_PER_WARP", 64)]
+        settings["route top-k on 4 warps"] = (shipped, SHIPPED_GUARD, True, four)
+    for mb in filter(None, args.prefetch_mb.split(",")):
+        for mode, how in ((1, "bulk"), (2, "lines")):
+            ops, patches = _head_prefetch(layer, shipped, int(mb) << 20, mode)
+            settings[f"head prefetch {mb} MB {how}"] = (ops, SHIPPED_GUARD, True, patches)
     graphs: dict[str, DecodeGraphs] = {}
     cache = layer.new_device_cache(max(DECODE_T))
     # the guard's launches are cached by schedule: kept aside so that no setting reuses

@@ -163,8 +163,12 @@ def lm_head_argmax_kernel(
 
 
 @jit_loop_bounds("CHUNKS")
-def lm_head_argmax_reduce_kernel(pval_ptr, pidx_ptr, out_ptr, V, CHUNKS, BLOCK_C: tl.constexpr):
-    """out[t] = the id of row t from its CHUNKS partials, combined in chunk order (module doc)."""
+def lm_head_argmax_reduce_kernel(
+    pval_ptr, pidx_ptr, mask_ptr, out_ptr, V, CHUNKS, BLOCK_C: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    """out[t] = the id of row t from its CHUNKS partials, combined in chunk order (module doc);
+    -1 where the row mask (HAS_MASK, bools as bytes) is false."""
     t = tl.program_id(0).to(tl.int64)
     big = V
     best_v = float("-inf")
@@ -183,7 +187,10 @@ def lm_head_argmax_reduce_kernel(pval_ptr, pidx_ptr, out_ptr, V, CHUNKS, BLOCK_C
         # a strictly larger maximum replaces the best; an equal one keeps the lower index
         best_i = tl.where(m > best_v, im, tl.where(m == best_v, tl.minimum(best_i, im), best_i))
         best_v = tl.maximum(best_v, m)
-    tl.store(out_ptr + t, tl.where(nan_i < big, nan_i, best_i).to(tl.int64))
+    ident = tl.where(nan_i < big, nan_i, best_i).to(tl.int64)
+    if HAS_MASK:
+        ident = tl.where(tl.load(mask_ptr + t) != 0, ident, -1)
+    tl.store(out_ptr + t, ident)
 
 
 def lm_head_argmax_triton(
@@ -194,8 +201,10 @@ def lm_head_argmax_triton(
     *,
     fmt: int,
     sched: LmHeadSchedule,
+    row_mask: torch.Tensor | None = None,
 ) -> None:
-    """out (T,) int64 = argmax over V of y (T, D) @ w (V, D)^T (module doc); all contiguous.
+    """out (T,) int64 = argmax over V of y (T, D) @ w (V, D)^T (module doc); all contiguous;
+    -1 in rows where ``row_mask`` (T,) bool is false (written by the reduce, no launch more).
     Two launches through :func:`triton_launch` (a repeated call skips Triton's argument binding)
     and partials in a per-stream workspace, so the call is CUDA-graph capturable."""
     T, D = y.shape
@@ -213,5 +222,9 @@ def lm_head_argmax_triton(
     )  # fmt: skip
     main((chunks, cdiv(T, sched.block_t)), y, w, s if s.numel() else w, pval, pidx, T, V, D, chunks)
     block_c = min(_REDUCE_BLOCK, max(16, next_pow2(chunks)))
-    reduce = triton_launch(lm_head_argmax_reduce_kernel, BLOCK_C=block_c, num_warps=4)
-    reduce((T,), pval, pidx, out, V, chunks)
+    has_mask = row_mask is not None
+    reduce = triton_launch(
+        lm_head_argmax_reduce_kernel, BLOCK_C=block_c, HAS_MASK=has_mask, num_warps=4
+    )
+    mask = row_mask.view(torch.uint8) if row_mask is not None else out
+    reduce((T,), pval, pidx, mask, out, V, chunks)

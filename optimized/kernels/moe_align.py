@@ -57,7 +57,7 @@ import triton.language as tl
 from ._launch import INTERPRET, TritonLaunch, cdiv, next_pow2, triton_launch, workspace
 from .moe_common import jit_loop_bounds
 
-__all__ = ["max_blocks", "moe_align_triton"]
+__all__ = ["align_small", "max_blocks", "moe_align_triton", "small_align"]
 
 # Blocks per block program of the multi-program path (and per step of the single program).
 _NB_B = 64
@@ -109,6 +109,19 @@ def _align_small_kernel(
     SB: tl.constexpr,
     NB_B: tl.constexpr,
 ):
+    align_small(
+        ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, S, E_GLOBAL, E_LOCAL, NB_MAX, HAS_MAP,
+        BLOCK_M, SB, NB_B,
+    )  # fmt: skip
+
+
+@triton.jit
+def align_small(
+    ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, S, E_GLOBAL, E_LOCAL, NB_MAX,
+    HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, SB: tl.constexpr, NB_B: tl.constexpr,
+):  # fmt: skip
+    """The one-program path (module doc) in the calling program: its own launch, or the
+    router's top-k program right after it stored the ids (kernels/moe_route.py, ``ALIGN``)."""
     s = tl.arange(0, SB)
     loc, ok = _local_ids(ids_ptr, map_ptr, s, S, E_GLOBAL, E_LOCAL, HAS_MAP)
     rank = _rank_in_chunk(loc, ok, SB)
@@ -256,6 +269,15 @@ def _chunked_launches(
     return count, scan, place
 
 
+def small_align(S: int, e_local: int, block_m: int, chunk: int) -> tuple[int, int, int] | None:
+    """(NB_MAX, SB, NB_B) of the one-program path for S slots, or None where S takes the
+    chunked path (S > min(chunk, 128))."""
+    if min(chunk, _SINGLE_MAX) < S:
+        return None
+    nb = max_blocks(S, e_local, block_m)
+    return nb, max(16, next_pow2(S)), max(2, min(_NB_B, next_pow2(nb)))
+
+
 def moe_align_triton(
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None,
@@ -278,8 +300,9 @@ def moe_align_triton(
     has_map = expert_map is not None
     emap = expert_map if expert_map is not None else ids
     e_global = expert_map.numel() if expert_map is not None else e_local
-    if min(chunk, _SINGLE_MAX) >= S:
-        sb, nb_b = max(16, next_pow2(S)), max(2, min(_NB_B, next_pow2(nb)))
+    small = small_align(S, e_local, block_m, chunk)
+    if small is not None:
+        _, sb, nb_b = small
         launch = _small_launch(sb, nb_b, block_m, num_warps, has_map)
         launch((1,), ids, emap, sorted_slot, block_expert, S, e_global, e_local, nb)
         return sorted_slot, block_expert

@@ -141,6 +141,7 @@ import triton.language as tl
 from dsv4mtp.errors import ConfigError
 
 from ._launch import INTERPRET, rne_bf16_if_interpreted, triton_launch
+from ._sync import counters
 from .decode import (
     _e2m1_f32,
     _e2m1_pair_bf16,
@@ -973,6 +974,12 @@ def _gluon_or_mxstep(
 # (4 bytes per gate and up value written and read again: 0.67 GB at T 4096) or the second
 # launch.  False: the partials and the separate pass (the benchmark's A/B switch).
 WGMMA_SWIGLU_EPILOGUE = True
+# The mma_v2 gate/up GEMM (decode sizes) finishes the SwiGLU in the same launch: each tile's
+# last K split (a ticket per tile) reads the tile's partials back from L2 and writes its h
+# columns (kernels/moe_gemm_gluon.py, ``_swiglu_after_splits``): the same values as
+# ``moe_swiglu_kernel`` without its launch on the step's dependent chain.  False: the separate
+# pass (the benchmark's A/B switch).
+GLUON_SWIGLU_TAIL = True
 
 
 def _gate_up_gluon(
@@ -1007,6 +1014,14 @@ def _gate_up_gluon(
         return
     rows = num_m * block_m
     part = torch.empty((tile.split_k, rows, 2 * inter), dtype=torch.float32, device=x.device)
+    if GLUON_SWIGLU_TAIL and not uses_wgmma(tile, block_m, fold):
+        tiles = num_m * (2 * inter // tile.block_n)
+        moe_mx_gluon(
+            x, w13, s13, sorted_slot, block_expert, part, gather=True, top_k=top_k, tile=tile,
+            block_m=block_m, fold=fold, swiglu=(gscale, topk_weights, h, float(limit)),
+            counters=counters(x.device, tiles) if tile.split_k > 1 else None,
+        )  # fmt: skip
+        return
     moe_mx_gluon(
         x, w13, s13, sorted_slot, block_expert, part, gather=True, top_k=top_k, tile=tile,
         block_m=block_m, fold=fold,

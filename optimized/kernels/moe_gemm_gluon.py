@@ -11,7 +11,10 @@ that the Triton epilogues finish:
 * gate/up (``gather``): x row = token of slot ``sorted[r]`` (slot // top_k); w13 in the
   ``"tiles"`` layout with gate and up rows interleaved (packed row 2c gate column c, 2c + 1 up
   column c); partial ``part[split, r, (n % 2) * I + n // 2]``, i.e. the [gate ; up] rows
-  ``moe_swiglu_kernel`` reads (kernels/moe_gemm.py).
+  ``moe_swiglu_kernel`` reads (kernels/moe_gemm.py).  With ``swiglu`` the mma_v2 kernel
+  finishes them itself: each tile's last K split (a ticket per tile on int32 counters) reads
+  the tile's partials back from L2 and writes its h columns as ``moe_swiglu_kernel`` would
+  (:func:`_swiglu_after_splits`): one launch fewer on the decode step's chain.
 * down: x row = h row r; partial ``part[split, sorted[r], n]`` (unscaled), which
   ``moe_reduce_kernel`` scales, rounds and sums in slot order.
 
@@ -370,18 +373,24 @@ def moe_mx_gluon_kernel(
     sorted_ptr,  # *i32 (num_blocks * BLOCK_T,): slot of each M-block row, -1 = padding
     block_expert_ptr,  # *i32 (num_blocks,): expert of each M block, -1 = unused
     part_ptr,  # *fp32 (SPLIT_K, ROWS_PART, N)
+    gs_ptr,  # *fp32 (E, 3): global scales (SWIGLU)
+    topw_ptr,  # *fp32 (T * TOPK,): routing weight of each slot (SWIGLU)
+    h_ptr,  # *bf16 (num_blocks * BLOCK_T, N / 2): the SwiGLU rows (SWIGLU)
+    count_ptr,  # *i32 (num_blocks * N / BLOCK_N,) zeros: split tickets per tile (SWIGLU)
     K,
     N,
     TOPK,
     W_STRIDE_E,
     S_STRIDE_E,
     ROWS_PART,
+    limit,
     GATHER: gl.constexpr,
     BLOCK_T: gl.constexpr,
     M_TILES: gl.constexpr,
     SPLIT_K: gl.constexpr,
     FOLD: gl.constexpr,
     NUM_WARPS: gl.constexpr,
+    SWIGLU: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = 16 * M_TILES * NUM_WARPS
     MMA: gl.constexpr = _mma_layout(NUM_WARPS)
@@ -434,6 +443,11 @@ def moe_mx_gluon_kernel(
             part_ptr, acc, sorted_ptr, pid_m, pid_n, pid_s, N, ROWS_PART, GATHER, BLOCK_N,
             BLOCK_T, MMA,
         )  # fmt: skip
+        if SWIGLU:
+            _swiglu_after_splits(
+                part_ptr, count_ptr, gs_ptr, e, topw_ptr, h_ptr, sorted_ptr, pid_m, pid_n, N,
+                ROWS_PART, limit, SPLIT_K, BLOCK_N, BLOCK_T, NUM_WARPS,
+            )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- wgmma
@@ -575,6 +589,16 @@ def _store_swiglu(
     c = pid_n * (BLOCK_N // 2) + gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, L))
     t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, L))
     slot = gl.load(sorted_ptr + pid_m * BLOCK_T + t)
+    _swiglu_rows(g, u, gs_ptr, e, topw_ptr, h_ptr, slot, pid_m * BLOCK_T + t, c, I, limit)
+
+
+@gluon.jit
+def _swiglu_rows(g, u, gs_ptr, e, topw_ptr, h_ptr, slot, row, c, I, limit):
+    """h[row, c] from the summed gate and up values g, u (columns c along dim 0, block rows
+    along dim 1, any layout): ``moe_swiglu_kernel``'s epilogue (kernels/moe_gemm.py,
+    ``_swiglu_store``) in its order, so the same bits: the global scales, gate and up rounded
+    to bf16, the clamp, silu(gate) * up * the slot's routing weight, one rounding.  Padding
+    rows (slot -1) are not written."""
     ok = slot >= 0
     g = (g * gl.load(gs_ptr + e * 3)).to(gl.bfloat16).to(gl.float32)
     u = (u * gl.load(gs_ptr + e * 3 + 1)).to(gl.bfloat16).to(gl.float32)
@@ -584,10 +608,57 @@ def _store_swiglu(
     h = g / (1.0 + gl.exp(-g)) * u
     w = gl.load(topw_ptr + gl.maximum(slot, 0), mask=ok, other=0.0)
     h = h * gl.expand_dims(w, 0)
-    row = (pid_m * BLOCK_T + t).to(gl.int64)
-    ptrs = h_ptr + gl.expand_dims(row * I, 0) + gl.expand_dims(c, 1)
+    ptrs = h_ptr + gl.expand_dims(row.to(gl.int64) * I, 0) + gl.expand_dims(c, 1)
     mask = gl.expand_dims(c >= 0, 1) & gl.expand_dims(ok, 0)
     gl.store(ptrs, h.to(gl.bfloat16), mask=mask)
+
+
+@gluon.jit
+def _swiglu_after_splits(
+    part_ptr, count_ptr, gs_ptr, e, topw_ptr, h_ptr, sorted_ptr, pid_m, pid_n, N, ROWS_PART,
+    limit, SPLIT_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_T: gl.constexpr,
+    NUM_WARPS: gl.constexpr,
+):  # fmt: skip
+    """The mma_v2 gate/up's SwiGLU in the same launch: the last of the tile's SPLIT_K programs
+    to store its partials (a ticket on the tile's counter; with one split the program itself)
+    reads the tile's [gate ; up] partials back from L2, sums them in split order 0..SPLIT_K-1
+    from zero (``moe_swiglu_kernel``'s sum) and writes the tile's h columns
+    pid_n * BLOCK_N / 2 + (0 .. BLOCK_N / 2 - 1) of the block's rows (:func:`_swiglu_rows`).
+
+    Memory model: as kernels/linear.py's split-K reduction.  The barrier orders every thread's
+    partial stores before the ticket's acq_rel atomic (one thread, gpu scope, its release
+    cumulative); the program drawing SPLIT_K - 1 has synchronized with all earlier releases, a
+    barrier orders its threads' loads after the atomic, and the loads are ``.cg`` (L2, the
+    coherence point).  It then sets the counter back to zero: no program of the launch touches
+    it again, and the next launch starts after this one ends."""
+    I = N // 2
+    gl.thread_barrier()
+    last = True
+    if SPLIT_K > 1:
+        tile = pid_m * (N // BLOCK_N) + pid_n
+        last = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+    if last:
+        gl.thread_barrier()
+        HC: gl.constexpr = BLOCK_N // 2
+        L: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, NUM_WARPS], [0, 1])
+        c = pid_n * HC + gl.arange(0, HC, layout=gl.SliceLayout(1, L))
+        t = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, L))
+        row = pid_m * BLOCK_T + t
+        slot = gl.load(sorted_ptr + row)
+        mask = gl.expand_dims(c >= 0, 1) & gl.expand_dims(slot >= 0, 0)
+        g = gl.zeros([HC, BLOCK_T], gl.float32, layout=L)
+        u = gl.zeros([HC, BLOCK_T], gl.float32, layout=L)
+        for s in gl.static_range(SPLIT_K):
+            ptrs = (
+                part_ptr
+                + gl.expand_dims((s * ROWS_PART + row).to(gl.int64) * N, 0)
+                + gl.expand_dims(c, 1)
+            )
+            g += gl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            u += gl.load(ptrs + I, mask=mask, other=0.0, cache_modifier=".cg")
+        _swiglu_rows(g, u, gs_ptr, e, topw_ptr, h_ptr, slot, row, c, I, limit)
+        if SPLIT_K > 1:
+            gl.store(count_ptr + pid_m * (N // BLOCK_N) + pid_n, 0)
 
 
 @gluon.jit
@@ -775,6 +846,7 @@ def moe_mx_gluon(
     block_m: int,
     fold: bool = False,
     swiglu: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
+    counters: torch.Tensor | None = None,
 ) -> None:
     """Write the split-K partials ``part`` (split, rows_part, N) fp32 of x's rows times the
     MXFP4 experts (module doc): gate/up with ``gather`` (x (T, K) read at the slots' tokens,
@@ -785,7 +857,10 @@ def moe_mx_gluon(
     tile and folded scales, mma_v2 otherwise).  ``swiglu`` = (gscale (E, 3), topk weights
     (T * top_k,), h (blocks * block_m, N / 2) bf16, limit): the wgmma kernel's gate/up with one
     K split writes the SwiGLU rows h itself (``moe_swiglu_kernel``'s function, fused: no
-    partials; ``part`` is then unused)."""
+    partials; ``part`` is then unused); the mma_v2 kernel writes its partials, then each tile's
+    last split writes the tile's h (:func:`_swiglu_after_splits`), counting splits on
+    ``counters`` (int32 zeros, at least ``num_blocks * N / tile.block_n``, left zeroed; unused
+    with one split)."""
     num_m = block_expert.numel()
     K = x.shape[1]
     N = codes.shape[1]
@@ -809,11 +884,20 @@ def moe_mx_gluon(
             float(limit),
         )  # fmt: skip
         return
+    if swiglu is not None:
+        assert gather, "the SwiGLU tail: gate/up"
+        gs, topw, h, limit = swiglu
+        cnt = counters if counters is not None and split > 1 else block_expert
+        assert split == 1 or cnt.numel() >= num_m * (N // tile.block_n), "too few counters"
+    else:
+        gs = topw = h = part
+        cnt, limit = block_expert, 0.0
     triton_launch(
         moe_mx_gluon_kernel, GATHER=gather, BLOCK_T=block_m,
         M_TILES=tile.block_n // (16 * tile.num_warps), SPLIT_K=split, FOLD=fold,
-        NUM_WARPS=tile.num_warps, num_warps=tile.num_warps,
+        NUM_WARPS=tile.num_warps, SWIGLU=swiglu is not None, num_warps=tile.num_warps,
     )(
         (num_m, N // tile.block_n, split), x.view(torch.int32), w32, s32, sorted_slot,
-        block_expert, part, K, N, top_k, w32[0].numel(), s32[0].numel(), part.shape[1],
+        block_expert, part, gs, topw, h, cnt, K, N, top_k, w32[0].numel(), s32[0].numel(),
+        part.shape[1], float(limit),
     )  # fmt: skip

@@ -12,7 +12,8 @@ Two kernels, no host sync:
   depends on the row's position in the tile (OpenBLAS kernels), which would break the bitwise
   batch-invariance tests on the CPU; on the GPU a tile's rows all run the same instructions.
   Writes fp32 partials (SPLIT, T, E).
-* ``route_topk_kernel``: ROWS (``topk_rows``) tokens per program.  Sums the SPLIT partials in split order
+* ``route_topk_kernel``: ROWS (``topk_rows``) tokens per program, one warp per 256 scores of
+  its tile (:func:`topk_warps`).  Sums the SPLIT partials in split order
   0..SPLIT-1, scores = sqrt(softplus(logits)), biased = scores + bias, K passes of an arg-max
   (tie: the lowest expert id wins on an equal biased score), weights = unbiased scores of the
   selected, summed one at a time in selection order (so the sum does not depend on the tile's
@@ -56,15 +57,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
 from dsv4mtp.errors import ConfigError
 
 from ._launch import INTERPRET, TritonLaunch, cdiv, next_pow2, plan, triton_launch, workspaces
+from .moe_align import align_small, small_align
 from .moe_common import jit_loop_bounds
 
-__all__ = ["RouteSchedule", "route_config", "route_triton"]
+__all__ = ["RouteAlign", "RouteSchedule", "fused_align", "route_config", "route_triton"]
 
 
 def _pow2(name: str, v: object, lo: int, hi: int) -> None:
@@ -181,22 +182,33 @@ def route_logits_kernel(
     tl.store(out, acc, mask=tm[:, None] & em[None, :])
 
 
-@triton.jit
+@jit_loop_bounds("NB_MAX")
 def route_topk_kernel(
     part_ptr,
     bias_ptr,
     w_out_ptr,
     id_out_ptr,
     mask_ptr,
+    map_ptr,
+    sorted_ptr,
+    block_expert_ptr,
     T,
     E,
     scaling,
+    E_MAP,
+    E_LOCAL,
+    NB_MAX,
     HAS_MASK: tl.constexpr,
     SPLIT: tl.constexpr,
     K: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ALIGN: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SB: tl.constexpr,
+    NB_B: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rm = rows < T
@@ -235,6 +247,63 @@ def route_topk_kernel(
     om = rm[:, None] & (slots[None, :] < K)
     tl.store(w_out_ptr + out, sel_w, mask=om)
     tl.store(id_out_ptr + out, sel_id, mask=om)
+    if ALIGN:
+        # the one program of the grid (ROWS >= T) sorts the T*K slots it just stored by expert
+        # (kernels/moe_align.py's one-program path): the ids' stores were made by other
+        # threads of the program, and a CTA barrier orders them before the align's loads
+        tl.debug_barrier()
+        align_small(
+            id_out_ptr, map_ptr, sorted_ptr, block_expert_ptr, T * K, E_MAP, E_LOCAL, NB_MAX,
+            HAS_MAP, BLOCK_M, SB, NB_B,
+        )  # fmt: skip
+
+
+#: (row, expert) scores per warp of the top-k program: one warp for a one-row tile of 256
+#: experts.  Its K passes are reductions over the tile (max, first index, the pick's sum); on
+#: one warp they stay within the warp's shuffles, without a shared-memory round trip and barrier
+#: per reduction, and a one-token step waits for that chain.  Exact reductions: no bit depends
+#: on the warps.
+TOPK_SCORES_PER_WARP = 256
+
+
+def topk_warps(rows: int, block_e: int) -> int:
+    """The top-k program's warps for a (rows, block_e) tile: one per
+    :data:`TOPK_SCORES_PER_WARP` scores, 1 to 4."""
+    return max(1, min(4, rows * block_e // TOPK_SCORES_PER_WARP))
+
+
+#: The top-k and the slots' sort in one program up to this many tokens (T*K <= 128 slots
+#: besides: the sort's one-program path).  One program of T rows replaces T one-row programs
+#: and the sort's launch.  On the H200, the whole greedy step in one process
+#: (bench/diag/fusion_ab.py, bench/results/mtp-h200.md): -1.9 us at T 1, +8.0 us at T 8 (its
+#: one program of 8 rows on 4 warps against 8 one-warp programs, then a 64-slot sort), so
+#: one token only; 0 turns it off.
+FUSED_ALIGN_MAX_T = 1
+
+
+@dataclass(frozen=True)
+class RouteAlign:
+    """Where a fused sort writes (kernels/moe_align.py's outputs for ``block_m``-row blocks over
+    ``e_local`` experts, ``expert_map`` global -> local or None): ``sorted_slot``
+    (NB_MAX*block_m,) and ``block_expert`` (NB_MAX,) int32, NB_MAX = ``max_blocks``."""
+
+    expert_map: torch.Tensor | None
+    e_local: int
+    block_m: int
+    chunk: int
+    sorted_slot: torch.Tensor
+    block_expert: torch.Tensor
+
+
+def fused_align(
+    T: int, K: int, e_local: int, block_m: int, chunk: int
+) -> tuple[int, int, int] | None:
+    """(NB_MAX, SB, NB_B) of the sort in the top-k's program for T tokens of K slots over
+    ``e_local`` experts in ``block_m``-row blocks, or None (more than
+    :data:`FUSED_ALIGN_MAX_T` tokens, or slots past the sort's one-program path)."""
+    if T > FUSED_ALIGN_MAX_T:
+        return None
+    return small_align(T * K, e_local, block_m, chunk)
 
 
 # A call's plan: (logits grid, logits launch, top-k grid, top-k launch, partials (split*T*E,)).
@@ -250,9 +319,11 @@ def _plan(
     dot_f32: bool,
     s: RouteSchedule,
     masked: bool = False,
+    align: tuple[int, int, int, int, bool] | None = None,
 ) -> _Plan:
     """Everything of a call but its tensors and scalars; kept per (shapes, stream) by
-    :func:`~._launch.plan`."""
+    :func:`~._launch.plan`.  ``align`` = (BLOCK_M, NB_MAX, SB, NB_B, HAS_MAP): the top-k as one
+    program that also sorts the slots (:func:`route_triton`)."""
     block_e, block_k, d_split, split = _launch_shape(s, D, E)
     # fp32 operand tiles take twice the shared memory per stage: two stages keep the widest
     # tiles (256 x 64 gate, 64 x 64 x) within the SM's 228 KB
@@ -262,10 +333,12 @@ def _plan(
         EVEN_K=D % d_split == 0, DOT_F32=dot_f32, INTERP=INTERPRET, num_warps=s.num_warps,
         num_stages=stages,
     )  # fmt: skip
-    rows = s.topk_rows
+    rows = s.topk_rows if align is None else max(s.topk_rows, next_pow2(T))
+    block_m, _, sb, nb_b, has_map = align if align is not None else (1, 0, 1, 1, False)
     topk = triton_launch(
         route_topk_kernel, HAS_MASK=masked, SPLIT=split, K=K, ROWS=rows, BLOCK_E=next_pow2(E),
-        BLOCK_K=next_pow2(K), num_warps=4,
+        BLOCK_K=next_pow2(K), ALIGN=align is not None, HAS_MAP=has_map, BLOCK_M=block_m, SB=sb,
+        NB_B=nb_b, num_warps=topk_warps(rows, next_pow2(E)),
     )  # fmt: skip
     (part,) = workspaces("moe_route", device, split * T * E)  # (split, T, E), written first
     grid = (cdiv(T, s.block_t), cdiv(E, block_e), split)
@@ -283,23 +356,43 @@ def route_triton(
     batch_invariant: bool = False,
     schedule: RouteSchedule | None = None,
     row_mask: torch.Tensor | None = None,
-) -> None:
+    align: RouteAlign | None = None,
+) -> bool:
     """x (T, D) contiguous, gate_weight (E, D) contiguous, gate_bias (E,) -> weights_out (T, K)
     fp32, ids_out (T, K) int32 (both contiguous, written in place).  ``schedule`` None: the
     default of :func:`route_config` for this T (``batch_invariant``: the T-independent one).
     ``row_mask`` (T,) bool: rows where it is False get ids -1 (padding rows of a CUDA-graph
-    bucket: no expert reads them); their weights are computed as for any row."""
+    bucket: no expert reads them); their weights are computed as for any row.
+
+    ``align``: a :class:`RouteAlign`; where its slots fit one program (:func:`fused_align`) the
+    top-k runs as one program that then sorts the T*K slots by expert into the align's outputs
+    (kernels/moe_align.py's one-program path, the same integers as ``moe_align_triton``): one
+    launch fewer on a decode step's chain.  Returns whether it did (else the caller aligns)."""
     T, D = x.shape
     E = gate_weight.shape[0]
     if T == 0:
-        return
+        return False
     s = schedule if schedule is not None else route_config(T, D, E, batch_invariant)
     # bf16 x bf16 runs on the tensor cores; anything fp32 in fp32
     dot_f32 = x.dtype != torch.bfloat16 or gate_weight.dtype != torch.bfloat16
     masked = row_mask is not None
+    meta = None
+    if align is not None:
+        small = fused_align(T, int(top_k), align.e_local, align.block_m, align.chunk)
+        if small is not None:
+            meta = (align.block_m, *small, align.expert_map is not None)
     grid, logits, tgrid, topk, part, d_split = plan(
-        _plan, x.device, T, D, E, int(top_k), dot_f32, s, masked
+        _plan, x.device, T, D, E, int(top_k), dot_f32, s, masked, meta
     )
     logits(grid, x, gate_weight, part, T, E, D, d_split)
     mask = row_mask.contiguous().view(torch.uint8) if row_mask is not None else ids_out
-    topk(tgrid, part, gate_bias, weights_out, ids_out, mask, T, E, float(scaling))
+    if meta is None:
+        topk(tgrid, part, gate_bias, weights_out, ids_out, mask, ids_out, ids_out, ids_out, T, E,
+             float(scaling), 0, 0, 0)  # fmt: skip
+        return False
+    assert align is not None
+    emap = align.expert_map if align.expert_map is not None else ids_out
+    e_map = align.expert_map.numel() if align.expert_map is not None else align.e_local
+    topk(tgrid, part, gate_bias, weights_out, ids_out, mask, emap, align.sorted_slot,
+         align.block_expert, T, E, float(scaling), e_map, align.e_local, meta[1])  # fmt: skip
+    return True
