@@ -763,12 +763,15 @@ def _moe_route_out(
     weights: torch.Tensor,
     ids: torch.Tensor,
     row_mask: torch.Tensor | None = None,
+    align: RouteAlign | None = None,
 ) -> None:
+    # ``align`` (Python callers only, not in the schema): the moe's fused sort, see
+    # :func:`_route_and_align`
     if x.shape[0] == 0:
         return
     route_triton(
         x.contiguous(), gate_weight.contiguous(), gate_bias.contiguous(), top_k, scaling,
-        weights, ids, batch_invariant, row_mask=row_mask,
+        weights, ids, batch_invariant, row_mask=row_mask, align=align,
     )  # fmt: skip
 
 
@@ -788,11 +791,12 @@ def _moe_route(
     scaling: float,
     batch_invariant: bool,
     row_mask: torch.Tensor | None = None,
+    align: RouteAlign | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     w, ids = _route_outputs(x, top_k)
     _moe_route_out(
         x, gate_weight, gate_bias, top_k, scaling, batch_invariant, weights=w, ids=ids,
-        row_mask=row_mask,
+        row_mask=row_mask, align=align,
     )  # fmt: skip
     return w, ids
 
@@ -815,18 +819,16 @@ def _route_and_align(
     T = x.shape[0]
     small = fused_align(T, top_k, e_local, sched.block_m, sched.align_chunk)
     if small is None or T == 0:
-        return (*_moe_route(x, gate_weight, gate_bias, top_k, scaling, batch_invariant,
-                            row_mask), None)  # fmt: skip
-    w, ids = _route_outputs(x, top_k)
+        w, ids = _moe_route(x, gate_weight, gate_bias, top_k, scaling, batch_invariant, row_mask)
+        return w, ids, None
     nb, bm = small[0], sched.block_m
     align = RouteAlign(
         expert_map, e_local, bm, sched.align_chunk,
         torch.empty((nb * bm,), dtype=torch.int32, device=x.device),
         torch.empty((nb,), dtype=torch.int32, device=x.device),
     )  # fmt: skip
-    route_triton(
-        x.contiguous(), gate_weight.contiguous(), gate_bias.contiguous(), top_k, scaling, w, ids,
-        batch_invariant, row_mask=row_mask, align=align,
+    w, ids = _moe_route(
+        x, gate_weight, gate_bias, top_k, scaling, batch_invariant, row_mask, align
     )  # fmt: skip
     return w, ids, (align.sorted_slot, align.block_expert)
 
