@@ -486,14 +486,17 @@ def test_captured_decode_step_replays_as_eager() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("slow", [False, True], ids=["side", "slow_side"])
 @pytest.mark.parametrize("fp8_kv", [False, True], ids=["math", "fp8_kv"])
 def test_kv_path_on_the_side_stream_gives_the_in_line_bits(
-    fp8_kv: bool, monkeypatch: pytest.MonkeyPatch
+    fp8_kv: bool, slow: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """At decode the attention runs its kv path (norm + RoPE, ring write) on a side stream
     beside the q path: outputs and rings bitwise those of the same steps with the kv path in
     line (``KV_SIDE_STREAM`` off), over steps that wrap the ring, and the side stream was the
-    one used."""
+    one used.  ``slow``: the side stream first spins ~5 ms, so the q path runs well ahead of the
+    kv path's reads: the kv rows must stay allocated until the join (freed at the fork, the q
+    path's outputs would take their block and the kv path would read those instead)."""
     attention_module = importlib.import_module("dsv4mtp.optimized.attention")
     dev = "cuda"
     pack = pack_attention(layer_params(BF16), dev)
@@ -506,6 +509,9 @@ def test_kv_path_on_the_side_stream_gives_the_in_line_bits(
 
     def spy(d: torch.device) -> torch.cuda.Stream | None:
         spied.append(side_stream(d))
+        if slow and spied[-1] is not None:
+            with torch.cuda.stream(spied[-1]):
+                torch.cuda._sleep(10_000_000)  # ~5 ms of clock cycles before the kv path
         return spied[-1]
 
     monkeypatch.setattr(attention_module, "_kv_side_stream", spy)

@@ -167,11 +167,12 @@ def test_router_program_sorts_the_slots_as_the_align(
     top-k runs as one program that also sorts its slots; its ids and weights are bitwise the
     router's alone and its (sorted_slot, block_expert) the contract's and
     ``moe_align_triton``'s, with padding rows (row_mask False: ids -1), an expert map with
-    off-rank experts and 8- and 16-row blocks.  Past the bound it declines (the caller sorts)."""
+    off-rank experts and 8- and 16-row blocks.  A call ``fused_align`` refuses (more tokens
+    than the bound, or more slots than the sort's one program takes: chunk 32 against T*K 30
+    and 48) raises a ConfigError instead of leaving the outputs unwritten."""
     from dsv4mtp.optimized.kernels import moe_route
 
     monkeypatch.setattr(moe_route, "FUSED_ALIGN_MAX_T", 8)
-
     g = torch.Generator().manual_seed(T)
     E, D, K = 32, 128, 6
     x = torch.randn(T, D, generator=g).to(device)
@@ -184,25 +185,27 @@ def test_router_program_sorts_the_slots_as_the_align(
         emap = torch.full((E,), -1, dtype=torch.int32)
         emap[8:24] = torch.arange(16, dtype=torch.int32)
         emap, e_local = emap.to(device), 16
-    for bm in (8, 16):
+    for bm, chunk in ((8, 128), (16, 128), (8, 32)):
         w0 = torch.empty(T, K, device=device)
         i0 = torch.empty(T, K, dtype=torch.int32, device=device)
-        assert not moe_route.route_triton(x, w, b, K, 1.5, w0, i0, row_mask=mask)
-        small = moe_route.fused_align(T, K, e_local, bm, 128)
-        assert (small is None) == (T > moe_route.FUSED_ALIGN_MAX_T)
+        moe_route.route_triton(x, w, b, K, 1.5, w0, i0, row_mask=mask)
+        assert bool((i0[~mask] == -1).all())
+        small = moe_route.fused_align(T, K, e_local, bm, chunk)
+        assert (small is None) == (T > 8 or chunk < T * K), (bm, chunk)
         nb = max_blocks(T * K, e_local, bm)
         align = moe_route.RouteAlign(
-            emap, e_local, bm, 128, torch.full((nb * bm,), 7, dtype=torch.int32, device=device),
+            emap, e_local, bm, chunk, torch.full((nb * bm,), 7, dtype=torch.int32, device=device),
             torch.full((nb,), 7, dtype=torch.int32, device=device),
         )  # fmt: skip
         w1, i1 = torch.empty_like(w0), torch.empty_like(i0)
-        fused = moe_route.route_triton(x, w, b, K, 1.5, w1, i1, row_mask=mask, align=align)
-        assert fused == (small is not None)
+        if small is None:
+            with pytest.raises(ConfigError, match=r"^align: "):
+                moe_route.route_triton(x, w, b, K, 1.5, w1, i1, row_mask=mask, align=align)
+            continue
+        moe_route.route_triton(x, w, b, K, 1.5, w1, i1, row_mask=mask, align=align)
         assert torch.equal(w1, w0) and torch.equal(i1, i0)
-        assert bool((i0[~mask] == -1).all())
-        if fused:
-            want = align_contract(i0.cpu(), None if emap is None else emap.cpu(), e_local, bm)
-            got = (align.sorted_slot.cpu(), align.block_expert.cpu())
-            assert all(torch.equal(a, c) for a, c in zip(got, want, strict=True)), bm
-            kernel = moe_align_triton(i0, emap, e_local, bm)
-            assert all(torch.equal(a.cpu(), c) for a, c in zip(kernel, got, strict=True)), bm
+        want = align_contract(i0.cpu(), None if emap is None else emap.cpu(), e_local, bm)
+        got = (align.sorted_slot.cpu(), align.block_expert.cpu())
+        assert all(torch.equal(a, c) for a, c in zip(got, want, strict=True)), bm
+        kernel = moe_align_triton(i0, emap, e_local, bm)
+        assert all(torch.equal(a.cpu(), c) for a, c in zip(kernel, got, strict=True)), bm

@@ -1153,13 +1153,17 @@ def test_route_value_preserving_knobs_are_bitwise(
         got = _run_route(x, gw, gb, k, rho, schedule=s)
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), s
     assert moe_route.topk_warps(1, 256) == 1 and moe_route.topk_warps(4, 256) == 4
-    for per_warp in (1, 8):  # 4 warps, then 1 to 4 by the tile: on other launches
+    block_e = triton.next_power_of_2(gw.shape[0])
+    warps = set()
+    for per_warp in (1, block_e):  # always 4 warps; then 1, 2, 4 by the tile's rows
         monkeypatch.setattr(moe_route, "TOPK_SCORES_PER_WARP", per_warp)
         monkeypatch.setattr(_launch, "_PLANS", {})
         for rows in (1, 2, 32):
+            warps.add((per_warp, moe_route.topk_warps(rows, block_e)))
             s = RouteSchedule(32, 32, 32, split=4, topk_rows=rows)
             got = _run_route(x, gw, gb, k, rho, schedule=s)
             assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (per_warp, s)
+    assert {w for _, w in warps} == {1, 2, 4}  # the warps the launches above ran on
 
 
 def test_route_config_and_validation() -> None:

@@ -892,7 +892,7 @@ def _moe_out(
         x, shared_w13, shared_s13, shared_w2, shared_s2, shared_fmt, shared_limit,
         shared_act_quant, sched, batch_invariant,
     )  # fmt: skip
-    side = _side_stream(x.device) if sched.shared_stream else None
+    side = side_stream(x.device, "moe.shared") if sched.shared_stream else None
     if side is None:
         rows = _shared_expert(*shared_args)
         _routed_into(
@@ -925,12 +925,14 @@ def _moe_out(
     )  # fmt: skip
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
 # Where the moe forks the shared expert onto its side stream, in the routed chain: "router"
 # (right after the top-k), "align" (after the sort), "gate_up" (after the routed gate/up GEMM).
 # The fork is a stream wait, so the shared expert then starts after that kernel has finished
 # and is launched after it: at "align" the routed chain's sort runs before the shared expert's
-# first GEMM takes SMs, at "gate_up" the two no longer overlap in the gate/up GEMM.  Measured
+# first GEMM takes SMs, at "gate_up" the two no longer overlap in the gate/up GEMM.  Where the
+# router's program sorts the slots itself (T <= moe_route.FUSED_ALIGN_MAX_T, one token), "router"
+# and "align" are the same point: after that one launch.  Measured
 # on the H200 (bench/diag/moe_stream_ab.py, the whole step in one process, two runs;
 # bench/results/moe-h200.md, "Where the shared expert forks"): at T 8 "align" 630.3 / 625.2 us
 # against "router" 642.4 / 638.5; at T 1 "router" and "align" within 0.5 us ("gate_up" 5 us
@@ -952,14 +954,16 @@ def shared_fork(T: int) -> str:
     return "align" if SHARED_FORK_ALIGN_MAX_T >= T else "router"
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The MoE's side stream on a CUDA device (one per device, made once); None on the CPU
-    (the interpreter), where the shared expert runs first, in order."""
+def side_stream(device: torch.device, role: str) -> torch.cuda.Stream | None:
+    """The side stream of ``role`` on a CUDA device (one per role and device, made once): the
+    MoE's shared expert ("moe.shared") and the attention's kv path ("attention.kv") each fork
+    onto their own and are joined before their results are read.  None on the CPU (the
+    interpreter), where everything runs in order on one stream."""
     if device.type != "cuda":
         return None
-    side = _SIDE_STREAMS.get(device)
+    side = _SIDE_STREAMS.get((role, device))
     if side is None:
-        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+        side = _SIDE_STREAMS[(role, device)] = torch.cuda.Stream(device=device)
     return side
 
 

@@ -47,6 +47,7 @@ from dsv4mtp.semantics import NormOrder, RopeMode
 
 from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
 from ._dispatch import Facts, planned, select, signature
+from ._ops import side_stream
 from ._packs import packed_once
 from .kernels._launch import (
     check_device,
@@ -1239,18 +1240,14 @@ INVERSE_ROPE_IN_PLACE = True
 #: beside the q path (see :func:`attention`); False runs it in line (bench/diag/fusion_ab.py
 #: times the step both ways).
 KV_SIDE_STREAM = True
-_KV_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _kv_side_stream(dev: torch.device) -> torch.cuda.Stream | None:
-    """The attention's side stream on a CUDA device (one per device, made once), or None: on
-    the CPU (the interpreter), under torch.compile and with :data:`KV_SIDE_STREAM` off."""
-    if dev.type != "cuda" or not KV_SIDE_STREAM or torch.compiler.is_compiling():
+    """The attention's side stream (:func:`~._ops.side_stream`), or None: on the CPU (the
+    interpreter), under torch.compile and with :data:`KV_SIDE_STREAM` off."""
+    if not KV_SIDE_STREAM or torch.compiler.is_compiling():
         return None
-    side = _KV_STREAMS.get(dev)
-    if side is None:
-        side = _KV_STREAMS[dev] = torch.cuda.Stream(device=dev)
-    return side
+    return side_stream(dev, "attention.kv")
 
 
 def _rope_table(config: DSV4Config, rope_mode: RopeMode, dev: torch.device) -> torch.Tensor:
@@ -1504,21 +1501,25 @@ def attention(
         return kv
 
     # At decode the kv path (its norm + RoPE and the cache write, two small launches) runs on a
-    # side stream beside the q path (q_norm, wq_b, q's norm + RoPE): it only needs qkv, and only
-    # the attention reads what it writes, so the attention waits for it.  Captured, the fork and
-    # join are graph edges; the values are the same.  kv is allocated and read on the side
-    # stream only; qkv and the positions outlive the join.
+    # side stream beside the q path (q_norm, wq_b, q's norm + RoPE): it only needs the kv rows,
+    # and only the attention reads what it writes, so the attention waits for it.  Captured,
+    # the fork and join are graph edges; the values are the same.  Memory: the kv rows were
+    # allocated on this stream, so they are held (kv_in) until the join; freed earlier, the
+    # caching allocator would hand their block to the q path's next output while the side
+    # stream still reads it.  What the side stream allocates is read there only.
     side = _kv_side_stream(dev) if decode and (ring is not None or paged is not None) else None
     if side is not None:
         cur = torch.cuda.current_stream(dev)
         side.wait_stream(cur)
+        kv_in = kv
         with torch.cuda.stream(side):
-            kv = kv_path(kv)
+            kv = kv_path(kv_in)
     qr = rms_norm(qr, pack.q_norm, eps, order=norm_order, batch_invariant=bi)
     q = linear(qr, pack.wq_b, act_quant=act_quant, batch_invariant=bi).view(T, H, Dh)
     q = q_head_norm_rope(q, positions, freqs, eps=eps, rope_dim=Dr, batch_invariant=bi)
     if side is not None:
         cur.wait_stream(side)
+        del kv_in  # from here its block's reuse follows the side stream's reads
     else:
         kv = kv_path(kv)
 

@@ -999,9 +999,12 @@ def _gate_up_gluon(
     block_m: int,
     fold: bool,
 ) -> None:
-    """``decode="gluon"``: the Gluon GEMM's fp32 [gate ; up] partials, then the SwiGLU
-    epilogue of the split-K path (``moe_swiglu_kernel``, 128 columns per program); on the wgmma
-    kernel with one K split (:data:`WGMMA_SWIGLU_EPILOGUE`) the GEMM writes h itself."""
+    """``decode="gluon"``: on the mma_v2 kernel (decode sizes, :data:`GLUON_SWIGLU_TAIL`) the
+    GEMM's fp32 [gate ; up] partials finished in the same launch by each tile's last K split
+    (its tickets on the stream's zeroed counters, kernels/_sync.py); on the wgmma kernel with
+    one K split (:data:`WGMMA_SWIGLU_EPILOGUE`) the GEMM writes h from its accumulator;
+    otherwise the partials, then the split-K path's SwiGLU pass (``moe_swiglu_kernel``, 128
+    columns per program)."""
     # the routed GEMMs always have their sort and routing weights (the shared expert, which
     # has neither, never takes the Gluon kernels)
     assert topk_weights is not None, "the Gluon gate/up: routed rows only"

@@ -115,6 +115,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from dsv4mtp.errors import InputError
+
 from ._launch import triton_launch
 from .moe_schedule import GemmTile
 
@@ -887,8 +889,16 @@ def moe_mx_gluon(
     if swiglu is not None:
         assert gather, "the SwiGLU tail: gate/up"
         gs, topw, h, limit = swiglu
-        cnt = counters if counters is not None and split > 1 else block_expert
-        assert split == 1 or cnt.numel() >= num_m * (N // tile.block_n), "too few counters"
+        cnt = block_expert  # unused with one split (no tickets)
+        if split > 1:
+            tiles = num_m * (N // tile.block_n)
+            if counters is None or counters.dtype != torch.int32 or counters.numel() < tiles:
+                got = "None" if counters is None else f"{counters.dtype} of {counters.numel()}"
+                raise InputError(
+                    f"counters: the SwiGLU tail of a {split}-way K split needs int32 zeros, one "
+                    f"per tile ({tiles}), got {got}"
+                )
+            cnt = counters
     else:
         gs = topw = h = part
         cnt, limit = block_expert, 0.0

@@ -1,6 +1,6 @@
 """The sqrtsoftplus router (docs/semantics.md, "MoE: router, clamped SwiGLU, shared expert").
 
-Two kernels, no host sync:
+Two kernels, no host sync (at one token one: the top-k program also sorts the slots, below):
 
 * ``route_logits_kernel``: grid (cdiv(T, BLOCK_T), cdiv(E, BLOCK_E), SPLIT).  Each program
   computes the logits of BLOCK_T tokens x BLOCK_E experts over one D slice (D_SPLIT columns, a
@@ -13,12 +13,15 @@ Two kernels, no host sync:
   batch-invariance tests on the CPU; on the GPU a tile's rows all run the same instructions.
   Writes fp32 partials (SPLIT, T, E).
 * ``route_topk_kernel``: ROWS (``topk_rows``) tokens per program, one warp per 256 scores of
-  its tile (:func:`topk_warps`).  Sums the SPLIT partials in split order
-  0..SPLIT-1, scores = sqrt(softplus(logits)), biased = scores + bias, K passes of an arg-max
-  (tie: the lowest expert id wins on an equal biased score), weights = unbiased scores of the
-  selected, summed one at a time in selection order (so the sum does not depend on the tile's
-  layout or ROWS), renormalised, times ``routed_scaling_factor``.  Writes weights (T, K)
-  fp32, ids (T, K) int32.
+  its tile (:func:`topk_warps`).  Sums the SPLIT partials in split order 0..SPLIT-1, scores =
+  sqrt(softplus(logits)), biased = scores + bias, K passes of an arg-max (tie: the lowest
+  expert id wins on an equal biased score), weights = unbiased scores of the selected, summed
+  one at a time in selection order (so the sum does not depend on the tile's layout or ROWS),
+  renormalised, times ``routed_scaling_factor``.  Writes weights (T, K) fp32, ids (T, K)
+  int32.  With ``ALIGN`` (the moe's decode call at T <= :data:`FUSED_ALIGN_MAX_T`,
+  :class:`RouteAlign`) one program takes every row and then sorts the T*K slots it stored by
+  expert (kernels/moe_align.py's one-program path, ``align_small``): the same integers as
+  the align's own launch.
 
 softplus follows torch (threshold 20: the identity above it) and uses log1p's Kahan form
 ``log(u) * e / (u - 1)``, u = 1 + e, which stays accurate where ``exp(l)`` is far below one ulp
@@ -272,8 +275,8 @@ def topk_warps(rows: int, block_e: int) -> int:
     return max(1, min(4, rows * block_e // TOPK_SCORES_PER_WARP))
 
 
-#: The top-k and the slots' sort in one program up to this many tokens (T*K <= 128 slots
-#: besides: the sort's one-program path).  One program of T rows replaces T one-row programs
+#: The top-k and the slots' sort in one program up to this many tokens (and T*K slots within
+#: the sort's one-program path, ``moe_align.small_align``: at most min(chunk, 128)).  One program of T rows replaces T one-row programs
 #: and the sort's launch.  On the H200, the whole greedy step in one process
 #: (bench/diag/fusion_ab.py, bench/results/mtp-h200.md): -1.9 us at T 1, +8.0 us at T 8 (its
 #: one program of 8 rows on 4 warps against 8 one-warp programs, then a 64-slot sort), so
@@ -357,21 +360,22 @@ def route_triton(
     schedule: RouteSchedule | None = None,
     row_mask: torch.Tensor | None = None,
     align: RouteAlign | None = None,
-) -> bool:
+) -> None:
     """x (T, D) contiguous, gate_weight (E, D) contiguous, gate_bias (E,) -> weights_out (T, K)
     fp32, ids_out (T, K) int32 (both contiguous, written in place).  ``schedule`` None: the
     default of :func:`route_config` for this T (``batch_invariant``: the T-independent one).
     ``row_mask`` (T,) bool: rows where it is False get ids -1 (padding rows of a CUDA-graph
     bucket: no expert reads them); their weights are computed as for any row.
 
-    ``align``: a :class:`RouteAlign`; where its slots fit one program (:func:`fused_align`) the
-    top-k runs as one program that then sorts the T*K slots by expert into the align's outputs
-    (kernels/moe_align.py's one-program path, the same integers as ``moe_align_triton``): one
-    launch fewer on a decode step's chain.  Returns whether it did (else the caller aligns)."""
+    ``align``: a :class:`RouteAlign` for a call whose slots :func:`fused_align` accepts (else a
+    ConfigError: its outputs would stay unwritten): the top-k runs as one program that then
+    sorts the T*K slots by expert into the align's outputs (kernels/moe_align.py's one-program
+    path, the same integers as ``moe_align_triton``), one launch fewer on a decode step's
+    chain."""
     T, D = x.shape
     E = gate_weight.shape[0]
     if T == 0:
-        return False
+        return
     s = schedule if schedule is not None else route_config(T, D, E, batch_invariant)
     # bf16 x bf16 runs on the tensor cores; anything fp32 in fp32
     dot_f32 = x.dtype != torch.bfloat16 or gate_weight.dtype != torch.bfloat16
@@ -379,20 +383,23 @@ def route_triton(
     meta = None
     if align is not None:
         small = fused_align(T, int(top_k), align.e_local, align.block_m, align.chunk)
-        if small is not None:
-            meta = (align.block_m, *small, align.expert_map is not None)
+        if small is None:
+            raise ConfigError(
+                f"align: {T} tokens of {top_k} slots are not sorted in the router's program "
+                f"(fused_align: at most {FUSED_ALIGN_MAX_T} tokens, the sort's one-program path)"
+            )
+        meta = (align.block_m, *small, align.expert_map is not None)
     grid, logits, tgrid, topk, part, d_split = plan(
         _plan, x.device, T, D, E, int(top_k), dot_f32, s, masked, meta
     )
     logits(grid, x, gate_weight, part, T, E, D, d_split)
     mask = row_mask.contiguous().view(torch.uint8) if row_mask is not None else ids_out
-    if meta is None:
+    if align is None:
         topk(tgrid, part, gate_bias, weights_out, ids_out, mask, ids_out, ids_out, ids_out, T, E,
              float(scaling), 0, 0, 0)  # fmt: skip
-        return False
-    assert align is not None
+        return
+    assert meta is not None
     emap = align.expert_map if align.expert_map is not None else ids_out
     e_map = align.expert_map.numel() if align.expert_map is not None else align.e_local
     topk(tgrid, part, gate_bias, weights_out, ids_out, mask, emap, align.sorted_slot,
          align.block_expert, T, E, float(scaling), e_map, align.e_local, meta[1])  # fmt: skip
-    return True
