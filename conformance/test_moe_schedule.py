@@ -753,6 +753,20 @@ def test_wgmma_gemms_at_v4_flash_shapes(T: int, monkeypatch: pytest.MonkeyPatch)
     assert _replay_equals_eager(x, pack, cfg, kw)
 
 
+def _count_swiglu_launches(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Records, per Gluon GEMM launch of the moe, whether it was asked to write the SwiGLU
+    rows itself (its ``swiglu`` argument)."""
+    fused: list[bool] = []
+    real = moe_gemm_module.moe_mx_gluon
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        fused.append(kwargs.get("swiglu") is not None)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(moe_gemm_module, "moe_mx_gluon", spy)
+    return fused
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1024, 4096])
 def test_wgmma_swiglu_epilogue_gives_the_bits_of_the_swiglu_pass(
@@ -765,14 +779,7 @@ def test_wgmma_swiglu_epilogue_gives_the_bits_of_the_swiglu_pass(
     default (32-row blocks at T 1024, 64 at 4096) and on 128-row blocks, and stays within the
     moe tolerance of the float64 reference.  The fused launches are counted (gate/up fused,
     down not; none with the switch off)."""
-    fused: list[bool] = []
-    real = moe_gemm_module.moe_mx_gluon
-
-    def spy(*args: Any, **kwargs: Any) -> None:
-        fused.append(kwargs.get("swiglu") is not None)
-        real(*args, **kwargs)
-
-    monkeypatch.setattr(moe_gemm_module, "moe_mx_gluon", spy)
+    fused = _count_swiglu_launches(monkeypatch)
     (x, params, cfg), kw = moe_inputs(
         "moe", T, 5, shape="flash", fmt="mxfp4", device="cuda", magnitude=8.0
     )
@@ -803,14 +810,7 @@ def test_gluon_swiglu_tail_gives_the_bits_of_the_swiglu_pass(
     (K split 4 / 2 / 2 / 1 / 1 at T 1 / 3 / 8 / 64 / 512, 8- and 16-row blocks), with the
     split doubled and halved, and without the fold; a CUDA-graph replay (its counters zeroed
     inside the graph) equals the eager call.  The fused launches are counted."""
-    fused: list[bool] = []
-    real = moe_gemm_module.moe_mx_gluon
-
-    def spy(*args: Any, **kwargs: Any) -> None:
-        fused.append(kwargs.get("swiglu") is not None)
-        real(*args, **kwargs)
-
-    monkeypatch.setattr(moe_gemm_module, "moe_mx_gluon", spy)
+    fused = _count_swiglu_launches(monkeypatch)
     (x, params, cfg), kw = moe_inputs(
         "moe", T, 6, shape="flash", fmt="mxfp4", device="cuda", magnitude=8.0
     )
