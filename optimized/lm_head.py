@@ -51,7 +51,7 @@ from dsv4mtp.checks import (
 from dsv4mtp.errors import InputError
 
 from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
-from .kernels._launch import check_device, check_kernel_dtype, check_out
+from .kernels._launch import check_device, check_kernel_dtype, check_out, check_row_mask
 
 if TYPE_CHECKING:
     from .kernels.lm_head import LmHeadSchedule
@@ -251,12 +251,7 @@ def lm_head_argmax(
     CUDA-graph capturable (two launches, a per-stream workspace).
     """
     pack, dev = _check_call(y, head, batch_invariant)
-    if row_mask is not None:
-        check_instance("row_mask", row_mask, torch.Tensor)
-        if row_mask.dtype != torch.bool:
-            raise InputError(f"row_mask: expected dtype torch.bool, got {row_mask.dtype}")
-        check_shape("row_mask", row_mask, (y.shape[0],))
-        check_device([("y", y), ("row_mask", row_mask)])
+    check_row_mask(row_mask, y.shape[0], "y", y)
     fields = schedule.fields() if schedule is not None else []
     args = (y, pack.weight, pack.scale, "fp8" if pack.format == "fp8" else "bf16")
     if out is None:

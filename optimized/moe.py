@@ -53,7 +53,7 @@ from dsv4mtp.params import DenseExperts, MoEParams, PackedExperts
 from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
 from ._dispatch import Facts, select
 from ._packs import packed_once
-from .kernels._launch import check_device, check_kernel_dtype, check_out
+from .kernels._launch import check_device, check_kernel_dtype, check_out, check_row_mask
 from .kernels.moe_schedule import (
     GemmTile,
     MoESchedule,
@@ -719,11 +719,7 @@ def moe(
         raise InputError(
             f"params: expected {config.n_routed_experts} routed experts, got {pack.num_experts}"
         )
-    if row_mask is not None:
-        if not isinstance(row_mask, torch.Tensor) or row_mask.dtype != torch.bool:
-            raise InputError(f"row_mask: expected a bool tensor, got {row_mask!r}")
-        check_shape("row_mask", row_mask, (x.shape[0],))
-        check_device([("x", x), ("row_mask", row_mask)])
+    check_row_mask(row_mask, x.shape[0], "x", x)
     select("moe", backend, Facts(dev, (x.dtype,)))
     limit = float(config.swiglu_limit)
     args = (

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from dsv4mtp.checks import check_instance, check_shape
 from dsv4mtp.errors import InputError
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "check_device",
     "check_kernel_dtype",
     "check_out",
+    "check_row_mask",
     "device_ints",
     "flashinfer_mhc",
     "flashinfer_norm",
@@ -99,6 +101,19 @@ def check_device(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
             f"TRITON_INTERPRET=1), got device {dev}; use dsv4mtp.reference on CPU"
         )
     return dev
+
+
+def check_row_mask(row_mask: object, rows: int, ref_name: str, ref: torch.Tensor) -> None:
+    """An optional per-row mask (a CUDA-graph step's padding and bad rows): a (rows,) bool
+    tensor on ``ref``'s device; None passes."""
+    if row_mask is None:
+        return
+    check_instance("row_mask", row_mask, torch.Tensor)
+    assert isinstance(row_mask, torch.Tensor)
+    if row_mask.dtype != torch.bool:
+        raise InputError(f"row_mask: expected dtype torch.bool, got {row_mask.dtype}")
+    check_shape("row_mask", row_mask, (rows,))
+    check_device([(ref_name, ref), ("row_mask", row_mask)])
 
 
 def check_out(

@@ -141,7 +141,6 @@ import triton.language as tl
 from dsv4mtp.errors import ConfigError
 
 from ._launch import INTERPRET, rne_bf16_if_interpreted, triton_launch
-from ._sync import counters
 from .decode import (
     _e2m1_f32,
     _e2m1_pair_bf16,
@@ -1018,11 +1017,9 @@ def _gate_up_gluon(
     rows = num_m * block_m
     part = torch.empty((tile.split_k, rows, 2 * inter), dtype=torch.float32, device=x.device)
     if GLUON_SWIGLU_TAIL and not uses_wgmma(tile, block_m, fold):
-        tiles = num_m * (2 * inter // tile.block_n)
         moe_mx_gluon(
             x, w13, s13, sorted_slot, block_expert, part, gather=True, top_k=top_k, tile=tile,
             block_m=block_m, fold=fold, swiglu=(gscale, topk_weights, h, float(limit)),
-            counters=counters(x.device, tiles) if tile.split_k > 1 else None,
         )  # fmt: skip
         return
     moe_mx_gluon(

@@ -118,6 +118,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from dsv4mtp.errors import InputError
 
 from ._launch import triton_launch
+from ._sync import counters as zeroed_counters
 from .moe_schedule import GemmTile
 
 # the wgmma kernel's shared memory per stage: x (block_m rows x 128 bf16 columns), the code
@@ -861,8 +862,8 @@ def moe_mx_gluon(
     K split writes the SwiGLU rows h itself (``moe_swiglu_kernel``'s function, fused: no
     partials; ``part`` is then unused); the mma_v2 kernel writes its partials, then each tile's
     last split writes the tile's h (:func:`_swiglu_after_splits`), counting splits on
-    ``counters`` (int32 zeros, at least ``num_blocks * N / tile.block_n``, left zeroed; unused
-    with one split)."""
+    ``counters`` (int32 zeros, at least ``num_blocks * N / tile.block_n``, left zeroed; None:
+    the stream's zeroed counters, kernels/_sync.py; unused with one split)."""
     num_m = block_expert.numel()
     K = x.shape[1]
     N = codes.shape[1]
@@ -892,11 +893,12 @@ def moe_mx_gluon(
         cnt = block_expert  # unused with one split (no tickets)
         if split > 1:
             tiles = num_m * (N // tile.block_n)
-            if counters is None or counters.dtype != torch.int32 or counters.numel() < tiles:
-                got = "None" if counters is None else f"{counters.dtype} of {counters.numel()}"
+            if counters is None:
+                counters = zeroed_counters(x.device, tiles)
+            if counters.dtype != torch.int32 or counters.numel() < tiles:
                 raise InputError(
                     f"counters: the SwiGLU tail of a {split}-way K split needs int32 zeros, one "
-                    f"per tile ({tiles}), got {got}"
+                    f"per tile ({tiles}), got {counters.dtype} of {counters.numel()}"
                 )
             cnt = counters
     else:
