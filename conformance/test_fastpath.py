@@ -222,6 +222,32 @@ def test_workspaces_are_per_name_shape_and_thread() -> None:
     assert other[0] is not a
 
 
+def test_a_capture_arena_hands_out_aligned_pieces_in_order() -> None:
+    """capture_arena: each call its own piece, 64-byte aligned, in order; None past the end,
+    for another device, outside the block; nested blocks restore the outer one."""
+    from dsv4mtp.optimized.kernels._launch import arena_piece, capture_arena
+
+    cpu = torch.device("cpu")
+    arena = torch.zeros(64, dtype=torch.int32)
+    assert arena_piece(cpu, 4) is None
+    with capture_arena(arena):
+        a, b = arena_piece(cpu, 3), arena_piece(cpu, 20)
+        assert a is not None and b is not None
+        assert (a.data_ptr(), a.numel()) == (arena.data_ptr(), 3)
+        assert (b.data_ptr() - arena.data_ptr(), b.numel()) == (16 * 4, 20)
+        assert arena_piece(cpu, 17) is None  # 48 used, 16 left
+        assert arena_piece(torch.device("meta"), 1) is None
+        inner = torch.zeros(16, dtype=torch.int32)
+        with capture_arena(inner):
+            c = arena_piece(cpu, 16)
+            assert c is not None and c.data_ptr() == inner.data_ptr()
+        d = arena_piece(cpu, 16)
+        assert d is not None and d.data_ptr() - arena.data_ptr() == 48 * 4
+    assert arena_piece(cpu, 1) is None
+    with pytest.raises(InputError, match=r"^arena: expected a contiguous 1-D int32"):
+        capture_arena(torch.zeros(4)).__enter__()
+
+
 _MOCK = textwrap.dedent(
     """
     # A compiled kernel stands in for the GPU: a mock driver, and JITFunction's compile step

@@ -659,6 +659,50 @@ def test_optimized_one_launch_collapse_equals_split_launches(
 
 
 @pytest.mark.gpu
+def test_one_launch_kernel_replays_with_counters_from_a_capture_arena(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Captured inside ``capture_arena`` (as the layer's graphs are), a one-launch kernel takes
+    its counters from the arena, not a memset node: every replay (input changed, output
+    poisoned in between) gives the split launches' bits, and leaves the arena zeroed."""
+    from dsv4mtp.optimized.kernels import _sync
+    from dsv4mtp.optimized.kernels._launch import arena_piece, capture_arena
+    from dsv4mtp.optimized.kernels.mhc_head import mhc_head_fma
+
+    pieces: list[torch.Tensor] = []
+
+    def recorded(device: torch.device, n: int) -> torch.Tensor | None:
+        piece = arena_piece(device, n)
+        if piece is not None:
+            pieces.append(piece)
+        return piece
+
+    monkeypatch.setattr(_sync, "arena_piece", recorded)
+    T, D = 77, 4096
+    (x, fn, scale, base), kw = _opt_inputs("hc_head", T, 4, D, torch.bfloat16, "cuda", seed=3)
+    scale, base = scale.float(), base.float()
+    eps = dict(rms_norm_eps=kw["rms_norm_eps"], hc_eps=kw["hc_eps"])
+    static, out = x.clone(), torch.empty(T, D, dtype=x.dtype, device="cuda")
+    mhc_head_fma(static, fn, scale, base, out, one_launch=True, **eps)  # compiled outside
+    torch.cuda.synchronize()
+    assert not pieces  # eager launches keep the stream's counters
+    arena = torch.zeros(1024, dtype=torch.int32, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), capture_arena(arena):
+        mhc_head_fma(static, fn, scale, base, out, one_launch=True, **eps)
+    assert len(pieces) == 1 and pieces[0].data_ptr() == arena.data_ptr()
+    for s in (1.0, -0.5, 2.0):
+        static.copy_(x * s)
+        out.fill_(float("nan"))
+        graph.replay()
+        want = torch.full_like(out, float("nan"))
+        mhc_head_fma(static, fn, scale, base, want, one_launch=False, **eps)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), s
+        assert not arena.any(), s
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("op", ["hc_pre", "hc_head"])
 def test_optimized_collapse_trace_is_a_pure_observer(op: str) -> None:
     """The collapse's diagnostics (``trace=``, read by bench/h200_trace.py) change no output

@@ -60,7 +60,7 @@ from dsv4mtp.params import MTPLayerParams, build_layer_params
 from dsv4mtp.semantics import Semantics
 
 from .attention import AttentionPack, attention, pack_attention, pack_attention_weights
-from .kernels._launch import check_device, device_ints, triton_kernel
+from .kernels._launch import capture_arena, check_device, device_ints, triton_kernel
 from .kv_cache import DeviceKVCache
 from .linear import LinearPack, eh_proj, pack_linear
 from .lm_head import HeadPack, lm_head_argmax, lm_head_logits, pack_head
@@ -88,6 +88,11 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 #: The token counts a prefill is captured for (a call pads its rows to the next one).
 PREFILL_TOKENS = (512, 4096)
+
+#: int32 entries of the counter arena one capture (all its buckets) hands its launches' tickets
+#: from (kernels/_launch.py, capture_arena; 256 KiB).  A step takes a few hundred; a launch that
+#: no longer fits gets a fresh zeroed buffer.  0: every launch a fresh one (a memset each).
+GRAPH_COUNTERS = 1 << 16
 
 # The kernels' activation dtypes (float64 and float16 stay the reference's).
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -625,10 +630,15 @@ def _capture(
     torch.cuda.synchronize(dev)
     pool = torch.cuda.graph_pool_handle()
     outputs, graphs = {}, {}
+    # the launches' ticket counters: pieces of one zeroed arena that the graphs keep, instead of
+    # a memset per launch in every replay (kernels/_launch.py, capture_arena)
+    arena = torch.zeros(GRAPH_COUNTERS, dtype=torch.int32, device=dev)
     for b in buckets:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool), capture_arena(arena):
             outputs[b] = body(b)
+        # the arena lives as long as the graph that reads and writes it
+        graph.counters = arena  # type: ignore[attr-defined]
         graphs[b] = graph
     return outputs, graphs
 

@@ -1,7 +1,8 @@
 """Do the optimized layer's fused op pairs, its latency-first step guard, its in-place
 inverse rotation, its in-place q / kv rows, hc_pre's token block by T, the kv path on a side
 stream, the ids masked in the argmax's reduce, the SwiGLU in the gate/up GEMM's launch, the
-slots' sort in the router's program and the one-warp top-k shorten the whole draft step?
+slots' sort in the router's program, the one-warp top-k and the graphs' counter arena shorten
+the whole draft step?
 (H200)
 
 The layer runs its fused op pairs through :attr:`MTPLayer.ops` (``dsv4mtp/layer.py``,
@@ -38,7 +39,10 @@ The settings (each leaves out with its ``--no-*`` flag):
   ``moe_align_triton``'s launch instead of in the router's top-k program
   (``moe_route.FUSED_ALIGN_MAX_T`` 0);
 * "route top-k on 4 warps": the router's one-token top-k program on 4 warps instead of one
-  (``moe_route.TOPK_SCORES_PER_WARP``).
+  (``moe_route.TOPK_SCORES_PER_WARP``);
+* "counters zeroed in the graph": the captured launches' ticket counters as a fresh
+  ``torch.zeros`` each (a memset in every replay) instead of pieces of the capture's arena
+  (``mtp.GRAPH_COUNTERS`` 0).
 
 Probes (``--prefetch-mb``): "head prefetch <N> MB <mode>", the first N MB of the LM head's
 weight prefetched into the L2 on a side stream right after the MoE (bench/diag/
@@ -51,7 +55,7 @@ they captured).
 Run (GPU machine, repository root, after the README's install):
 ``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms,eh_proj] [--no-guard]
 [--no-rope] [--no-qkv] [--no-mhc] [--no-kv] [--no-mask] [--no-topk] [--no-swiglu] [--no-align]
-[--prefetch-mb 32,48]``
+[--no-arena] [--prefetch-mb 32,48]``
 (about two minutes).
 """
 
@@ -255,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-topk", action="store_true", help="leave out the 4-warp top-k")
     ap.add_argument("--no-swiglu", action="store_true", help="leave out the SwiGLU pass")
     ap.add_argument("--no-align", action="store_true", help="leave out the sort's own launch")
+    ap.add_argument("--no-arena", action="store_true", help="leave out the graphs' memsets")
     ap.add_argument("--prefetch-mb", default="", help="head prefetch probes, e.g. 32,48")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -296,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_topk:
         four = [(moe_route, "TOPK_SCORES_PER_WARP", 64)]
         settings["route top-k on 4 warps"] = (shipped, SHIPPED_GUARD, True, four)
+    if not args.no_arena:
+        memsets = [(mtp_module, "GRAPH_COUNTERS", 0)]
+        settings["counters zeroed in the graph"] = (shipped, SHIPPED_GUARD, True, memsets)
     for mb in filter(None, args.prefetch_mb.split(",")):
         for mode, how in ((1, "bulk"), (2, "lines")):
             ops, patches = _head_prefetch(layer, shipped, int(mb) << 20, mode)

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import stream_key
+from ._launch import arena_piece, stream_key
 
 __all__ = [
     "COUNTER_HEADER",
@@ -109,10 +109,16 @@ _CACHE: dict[tuple[torch.device, object], torch.Tensor] = {}
 def counters(device: torch.device, n: int) -> torch.Tensor:
     """A zeroed int32 buffer of at least ``n`` entries for one launch on the current stream.
 
-    During CUDA-graph capture a fresh ``torch.zeros`` is returned instead: the memset becomes
-    part of the graph and the buffer lives in the graph's pool, so a replay never shares
-    counters with eager launches or other graphs.  On the CPU (interpreter) always fresh."""
+    During CUDA-graph capture: a piece of the capture's arena when one is open (_launch.py,
+    ``capture_arena``), else a
+    fresh ``torch.zeros`` (the memset becomes part of the graph); either way the buffer belongs
+    to the graph, so a replay never shares counters with eager launches or other graphs.  On
+    the CPU (interpreter) always fresh."""
     stream = stream_key(device)  # None on the CPU, False while capturing
+    if stream is False:
+        piece = arena_piece(device, n)
+        if piece is not None:
+            return piece
     if stream is None or stream is False:
         return torch.zeros((n,), dtype=torch.int32, device=device)
     key = (device, stream)
