@@ -49,19 +49,27 @@ weight prefetched into the L2 on a side stream right after the MoE (bench/diag/
 l2_prefetch_probe.py's kernel: "bulk" = its mode 1, bulk prefetches with an evict-last policy;
 "lines" = mode 2, one ``prefetch.global.L2::evict_last`` per line), beside hc_post_head and the
 head's norm, whose few microseconds leave the HBM idle; the head then streams those bytes from
-the L2.  Each setting is swapped in only while its graphs are captured (the graphs keep what
+the L2.  ``--align-warps``: "align on <W> warps", the one-program sort of the slots (T 2-21)
+on W warps instead of ``min(align_warps, SB / 16)`` (4 at T 8's 64-slot tile).  ``--moe-split``:
+"moe split <S> at T <range>", the routed gate/up and down GEMMs' K split at T 1-2 (``t1:S``;
+4 by default) or T 3-8 (``t8:S``; 2 by default).  ``--head-sched V:K:W:S``: "head <V>x<K> w<W>
+s<S>", the greedy head's argmax kernel up to T 32 on V head rows per program, K-wide steps, W
+warps and S stages (default 128:128:4:4).  Each setting is swapped in only while its graphs are captured (the graphs keep what
 they captured).
 
 Run (GPU machine, repository root, after the README's install):
 ``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms,eh_proj] [--no-guard]
 [--no-rope] [--no-qkv] [--no-mhc] [--no-kv] [--no-mask] [--no-topk] [--no-swiglu] [--no-align]
-[--no-arena] [--prefetch-mb 32,48]``
+[--no-arena] [--prefetch-mb 32,48] [--align-warps 8,16] [--moe-split t1:8,t8:1]
+[--head-sched 256:64:8:4]``
 (about two minutes).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import importlib
 import os
 import sys
@@ -79,9 +87,11 @@ from h200_mtp import DECODE_T
 from moe_stream_ab import decode_table
 
 from dsv4mtp.checkpoint.fullsize import make_fullsize_checkpoint
-from dsv4mtp.optimized import MTPLayer, linear, rms_norm
-from dsv4mtp.optimized.kernels import mhc_pre_small, moe_gemm, moe_route
+from dsv4mtp.errors import DSV4Error
+from dsv4mtp.optimized import MTPLayer, _ops, linear, rms_norm
+from dsv4mtp.optimized.kernels import mhc_pre_small, moe_align, moe_gemm, moe_route
 from dsv4mtp.optimized.kernels import step_guard as guard_kernels
+from dsv4mtp.optimized.kernels._launch import triton_launch
 from dsv4mtp.optimized.kernels.moe_common import jit_loop_bounds
 from dsv4mtp.optimized.mtp import DecodeGraphs
 
@@ -246,6 +256,49 @@ def _head_prefetch(
     return shipped._replace(moe=moe_then_prefetch), [(mtp_module, "_head", head_then_join)]
 
 
+def _align_warps(warps: int) -> list[tuple[Any, str, Any]]:
+    """The one-program sort's launch on ``warps`` warps whatever its slot tile."""
+
+    @functools.cache
+    def launch(sb: int, nb_b: int, block_m: int, num_warps: int, has_map: bool) -> Any:
+        return triton_launch(
+            moe_align._align_small_kernel, HAS_MAP=has_map, BLOCK_M=block_m, SB=sb, NB_B=nb_b,
+            num_warps=warps,
+        )  # fmt: skip
+
+    return [(moe_align, "_small_launch", launch)]
+
+
+def _head_sched(v: int, k: int, warps: int, stages: int) -> list[tuple[Any, str, Any]]:
+    """The argmax kernel's default schedule with other tiles up to T 32."""
+    base = _ops.lm_head_schedule
+
+    def schedule(T: int, batch_invariant: bool, fp32: bool = False) -> Any:
+        s = base(T, batch_invariant, fp32)
+        if T > 32 or batch_invariant or fp32:
+            return s
+        return dataclasses.replace(s, block_v=v, block_k=k, num_warps=warps, num_stages=stages)
+
+    return [(_ops, "lm_head_schedule", schedule)]
+
+
+def _moe_split(split: int, lo: int, hi: int) -> list[tuple[Any, str, Any]]:
+    """The moe's default schedule with the routed GEMMs' K split ``split`` at T lo..hi."""
+    base = _ops.moe_config
+
+    def config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> Any:
+        s = base(T, batch_invariant=batch_invariant, fmt=fmt)
+        if lo <= T <= hi and not batch_invariant:
+            s = dataclasses.replace(
+                s,
+                gate_up=dataclasses.replace(s.gate_up, split_k=split),
+                down=dataclasses.replace(s.down, split_k=split),
+            )
+        return s
+
+    return [(_ops, "moe_config", config)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
@@ -261,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-align", action="store_true", help="leave out the sort's own launch")
     ap.add_argument("--no-arena", action="store_true", help="leave out the graphs' memsets")
     ap.add_argument("--prefetch-mb", default="", help="head prefetch probes, e.g. 32,48")
+    ap.add_argument("--align-warps", default="", help="one-program sort's warps, e.g. 8,16")
+    ap.add_argument("--moe-split", default="", help="routed K splits, e.g. t1:8,t8:1")
+    ap.add_argument("--head-sched", default="", help="argmax tiles V:K:W:S, e.g. 256:64:8:4")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -308,6 +364,17 @@ def main(argv: list[str] | None = None) -> int:
         for mode, how in ((1, "bulk"), (2, "lines")):
             ops, patches = _head_prefetch(layer, shipped, int(mb) << 20, mode)
             settings[f"head prefetch {mb} MB {how}"] = (ops, SHIPPED_GUARD, True, patches)
+    for w in filter(None, args.align_warps.split(",")):
+        settings[f"align on {w} warps"] = (shipped, SHIPPED_GUARD, True, _align_warps(int(w)))
+    for entry in filter(None, args.moe_split.split(",")):
+        at, sk = entry.split(":")
+        lo, hi = (1, 2) if at == "t1" else (3, 8)
+        name = f"moe split {sk} at T {lo}-{hi}"
+        settings[name] = (shipped, SHIPPED_GUARD, True, _moe_split(int(sk), lo, hi))
+    for entry in filter(None, args.head_sched.split(",")):
+        v, k, w, st = (int(a) for a in entry.split(":"))
+        name = f"head {v}x{k} w{w} s{st}"
+        settings[name] = (shipped, SHIPPED_GUARD, True, _head_sched(v, k, w, st))
     graphs: dict[str, DecodeGraphs] = {}
     cache = layer.new_device_cache(max(DECODE_T))
     # the guard's launches are cached by schedule: kept aside so that no setting reuses
@@ -326,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
                 setattr(m, a, v)
             try:
                 graphs[name] = DecodeGraphs(layer, cache, buckets=DECODE_T, logits=False)
+            except DSV4Error as e:  # a probe the kernels refuse is left out, not fatal
+                print(f"{name}: not captured: {e}")
             finally:
                 for m, a, v in saved:
                     setattr(m, a, v)
