@@ -9,7 +9,10 @@ bit for bit against the plain torch contract (conformance/test_moe_align.py, ali
 the time is the median over replays of a CUDA graph of 20 back-to-back calls, per call, next to
 an empty Triton kernel timed the same way (the launch floor).  Prints a markdown table (~30 s).
 
-    python bench/diag/align_h200.py [--tokens 1,8,64,512,4096]
+    python bench/diag/align_h200.py [--tokens 1,8,64,512,4096] [--single-warps 4,8,16]
+
+``--single-warps``: the one-program rows once per warp count instead of at the default
+(``moe_align._small_warps``), the column "warps" saying which.
 ``--dry-run``: the same on the CPU under TRITON_INTERPRET=1 (set by the script) at E 16,
 top-2, T in {1, 8, 64}, wall clock (the interpreter's time, not the kernel's).
 """
@@ -31,6 +34,7 @@ from h200_mhc import empty_kernel_us
 from h200_moe import Clock
 
 from dsv4mtp.conformance.test_moe_align import align_contract
+from dsv4mtp.optimized.kernels import moe_align
 from dsv4mtp.optimized.kernels.moe_align import moe_align_triton
 
 SEED = 0
@@ -57,7 +61,10 @@ def main() -> None:
     p.add_argument("--tokens", default=None, help="comma-separated T (default 1,8,64,512,4096)")
     p.add_argument("--reps", type=int, default=30, help="graph replays per row")
     p.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes")
+    p.add_argument("--single-warps", default="", help="one-program warps to time, e.g. 4,8,16")
     a = p.parse_args()
+    default_warps = moe_align._small_warps
+    single_warps = [int(w) for w in a.single_warps.split(",") if w]
     cuda = not a.dry_run
     if cuda and not torch.cuda.is_available():
         p.error("needs a CUDA device (or --dry-run)")
@@ -69,15 +76,18 @@ def main() -> None:
     print(f"E {E}, top-{K}, {'CUDA graph replay' if cuda else 'CPU interpreter, wall clock'}")
     if cuda:
         print(f"empty Triton kernel: {empty_kernel_us():.2f} us per call\n")
-    print("| T | S | BLOCK_M | ids | path | chunk | launches | us / call |")
-    print("|---:|---:|---:|---|---|---:|---:|---:|")
+    print("| T | S | BLOCK_M | ids | path | chunk | warps | launches | us / call |")
+    print("|---:|---:|---:|---|---|---:|---:|---:|---:|")
     for T in (int(t) for t in tokens.split(",")):
         S = T * K
         for bm in (16, 64):
             for kind in ("uniform", "one_expert"):
                 ids = route_ids(kind, T, K, E, dev)
                 want = align_contract(ids, None, E, bm)
-                for path, chunk in variants(S):
+                for path, chunk, warps in _with_warps(variants(S), single_warps):
+                    moe_align._small_warps = default_warps if warps is None else (
+                        lambda sb, w=warps: w
+                    )  # fmt: skip
                     srt, blk = moe_align_triton(ids, None, E, bm, chunk=chunk)
                     if not (torch.equal(srt, want[0]) and torch.equal(blk, want[1])):
                         raise SystemExit(f"mismatch: T {T}, BLOCK_M {bm}, {kind}, {path} {chunk}")
@@ -87,8 +97,24 @@ def main() -> None:
                         reps,
                     )
                     launches = 1 if path == "single" else 3
-                    print(f"| {T} | {S} | {bm} | {kind} | {path} | {chunk} | {launches} | "
-                          f"{us:.1f} |")  # fmt: skip
+                    shown = "-" if path != "single" else (warps or f"{default_warps(_sb(S))}*")
+                    print(f"| {T} | {S} | {bm} | {kind} | {path} | {chunk} | {shown} | "
+                          f"{launches} | {us:.1f} |")  # fmt: skip
+    moe_align._small_warps = default_warps
+
+
+def _sb(S: int) -> int:
+    """The one program's slot tile for S slots."""
+    return max(16, 1 << max(0, (S - 1).bit_length()))
+
+
+def _with_warps(rows: list[tuple[str, int]], warps: list[int]) -> list[tuple[str, int, int | None]]:
+    """Each one-program row once per warp count of ``warps`` (None: the default, marked *)."""
+    out: list[tuple[str, int, int | None]] = []
+    for path, chunk in rows:
+        for w in warps if path == "single" and warps else [None]:
+            out.append((path, chunk, w))
+    return out
 
 
 if __name__ == "__main__":

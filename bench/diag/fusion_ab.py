@@ -50,7 +50,8 @@ l2_prefetch_probe.py's kernel: "bulk" = its mode 1, bulk prefetches with an evic
 "lines" = mode 2, one ``prefetch.global.L2::evict_last`` per line), beside hc_post_head and the
 head's norm, whose few microseconds leave the HBM idle; the head then streams those bytes from
 the L2.  ``--align-warps``: "align on <W> warps", the one-program sort of the slots (T 2-21)
-on W warps instead of ``min(align_warps, SB / 16)`` (4 at T 8's 64-slot tile).  ``--moe-split``:
+on W warps instead of ``moe_align._small_warps`` (SB * SB / 256, 1 to 16: 16 at T 8's 64-slot
+tile).  ``--moe-split``:
 "moe split <S> at T <range>", the routed gate/up and down GEMMs' K split at T 1-2 (``t1:S``;
 4 by default) or T 3-8 (``t8:S``; 2 by default).  ``--head-sched V:K:W:S``: "head <V>x<K> w<W>
 s<S>", the greedy head's argmax kernel up to T 32 on V head rows per program, K-wide steps, W
@@ -69,7 +70,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import importlib
 import os
 import sys
@@ -91,7 +91,6 @@ from dsv4mtp.errors import DSV4Error
 from dsv4mtp.optimized import MTPLayer, _ops, linear, rms_norm
 from dsv4mtp.optimized.kernels import mhc_pre_small, moe_align, moe_gemm, moe_route
 from dsv4mtp.optimized.kernels import step_guard as guard_kernels
-from dsv4mtp.optimized.kernels._launch import triton_launch
 from dsv4mtp.optimized.kernels.moe_common import jit_loop_bounds
 from dsv4mtp.optimized.mtp import DecodeGraphs
 
@@ -257,16 +256,8 @@ def _head_prefetch(
 
 
 def _align_warps(warps: int) -> list[tuple[Any, str, Any]]:
-    """The one-program sort's launch on ``warps`` warps whatever its slot tile."""
-
-    @functools.cache
-    def launch(sb: int, nb_b: int, block_m: int, num_warps: int, has_map: bool) -> Any:
-        return triton_launch(
-            moe_align._align_small_kernel, HAS_MAP=has_map, BLOCK_M=block_m, SB=sb, NB_B=nb_b,
-            num_warps=warps,
-        )  # fmt: skip
-
-    return [(moe_align, "_small_launch", launch)]
+    """The one-program sort on ``warps`` warps whatever its slot tile."""
+    return [(moe_align, "_small_warps", lambda sb: warps)]
 
 
 def _head_sched(v: int, k: int, warps: int, stages: int) -> list[tuple[Any, str, Any]]:

@@ -21,7 +21,9 @@ without a sync):
   (the block counts of the smaller experts, summed over their first slots).  Then per 64 blocks
   an (NB_B x SB) compare against the first slots gives each block's expert and valid row count;
   the program writes ``block_expert`` and -1 to exactly the padding rows (disjoint from the
-  slot rows, so scatter and fill need no ordering).  Warps: clamp(SB / 16, 1, num_warps).  At
+  slot rows, so scatter and fill need no ordering).  Warps: one per 256 entries of an SB x SB
+  tile (8 per thread), 1 to 16 (:func:`_small_warps`): the compares are the program's serial
+  work, so they are spread as thin as the SM allows.  At
   V4-Flash top-6 decode (T <= 21) that is a few SB x SB compares (SB 16 at T 1-2, one warp)
   and at most NB_MAX*BLOCK_M int32 stores (448 B at T 1, BLOCK_M 16): the launch dominates.  Past SB 128 the compares no longer
   fit in registers (sm_90 compile: SB 128 at 8 warps uses 255 registers, SB 256 spills KBs).
@@ -244,12 +246,18 @@ def max_blocks(S: int, e_local: int, block_m: int) -> int:
     return cdiv(S, block_m) + min(e_local, S)
 
 
+def _small_warps(sb: int) -> int:
+    """The one program's warps for an SB-slot tile: SB * SB / 256 (8 entries of each compare
+    tile per thread), 1 to 16.  In the whole greedy step at T 8 (SB 64; H200, one process,
+    bench/diag/fusion_ab.py --align-warps): 592.5 / 589.2 / 586.7 us on 4 / 8 / 16 warps."""
+    return max(1, min(16, sb * sb // 256))
+
+
 @functools.cache
-def _small_launch(sb: int, nb_b: int, block_m: int, num_warps: int, has_map: bool) -> TritonLaunch:
+def _small_launch(sb: int, nb_b: int, block_m: int, warps: int, has_map: bool) -> TritonLaunch:
     return triton_launch(
-        _align_small_kernel, HAS_MAP=has_map, BLOCK_M=block_m, SB=sb, NB_B=nb_b,
-        num_warps=max(1, min(num_warps, sb // 16)),
-    )  # fmt: skip
+        _align_small_kernel, HAS_MAP=has_map, BLOCK_M=block_m, SB=sb, NB_B=nb_b, num_warps=warps
+    )
 
 
 @functools.cache
@@ -288,7 +296,8 @@ def moe_align_triton(
     num_warps: int = 4 if INTERPRET else 8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_slot (NB_MAX*block_m,) int32, block_expert (NB_MAX,) int32); see the module doc.
-    ``chunk``: the slots per program of the chunked path, taken for S > min(chunk, 128)."""
+    ``chunk``: the slots per program of the chunked path, taken for S > min(chunk, 128);
+    ``num_warps``: that path's warps (the one program takes :func:`_small_warps`)."""
     S = topk_ids.numel()
     nb = max_blocks(S, e_local, block_m)
     dev = topk_ids.device
@@ -303,7 +312,7 @@ def moe_align_triton(
     small = small_align(S, e_local, block_m, chunk)
     if small is not None:
         _, sb, nb_b = small
-        launch = _small_launch(sb, nb_b, block_m, num_warps, has_map)
+        launch = _small_launch(sb, nb_b, block_m, _small_warps(sb), has_map)
         launch((1,), ids, emap, sorted_slot, block_expert, S, e_global, e_local, nb)
         return sorted_slot, block_expert
     nc = cdiv(S, chunk)
