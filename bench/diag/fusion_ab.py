@@ -52,8 +52,8 @@ head's norm, whose few microseconds leave the HBM idle; the head then streams th
 the L2.  ``--align-warps``: "align on <W> warps", the one-program sort of the slots (T 2-21)
 on W warps instead of ``moe_align._small_warps`` (SB * SB / 256, 1 to 16: 16 at T 8's 64-slot
 tile).  ``--moe-split``:
-"moe split <S> at T <range>", the routed gate/up and down GEMMs' K split at T 1-2 (``t1:S``;
-4 by default) or T 3-8 (``t8:S``; 2 by default).  ``--head-sched V:K:W:S``: "head <V>x<K> w<W>
+"moe split <S>[/<D>] at T <range>", the routed gate/up (and down, D; else S too) GEMMs' K
+split at T 1-2 (``t1:S[:D]``; 4 by default) or T 3-8 (``t8:S[:D]``; 2 by default).  ``--head-sched V:K:W:S``: "head <V>x<K> w<W>
 s<S>", the greedy head's argmax kernel up to T 32 on V head rows per program, K-wide steps, W
 warps and S stages (default 128:128:4:4).  Each setting is swapped in only while its graphs are captured (the graphs keep what
 they captured).
@@ -273,8 +273,9 @@ def _head_sched(v: int, k: int, warps: int, stages: int) -> list[tuple[Any, str,
     return [(_ops, "lm_head_schedule", schedule)]
 
 
-def _moe_split(split: int, lo: int, hi: int) -> list[tuple[Any, str, Any]]:
-    """The moe's default schedule with the routed GEMMs' K split ``split`` at T lo..hi."""
+def _moe_split(split: int, down: int, lo: int, hi: int) -> list[tuple[Any, str, Any]]:
+    """The moe's default schedule with the routed gate/up's K split ``split`` and the down's
+    ``down`` at T lo..hi."""
     base = _ops.moe_config
 
     def config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> Any:
@@ -283,7 +284,7 @@ def _moe_split(split: int, lo: int, hi: int) -> list[tuple[Any, str, Any]]:
             s = dataclasses.replace(
                 s,
                 gate_up=dataclasses.replace(s.gate_up, split_k=split),
-                down=dataclasses.replace(s.down, split_k=split),
+                down=dataclasses.replace(s.down, split_k=down),
             )
         return s
 
@@ -358,10 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     for w in filter(None, args.align_warps.split(",")):
         settings[f"align on {w} warps"] = (shipped, SHIPPED_GUARD, True, _align_warps(int(w)))
     for entry in filter(None, args.moe_split.split(",")):
-        at, sk = entry.split(":")
+        at, sk, *dk = entry.split(":")
         lo, hi = (1, 2) if at == "t1" else (3, 8)
-        name = f"moe split {sk} at T {lo}-{hi}"
-        settings[name] = (shipped, SHIPPED_GUARD, True, _moe_split(int(sk), lo, hi))
+        name = f"moe split {sk}{'/' + dk[0] if dk else ''} at T {lo}-{hi}"
+        split = _moe_split(int(sk), int(dk[0]) if dk else int(sk), lo, hi)
+        settings[name] = (shipped, SHIPPED_GUARD, True, split)
     for entry in filter(None, args.head_sched.split(",")):
         v, k, w, st = (int(a) for a in entry.split(":"))
         name = f"head {v}x{k} w{w} s{st}"
