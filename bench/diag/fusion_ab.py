@@ -50,8 +50,9 @@ l2_prefetch_probe.py's kernel: "bulk" = its mode 1, bulk prefetches with an evic
 "lines" = mode 2, one ``prefetch.global.L2::evict_last`` per line), beside hc_post_head and the
 head's norm, whose few microseconds leave the HBM idle; the head then streams those bytes from
 the L2.  ``--align-warps``: "align on <W> warps", the one-program sort of the slots (T 2-21)
-on W warps instead of ``moe_align._small_warps`` (SB * SB / 256, 1 to 16: 16 at T 8's 64-slot
-tile).  ``--moe-split``:
+on W warps instead of ``moe_align._small_warps`` (SB * SB / 256, 4 to 16: 16 at T 8's 64-slot
+tile).  ``--align-chunked C:W``: "sort in C-slot chunks on W warps", the three-launch sort
+(T 22-85 at top-6: T 64) with C slots per program and W warps (default 128:8).  ``--moe-split``:
 "moe split <S>[/<D>] at T <range>", the routed gate/up (and down, D; else S too) GEMMs' K
 split at T 1-2 (``t1:S[:D]``; 4 by default) or T 3-8 (``t8:S[:D]``; 2 by default).  ``--head-sched V:K:W:S``: "head <V>x<K> w<W>
 s<S>", the greedy head's argmax kernel up to T 32 on V head rows per program, K-wide steps, W
@@ -62,7 +63,7 @@ Run (GPU machine, repository root, after the README's install):
 ``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms,eh_proj] [--no-guard]
 [--no-rope] [--no-qkv] [--no-mhc] [--no-kv] [--no-mask] [--no-topk] [--no-swiglu] [--no-align]
 [--no-arena] [--prefetch-mb 32,48] [--align-warps 8,16] [--moe-split t1:8,t8:1]
-[--head-sched 256:64:8:4]``
+[--head-sched 256:64:8:4] [--align-chunked 64:8,128:16]``
 (about two minutes).
 """
 
@@ -260,6 +261,19 @@ def _align_warps(warps: int) -> list[tuple[Any, str, Any]]:
     return [(moe_align, "_small_warps", lambda sb: warps)]
 
 
+def _align_chunked(chunk: int, warps: int) -> list[tuple[Any, str, Any]]:
+    """The moe's default schedule with the three-launch sort's chunk and warps at T 22-64."""
+    base = _ops.moe_config
+
+    def config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> Any:
+        s = base(T, batch_invariant=batch_invariant, fmt=fmt)
+        if 21 < T <= 64 and not batch_invariant:
+            s = dataclasses.replace(s, align_chunk=chunk, align_warps=warps)
+        return s
+
+    return [(_ops, "moe_config", config)]
+
+
 def _head_sched(v: int, k: int, warps: int, stages: int) -> list[tuple[Any, str, Any]]:
     """The argmax kernel's default schedule with other tiles up to T 32."""
     base = _ops.lm_head_schedule
@@ -309,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--align-warps", default="", help="one-program sort's warps, e.g. 8,16")
     ap.add_argument("--moe-split", default="", help="routed K splits, e.g. t1:8,t8:1")
     ap.add_argument("--head-sched", default="", help="argmax tiles V:K:W:S, e.g. 256:64:8:4")
+    ap.add_argument("--align-chunked", default="", help="chunked sort C:W, e.g. 64:8,128:16")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -364,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
         name = f"moe split {sk}{'/' + dk[0] if dk else ''} at T {lo}-{hi}"
         split = _moe_split(int(sk), int(dk[0]) if dk else int(sk), lo, hi)
         settings[name] = (shipped, SHIPPED_GUARD, True, split)
+    for entry in filter(None, args.align_chunked.split(",")):
+        c, w = (int(a) for a in entry.split(":"))
+        name = f"sort in {c}-slot chunks on {w} warps"
+        settings[name] = (shipped, SHIPPED_GUARD, True, _align_chunked(c, w))
     for entry in filter(None, args.head_sched.split(",")):
         v, k, w, st = (int(a) for a in entry.split(":"))
         name = f"head {v}x{k} w{w} s{st}"

@@ -22,7 +22,7 @@ without a sync):
   an (NB_B x SB) compare against the first slots gives each block's expert and valid row count;
   the program writes ``block_expert`` and -1 to exactly the padding rows (disjoint from the
   slot rows, so scatter and fill need no ordering).  Warps: one per 256 entries of an SB x SB
-  tile (8 per thread), 1 to 16 (:func:`_small_warps`): the compares are the program's serial
+  tile (8 per thread), 4 to 16 (:func:`_small_warps`): the compares are the program's serial
   work, so they are spread as thin as the SM allows.  At
   V4-Flash top-6 decode (T <= 21) that is a few SB x SB compares (SB 16 at T 1-2, one warp)
   and at most NB_MAX*BLOCK_M int32 stores (448 B at T 1, BLOCK_M 16): the launch dominates.  Past SB 128 the compares no longer
@@ -248,9 +248,13 @@ def max_blocks(S: int, e_local: int, block_m: int) -> int:
 
 def _small_warps(sb: int) -> int:
     """The one program's warps for an SB-slot tile: SB * SB / 256 (8 entries of each compare
-    tile per thread), 1 to 16.  In the whole greedy step at T 8 (SB 64; H200, one process,
-    bench/diag/fusion_ab.py --align-warps): 592.5 / 589.2 / 586.7 us on 4 / 8 / 16 warps."""
-    return max(1, min(16, sb * sb // 256))
+    tile per thread), 4 to 16.  H200: in the whole greedy step at T 8 (SB 64, one process,
+    bench/diag/fusion_ab.py --align-warps) 592.5 / 589.2 / 586.7 us on 4 / 8 / 16 warps, and
+    599.0 against 593.2 on 4 / 16 in a second run; alone (bench/diag/align_h200.py
+    --single-warps, BLOCK_M 16 / 64) 1.8 / 2.0 us on 4 warps against 2.1 / 2.9 on one at SB 16,
+    2.2 / 2.5 against 2.8 / 3.4 on two at SB 32, 10.8 / 12.1 on 16 against 10.5 / 11.7 on 8
+    at SB 128 (moe-h200.md, "The one-program sort's warps")."""
+    return max(4, min(16, sb * sb // 256))
 
 
 @functools.cache
