@@ -24,7 +24,7 @@ without a sync):
   slot rows, so scatter and fill need no ordering).  Warps: one per 256 entries of an SB x SB
   tile (8 per thread), 4 to 16 (:func:`_small_warps`): the compares are the program's serial
   work, so they are spread as thin as the SM allows.  At
-  V4-Flash top-6 decode (T <= 21) that is a few SB x SB compares (SB 16 at T 1-2, one warp)
+  V4-Flash top-6 decode (T <= 21) that is a few SB x SB compares (SB 16 at T 1-2, four warps)
   and at most NB_MAX*BLOCK_M int32 stores (448 B at T 1, BLOCK_M 16): the launch dominates.  Past SB 128 the compares no longer
   fit in registers (sm_90 compile: SB 128 at 8 warps uses 255 registers, SB 256 spills KBs).
 * larger S: three launches over NC = cdiv(S, chunk) chunks, a counting sort.
