@@ -51,7 +51,11 @@ l2_prefetch_probe.py's kernel: "bulk" = its mode 1, bulk prefetches with an evic
 head's norm, whose few microseconds leave the HBM idle; the head then streams those bytes from
 the L2.  ``--align-warps``: "align on <W> warps", the one-program sort of the slots (T 2-21)
 on W warps instead of ``moe_align._small_warps`` (SB * SB / 256, 4 to 16: 16 at T 8's 64-slot
-tile).  ``--align-chunked C:W``: "sort in C-slot chunks on W warps", the three-launch sort
+tile).  ``--priorities``: stream priorities (a captured kernel node keeps its capturing
+stream's priority, and torch instantiates graphs with ``cudaGraphInstantiateFlagUseNodePriority``):
+"step at high priority" (the step captured on a high-priority stream, the side streams at the
+default), "kv side at high priority" (only the attention's kv path), "step and kv at high
+priority" (the shared expert alone at the default).  ``--align-chunked C:W``: "sort in C-slot chunks on W warps", the three-launch sort
 (T 22-85 at top-6: T 64) with C slots per program and W warps (default 128:8).  ``--moe-split``:
 "moe split <S>[/<D>] at T <range>", the routed gate/up (and down, D; else S too) GEMMs' K
 split at T 1-2 (``t1:S[:D]``; 4 by default) or T 3-8 (``t8:S[:D]``; 2 by default).  ``--head-sched V:K:W:S``: "head <V>x<K> w<W>
@@ -63,7 +67,7 @@ Run (GPU machine, repository root, after the README's install):
 ``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms,eh_proj] [--no-guard]
 [--no-rope] [--no-qkv] [--no-mhc] [--no-kv] [--no-mask] [--no-topk] [--no-swiglu] [--no-align]
 [--no-arena] [--prefetch-mb 32,48] [--align-warps 8,16] [--moe-split t1:8,t8:1]
-[--head-sched 256:64:8:4] [--align-chunked 64:8,128:16]``
+[--head-sched 256:64:8:4] [--align-chunked 64:8,128:16] [--priorities]``
 (about two minutes).
 """
 
@@ -261,6 +265,35 @@ def _align_warps(warps: int) -> list[tuple[Any, str, Any]]:
     return [(moe_align, "_small_warps", lambda sb: warps)]
 
 
+def _capture_on(capture: Any) -> Any:
+    """``mtp._capture`` with every bucket captured on a high-priority stream."""
+
+    def on_high(dev: torch.device, buckets: Any, body: Any) -> Any:
+        high = torch.cuda.Stream(device=dev, priority=-1)
+        graph = torch.cuda.graph
+
+        def graph_on_high(g: Any, pool: Any = None, **kw: Any) -> Any:
+            return graph(g, pool=pool, stream=high, **kw)
+
+        torch.cuda.graph = graph_on_high  # type: ignore[assignment,misc]
+        try:
+            return capture(dev, buckets, body)
+        finally:
+            torch.cuda.graph = graph  # type: ignore[misc]
+
+    return on_high
+
+
+def _kv_high() -> list[tuple[Any, str, Any]]:
+    """The attention's kv side stream created at high priority (the others at the default)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    high = torch.cuda.Stream(device=dev, priority=-1)
+    streams = dict(_ops._SIDE_STREAMS)
+    for d in (dev, torch.device("cuda")):
+        streams[("attention.kv", d)] = high
+    return [(_ops, "_SIDE_STREAMS", streams)]
+
+
 def _align_chunked(chunk: int, warps: int) -> list[tuple[Any, str, Any]]:
     """The moe's default schedule with the three-launch sort's chunk and warps at T 22-64."""
     base = _ops.moe_config
@@ -324,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moe-split", default="", help="routed K splits, e.g. t1:8,t8:1")
     ap.add_argument("--head-sched", default="", help="argmax tiles V:K:W:S, e.g. 256:64:8:4")
     ap.add_argument("--align-chunked", default="", help="chunked sort C:W, e.g. 64:8,128:16")
+    ap.add_argument("--priorities", action="store_true", help="stream priority probes")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -379,6 +413,12 @@ def main(argv: list[str] | None = None) -> int:
         name = f"moe split {sk}{'/' + dk[0] if dk else ''} at T {lo}-{hi}"
         split = _moe_split(int(sk), int(dk[0]) if dk else int(sk), lo, hi)
         settings[name] = (shipped, SHIPPED_GUARD, True, split)
+    if args.priorities:
+        step_high = [(mtp_module, "_capture", _capture_on(mtp_module._capture))]
+        settings["step at high priority"] = (shipped, SHIPPED_GUARD, True, step_high)
+        settings["kv side at high priority"] = (shipped, SHIPPED_GUARD, True, _kv_high())
+        both = step_high + _kv_high()
+        settings["step and kv at high priority"] = (shipped, SHIPPED_GUARD, True, both)
     for entry in filter(None, args.align_chunked.split(",")):
         c, w = (int(a) for a in entry.split(":"))
         name = f"sort in {c}-slot chunks on {w} warps"
