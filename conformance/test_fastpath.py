@@ -244,8 +244,12 @@ def test_a_capture_arena_hands_out_aligned_pieces_in_order() -> None:
         d = arena_piece(cpu, 16)
         assert d is not None and d.data_ptr() - arena.data_ptr() == 48 * 4
     assert arena_piece(cpu, 1) is None
-    with pytest.raises(InputError, match=r"^arena: expected a contiguous 1-D int32"):
-        capture_arena(torch.zeros(4)).__enter__()
+    with (
+        pytest.raises(InputError, match=r"^arena: expected a contiguous 1-D int32"),
+        capture_arena(torch.zeros(4)),
+    ):
+        pass
+    assert arena_piece(cpu, 1) is None  # nothing left open
 
 
 _MOCK = textwrap.dedent(

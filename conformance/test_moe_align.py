@@ -18,7 +18,8 @@ from dsv4mtp.errors import ConfigError
 
 pytest.importorskip("triton")
 
-from dsv4mtp.optimized.kernels.moe_align import max_blocks, moe_align_triton
+from dsv4mtp.optimized.kernels import moe_align
+from dsv4mtp.optimized.kernels.moe_align import max_blocks, moe_align_triton, small_align
 from dsv4mtp.optimized.moe import MoESchedule, moe_config
 
 
@@ -76,13 +77,20 @@ def _check_both_paths(
     S = ids.numel()
     d_ids = ids.to(device)
     d_map = emap.to(device) if emap is not None else None
-    # chunk 128: the single program where S <= 128, else 128-slot chunks; 16 / 256: chunks
+    # chunk 128: the single program where S <= 128, else 128-slot chunks; 16 / 256: chunks.
+    # Warps: the chunked path's num_warps 1 / 4, the single program's own 1 / 16 (patched).
+    default_warps = moe_align._small_warps
     for chunk in (128, 16, 256) if S > 128 else (128, 16):
-        for warps in (1, 4):
-            srt, blk = moe_align_triton(
-                d_ids, d_map, e_local, block_m, chunk=chunk, num_warps=warps
-            )
-            path = "single" if min(chunk, 128) >= S else "chunked"
+        path = "single" if min(chunk, 128) >= S else "chunked"
+        for warps in (1, 16) if path == "single" else (1, 4):
+            if path == "single":
+                moe_align._small_warps = lambda sb, w=warps: w
+            try:
+                srt, blk = moe_align_triton(
+                    d_ids, d_map, e_local, block_m, chunk=chunk, num_warps=warps
+                )
+            finally:
+                moe_align._small_warps = default_warps
             assert srt.shape == (max_blocks(S, e_local, block_m) * block_m,)
             assert torch.equal(srt.cpu(), want[0]), (path, chunk, warps, srt, want[0])
             assert torch.equal(blk.cpu(), want[1]), (path, chunk, warps, blk, want[1])
@@ -114,6 +122,14 @@ def test_align_matches_contract_on_both_paths(
     ids = _ids(kind, T, K, e_global, g)
     emap = _map(e_global, e_local, g) if e_local is not None else None
     _check_both_paths(ids, emap, e_local if e_local is not None else e_global, block_m, device)
+
+
+def test_single_program_warps_cover_every_slot_tile() -> None:
+    """Every slot tile the one program can get (SB 16 .. 128) has its warp count."""
+    tiles = {small_align(S, 256, 16, 128)[1] for S in range(1, 129)}  # type: ignore[index]
+    assert tiles == {16, 32, 64, 128}
+    assert [moe_align._small_warps(sb) for sb in sorted(tiles)] == [4, 8, 16, 8]
+    assert small_align(129, 256, 16, 128) is None
 
 
 def test_align_of_no_slots(device: str) -> None:

@@ -273,13 +273,28 @@ def test_prefill_offsets_survive_reuse_of_their_pinned_buffers(loaded) -> None:
 
 
 @pytest.mark.gpu
-def test_replay_equals_the_eager_step_bitwise(loaded) -> None:
+def test_replay_equals_the_eager_step_bitwise(loaded, monkeypatch) -> None:
     """Each bucket's replay against the eager step at the same padded size, from identical
     caches: ids, hidden, logits and the caches bit for bit; then a second replay with other
-    inputs (the static buffers really are re-read)."""
+    inputs (the static buffers really are re-read).  The launches' ticket counters: every one
+    asked for while capturing is a piece of the graphs' arena (none fell back to a memset),
+    and the arena is all zero after every replay (each launch leaves its piece zeroed)."""
+    from dsv4mtp.optimized.kernels import _sync
+    from dsv4mtp.optimized.kernels._launch import arena_piece
+
+    asked: list[torch.Tensor | None] = []
+
+    def recorded(device: torch.device, n: int) -> torch.Tensor | None:
+        asked.append(arena_piece(device, n))
+        return asked[-1]
+
+    monkeypatch.setattr(_sync, "arena_piece", recorded)
     _, opt = layers(loaded, "cuda")
     cache, twin, slots, next_pos = _two_caches(opt, "cuda")
     graph = DecodeGraphs(opt, cache, buckets=(4, 8))
+    assert all(piece is not None for piece in asked), asked
+    arenas = {id(g.counters): g.counters for g in graph.graphs.values()}
+    assert len(arenas) == 1  # one arena for the capture's buckets
     eager = DecodeGraphs(opt, twin, buckets=(4, 8), capture=False)
     for seed, (s, p) in enumerate([(slots, next_pos), (slots, next_pos + 1)]):
         ids, pos, prev = _step_inputs(p, "cuda", seed=10 + seed)
@@ -288,6 +303,7 @@ def test_replay_equals_the_eager_step_bitwise(loaded) -> None:
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b), seed
         assert torch.equal(cache.kv, twin.kv) and torch.equal(cache.pos, twin.pos)
+        assert not any(bool(a.any()) for a in arenas.values()), seed
 
 
 def test_logit_free_steps_give_the_greedy_ids(loaded, device) -> None:

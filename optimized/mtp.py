@@ -631,7 +631,10 @@ def _capture(
     pool = torch.cuda.graph_pool_handle()
     outputs, graphs = {}, {}
     # the launches' ticket counters: pieces of one zeroed arena that the graphs keep, instead of
-    # a memset per launch in every replay (kernels/_launch.py, capture_arena)
+    # a memset per launch in every replay (kernels/_launch.py, capture_arena).  Each bucket's
+    # capture starts over at the arena's first piece: the buckets' graphs are replayed one at a
+    # time (``step``), and every launch leaves its piece zeroed for the next.  Like the pool's
+    # outputs, the arena must outlive any replay still in flight (keep the graphs until then).
     arena = torch.zeros(GRAPH_COUNTERS, dtype=torch.int32, device=dev)
     for b in buckets:
         graph = torch.cuda.CUDAGraph()

@@ -44,24 +44,30 @@ The settings (each leaves out with its ``--no-*`` flag):
   ``torch.zeros`` each (a memset in every replay) instead of pieces of the capture's arena
   (``mtp.GRAPH_COUNTERS`` 0).
 
-Probes (``--prefetch-mb``): "head prefetch <N> MB <mode>", the first N MB of the LM head's
-weight prefetched into the L2 on a side stream right after the MoE (bench/diag/
-l2_prefetch_probe.py's kernel: "bulk" = its mode 1, bulk prefetches with an evict-last policy;
-"lines" = mode 2, one ``prefetch.global.L2::evict_last`` per line), beside hc_post_head and the
-head's norm, whose few microseconds leave the HBM idle; the head then streams those bytes from
-the L2.  ``--align-warps``: "align on <W> warps", the one-program sort of the slots (T 2-21)
-on W warps instead of ``moe_align._small_warps`` (SB * SB / 256, 4 to 16: 16 at T 8's 64-slot
-tile).  ``--priorities``: stream priorities (a captured kernel node keeps its capturing
-stream's priority, and torch instantiates graphs with ``cudaGraphInstantiateFlagUseNodePriority``):
-"step at high priority" (the step captured on a high-priority stream, the side streams at the
-default), "kv side at high priority" (only the attention's kv path), "step and kv at high
-priority" (the shared expert alone at the default).  ``--align-chunked C:W``: "sort in C-slot chunks on W warps", the three-launch sort
-(T 22-85 at top-6: T 64) with C slots per program and W warps (default 128:8).  ``--moe-split``:
-"moe split <S>[/<D>] at T <range>", the routed gate/up (and down, D; else S too) GEMMs' K
-split at T 1-2 (``t1:S[:D]``; 4 by default) or T 3-8 (``t8:S[:D]``; 2 by default).  ``--head-sched V:K:W:S``: "head <V>x<K> w<W>
-s<S>", the greedy head's argmax kernel up to T 32 on V head rows per program, K-wide steps, W
-warps and S stages (default 128:128:4:4).  Each setting is swapped in only while its graphs are captured (the graphs keep what
-they captured).
+Probes, each a setting when its flag is given:
+
+* ``--prefetch-mb N,...``: "head prefetch <N> MB <mode>", the first N MB of the LM head's
+  weight prefetched into the L2 on a side stream right after the MoE (bench/diag/
+  l2_prefetch_probe.py's kernel: "bulk" = its mode 1, bulk prefetches with an evict-last
+  policy; "lines" = mode 2, one ``prefetch.global.L2::evict_last`` per line), beside
+  hc_post_head and the head's norm, whose few microseconds leave the HBM idle; the head then
+  streams those bytes from the L2;
+* ``--align-warps W,...``: "align on <W> warps", the one-program sort of the slots (T 2-21) on
+  W warps instead of ``moe_align._small_warps`` (16 at T 8's 64-slot tile);
+* ``--align-chunked C:W,...``: "sort in C-slot chunks on W warps", the three-launch sort at
+  T 22-64 with C slots per program and W warps (default 128:8);
+* ``--moe-split t1:S[:D],t8:S[:D]``: "moe split <S>[/<D>] at T <range>", the routed gate/up's
+  K split S and the down's D (default S) at T 1-2 (``t1``; 4 by default) or T 3-8 (``t8``; 2);
+* ``--head-sched V:K:W:S,...``: "head <V>x<K> w<W> s<S>", the greedy head's argmax kernel up
+  to T 32 on V head rows per program, K-wide steps, W warps, S stages (default 128:128:4:4);
+* ``--priorities``: stream priorities (a captured kernel node keeps its capturing stream's
+  priority; torch instantiates graphs with ``cudaGraphInstantiateFlagUseNodePriority``): "step
+  at high priority" (the step captured on a high-priority stream, the side streams at the
+  default), "kv side at high priority" (only the attention's kv path), "step and kv at high
+  priority" (the shared expert alone at the default).
+
+Each setting is swapped in only while its graphs are captured (the graphs keep what they
+captured).
 
 Run (GPU machine, repository root, after the README's install):
 ``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms,eh_proj] [--no-guard]
@@ -351,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-topk", action="store_true", help="leave out the 4-warp top-k")
     ap.add_argument("--no-swiglu", action="store_true", help="leave out the SwiGLU pass")
     ap.add_argument("--no-align", action="store_true", help="leave out the sort's own launch")
-    ap.add_argument("--no-arena", action="store_true", help="leave out the graphs' memsets")
+    ap.add_argument("--no-arena", action="store_true", help="leave out the memset-per-replay form")
     ap.add_argument("--prefetch-mb", default="", help="head prefetch probes, e.g. 32,48")
     ap.add_argument("--align-warps", default="", help="one-program sort's warps, e.g. 8,16")
     ap.add_argument("--moe-split", default="", help="routed K splits, e.g. t1:8,t8:1")
@@ -409,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         settings[f"align on {w} warps"] = (shipped, SHIPPED_GUARD, True, _align_warps(int(w)))
     for entry in filter(None, args.moe_split.split(",")):
         at, sk, *dk = entry.split(":")
+        if at not in ("t1", "t8"):
+            ap.error(f"--moe-split: expected t1:S[:D] or t8:S[:D], got {entry!r}")
         lo, hi = (1, 2) if at == "t1" else (3, 8)
         name = f"moe split {sk}{'/' + dk[0] if dk else ''} at T {lo}-{hi}"
         split = _moe_split(int(sk), int(dk[0]) if dk else int(sk), lo, hi)

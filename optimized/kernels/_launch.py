@@ -454,9 +454,12 @@ def _forget() -> None:
 
 
 # While a graph is captured, the launches' counters come from an arena zeroed before the capture
-# and owned by the graphs (capture_arena): each launch gets its own piece, which it leaves zeroed
-# like any other buffer here, so a replay finds it zeroed without a memset node (a fill kernel on
-# the step's chain, ~2.4 us at decode sizes, if the counters were a fresh torch.zeros).
+# and owned by the graphs (capture_arena): each launch of one capture block gets its own piece,
+# which it leaves zeroed like any other buffer here, so a replay finds it zeroed without a memset
+# node (a fill kernel on the step's chain, ~2.4 us at decode sizes, if the counters were a fresh
+# torch.zeros).  Launches that may run at once (side streams) hold different pieces; graphs
+# captured in successive blocks over one arena reuse its pieces, which is safe as long as those
+# graphs are never replayed concurrently (one graph per bucket of one step: they are not).
 _ARENA = threading.local()
 _ALIGN = 16  # pieces start on 64-byte boundaries (Triton specializes pointers on 16 bytes)
 

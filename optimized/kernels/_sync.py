@@ -111,8 +111,9 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
 
     During CUDA-graph capture: a piece of the capture's arena when one is open (_launch.py,
     ``capture_arena``), else a fresh ``torch.zeros`` (the memset becomes part of the graph);
-    either way the buffer belongs to the graph, so a replay never shares counters with eager
-    launches or other graphs.  On the CPU (interpreter) always fresh."""
+    either way the buffer belongs to the graphs, so a replay never shares counters with eager
+    launches or another capture's graphs (the graphs of one capture may share pieces: they are
+    replayed one at a time).  On the CPU (interpreter) always fresh."""
     stream = stream_key(device)  # None on the CPU, False while capturing
     if stream is False:
         piece = arena_piece(device, n)

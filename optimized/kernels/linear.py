@@ -30,7 +30,8 @@ how many programs are resident.  The counters (one per M block, N tile and group
 before every launch and left zero after it: a
 pack's own (optimized/linear.py, ``LinearPack.counters``, zeroed once when packed: no memset
 per call, in a CUDA graph neither), or for a call without a pack's the stream's
-(kernels/_sync.py, ``counters``; fresh zeros while capturing).  Under the interpreter the
+(kernels/_sync.py, ``counters``; while capturing a piece of the capture's arena, or fresh
+zeros).  Under the interpreter the
 programs run one after another and the tile's last program in grid order reduces.
 
 The epilogue's add (``ADD_ROWS`` > 0, the layer's ``h_proj(h) + e_proj(e)``: ``eh_proj`` in

@@ -502,8 +502,8 @@ def mhc_collapse(
         _plan, dev, T, n, D, fn.shape[0], x.dtype == torch.bfloat16, with_pc, trace is not None,
         int(sinkhorn_iters), cfg,
     )  # fmt: skip
-    # Asked per call, not kept in the plan: _sync.counters owns the rule (fresh on the CPU and
-    # while capturing, the stream's zeroed buffer otherwise).
+    # Asked per call, not kept in the plan: _sync.counters owns the rule (fresh on the CPU, a
+    # piece of the capture's arena while capturing, the stream's zeroed buffer otherwise).
     count = counters(dev, counts) if counts else sq
     if trace is not None and (len(launches) != 1 or tuple(trace.shape) != (grid[0], TRACE_WIDTH)):
         raise InputError(

@@ -261,8 +261,8 @@ def mhc_head_fma(
         return
     dev = x.device
     grid, launches, part, sq, counts = plan(_plan, dev, T, n, D, one_launch)
-    # Asked per call, not kept in the plan: _sync.counters owns the rule (fresh on the CPU and
-    # while capturing, the stream's zeroed buffer otherwise).
+    # Asked per call, not kept in the plan: _sync.counters owns the rule (fresh on the CPU, a
+    # piece of the capture's arena while capturing, the stream's zeroed buffer otherwise).
     count = counters(dev, counts) if counts else sq
     # no hc_post: its four pointers (after out) are not read
     args = (x, fn, scale, base, part, sq, count, out, x, x, x, x, T, D, float(rms_norm_eps),

@@ -21,12 +21,11 @@ without a sync):
   (the block counts of the smaller experts, summed over their first slots).  Then per 64 blocks
   an (NB_B x SB) compare against the first slots gives each block's expert and valid row count;
   the program writes ``block_expert`` and -1 to exactly the padding rows (disjoint from the
-  slot rows, so scatter and fill need no ordering).  Warps: one per 256 entries of an SB x SB
-  tile (8 per thread), 4 to 16 (:func:`_small_warps`): the compares are the program's serial
-  work, so they are spread as thin as the SM allows.  At
-  V4-Flash top-6 decode (T <= 21) that is a few SB x SB compares (SB 16 at T 1-2, four warps)
-  and at most NB_MAX*BLOCK_M int32 stores (448 B at T 1, BLOCK_M 16): the launch dominates.  Past SB 128 the compares no longer
-  fit in registers (sm_90 compile: SB 128 at 8 warps uses 255 registers, SB 256 spills KBs).
+  slot rows, so scatter and fill need no ordering).  Warps by SB (:func:`_small_warps`): 4 /
+  8 / 16 / 8 at SB 16 / 32 / 64 / 128.  At V4-Flash top-6 decode (T <= 21) that is a few SB x
+  SB compares (SB 16 at T 1-2) and at most NB_MAX*BLOCK_M int32 stores (448 B at T 1, BLOCK_M
+  16).  Past SB 128 the compares no longer fit in registers (sm_90 compile: SB 128 at 8 warps
+  uses 255 registers, SB 256 spills KBs).
 * larger S: three launches over NC = cdiv(S, chunk) chunks, a counting sort.
   (a) ``_align_count_kernel``, NC programs: each chunk's histogram over the local experts ->
   ``counts (NC, BLOCK_E)`` int32 (BLOCK_E = next_pow2(E_local)).
@@ -40,8 +39,8 @@ without a sync):
   blocks (a 64 x BLOCK_E compare against the end blocks) and writes ``block_expert`` and -1 to
   the padding rows of its blocks.
   Within a launch no program waits for another; the launch order is the only dependency.
-  Every value is an integer count or sum, the same in any order (no global atomics).  At S 24576, chunk 128: 192
-  chunk programs of 16 K compares each over the SMs.
+  Every value is an integer count or sum, the same in any order (no global atomics).  At S
+  24576, chunk 128: 192 chunk programs of 16 K compares each over the SMs.
 
 ``chunk`` (a power of two <= 256; the rank compare is chunk x chunk) and ``num_warps`` are
 schedule knobs (MoESchedule.align_chunk / align_warps).  bench/diag/align_h200.py times both
@@ -246,15 +245,20 @@ def max_blocks(S: int, e_local: int, block_m: int) -> int:
     return cdiv(S, block_m) + min(e_local, S)
 
 
+# The one program's warps by its slot tile SB (H200).  In the whole greedy step at T 8 (SB 64,
+# one process, bench/diag/fusion_ab.py --align-warps): 592.5 / 589.2 / 586.7 us on 4 / 8 / 16
+# warps, and 599.0 against 593.2 on 4 / 16 in a second run; the step shares the SMs with the
+# shared expert's side stream there, where more warps win the sort more issue slots.  Elsewhere
+# the fastest alone (bench/diag/align_h200.py --single-warps, BLOCK_M 16 / 64, us): SB 16 1.8 /
+# 2.0 on 4 warps (2.1 / 2.9 on one, 1.7 / 2.0 on 8), SB 32 2.0 / 2.4 on 8 (2.2 / 2.5 on 4), SB
+# 128 10.5 / 11.7 on 8 (10.8 / 12.1 on 16; 8 warps also keep its 255 registers per thread,
+# which 16 warps would halve); moe-h200.md, "The one-program sort's warps".
+_SMALL_WARPS = {16: 4, 32: 8, 64: 16, 128: 8}
+
+
 def _small_warps(sb: int) -> int:
-    """The one program's warps for an SB-slot tile: SB * SB / 256 (8 entries of each compare
-    tile per thread), 4 to 16.  H200: in the whole greedy step at T 8 (SB 64, one process,
-    bench/diag/fusion_ab.py --align-warps) 592.5 / 589.2 / 586.7 us on 4 / 8 / 16 warps, and
-    599.0 against 593.2 on 4 / 16 in a second run; alone (bench/diag/align_h200.py
-    --single-warps, BLOCK_M 16 / 64) 1.8 / 2.0 us on 4 warps against 2.1 / 2.9 on one at SB 16,
-    2.2 / 2.5 against 2.8 / 3.4 on two at SB 32, 10.8 / 12.1 on 16 against 10.5 / 11.7 on 8
-    at SB 128 (moe-h200.md, "The one-program sort's warps")."""
-    return max(4, min(16, sb * sb // 256))
+    """The one program's warps for an SB-slot tile (:data:`_SMALL_WARPS`)."""
+    return _SMALL_WARPS[sb]
 
 
 @functools.cache

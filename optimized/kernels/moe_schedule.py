@@ -50,7 +50,8 @@ What each knob changes (optimized/kernels/moe_gemm.py, module doc, "Schedule"):
 * ``align_chunk``: the sort's slot chunk (optimized/kernels/moe_align.py): S = T*K slots up to
   min(``align_chunk``, 128) are sorted by one program, more by ``cdiv(S, align_chunk)``
   programs of that many slots (a chunk x chunk rank compare each, hence <= 256);
-  ``align_warps``: warps per sort program (the single program takes at most one per 16 slots).
+  ``align_warps``: warps per program of the chunked sort (the single program takes its own,
+  ``moe_align._small_warps``, by its slot tile).
 
 Numerics: for a fixed schedule every row is computed the same way whatever T is (batch
 invariant).  ``split_k`` and ``block_k`` change the fp32 summation order (allowed: within the
