@@ -97,15 +97,11 @@ def main() -> None:
                         reps,
                     )
                     launches = 1 if path == "single" else 3
-                    shown = "-" if path != "single" else (warps or f"{default_warps(_sb(S))}*")
+                    sb = moe_align.small_align(S, E, bm, 128)
+                    shown = "-" if sb is None else (warps or f"{default_warps(sb[1])}*")
                     print(f"| {T} | {S} | {bm} | {kind} | {path} | {chunk} | {shown} | "
                           f"{launches} | {us:.1f} |")  # fmt: skip
     moe_align._small_warps = default_warps
-
-
-def _sb(S: int) -> int:
-    """The one program's slot tile for S slots."""
-    return max(16, 1 << max(0, (S - 1).bit_length()))
 
 
 def _with_warps(rows: list[tuple[str, int]], warps: list[int]) -> list[tuple[str, int, int | None]]:

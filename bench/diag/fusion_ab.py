@@ -300,17 +300,22 @@ def _kv_high() -> list[tuple[Any, str, Any]]:
     return [(_ops, "_SIDE_STREAMS", streams)]
 
 
-def _align_chunked(chunk: int, warps: int) -> list[tuple[Any, str, Any]]:
-    """The moe's default schedule with the three-launch sort's chunk and warps at T 22-64."""
+def _moe_config_edit(lo: int, hi: int, edit: Callable[[Any], Any]) -> list[tuple[Any, str, Any]]:
+    """The moe's default schedule passed through ``edit`` at T lo..hi (not batch invariant)."""
     base = _ops.moe_config
 
     def config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> Any:
         s = base(T, batch_invariant=batch_invariant, fmt=fmt)
-        if 21 < T <= 64 and not batch_invariant:
-            s = dataclasses.replace(s, align_chunk=chunk, align_warps=warps)
-        return s
+        return edit(s) if lo <= T <= hi and not batch_invariant else s
 
     return [(_ops, "moe_config", config)]
+
+
+def _align_chunked(chunk: int, warps: int) -> list[tuple[Any, str, Any]]:
+    """The three-launch sort's chunk and warps at T 22-64."""
+    return _moe_config_edit(
+        22, 64, lambda s: dataclasses.replace(s, align_chunk=chunk, align_warps=warps)
+    )
 
 
 def _head_sched(v: int, k: int, warps: int, stages: int) -> list[tuple[Any, str, Any]]:
@@ -327,21 +332,16 @@ def _head_sched(v: int, k: int, warps: int, stages: int) -> list[tuple[Any, str,
 
 
 def _moe_split(split: int, down: int, lo: int, hi: int) -> list[tuple[Any, str, Any]]:
-    """The moe's default schedule with the routed gate/up's K split ``split`` and the down's
-    ``down`` at T lo..hi."""
-    base = _ops.moe_config
-
-    def config(T: int, *, batch_invariant: bool, fmt: str = "mxfp4") -> Any:
-        s = base(T, batch_invariant=batch_invariant, fmt=fmt)
-        if lo <= T <= hi and not batch_invariant:
-            s = dataclasses.replace(
-                s,
-                gate_up=dataclasses.replace(s.gate_up, split_k=split),
-                down=dataclasses.replace(s.down, split_k=down),
-            )
-        return s
-
-    return [(_ops, "moe_config", config)]
+    """The routed gate/up's K split ``split`` and the down's ``down`` at T lo..hi."""
+    return _moe_config_edit(
+        lo,
+        hi,
+        lambda s: dataclasses.replace(
+            s,
+            gate_up=dataclasses.replace(s.gate_up, split_k=split),
+            down=dataclasses.replace(s.down, split_k=down),
+        ),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
