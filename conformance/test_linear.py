@@ -525,6 +525,30 @@ def test_eh_proj_is_the_two_linears_and_their_sum_bit_for_bit(
     assert not pe.counters.any() and not ph.counters.any()  # left zeroed
 
 
+def test_eh_proj_in_one_launch_is_its_two_launch_form_bit_for_bit(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At decode sizes both products run in one launch (kernels/linear.py, ``eh_linear_kernel``:
+    the tile's last of its 2 * SPLIT_K programs rounds each product and their sum) wherever
+    e's and h's default schedules share BLOCK_N and the K split: bitwise the two launches of
+    ``linear_kernel`` (``EH_ONE_LAUNCH`` off), FP8 and bf16 weights, counters left zeroed;
+    refused for unlike weights and beyond 64 rows of h."""
+    from dsv4mtp.optimized.kernels import linear as lk
+
+    assert lk.eh_one_launch(2, 8, 192, 1024, True, False) is not None
+    assert lk.eh_one_launch(2, 8, 192, 1024, False, False) is None  # unlike weights
+    assert lk.eh_one_launch(17, 68, 192, 1024, True, False) is None  # past decode sizes
+    for fmt in ("fp8_e8m0", "bf16"):
+        e, h, we, wh = _eh(2, 4, fmt, device, seed=3)
+        pe, ph = opt.pack_linear(we, device), opt.pack_linear(wh, device)
+        one = opt.eh_proj(e, h, pe, ph)
+        with monkeypatch.context() as m:
+            m.setattr(lk, "EH_ONE_LAUNCH", False)
+            two = opt.eh_proj(e, h, pe, ph)
+        assert torch.equal(one, two), fmt
+        assert not pe.counters.any() and not ph.counters.any()
+
+
 def test_eh_proj_rows_past_the_counters_add_each_launch_its_own_rows(device: str) -> None:
     """With counters for one M block, h's 80 rows (T 20 x 4, batch-invariant 64-row blocks)
     run as two launches of the split schedule: the second's rows start at 64 and must add

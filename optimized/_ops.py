@@ -1148,6 +1148,8 @@ if TYPE_CHECKING:
     from .kernels.linear import (
         add_rows_triton,
         dequant_mm_selected,
+        eh_linear_triton,
+        eh_one_launch,
         linear_dequant_mm,
         linear_schedule,
         linear_triton,
@@ -1155,6 +1157,8 @@ if TYPE_CHECKING:
 else:
     add_rows_triton = triton_kernel("linear", "add_rows_triton")
     dequant_mm_selected = triton_kernel("linear", "dequant_mm_selected")
+    eh_linear_triton = triton_kernel("linear", "eh_linear_triton")
+    eh_one_launch = triton_kernel("linear", "eh_one_launch")
     linear_dequant_mm = triton_kernel("linear", "linear_dequant_mm")
     linear_schedule = triton_kernel("linear", "linear_schedule")
     linear_triton = triton_kernel("linear", "linear_triton")
@@ -1179,6 +1183,26 @@ _FP8_EXACT = "fp8_exact"
 _LINEAR_OP_FMT = {**_LINEAR_FMT, _FP8_EXACT: 1}
 
 
+def _check_linear_args(
+    x: torch.Tensor, weight: torch.Tensor, fmt: str, counters: torch.Tensor, name: str = ""
+) -> None:
+    """The format string against the weight's dtype and the split-K counters' layout and
+    device (``name``: the prefix of the weight's and counters' argument names)."""
+    if fmt not in _LINEAR_OP_FMT:
+        raise InputError(f"{name}fmt: expected one of {tuple(_LINEAR_OP_FMT)}, got {fmt!r}")
+    if _LINEAR_OP_FMT[fmt] == 1 and weight.dtype != torch.uint8:
+        raise InputError(f"{name}weight: format {fmt!r} takes uint8 e4m3 codes, got {weight.dtype}")
+    if counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous():
+        raise InputError(
+            f"{name}counters: expected a contiguous 1-D int32 tensor, got {counters.dtype} of "
+            f"shape {tuple(counters.shape)}"
+        )
+    if counters.device != x.device:
+        raise InputError(
+            f"{name}counters: expected device {x.device} (as x), got {counters.device}"
+        )
+
+
 def _linear_into(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -1193,17 +1217,7 @@ def _linear_into(
     """x (R, G, K) rows into out (R, G, N) (both views of the caller's tensors); ``add``
     (R', N), G = 1: out's row r plus add's row ``r // (R / R')`` after the product's rounding,
     rounded again (kernels/linear.py, ``linear_triton``'s ``add``)."""
-    if fmt not in _LINEAR_OP_FMT:
-        raise InputError(f"fmt: expected one of {tuple(_LINEAR_OP_FMT)}, got {fmt!r}")
-    if _LINEAR_OP_FMT[fmt] == 1 and weight.dtype != torch.uint8:
-        raise InputError(f"weight: format {fmt!r} takes uint8 e4m3 codes, got {weight.dtype}")
-    if counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous():
-        raise InputError(
-            f"counters: expected a contiguous 1-D int32 tensor, got {counters.dtype} of shape "
-            f"{tuple(counters.shape)}"
-        )
-    if counters.device != x.device:
-        raise InputError(f"counters: expected device {x.device} (as x), got {counters.device}")
+    _check_linear_args(x, weight, fmt, counters)
     R, G, K = x.shape
     if R == 0:
         return
@@ -1298,9 +1312,11 @@ _LINEAR_LIB = _register(_LINEAR_SCHEMAS)
 # ------------------------------------------------------------------------------ eh_proj
 # The layer's input projection x = h_proj(h) + e_proj(e) per stream (optimized/linear.py,
 # eh_proj): e (T, K) and h (T, n, K) with the two packs flat as in linear, each with its own
-# split-K counters.  e's projection (T, N) is computed first, into a scratch tensor; h's (T*n
-# rows) then adds its row t to the n rows of token t after its own rounding: in the Triton
-# kernel's epilogue, or after the prefill path's cuBLAS GEMM in one Triton pass.
+# split-K counters.  At decode sizes both products in one launch where the weights are alike
+# (kernels/linear.py, eh_one_launch: h's counters serve its tiles).  Otherwise e's projection
+# (T, N) is computed first, into a scratch tensor; h's (T*n rows) then adds its row t to the n
+# rows of token t after its own rounding: in the Triton kernel's epilogue, or after the prefill
+# path's cuBLAS GEMM in one Triton pass.
 _EH_ARGS = (
     "Tensor e, Tensor h, Tensor e_weight, Tensor e_scale, str e_fmt, Tensor h_weight, "
     "Tensor h_scale, str h_fmt, bool act_quant, bool batch_invariant"
@@ -1342,6 +1358,24 @@ def _eh_proj_out(
             f"{tuple(h_weight.shape)}"
         )
     if T == 0:
+        return
+    # one launch for both products where the two weights are alike (one plain pack each)
+    alike = (e_fmt, e_weight.dtype, e_weight.shape, e_scale.shape) == (
+        h_fmt, h_weight.dtype, h_weight.shape, h_scale.shape,
+    ) and e_weight.shape[0] == 1  # fmt: skip
+    one = eh_one_launch(T, T * n, N, K, alike, batch_invariant)
+    if one is not None:
+        _check_linear_args(e, e_weight, e_fmt, e_counters, "e_")
+        _check_linear_args(e, h_weight, h_fmt, h_counters, "h_")
+        ein, hin = e.contiguous(), h.reshape(T * n, K).contiguous()
+        if act_quant:
+            ein, hin = _act_quant(ein), _act_quant(hin)
+        eh_linear_triton(
+            ein, hin, e_weight[0].contiguous(), e_scale.contiguous().view(-1),
+            h_weight[0].contiguous(), h_scale.contiguous().view(-1), out.view(T * n, N),
+            fmt=_LINEAR_OP_FMT[e_fmt], sched=one,
+            counters=h_counters if h_counters.numel() else None,
+        )  # fmt: skip
         return
     ep = e.new_empty((T, N))
     _linear_into(

@@ -414,16 +414,21 @@ def eh_proj(
     x's dtype, then their sum rounded once more (docs/semantics.md, "The MTP layer end to end").
 
     ``e_proj``, ``h_proj``: plain :class:`LinearPack` s or dense (N, K) tensors, with the same
-    N; ``act_quant``, ``batch_invariant`` as :func:`linear` (both products take them).  Two
-    launches of :func:`linear`'s kernel: e's (T rows) into a scratch (T, N), then h's (T*n rows)
-    adding e's row t to the n rows of token t after its own rounding, in the epilogue of the
-    program (or split) that stores each tile.  At prefill sizes, where :func:`linear` takes the
+    N; ``act_quant``, ``batch_invariant`` as :func:`linear` (both products take them).  At
+    decode sizes (h's T*n rows <= 64, both weights alike, e's and h's default schedules on one
+    BLOCK_N and K split) one launch computes both (kernels/linear.py, ``eh_linear_kernel``):
+    each output tile's last program rounds h's product, e's row t of its token and their sum.
+    Otherwise two launches of :func:`linear`'s kernel: e's (T rows) into a scratch (T, N), then
+    h's (T*n rows) adding e's row t to the n rows of token t after its own rounding, in the
+    epilogue of the program (or split) that stores each tile; both forms give the same bits.
+    At prefill sizes, where :func:`linear` takes the
     dequantize + cuBLAS path, the sum is one more Triton pass over x instead (in place: x read
     and written once, e's rows once; 256 + 32 MiB at 4096 tokens of V4-Flash).  Against the two
     linears and a broadcast add in torch: the same bits, one launch and one round trip of x
     fewer at decode sizes (torch's broadcast add does not take its vectorized path: 0.19 ms at
     4096 tokens).  Bytes: :func:`linear`'s for each weight (e_proj and h_proj 16 MiB of codes
-    each at V4-Flash), e's projection written and read once.  ``out``: a contiguous
+    each at V4-Flash), e's projection written and read once (in one launch: both products'
+    fp32 partials, 2 * splits * T*n * N * 4 bytes through L2).  ``out``: a contiguous
     (T, n, N) tensor of the inputs' dtype.
     """
     pe, dev = _check_call(e, e_proj, False, act_quant, batch_invariant, ("e", "e_proj"))

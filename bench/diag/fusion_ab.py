@@ -42,7 +42,10 @@ The settings (each leaves out with its ``--no-*`` flag):
   (``moe_route.TOPK_SCORES_PER_WARP``);
 * "counters zeroed in the graph": the captured launches' ticket counters as a fresh
   ``torch.zeros`` each (a memset in every replay) instead of pieces of the capture's arena
-  (``mtp.GRAPH_COUNTERS`` 0).
+  (``mtp.GRAPH_COUNTERS`` 0);
+* "e / h products in two launches": eh_proj's e_proj and h_proj products as two launches of
+  ``linear_kernel`` (h's adding e's rows) instead of one ``eh_linear_kernel`` launch over both
+  weights (``kernels/linear.py``, ``EH_ONE_LAUNCH``; T <= 16).
 
 Probes, each a setting when its flag is given:
 
@@ -72,7 +75,7 @@ captured).
 Run (GPU machine, repository root, after the README's install):
 ``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms,eh_proj] [--no-guard]
 [--no-rope] [--no-qkv] [--no-mhc] [--no-kv] [--no-mask] [--no-topk] [--no-swiglu] [--no-align]
-[--no-arena] [--prefetch-mb 32,48] [--align-warps 8,16] [--moe-split t1:8,t8:1]
+[--no-arena] [--no-eh] [--prefetch-mb 32,48] [--align-warps 8,16] [--moe-split t1:8,t8:1]
 [--head-sched 256:64:8:4] [--align-chunked 64:8,128:16] [--priorities]``
 (about two minutes).
 """
@@ -100,6 +103,7 @@ from moe_stream_ab import decode_table
 from dsv4mtp.checkpoint.fullsize import make_fullsize_checkpoint
 from dsv4mtp.errors import DSV4Error
 from dsv4mtp.optimized import MTPLayer, _ops, linear, rms_norm
+from dsv4mtp.optimized.kernels import linear as linear_kernels
 from dsv4mtp.optimized.kernels import mhc_pre_small, moe_align, moe_gemm, moe_route
 from dsv4mtp.optimized.kernels import step_guard as guard_kernels
 from dsv4mtp.optimized.kernels.moe_common import jit_loop_bounds
@@ -358,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-swiglu", action="store_true", help="leave out the SwiGLU pass")
     ap.add_argument("--no-align", action="store_true", help="leave out the sort's own launch")
     ap.add_argument("--no-arena", action="store_true", help="leave out the memset-per-replay form")
+    ap.add_argument("--no-eh", action="store_true", help="leave out eh_proj's two launches")
     ap.add_argument("--prefetch-mb", default="", help="head prefetch probes, e.g. 32,48")
     ap.add_argument("--align-warps", default="", help="one-program sort's warps, e.g. 8,16")
     ap.add_argument("--moe-split", default="", help="routed K splits, e.g. t1:8,t8:1")
@@ -407,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_arena:
         memsets = [(mtp_module, "GRAPH_COUNTERS", 0)]
         settings["counters zeroed in the graph"] = (shipped, SHIPPED_GUARD, True, memsets)
+    if not args.no_eh:
+        two = [(linear_kernels, "EH_ONE_LAUNCH", False)]
+        settings["e / h products in two launches"] = (shipped, SHIPPED_GUARD, True, two)
     for mb in filter(None, args.prefetch_mb.split(",")):
         for mode, how in ((1, "bulk"), (2, "lines")):
             ops, patches = _head_prefetch(layer, shipped, int(mb) << 20, mode)

@@ -41,6 +41,15 @@ again, which is bitwise the product followed by a separate add in y's dtype (tor
 sums in fp32 and rounds once), without the add's launch and y's second round trip.  On the
 prefill path ``add_rows_kernel`` does the same after the GEMM, in place.
 
+``eh_linear_kernel`` (decode sizes, :func:`eh_one_launch`): both of ``eh_proj``'s products in
+one launch, e's programs and h's side by side in the grid over h's output tiles, every program
+storing its fp32 partial and the tile's last of its 2 * SPLIT_K programs (one ticket counter per
+tile) rounding each product's split-ordered sum and then their sum: bitwise the two launches
+above (e's product, then h's with ``ADD_ROWS``).  A decode call is mostly its start (launch,
+first loads, split tail), so one launch over both 16 MiB weights pays one start: the greedy
+draft step 5.3 us shorter at T 1 and 2.0 at T 8 (bench/results/linear-h200.md, "eh_proj in one
+launch").
+
 ``dequant_kernel`` + ``linear_dequant_mm`` (the prefill path, FP8 packs whose every code x
 scale product is exact in bf16, bf16 x, ``DEQUANT_MM_MIN_ROWS`` rows or more, not
 batch-invariant: :func:`dequant_mm_selected`): the Triton kernel above reaches about 300 TFLOP/s
@@ -90,12 +99,15 @@ from .moe_common import jit_loop_bounds
 __all__ = [
     "DECODE_MAX_ROWS",
     "DEQUANT_MM_MIN_ROWS",
+    "EH_ONE_LAUNCH",
     "FMT_DENSE",
     "FMT_FP8",
     "LinearSchedule",
     "add_rows_triton",
     "dequant_bf16_triton",
     "dequant_mm_selected",
+    "eh_linear_triton",
+    "eh_one_launch",
     "fp32_reduction",
     "linear_dequant_mm",
     "linear_schedule",
@@ -198,6 +210,34 @@ def _add_rows(acc, add_ptr, rows, cols, mask, N, y_ty: tl.constexpr, ADD_ROWS: t
     return y
 
 
+@triton.jit
+def _split_sum(x_rows, w_rows, s_row, rm, cm, kb0, K, KB_PER_SPLIT, FMT: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               USE_F32: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """One program's fp32 sum over the K blocks [kb0, kb0 + KB_PER_SPLIT) of its tile: x rows
+    ``x_rows`` (BLOCK_M, 1) against weight rows ``w_rows`` (BLOCK_N, 1), per 128-wide K block
+    one dot with a fresh accumulator times the block's scale at ``s_row + kb`` (FP8), added to
+    the running sum in K order (module docstring)."""
+    kk = tl.arange(0, BLOCK_K)
+    KB = tl.cdiv(K, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, KB_PER_SPLIT):
+        kb = kb0 + i
+        k = kb * BLOCK_K + kk
+        km = (k < K) & (kb < KB)
+        x = tl.load(x_rows + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        if FMT == 1:
+            codes = tl.load(w_rows + k[None, :], mask=cm[:, None] & km[None, :], other=0)
+            w = _e4m3_bf16(codes, INTERP)  # (BLOCK_N, BLOCK_K) bf16, exact
+            part = _dot(x, tl.trans(w), USE_F32, INTERP)
+            scale = tl.load(s_row + kb, mask=kb < KB, other=0.0)
+            acc += part * scale
+        else:
+            w = tl.load(w_rows + k[None, :], mask=cm[:, None] & km[None, :], other=0.0)
+            acc += _dot(x, tl.trans(w), USE_F32, INTERP)
+    return acc
+
+
 @jit_loop_bounds("KB_PER_SPLIT")
 def linear_kernel(
     x_ptr,
@@ -231,27 +271,12 @@ def linear_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = rows < R
     cm = cols < N
-    kk = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + (rows[:, None].to(tl.int64) * G + g) * K  # (BLOCK_M, 1)
     w_rows = w_ptr + (g.to(tl.int64) * N + cols[:, None]) * K  # (BLOCK_N, 1)
     KB = tl.cdiv(K, BLOCK_K)
     s_row = s_ptr + (g.to(tl.int64) * tl.cdiv(N, 128) + (pid_n * BLOCK_N) // 128) * KB
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    kb0 = s * KB_PER_SPLIT
-    for i in range(0, KB_PER_SPLIT):
-        kb = kb0 + i
-        k = kb * BLOCK_K + kk
-        km = (k < K) & (kb < KB)
-        x = tl.load(x_rows + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-        if FMT == 1:
-            codes = tl.load(w_rows + k[None, :], mask=cm[:, None] & km[None, :], other=0)
-            w = _e4m3_bf16(codes, INTERP)  # (BLOCK_N, BLOCK_K) bf16, exact
-            part = _dot(x, tl.trans(w), USE_F32, INTERP)
-            scale = tl.load(s_row + kb, mask=kb < KB, other=0.0)
-            acc += part * scale
-        else:
-            w = tl.load(w_rows + k[None, :], mask=cm[:, None] & km[None, :], other=0.0)
-            acc += _dot(x, tl.trans(w), USE_F32, INTERP)
+    acc = _split_sum(x_rows, w_rows, s_row, rm, cm, s * KB_PER_SPLIT, K, KB_PER_SPLIT, FMT,
+                     BLOCK_M, BLOCK_N, BLOCK_K, USE_F32, INTERP)  # fmt: skip
     out_off = (rows[:, None].to(tl.int64) * G + g) * N + cols[None, :]
     mask = rm[:, None] & cm[None, :]
     y_ty = y_ptr.dtype.element_ty
@@ -288,6 +313,85 @@ def linear_kernel(
             # Every program of the tile has incremented (ticket SPLIT_K - 1) and none touches
             # the counter again in this launch; the next launch starts after this one ends.
             tl.store(count_ptr + tile, 0)
+
+
+@jit_loop_bounds("KB_PER_SPLIT")
+def eh_linear_kernel(
+    e_ptr,
+    h_ptr,
+    we_ptr,
+    se_ptr,
+    wh_ptr,
+    sh_ptr,
+    y_ptr,
+    part_ptr,
+    count_ptr,
+    R,
+    N,
+    K,
+    KB_PER_SPLIT,
+    FMT: tl.constexpr,
+    STREAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    USE_F32: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """``y = h @ wh^T + (e @ we^T)[r // STREAMS]`` in one launch (:func:`eh_linear_triton`).
+
+    Grid (M blocks, N tiles, 2 * SPLIT_K): program (m, n, p) runs split p % SPLIT_K of e's
+    product (p < SPLIT_K) or h's over the output tile (m, n) of h's R rows; e's programs read
+    row r // STREAMS of e for output row r (the STREAMS rows of a token share it: the tile's
+    rows cost nothing extra at decode sizes, where the weight stream is the time).  Every
+    program stores its fp32 partial at ``part[p]`` and takes a ticket on the tile's counter;
+    the last of the tile's 2 * SPLIT_K programs sums h's planes in split order and rounds, sums
+    e's likewise and rounds, adds the two in fp32 and rounds once more: bitwise
+    :func:`linear_kernel` on e, then on h with e's rows added (``ADD_ROWS``), under the same
+    BLOCK_N and SPLIT_K (the per-element sums do not depend on BLOCK_M)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_gs = tl.program_id(2)
+    g = pid_gs // SPLIT_K  # 0: e's product, 1: h's
+    s = pid_gs % SPLIT_K
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = rows < R
+    cm = cols < N
+    r64 = rows[:, None].to(tl.int64)
+    x_rows = tl.where(g == 0, e_ptr + (r64 // STREAMS) * K, h_ptr + r64 * K)  # (BLOCK_M, 1)
+    c64 = cols[:, None].to(tl.int64)
+    w_rows = tl.where(g == 0, we_ptr + c64 * K, wh_ptr + c64 * K)  # (BLOCK_N, 1)
+    KB = tl.cdiv(K, BLOCK_K)
+    s_off = ((pid_n * BLOCK_N) // 128) * KB
+    s_row = tl.where(g == 0, se_ptr + s_off, sh_ptr + s_off)
+    acc = _split_sum(x_rows, w_rows, s_row, rm, cm, s * KB_PER_SPLIT, K, KB_PER_SPLIT, FMT,
+                     BLOCK_M, BLOCK_N, BLOCK_K, USE_F32, INTERP)  # fmt: skip
+    out_off = r64 * N + cols[None, :]
+    mask = rm[:, None] & cm[None, :]
+    plane = tl.cast(R, tl.int64) * N
+    tile_part = part_ptr + out_off
+    tl.store(tile_part + pid_gs * plane, acc, mask=mask)
+    # The ticket as linear_kernel's split tail (its comment holds the memory-model argument),
+    # counting the 2 * SPLIT_K programs of both products.
+    tl.debug_barrier()
+    tile = pid_m * tl.num_programs(1) + pid_n
+    ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if ticket == 2 * SPLIT_K - 1:
+        tl.debug_barrier()
+        y_ty = y_ptr.dtype.element_ty
+        te = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        th = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(SPLIT_K):
+            te += tl.load(tile_part + j * plane, mask=mask, other=0.0, cache_modifier=".cg")
+            th += tl.load(tile_part + (SPLIT_K + j) * plane, mask=mask, other=0.0,
+                          cache_modifier=".cg")  # fmt: skip
+        ye = rne_bf16_if_interpreted(te, y_ty, INTERP).to(y_ty)
+        yh = rne_bf16_if_interpreted(th, y_ty, INTERP).to(y_ty)
+        y = rne_bf16_if_interpreted(yh.to(tl.float32) + ye.to(tl.float32), y_ty, INTERP)
+        tl.store(y_ptr + out_off, y.to(y_ty), mask=mask)
+        tl.store(count_ptr + tile, 0)
 
 
 def linear_triton(
@@ -347,6 +451,76 @@ def linear_triton(
             grid, xc, w, s if s.numel() else w, yc, part, count, y if add is None else add, rc,
             G, N, K, per_split, r0,
         )  # fmt: skip
+
+
+#: e's and h's products of ``eh_proj`` in one launch where :func:`eh_one_launch` allows (the
+#: benchmark's A/B switch; False: two launches of ``linear_kernel``, h's adding e's rows).
+EH_ONE_LAUNCH = True
+
+
+def eh_one_launch(
+    T: int, R: int, N: int, K: int, same_format: bool, batch_invariant: bool
+) -> LinearSchedule | None:
+    """The schedule of ``eh_proj``'s one-launch form (:func:`eh_linear_triton`) for e's T rows
+    and h's R, or None where it does not apply: off (:data:`EH_ONE_LAUNCH`), the weights of
+    different formats, h beyond decode sizes (more than :data:`DECODE_MAX_ROWS` rows), or
+    the two default schedules differing in BLOCK_N or SPLIT_K (then e's partial sums would
+    not be :func:`linear_triton`'s).  At decode sizes a call is mostly its start (launch, first
+    loads, split tail: bench/results/linear-h200.md, "Decode schedules"); one launch over both
+    weights pays one start instead of two."""
+    if not EH_ONE_LAUNCH or not same_format or R > DECODE_MAX_ROWS:
+        return None
+    se = linear_schedule(T, N, K, 1, batch_invariant)
+    sh = linear_schedule(R, N, K, 1, batch_invariant)
+    if (se.block_n, se.split_k) != (sh.block_n, sh.split_k):
+        return None
+    return sh
+
+
+def eh_linear_triton(
+    e: torch.Tensor,
+    h: torch.Tensor,
+    we: torch.Tensor,
+    se: torch.Tensor,
+    wh: torch.Tensor,
+    sh: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    fmt: int,
+    sched: LinearSchedule,
+    counters: torch.Tensor | None = None,
+) -> None:
+    """y (R, N) = h (R, K) @ wh (N, K)^T + e (T, K) @ we (N, K)^T broadcast over runs of R / T
+    rows, in one launch of :func:`eh_linear_kernel` (all contiguous; ``we``, ``wh`` one format
+    and shape, their scales likewise).  Bitwise :func:`linear_triton` on e, then on h with
+    ``add`` = e's product, when both take ``sched``'s BLOCK_N and SPLIT_K
+    (:func:`eh_one_launch`).  ``counters``: int32 zeros, one per (M block, N tile), left
+    zeroed (None or too few: the stream's).  Bytes: both weights once, 2 * SPLIT_K * R * N * 4
+    of fp32 partials written and read back from L2, y once."""
+    R, K = h.shape
+    T, N = e.shape[0], we.shape[0]
+    if R == 0:
+        return
+    if T == 0 or R % T or e.shape[1] != K or tuple(wh.shape) != (N, K):
+        raise InputError(f"eh_linear_triton: expected e (T, {K}) with T dividing {R} rows and "
+                         f"two ({N}, {K}) weights, got e {tuple(e.shape)}, wh "
+                         f"{tuple(wh.shape)}")  # fmt: skip
+    streams = R // T
+    split = sched.split_k
+    m_blocks, n_tiles = cdiv(R, sched.block_m), cdiv(N, sched.block_n)
+    if counters is None or counters.numel() < m_blocks * n_tiles:
+        counters = stream_counters(h.device, m_blocks * n_tiles)
+    part = workspace("eh_linear_part", (2 * split * R * N,), torch.float32, h.device)
+    use_f32 = INTERPRET or h.dtype == torch.float32 or we.dtype == torch.float32
+    launch = triton_launch(
+        eh_linear_kernel, FMT=fmt, STREAMS=streams, BLOCK_M=sched.block_m,
+        BLOCK_N=sched.block_n, BLOCK_K=BLOCK_K, SPLIT_K=split, USE_F32=use_f32,
+        INTERP=INTERPRET, num_warps=sched.num_warps, num_stages=sched.num_stages,
+    )  # fmt: skip
+    launch(
+        (m_blocks, n_tiles, 2 * split), e, h, we, se if se.numel() else we, wh,
+        sh if sh.numel() else wh, y, part, counters, R, N, K, cdiv(cdiv(K, BLOCK_K), split),
+    )  # fmt: skip
 
 
 def _add_ratio(add: torch.Tensor | None, R: int, G: int, N: int) -> int:
