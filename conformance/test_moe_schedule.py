@@ -837,67 +837,6 @@ def test_gluon_swiglu_tail_gives_the_bits_of_the_swiglu_pass(
     assert _replay_equals_eager(x, pack, cfg, kw) or T == 1
 
 
-def _count_reduce_launches(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Records, per Gluon GEMM launch of the moe, whether it was asked to write the moe's
-    output itself (its ``reduce`` argument)."""
-    reduced: list[bool] = []
-    real = moe_gemm_module.moe_mx_gluon
-
-    def spy(*args: Any, **kwargs: Any) -> None:
-        reduced.append(kwargs.get("reduce") is not None)
-        real(*args, **kwargs)
-
-    monkeypatch.setattr(moe_gemm_module, "moe_mx_gluon", spy)
-    return reduced
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 3, 8, 16])
-def test_gluon_reduce_tail_gives_the_bits_of_the_reduce_launch(
-    T: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The mma_v2 down GEMM writes the moe's output in its own launch up to
-    ``GLUON_REDUCE_MAX_T`` tokens (``GLUON_REDUCE_TAIL``, kernels/moe_gemm_gluon.py
-    ``_reduce_after_blocks``: each N tile's last program, by ticket): the whole moe at
-    V4-Flash experts (the shared expert's partials from its side stream included) gives the
-    bits of the same partials reduced by ``moe_reduce_kernel``, under the default down split
-    (4 / 2 / 2 / 2), the split doubled and halved, and without the fold; caller routing with
-    an expert map and padding slots likewise; a CUDA-graph replay (its tickets from the
-    stream's counters) equals the eager call.  The fused launches are counted."""
-    reduced = _count_reduce_launches(monkeypatch)
-    (x, params, cfg), kw = moe_inputs("moe", T, 6, shape="flash", fmt="mxfp4", device="cuda")
-    pack = pack_moe(params, "cuda")
-    d = moe_config(T, batch_invariant=False, fmt=pack.kernel_fmt)
-    assert d.decode == "gluon" and not uses_wgmma(d.down, d.block_m, pack.mx_fold)
-    assert T <= moe_gemm_module.GLUON_REDUCE_MAX_T
-    k = d.down.split_k
-    for pk in (pack, replace(pack, mx_fold=False)):
-        for split in sorted({k, 2 * k, max(1, k // 2)}):
-            s = replace(d, down=replace(d.down, split_k=split))
-            reduced.clear()
-            got = moe(x, pk, cfg, **kw, schedule=s)
-            assert reduced == [False, True], (split, pk.mx_fold)
-            monkeypatch.setattr(moe_gemm_module, "GLUON_REDUCE_TAIL", False)
-            reduced.clear()
-            want = moe(x, pk, cfg, **kw, schedule=s)
-            monkeypatch.setattr(moe_gemm_module, "GLUON_REDUCE_TAIL", True)
-            assert reduced == [False, False], (split, pk.mx_fold)
-            assert torch.equal(got, want), (split, pk.mx_fold)
-    _check("moe", got, (x, params, cfg), kw)
-    assert _replay_equals_eager(x, pack, cfg, kw) or T == 1
-    pair = PAIRS["fused_experts"]
-    args, fkw = moe_inputs(
-        "fused_experts", T, 4, shape="flash", fmt="mxfp4", device="cuda", padding=0.25, ep=True
-    )
-    oargs, okw = pair.optimized_call(args, fkw)
-    reduced.clear()
-    got = pair.optimized_fn()(*oargs, **okw)
-    assert reduced[-1], "the caller-routed moe's down reduces in its launch"
-    monkeypatch.setattr(moe_gemm_module, "GLUON_REDUCE_TAIL", False)
-    assert torch.equal(got, pair.optimized_fn()(*oargs, **okw))
-    _check("fused_experts", got, args, fkw)
-
-
 @pytest.mark.parametrize("T", [1, 2, 5, 8])
 def test_default_schedule_fits_small_k(T: int, device: str) -> None:
     """The default schedule's K splits (GPU: 4-way at T <= 2, 2-way at T <= 8) on the tiny

@@ -552,9 +552,9 @@ if TYPE_CHECKING:
     from .kernels.moe_align import moe_align_triton
     from .kernels.moe_gemm import (
         act_quant_triton,
-        moe_down_reduce_triton,
         moe_down_triton,
         moe_gate_up_triton,
+        moe_reduce_triton,
         shared_expert_mm,
         shared_mm_selected,
     )
@@ -563,8 +563,8 @@ else:
     moe_align_triton = triton_kernel("moe_align", "moe_align_triton")
     act_quant_triton = triton_kernel("moe_gemm", "act_quant_triton")
     moe_down_triton = triton_kernel("moe_gemm", "moe_down_triton")
-    moe_down_reduce_triton = triton_kernel("moe_gemm", "moe_down_reduce_triton")
     moe_gate_up_triton = triton_kernel("moe_gemm", "moe_gate_up_triton")
+    moe_reduce_triton = triton_kernel("moe_gemm", "moe_reduce_triton")
     shared_expert_mm = triton_kernel("moe_gemm", "shared_expert_mm")
     shared_mm_selected = triton_kernel("moe_gemm", "shared_mm_selected")
     route_triton = triton_kernel("moe_route", "route_triton")
@@ -664,7 +664,7 @@ def _routed_into(
     side stream then waits for everything this stream launched up to that point.
     ``aligned``: (sorted_slot, block_expert) already sorted by the router's program (for this
     call's ``block_m``), else the sort runs here."""
-    T = x.shape[0]
+    T, D = x.shape
     K = topk_ids.shape[1]
     if T == 0:
         return
@@ -698,11 +698,12 @@ def _routed_into(
         start_shared()
     if act_quant:
         act_quant_triton(h, h)  # in place: each program reads its 128 values before writing
-    moe_down_reduce_triton(
-        h, w2, s2, gscale, sorted_slot, block_expert, ids, expert_map, shared, out,
-        fmt=code, inter=inter, tile=sched.down, num_m_blocks=nb, block_m=bm,
-        decode=sched.decode, fp4_join=sched.fp4_join, tiled=tiled, fold=fold,
+    ws = moe_down_triton(
+        h, w2, s2, gscale, sorted_slot, block_expert,
+        fmt=code, T=T, D=D, inter=inter, rows_out=T * K, tile=sched.down, num_m_blocks=nb,
+        block_m=bm, decode=sched.decode, fp4_join=sched.fp4_join, tiled=tiled, fold=fold,
     )  # fmt: skip
+    moe_reduce_triton(ws, ids, expert_map, shared(), out, w13.shape[0], gscale)
 
 
 def _shared_expert(

@@ -45,10 +45,7 @@ The settings (each leaves out with its ``--no-*`` flag):
   (``mtp.GRAPH_COUNTERS`` 0);
 * "e / h products in two launches": eh_proj's e_proj and h_proj products as two launches of
   ``linear_kernel`` (h's adding e's rows) instead of one ``eh_linear_kernel`` launch over both
-  weights (``kernels/linear.py``, ``EH_ONE_LAUNCH``; T <= 16);
-* "moe reduce launched": the MoE's reduce of the routed slots and the shared expert as
-  ``moe_reduce_kernel``'s launch after the routed down GEMM instead of by each N tile's last
-  program in the down's launch (``moe_gemm.GLUON_REDUCE_TAIL``; T <= 16).
+  weights (``kernels/linear.py``, ``EH_ONE_LAUNCH``; T <= 16).
 
 Probes, each a setting when its flag is given:
 
@@ -78,8 +75,8 @@ captured).
 Run (GPU machine, repository root, after the README's install):
 ``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms,eh_proj] [--no-guard]
 [--no-rope] [--no-qkv] [--no-mhc] [--no-kv] [--no-mask] [--no-topk] [--no-swiglu] [--no-align]
-[--no-arena] [--no-eh] [--no-reduce] [--prefetch-mb 32,48] [--align-warps 8,16]
-[--moe-split t1:8,t8:1] [--head-sched 256:64:8:4] [--align-chunked 64:8,128:16] [--priorities]``
+[--no-arena] [--no-eh] [--prefetch-mb 32,48] [--align-warps 8,16] [--moe-split t1:8,t8:1]
+[--head-sched 256:64:8:4] [--align-chunked 64:8,128:16] [--priorities]``
 (about two minutes).
 """
 
@@ -366,7 +363,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-align", action="store_true", help="leave out the sort's own launch")
     ap.add_argument("--no-arena", action="store_true", help="leave out the memset-per-replay form")
     ap.add_argument("--no-eh", action="store_true", help="leave out eh_proj's two launches")
-    ap.add_argument("--no-reduce", action="store_true", help="leave out the reduce's launch")
     ap.add_argument("--prefetch-mb", default="", help="head prefetch probes, e.g. 32,48")
     ap.add_argument("--align-warps", default="", help="one-program sort's warps, e.g. 8,16")
     ap.add_argument("--moe-split", default="", help="routed K splits, e.g. t1:8,t8:1")
@@ -419,9 +415,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_eh:
         two = [(linear_kernels, "EH_ONE_LAUNCH", False)]
         settings["e / h products in two launches"] = (shipped, SHIPPED_GUARD, True, two)
-    if not args.no_reduce:
-        own_reduce = [(moe_gemm, "GLUON_REDUCE_TAIL", False)]
-        settings["moe reduce launched"] = (shipped, SHIPPED_GUARD, True, own_reduce)
     for mb in filter(None, args.prefetch_mb.split(",")):
         for mode, how in ((1, "bulk"), (2, "lines")):
             ops, patches = _head_prefetch(layer, shipped, int(mb) << 20, mode)

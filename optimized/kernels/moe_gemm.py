@@ -133,7 +133,6 @@ summation order only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 import triton
@@ -152,7 +151,7 @@ from .decode import (
 )
 from .linear import dequant_mm_selected, fp32_reduction, linear_dequant_mm
 from .moe_common import jit_loop_bounds
-from .moe_gemm_gluon import GluonReduce, gluon_applies, moe_mx_gluon, uses_wgmma
+from .moe_gemm_gluon import gluon_applies, moe_mx_gluon, uses_wgmma
 from .moe_schedule import DECODES, GemmTile
 
 __all__ = [
@@ -160,10 +159,7 @@ __all__ = [
     "FMT_FP8",
     "FMT_MXFP4",
     "FMT_NVFP4",
-    "GLUON_REDUCE_MAX_T",
-    "GLUON_REDUCE_TAIL",
     "act_quant_triton",
-    "moe_down_reduce_triton",
     "moe_down_triton",
     "moe_gate_up_triton",
     "moe_reduce_triton",
@@ -1164,70 +1160,6 @@ def moe_down_triton(
         T, D, inter, w2[0].numel(), s2[0].numel() if s2.numel() else 0, num_m_blocks, rows_out,
     )  # fmt: skip
     return y
-
-
-# The mma_v2 down GEMM (decode sizes) writes the moe's output itself up to this many tokens:
-# each N tile's last program (a ticket over the launch's M blocks and K splits) sums the tile's
-# slot partials and the shared expert's rows as ``moe_reduce_kernel`` does, in its order
-# (kernels/moe_gemm_gluon.py, ``_reduce_after_blocks``), without the reduce's launch on the
-# step's dependent chain.  The shared expert's side stream is then joined before the down
-# instead of before the reduce.  The tail walks the tokens 8 at a time on one program per
-# 128 output columns, so it stays at decode sizes.  False: the reduce's own launch (the
-# benchmark's A/B switch).
-GLUON_REDUCE_TAIL = True
-GLUON_REDUCE_MAX_T = 16
-
-
-def moe_down_reduce_triton(
-    h: torch.Tensor,
-    w2: torch.Tensor,
-    s2: torch.Tensor,
-    gscale: torch.Tensor,
-    sorted_slot: torch.Tensor,
-    block_expert: torch.Tensor,
-    topk_ids: torch.Tensor,
-    expert_map: torch.Tensor | None,
-    shared: Callable[[], torch.Tensor | None],
-    out: torch.Tensor,
-    *,
-    fmt: int,
-    inter: int,
-    num_m_blocks: int,
-    block_m: int,
-    tile: GemmTile,
-    decode: str = "f16",
-    fp4_join: bool = False,
-    tiled: bool = False,
-    fold: bool = False,
-) -> None:
-    """out (T, D) = the routed down GEMM of the sorted blocks' h rows, reduced over each
-    token's slots, plus the shared expert's rows: :func:`moe_down_triton` then
-    :func:`moe_reduce_triton`, or, on the mma_v2 Gluon kernel up to
-    :data:`GLUON_REDUCE_MAX_T` tokens (:data:`GLUON_REDUCE_TAIL`), one launch that does both
-    (the same bits).  ``shared()`` gives the shared expert's rows (or None) and is called just
-    before the launch that reads them (where the caller joins a side stream)."""
-    T, D = out.shape
-    K = topk_ids.shape[1]
-    e_local = w2.shape[0]
-    if GLUON_REDUCE_TAIL and 0 < T <= GLUON_REDUCE_MAX_T:
-        _check_tiled(tiled, fmt, tile)
-        dec = _decode_for(decode, fmt, h.dtype, s2, tile.block_k, tiled)
-        fitted = _fit_split(tile, inter)
-        dec = _gluon_or_mxstep(dec, h, w2, sorted_slot, fitted, block_m, fold)
-        if dec == "gluon" and not uses_wgmma(fitted, block_m, fold):
-            part = torch.empty((fitted.split_k, T * K, D), dtype=torch.float32, device=h.device)
-            moe_mx_gluon(
-                h, w2, s2, sorted_slot, block_expert, part, gather=False, top_k=1, tile=fitted,
-                block_m=block_m, fold=fold,
-                reduce=GluonReduce(topk_ids, expert_map, shared(), out, e_local, gscale),
-            )  # fmt: skip
-            return
-    ws = moe_down_triton(
-        h, w2, s2, gscale, sorted_slot, block_expert,
-        fmt=fmt, T=T, D=D, inter=inter, rows_out=T * K, tile=tile, num_m_blocks=num_m_blocks,
-        block_m=block_m, decode=decode, fp4_join=fp4_join, tiled=tiled, fold=fold,
-    )  # fmt: skip
-    moe_reduce_triton(ws, topk_ids, expert_map, shared(), out, e_local, gscale)
 
 
 def moe_reduce_triton(

@@ -16,10 +16,7 @@ that the Triton epilogues finish:
   the tile's partials back from L2 and writes its h columns as ``moe_swiglu_kernel`` would
   (:func:`_swiglu_after_splits`): one launch fewer on the decode step's chain.
 * down: x row = h row r; partial ``part[split, sorted[r], n]`` (unscaled), which
-  ``moe_reduce_kernel`` scales, rounds and sums in slot order.  With ``reduce`` (up to 16
-  tokens) the mma_v2 kernel does that itself: each N tile's last program (a ticket over the
-  launch's M blocks and K splits) writes the moe's output columns of the tile for every token,
-  the shared expert's rows added, in the reduce kernel's order (:func:`_reduce_after_blocks`).
+  ``moe_reduce_kernel`` scales, rounds and sums in slot order.
 
 Shapes and dtypes: x (rows, K) bf16, contiguous, K a multiple of 128 * split; codes (E, N, K/2)
 uint8 and scales (E, N, K/32) e8m0 bytes in the tiles layout (optimized/moe.py, ``mx_tiles``;
@@ -106,7 +103,6 @@ these kernels (conformance/test_moe_schedule.py, ``test_gluon_*`` and ``test_wgm
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 from triton.experimental import gluon
@@ -131,7 +127,7 @@ _WG_STAGE_BYTES_PER_T = 256
 _WG_STAGE_BYTES_PER_N = 68
 _SM90_SMEM = 232448
 
-__all__ = ["GluonReduce", "gluon_applies", "gluon_tile_ok", "moe_mx_gluon", "uses_wgmma"]
+__all__ = ["gluon_applies", "gluon_tile_ok", "moe_mx_gluon", "uses_wgmma"]
 
 
 # ----------------------------------------------------------------------------- decode PTX
@@ -383,11 +379,7 @@ def moe_mx_gluon_kernel(
     gs_ptr,  # *fp32 (E, 3): global scales (SWIGLU)
     topw_ptr,  # *fp32 (T * TOPK,): routing weight of each slot (SWIGLU)
     h_ptr,  # *bf16 (num_blocks * BLOCK_T, N / 2): the SwiGLU rows (SWIGLU)
-    count_ptr,  # *i32 zeros: split tickets per tile (SWIGLU), per N tile (REDUCE)
-    ids_ptr,  # *i32 / i64 (T, RTOPK): the routed ids (REDUCE)
-    map_ptr,  # *i32 (E_GLOBAL,): global -> local expert, -1 = not here (REDUCE, HAS_MAP)
-    shared_ptr,  # the shared expert's rows (T, N) or fp32 partials (SHARED_SPLIT, T, N)
-    out_ptr,  # (T, N) the moe's output (REDUCE)
+    count_ptr,  # *i32 (num_blocks * N / BLOCK_N,) zeros: split tickets per tile (SWIGLU)
     K,
     N,
     TOPK,
@@ -395,9 +387,6 @@ def moe_mx_gluon_kernel(
     S_STRIDE_E,
     ROWS_PART,
     limit,
-    T,
-    E_GLOBAL,
-    E_LOCAL,
     GATHER: gl.constexpr,
     BLOCK_T: gl.constexpr,
     M_TILES: gl.constexpr,
@@ -405,11 +394,6 @@ def moe_mx_gluon_kernel(
     FOLD: gl.constexpr,
     NUM_WARPS: gl.constexpr,
     SWIGLU: gl.constexpr,
-    REDUCE: gl.constexpr,
-    RTOPK: gl.constexpr,
-    HAS_MAP: gl.constexpr,
-    HAS_SHARED: gl.constexpr,
-    SHARED_SPLIT: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = 16 * M_TILES * NUM_WARPS
     MMA: gl.constexpr = _mma_layout(NUM_WARPS)
@@ -467,12 +451,6 @@ def moe_mx_gluon_kernel(
                 part_ptr, count_ptr, gs_ptr, e, topw_ptr, h_ptr, sorted_ptr, pid_m, pid_n, N,
                 ROWS_PART, limit, SPLIT_K, BLOCK_N, BLOCK_T, NUM_WARPS,
             )  # fmt: skip
-    if REDUCE:  # every program takes its ticket, the unused M blocks' too
-        _reduce_after_blocks(
-            part_ptr, count_ptr, gs_ptr, ids_ptr, map_ptr, shared_ptr, out_ptr, pid_n, T, N,
-            ROWS_PART, E_GLOBAL, E_LOCAL, SPLIT_K, RTOPK, HAS_MAP, HAS_SHARED, SHARED_SPLIT,
-            BLOCK_N, NUM_WARPS,
-        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- wgmma
@@ -687,71 +665,6 @@ def _swiglu_after_splits(
 
 
 @gluon.jit
-def _reduce_after_blocks(
-    part_ptr, count_ptr, gs_ptr, ids_ptr, map_ptr, shared_ptr, out_ptr, pid_n, T, N,
-    ROWS_PART, E_GLOBAL, E_LOCAL, SPLIT_K: gl.constexpr, TOPK: gl.constexpr,
-    HAS_MAP: gl.constexpr, HAS_SHARED: gl.constexpr, SHARED_SPLIT: gl.constexpr,
-    BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
-):  # fmt: skip
-    """The mma_v2 down's reduce in the same launch: the last of the N tile's programs (every M
-    block times every K split, a ticket on the tile's counter) writes the moe's output columns
-    pid_n * BLOCK_N + (0 .. BLOCK_N - 1) of all T tokens as ``moe_reduce_kernel``
-    (kernels/moe_gemm.py) does, in its order, so the same bits: per token its valid slots in
-    slot order, each slot's split partials summed in split order from zero, times the expert's
-    down scale and rounded to the output dtype, then the shared expert's row (its partials
-    summed and rounded likewise), the fp32 sum rounded once.  Tokens go 8 at a time: at decode
-    sizes (:data:`~.moe_gemm.GLUON_REDUCE_MAX_T`) one or two passes.
-
-    Memory model: as :func:`_swiglu_after_splits` (a barrier, one acq_rel ticket at gpu scope,
-    a barrier, ``.cg`` loads).  The shared expert's rows were written by an earlier launch
-    (its side stream joined before this one), so they need no ticket."""
-    gl.thread_barrier()
-    last = gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-    if last == gl.num_programs(0) * SPLIT_K - 1:
-        gl.thread_barrier()
-        RT: gl.constexpr = 8
-        L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NUM_WARPS, 1], [1, 0])
-        c = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, L))
-        c2 = gl.expand_dims(c, 0)
-        cm = c2 >= 0
-        o_ty: gl.constexpr = out_ptr.dtype.element_ty
-        for t0 in range(0, T, RT):
-            t = t0 + gl.arange(0, RT, layout=gl.SliceLayout(1, L))
-            tm = t < T
-            acc = gl.zeros([RT, BLOCK_N], gl.float32, layout=L)
-            for k in gl.static_range(TOPK):
-                g = gl.load(ids_ptr + t * TOPK + k, mask=tm, other=-1).to(gl.int32)
-                valid = (g >= 0) & (g < E_GLOBAL)
-                if HAS_MAP:
-                    loc = gl.load(map_ptr + gl.where(valid, g, 0), mask=tm, other=-1)
-                    loc = loc.to(gl.int32)
-                else:
-                    loc = g
-                valid = valid & (loc >= 0) & (loc < E_LOCAL)
-                m2 = gl.expand_dims(valid, 1) & cm
-                ys = gl.zeros([RT, BLOCK_N], gl.float32, layout=L)
-                for sp in gl.static_range(SPLIT_K):
-                    rows = (sp * ROWS_PART + t * TOPK + k).to(gl.int64) * N
-                    ptrs = part_ptr + gl.expand_dims(rows, 1) + c2
-                    ys += gl.load(ptrs, mask=m2, other=0.0, cache_modifier=".cg")
-                sc = gl.load(gs_ptr + gl.where(valid, loc, 0).to(gl.int64) * 3 + 2)
-                ys = ys * gl.expand_dims(sc, 1)
-                acc += ys.to(o_ty).to(gl.float32)
-            t2 = gl.expand_dims(t.to(gl.int64), 1)
-            m2 = gl.expand_dims(tm, 1) & cm
-            if HAS_SHARED:
-                if SHARED_SPLIT == 0:
-                    acc += gl.load(shared_ptr + t2 * N + c2, mask=m2, other=0.0).to(gl.float32)
-                else:
-                    ys = gl.zeros([RT, BLOCK_N], gl.float32, layout=L)
-                    for sp in gl.static_range(SHARED_SPLIT):
-                        ys += gl.load(shared_ptr + (sp * T + t2) * N + c2, mask=m2, other=0.0)
-                    acc += ys.to(o_ty).to(gl.float32)
-            gl.store(out_ptr + t2 * N + c2, acc.to(o_ty), mask=m2)
-        gl.store(count_ptr + pid_n, 0)
-
-
-@gluon.jit
 def moe_mx_wgmma_kernel(
     x_ptr,  # *bf16: activations (rows, K)
     w_ptr,  # *i32: codes, tiles layout, (E, N, K/8) words
@@ -922,22 +835,6 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-@dataclass(frozen=True)
-class GluonReduce:
-    """What the mma_v2 down's reduce tail needs (:func:`moe_mx_gluon`'s ``reduce``), as
-    ``moe_reduce_triton`` takes it: ``topk_ids`` (T, top_k) int32 / int64 contiguous,
-    ``expert_map`` (E_global,) int32 global -> local (-1 = not here) or None, ``shared`` the
-    shared expert's rows (T, D) or fp32 partials (split, T, D), or None, ``out`` (T, D)
-    contiguous, ``e_local`` the experts held, ``gscale`` (E, 3) fp32 global scales."""
-
-    topk_ids: torch.Tensor
-    expert_map: torch.Tensor | None
-    shared: torch.Tensor | None
-    out: torch.Tensor
-    e_local: int
-    gscale: torch.Tensor
-
-
 def moe_mx_gluon(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -953,7 +850,6 @@ def moe_mx_gluon(
     fold: bool = False,
     swiglu: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
     counters: torch.Tensor | None = None,
-    reduce: GluonReduce | None = None,
 ) -> None:
     """Write the split-K partials ``part`` (split, rows_part, N) fp32 of x's rows times the
     MXFP4 experts (module doc): gate/up with ``gather`` (x (T, K) read at the slots' tokens,
@@ -967,10 +863,7 @@ def moe_mx_gluon(
     partials; ``part`` is then unused); the mma_v2 kernel writes its partials, then each tile's
     last split writes the tile's h (:func:`_swiglu_after_splits`), counting splits on
     ``counters`` (int32 zeros, at least ``num_blocks * N / tile.block_n``, left zeroed; None:
-    the stream's zeroed counters, kernels/_sync.py; unused with one split).  ``reduce``
-    (:class:`GluonReduce`; the mma_v2 down only): the launch then also writes the moe's
-    output, each N tile's last program reducing the tile (:func:`_reduce_after_blocks`), its
-    tickets on ``counters`` (at least N / tile.block_n int32 zeros; None: the stream's)."""
+    the stream's zeroed counters, kernels/_sync.py; unused with one split)."""
     num_m = block_expert.numel()
     K = x.shape[1]
     N = codes.shape[1]
@@ -978,7 +871,6 @@ def moe_mx_gluon(
     w32 = codes.view(torch.int32)
     s32 = scales.view(torch.int32)
     if uses_wgmma(tile, block_m, fold):
-        assert reduce is None, "the reduce tail: the mma_v2 kernel"
         if swiglu is not None:
             assert gather and split == 1, "the SwiGLU epilogue: gate/up, one K split"
             gs, topw, h, limit = swiglu
@@ -1012,35 +904,12 @@ def moe_mx_gluon(
     else:
         gs = topw = h = part
         cnt, limit = block_expert, 0.0
-    ids = emap = shared = out = part
-    T = e_global = e_local = rtopk = shared_split = 0
-    if reduce is not None:
-        assert not gather, "the reduce tail: down"
-        tiles = N // tile.block_n
-        if counters is None:
-            counters = zeroed_counters(x.device, tiles)
-        if counters.dtype != torch.int32 or counters.numel() < tiles:
-            raise InputError(
-                f"counters: the reduce tail needs int32 zeros, one per N tile ({tiles}), got "
-                f"{counters.dtype} of {counters.numel()}"
-            )
-        cnt, gs = counters, reduce.gscale
-        ids, out, e_local = reduce.topk_ids, reduce.out, reduce.e_local
-        T, rtopk = ids.shape
-        emap = reduce.expert_map if reduce.expert_map is not None else ids
-        e_global = emap.numel() if reduce.expert_map is not None else e_local
-        if reduce.shared is not None:
-            shared = reduce.shared
-            shared_split = shared.shape[0] if shared.dim() == 3 else 0
     triton_launch(
         moe_mx_gluon_kernel, GATHER=gather, BLOCK_T=block_m,
         M_TILES=tile.block_n // (16 * tile.num_warps), SPLIT_K=split, FOLD=fold,
-        NUM_WARPS=tile.num_warps, SWIGLU=swiglu is not None, REDUCE=reduce is not None,
-        RTOPK=rtopk, HAS_MAP=reduce is not None and reduce.expert_map is not None,
-        HAS_SHARED=reduce is not None and reduce.shared is not None, SHARED_SPLIT=shared_split,
-        num_warps=tile.num_warps,
+        NUM_WARPS=tile.num_warps, SWIGLU=swiglu is not None, num_warps=tile.num_warps,
     )(
         (num_m, N // tile.block_n, split), x.view(torch.int32), w32, s32, sorted_slot,
-        block_expert, part, gs, topw, h, cnt, ids, emap, shared, out, K, N, top_k,
-        w32[0].numel(), s32[0].numel(), part.shape[1], float(limit), T, e_global, e_local,
+        block_expert, part, gs, topw, h, cnt, K, N, top_k, w32[0].numel(), s32[0].numel(),
+        part.shape[1], float(limit),
     )  # fmt: skip
