@@ -63,6 +63,10 @@ Probes, each a setting when its flag is given:
   K split S and the down's D (default S) at T 1-2 (``t1``; 4 by default) or T 3-8 (``t8``; 2);
 * ``--head-sched V:K:W:S,...``: "head <V>x<K> w<W> s<S>", the greedy head's argmax kernel up
   to T 32 on V head rows per program, K-wide steps, W warps, S stages (default 128:128:4:4);
+* ``--linear-split-x F,...``: "decode linears' K split x<F>", the dense linears' decode schedules
+  (``kernels/linear.py``, ``linear_schedule``) aiming their K split at F times the programs
+  (about 256 per call by default; eh_proj's one launch twice that), wq_b's unsplit 128-wide
+  tiles unchanged (the sums' order changes with the split, so the outputs differ);
 * ``--priorities``: stream priorities (a captured kernel node keeps its capturing stream's
   priority; torch instantiates graphs with ``cudaGraphInstantiateFlagUseNodePriority``): "step
   at high priority" (the step captured on a high-priority stream, the side streams at the
@@ -348,6 +352,17 @@ def _moe_split(split: int, down: int, lo: int, hi: int) -> list[tuple[Any, str, 
     )
 
 
+def _linear_split(factor: int) -> list[tuple[Any, str, Any]]:
+    """The dense linears' decode K split aimed at ``factor`` times its default program count
+    (``linear_schedule``'s ``_split`` target)."""
+    real = linear_kernels._split
+
+    def split(n_tiles: int, kb: int, target: int) -> int:
+        return real(n_tiles, kb, factor * target)
+
+    return [(linear_kernels, "_split", split)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
@@ -369,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-sched", default="", help="argmax tiles V:K:W:S, e.g. 256:64:8:4")
     ap.add_argument("--align-chunked", default="", help="chunked sort C:W, e.g. 64:8,128:16")
     ap.add_argument("--priorities", action="store_true", help="stream priority probes")
+    ap.add_argument("--linear-split-x", default="", help="decode linears' split target x F, e.g. 2")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -435,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
         settings["kv side at high priority"] = (shipped, SHIPPED_GUARD, True, _kv_high())
         both = step_high + _kv_high()
         settings["step and kv at high priority"] = (shipped, SHIPPED_GUARD, True, both)
+    for f in filter(None, args.linear_split_x.split(",")):
+        settings[f"decode linears' K split x{f}"] = (
+            shipped, SHIPPED_GUARD, True, _linear_split(int(f))
+        )  # fmt: skip
     for entry in filter(None, args.align_chunked.split(",")):
         c, w = (int(a) for a in entry.split(":"))
         name = f"sort in {c}-slot chunks on {w} warps"
