@@ -11,6 +11,7 @@ are small (the kernel runs in the interpreter); the gpu tests take V4-Flash's sh
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -530,23 +531,47 @@ def test_eh_proj_in_one_launch_is_its_two_launch_form_bit_for_bit(
 ) -> None:
     """At decode sizes both products run in one launch (kernels/linear.py, ``eh_linear_kernel``:
     the tile's last of its 2 * SPLIT_K programs rounds each product and their sum) wherever
-    e's and h's default schedules share BLOCK_N and the K split: bitwise the two launches of
-    ``linear_kernel`` (``EH_ONE_LAUNCH`` off), FP8 and bf16 weights, counters left zeroed;
-    refused for unlike weights and beyond 64 rows of h."""
+    e's and h's default schedules differ in BLOCK_M at most: bitwise the two launches of
+    ``linear_kernel`` (``EH_ONE_LAUNCH`` off), FP8 and bf16 weights, h on 16- and 32-row
+    blocks (e on 16), counters left zeroed; the one launch counted; refused for unlike weights
+    and beyond 64 rows of h; the raw operator's bad arguments named on both paths."""
+    from dsv4mtp.optimized import _ops
     from dsv4mtp.optimized.kernels import linear as lk
 
     assert lk.eh_one_launch(2, 8, 192, 1024, True, False) is not None
     assert lk.eh_one_launch(2, 8, 192, 1024, False, False) is None  # unlike weights
     assert lk.eh_one_launch(17, 68, 192, 1024, True, False) is None  # past decode sizes
-    for fmt in ("fp8_e8m0", "bf16"):
-        e, h, we, wh = _eh(2, 4, fmt, device, seed=3)
+    launches: list[int] = []
+    real = _ops.eh_linear_triton
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        launches.append(kwargs["sched"].block_m)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(_ops, "eh_linear_triton", counted)
+    for fmt, T in (("fp8_e8m0", 2), ("bf16", 2), ("fp8_e8m0", 8)):
+        e, h, we, wh = _eh(T, 4, fmt, device, seed=3)
         pe, ph = opt.pack_linear(we, device), opt.pack_linear(wh, device)
+        launches.clear()
         one = opt.eh_proj(e, h, pe, ph)
+        assert launches == [max(16, 4 * T)], (fmt, T)
         with monkeypatch.context() as m:
             m.setattr(lk, "EH_ONE_LAUNCH", False)
             two = opt.eh_proj(e, h, pe, ph)
-        assert torch.equal(one, two), fmt
+        assert launches == [max(16, 4 * T)], "the switch off takes the two launches"
+        assert torch.equal(one, two), (fmt, T)
         assert not pe.counters.any() and not ph.counters.any()
+    args = (e, h, pe.weight, pe.scale, pe.op_fmt, ph.weight, ph.scale, ph.op_fmt, False, False)
+    bad = ph.counters.to(torch.int64)
+    for switch in (True, False):
+        monkeypatch.setattr(lk, "EH_ONE_LAUNCH", switch)
+        with pytest.raises(InputError, match=r"^h_counters: expected a contiguous 1-D int32"):
+            torch.ops.dsv4mtp.eh_proj.default(*args, e_counters=pe.counters, h_counters=bad)
+        with pytest.raises(InputError, match=r"^e_fmt: expected one of"):
+            torch.ops.dsv4mtp.eh_proj.default(
+                *args[:4], "fp4", *args[5:7], "fp4", *args[8:], e_counters=pe.counters,
+                h_counters=ph.counters,
+            )  # fmt: skip
 
 
 def test_eh_proj_rows_past_the_counters_add_each_launch_its_own_rows(device: str) -> None:
@@ -617,8 +642,8 @@ def test_eh_proj_bad_inputs_raise_input_errors_naming_the_tensor(device: str) ->
 @pytest.mark.parametrize("rows", [2, 70])
 @pytest.mark.parametrize("variant", ["", "_out"])
 def test_eh_proj_opcheck(variant: str, rows: int, device: str) -> None:
-    """Schema, fake kernel and AOT dispatch (torch.library.opcheck): 2 tokens x 4 streams on
-    the split-K schedules (both counters written), 70 x 4 rows on the prefill path."""
+    """Schema, fake kernel and AOT dispatch (torch.library.opcheck): 2 tokens x 4 streams in
+    the one split-K launch (h's counters written), 70 x 4 rows on the prefill path."""
     e, h, we, wh = _eh(rows, 4, "fp8_e8m0", device, N=128, K=512)
     pe, ph = opt.pack_linear(we, device), opt.pack_linear(wh, device)
     args = (e, h, pe.weight, pe.scale, pe.op_fmt, ph.weight, ph.scale, ph.op_fmt, False, False)

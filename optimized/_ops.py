@@ -1213,11 +1213,13 @@ def _linear_into(
     out: torch.Tensor,
     counters: torch.Tensor,
     add: torch.Tensor | None = None,
+    name: str = "",
 ) -> None:
     """x (R, G, K) rows into out (R, G, N) (both views of the caller's tensors); ``add``
     (R', N), G = 1: out's row r plus add's row ``r // (R / R')`` after the product's rounding,
-    rounded again (kernels/linear.py, ``linear_triton``'s ``add``)."""
-    _check_linear_args(x, weight, fmt, counters)
+    rounded again (kernels/linear.py, ``linear_triton``'s ``add``).  ``name``: the prefix of
+    the weight's and counters' argument names in errors."""
+    _check_linear_args(x, weight, fmt, counters, name)
     R, G, K = x.shape
     if R == 0:
         return
@@ -1360,10 +1362,11 @@ def _eh_proj_out(
     if T == 0:
         return
     # one launch for both products where the two weights are alike (one plain pack each)
-    alike = (e_fmt, e_weight.dtype, e_weight.shape, e_scale.shape) == (
-        h_fmt, h_weight.dtype, h_weight.shape, h_scale.shape,
+    alike = (e_fmt, e_weight.dtype, e_weight.shape, e_scale.shape, e.dtype) == (
+        h_fmt, h_weight.dtype, h_weight.shape, h_scale.shape, h.dtype,
     ) and e_weight.shape[0] == 1  # fmt: skip
-    one = eh_one_launch(T, T * n, N, K, alike, batch_invariant)
+    f32 = torch.float32 in (e.dtype, e_weight.dtype)
+    one = eh_one_launch(T, T * n, N, K, alike, batch_invariant, f32)
     if one is not None:
         _check_linear_args(e, e_weight, e_fmt, e_counters, "e_")
         _check_linear_args(e, h_weight, h_fmt, h_counters, "h_")
@@ -1380,11 +1383,11 @@ def _eh_proj_out(
     ep = e.new_empty((T, N))
     _linear_into(
         e.reshape(T, 1, -1), e_weight, e_scale, e_fmt, act_quant, batch_invariant,
-        ep.view(T, 1, N), e_counters,
+        ep.view(T, 1, N), e_counters, name="e_",
     )  # fmt: skip
     _linear_into(
         h.reshape(T * n, 1, K), h_weight, h_scale, h_fmt, act_quant, batch_invariant,
-        out.view(T * n, 1, N), h_counters, add=ep,
+        out.view(T * n, 1, N), h_counters, add=ep, name="h_",
     )  # fmt: skip
 
 

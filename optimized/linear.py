@@ -421,12 +421,11 @@ def eh_proj(
     Otherwise two launches of :func:`linear`'s kernel: e's (T rows) into a scratch (T, N), then
     h's (T*n rows) adding e's row t to the n rows of token t after its own rounding, in the
     epilogue of the program (or split) that stores each tile; both forms give the same bits.
-    At prefill sizes, where :func:`linear` takes the
-    dequantize + cuBLAS path, the sum is one more Triton pass over x instead (in place: x read
-    and written once, e's rows once; 256 + 32 MiB at 4096 tokens of V4-Flash).  Against the two
-    linears and a broadcast add in torch: the same bits, one launch and one round trip of x
-    fewer at decode sizes (torch's broadcast add does not take its vectorized path: 0.19 ms at
-    4096 tokens).  Bytes: :func:`linear`'s for each weight (e_proj and h_proj 16 MiB of codes
+    At prefill sizes, where :func:`linear` takes the dequantize + cuBLAS path, the sum is one
+    more Triton pass over x instead (in place: x read and written once, e's rows once; 256 +
+    32 MiB at 4096 tokens of V4-Flash).  Against the two linears and a broadcast add in torch:
+    the same bits, with one launch instead of three at decode sizes and no second round trip
+    of x (torch's broadcast add does not take its vectorized path: 0.19 ms at 4096 tokens).  Bytes: :func:`linear`'s for each weight (e_proj and h_proj 16 MiB of codes
     each at V4-Flash), e's projection written and read once (in one launch: both products'
     fp32 partials, 2 * splits * T*n * N * 4 bytes through L2).  ``out``: a contiguous
     (T, n, N) tensor of the inputs' dtype.

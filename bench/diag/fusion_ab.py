@@ -66,7 +66,8 @@ Probes, each a setting when its flag is given:
 * ``--linear-split-x F,...``: "decode linears' K split x<F>", the dense linears' decode schedules
   (``kernels/linear.py``, ``linear_schedule``) aiming their K split at F times the programs
   (about 256 per call by default; eh_proj's one launch twice that), wq_b's unsplit 128-wide
-  tiles unchanged (the sums' order changes with the split, so the outputs differ);
+  tiles unchanged (the sums' order changes with the split, so the outputs differ; the
+  batch-invariant schedules, which the step does not use, would change too);
 * ``--priorities``: stream priorities (a captured kernel node keeps its capturing stream's
   priority; torch instantiates graphs with ``cudaGraphInstantiateFlagUseNodePriority``): "step
   at high priority" (the step captured on a high-priority stream, the side streams at the
@@ -80,7 +81,7 @@ Run (GPU machine, repository root, after the README's install):
 ``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms,eh_proj] [--no-guard]
 [--no-rope] [--no-qkv] [--no-mhc] [--no-kv] [--no-mask] [--no-topk] [--no-swiglu] [--no-align]
 [--no-arena] [--no-eh] [--prefetch-mb 32,48] [--align-warps 8,16] [--moe-split t1:8,t8:1]
-[--head-sched 256:64:8:4] [--align-chunked 64:8,128:16] [--priorities]``
+[--head-sched 256:64:8:4] [--align-chunked 64:8,128:16] [--priorities] [--linear-split-x 2]``
 (about two minutes).
 """
 

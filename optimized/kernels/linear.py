@@ -75,6 +75,7 @@ M block) read the weight exactly once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -459,20 +460,23 @@ EH_ONE_LAUNCH = True
 
 
 def eh_one_launch(
-    T: int, R: int, N: int, K: int, same_format: bool, batch_invariant: bool
+    T: int, R: int, N: int, K: int, same_format: bool, batch_invariant: bool, f32: bool = False
 ) -> LinearSchedule | None:
     """The schedule of ``eh_proj``'s one-launch form (:func:`eh_linear_triton`) for e's T rows
     and h's R, or None where it does not apply: off (:data:`EH_ONE_LAUNCH`), the weights of
     different formats, h beyond decode sizes (more than :data:`DECODE_MAX_ROWS` rows), or
-    the two default schedules differing in BLOCK_N or SPLIT_K (then e's partial sums would
-    not be :func:`linear_triton`'s).  At decode sizes a call is mostly its start (launch, first
+    the two default schedules differing in more than BLOCK_M (in BLOCK_N or SPLIT_K e's
+    partial sums would not be :func:`linear_triton`'s; warps and stages are kept alike too).
+    ``f32``: fp32 activations or weights, whose fp32 dot is checked bitwise only on equal
+    tiles: e's BLOCK_M must then be h's as well (the bf16 tensor-core dot gives a row the same
+    bits in a 16- or 64-row tile: the GPU tier's composition test at 64 rows of h).  At decode sizes a call is mostly its start (launch, first
     loads, split tail: bench/results/linear-h200.md, "Decode schedules"); one launch over both
     weights pays one start instead of two."""
     if not EH_ONE_LAUNCH or not same_format or R > DECODE_MAX_ROWS:
         return None
     se = linear_schedule(T, N, K, 1, batch_invariant)
     sh = linear_schedule(R, N, K, 1, batch_invariant)
-    if (se.block_n, se.split_k) != (sh.block_n, sh.split_k):
+    if (se if f32 else dataclasses.replace(se, block_m=sh.block_m)) != sh:
         return None
     return sh
 
