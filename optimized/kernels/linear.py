@@ -239,6 +239,43 @@ def _split_sum(x_rows, w_rows, s_row, rm, cm, kb0, K, KB_PER_SPLIT, FMT: tl.cons
     return acc
 
 
+@triton.jit
+def _last_of_tile(count_ptr, tile, PROGRAMS: tl.constexpr):
+    """Take the program's ticket on the tile's int32 counter: whether it is the last of the
+    tile's PROGRAMS programs to have stored its partials (then every thread may read them).
+
+    Memory model (PTX, gpu scope).  Triton runs an atomic on a scalar pointer in one thread of
+    the program (thread 0) and broadcasts its result through shared memory.  Release: the
+    barrier orders every thread's partial stores before that atomic, whose release is
+    cumulative, so the stores are visible at gpu scope to any program that acquires a later
+    value of the counter.  Each increment of a counter reads the one before it (one
+    modification order of read-modify-writes), so the acq_rel increment that reads PROGRAMS - 1
+    synchronizes with all PROGRAMS - 1 earlier releases.  Acquire: that same atomic, then a
+    barrier ordering every thread's loads after it, and ``.cg`` loads (:func:`_plane_sum`: from
+    L2, the coherence point: an L1 line of the partials can be stale, e.g. one shared with a
+    neighbouring tile and read by that tile's reducer on the same SM).  One atomic per program
+    and no waiting: no program depends on another being resident.  The last program sets the
+    counter back to zero after its reads (the caller's store)."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = ticket == PROGRAMS - 1
+    if last:
+        tl.debug_barrier()
+    return last
+
+
+@triton.jit
+def _plane_sum(tile_part, first, plane, mask, COUNT: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):  # fmt: skip
+    """The tile's fp32 partials in planes first .. first + COUNT - 1 (``plane`` elements apart)
+    summed in plane order from zero, read from L2 (``.cg``; :func:`_last_of_tile`)."""
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for j in tl.static_range(COUNT):
+        total += tl.load(tile_part + (first + j) * plane, mask=mask, other=0.0,
+                         cache_modifier=".cg")  # fmt: skip
+    return total
+
+
 @jit_loop_bounds("KB_PER_SPLIT")
 def linear_kernel(
     x_ptr,
@@ -290,25 +327,9 @@ def linear_kernel(
         plane = tl.cast(R, tl.int64) * G * N
         tile_part = part_ptr + out_off  # (BLOCK_M, BLOCK_N) in plane 0
         tl.store(tile_part + s * plane, acc, mask=mask)
-        # Memory model (PTX, gpu scope).  Triton runs an atomic on a scalar pointer in one
-        # thread of the program (thread 0) and broadcasts its result through shared memory.
-        # Release: the barrier orders every thread's partial stores before that atomic, whose
-        # release is cumulative, so the stores are visible at gpu scope to any program that
-        # acquires a later value of the counter.  Each increment of a counter reads the one
-        # before it (one modification order of read-modify-writes), so the acq_rel increment
-        # that reads SPLIT_K - 1 synchronizes with all SPLIT_K - 1 earlier releases.  Acquire:
-        # that same atomic, then a barrier ordering every thread's loads after it, and ``.cg``
-        # loads (from L2, the coherence point: an L1 line of part can be stale, e.g. one shared
-        # with a neighbouring tile and read by that tile's reducer on the same SM).  One atomic
-        # per program and no waiting: no program depends on another being resident.
-        tl.debug_barrier()
         tile = (pid_m * tl.num_programs(1) + pid_n) * G + g
-        ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:
-            tl.debug_barrier()
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for j in tl.static_range(SPLIT_K):
-                total += tl.load(tile_part + j * plane, mask=mask, other=0.0, cache_modifier=".cg")
+        if _last_of_tile(count_ptr, tile, SPLIT_K):
+            total = _plane_sum(tile_part, 0, plane, mask, SPLIT_K, BLOCK_M, BLOCK_N)
             y = _add_rows(total, add_ptr, add_row0 + rows, cols, mask, N, y_ty, ADD_ROWS, INTERP)
             tl.store(y_ptr + out_off, y, mask=mask)
             # Every program of the tile has incremented (ticket SPLIT_K - 1) and none touches
@@ -374,20 +395,12 @@ def eh_linear_kernel(
     plane = tl.cast(R, tl.int64) * N
     tile_part = part_ptr + out_off
     tl.store(tile_part + pid_gs * plane, acc, mask=mask)
-    # The ticket as linear_kernel's split tail (its comment holds the memory-model argument),
-    # counting the 2 * SPLIT_K programs of both products.
-    tl.debug_barrier()
+    # the tile's ticket counts the 2 * SPLIT_K programs of both products
     tile = pid_m * tl.num_programs(1) + pid_n
-    ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if ticket == 2 * SPLIT_K - 1:
-        tl.debug_barrier()
+    if _last_of_tile(count_ptr, tile, 2 * SPLIT_K):
         y_ty = y_ptr.dtype.element_ty
-        te = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        th = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for j in tl.static_range(SPLIT_K):
-            te += tl.load(tile_part + j * plane, mask=mask, other=0.0, cache_modifier=".cg")
-            th += tl.load(tile_part + (SPLIT_K + j) * plane, mask=mask, other=0.0,
-                          cache_modifier=".cg")  # fmt: skip
+        te = _plane_sum(tile_part, 0, plane, mask, SPLIT_K, BLOCK_M, BLOCK_N)
+        th = _plane_sum(tile_part, SPLIT_K, plane, mask, SPLIT_K, BLOCK_M, BLOCK_N)
         ye = rne_bf16_if_interpreted(te, y_ty, INTERP).to(y_ty)
         yh = rne_bf16_if_interpreted(th, y_ty, INTERP).to(y_ty)
         y = rne_bf16_if_interpreted(yh.to(tl.float32) + ye.to(tl.float32), y_ty, INTERP)
