@@ -244,9 +244,9 @@ def cases(T: int, D: int) -> list[dict[str, Any]]:
                 public=lambda b=b: opt.hc_pre(*pre, **pkw, backend=b),
                 public_out=lambda b=b: opt.hc_pre(*pre, **pkw, backend=b, out=o_pre),
                 operator=lambda b=b: ops.hc_pre.default(
-                    *pre, EPS, EPS, 20, 2.0, b, nothing, nothing, False),
+                    *pre, EPS, EPS, 20, 2.0, b, nothing, nothing, False, None, "official"),
                 launcher=lambda b=b: _ops._hc_pre(
-                    *pre, EPS, EPS, 20, 2.0, b, nothing, nothing, False),
+                    *pre, EPS, EPS, 20, 2.0, b, nothing, nothing, False, None, "official"),
             ))  # fmt: skip
     for b in backend_names("hc_post"):
         if requirement("hc_post", b, Facts(dev, (bf, bf), n=N, D=D)) is None:
@@ -264,8 +264,9 @@ def cases(T: int, D: int) -> list[dict[str, Any]]:
                 public=lambda b=b: opt.hc_head(*head, rms_norm_eps=EPS, hc_eps=EPS, backend=b),
                 public_out=lambda b=b: opt.hc_head(
                     *head, rms_norm_eps=EPS, hc_eps=EPS, backend=b, out=o_head),
-                operator=lambda b=b: ops.hc_head.default(*head, EPS, EPS, b, nothing),
-                launcher=lambda b=b: _ops._hc_head(*head, EPS, EPS, b, nothing),
+                operator=lambda b=b: ops.hc_head.default(
+                    *head, EPS, EPS, b, nothing, None, "official"),
+                launcher=lambda b=b: _ops._hc_head(*head, EPS, EPS, b, nothing, None, "official"),
             ))  # fmt: skip
     return out
 
@@ -351,7 +352,7 @@ def crossover(a: argparse.Namespace) -> tuple[list[dict[str, Any]], int | None]:
             out = torch.empty((T, D), dtype=x.dtype, device="cuda")
             ms = {}
             for b in ("triton_fma", "triton_mma"):
-                args = (x, fn, scale, base, EPS, EPS, b, [])
+                args = (x, fn, scale, base, EPS, EPS, b, [], None, "official")
                 ms[b] = triton.testing.do_bench(
                     lambda args=args, out=out: torch.ops.dsv4mtp.hc_head_out.default(
                         *args, out=out
@@ -466,11 +467,11 @@ def mock_cases(T: int, D: int) -> dict[str, Callable[[], Any]]:
         "op impl rms_norm": lambda: _ops._rms_norm(x2, w, EPS, "official", "triton"),
         "op impl hc_post": lambda: _ops._hc_post(x2, x, pm, cm, "triton"),
         "op impl hc_pre": lambda: _ops._hc_pre(x, fn_pre, s3, b_pre, EPS, EPS, 20, 2.0,
-                                               "triton", [], [], False),
+                                               "triton", [], [], False, None, "official"),
         "op impl hc_head fma": lambda: _ops._hc_head(x, fn_head, s1, b_head, EPS, EPS,
-                                                     "triton_fma", []),
+                                                     "triton_fma", [], None, "official"),
         "op impl hc_head mma": lambda: _ops._hc_head(x, fn_head, s1, b_head, EPS, EPS,
-                                                     "triton_mma", []),
+                                                     "triton_mma", [], None, "official"),
     }  # fmt: skip
 
 

@@ -44,6 +44,7 @@ from dsv4mtp.optimized.kernels.mhc_collapse import (
     mhc_collapse_kernel,
     tokens_per_reducer,
 )
+from dsv4mtp.optimized.kernels.mhc_head import _launches as head_fma_launches
 from dsv4mtp.optimized.kernels.mhc_head import mhc_head_fma_kernel
 from dsv4mtp.optimized.kernels.mhc_mix import mhc_mix_kernel, mix_config
 from dsv4mtp.optimized.kernels.mhc_pre_small import PreFmaConfig, pre_fma_config
@@ -350,7 +351,8 @@ def pre_fma_lines(tiles: list[list[int]] | None = None) -> list[str]:
     )  # fmt: skip
     apply_sig = dict(
         x_ptr="*bf16", scale_ptr=f32, base_ptr=f32, part_ptr=f32, sq_ptr=f32, out_ptr="*bf16",
-        post_ptr=f32, comb_ptr=f32, T="i32", rms_eps="fp32", hc_eps="fp32", post_mult="fp32",
+        post_ptr=f32, comb_ptr=f32, w_ptr="*bf16", T="i32", D_RT="i32", rms_eps="fp32",
+        hc_eps="fp32", post_mult="fp32",
     )  # fmt: skip
     lines = []
     for D in (4096, 7168):
@@ -358,12 +360,14 @@ def pre_fma_lines(tiles: list[list[int]] | None = None) -> list[str]:
         for cfg in cfgs:
             _, mix, apply = pre_fma_launches(cfg, 4, D, 20)
             _, fused_mix, _ = pre_fma_launches(cfg, 4, D, 20, True)  # hc_post_pre's mix
+            _, _, norm_apply = pre_fma_launches(cfg, 4, D, 20, False, "official")
             for what, launch, sig in (
-                ("mix", mix, mix_sig), ("apply", apply, apply_sig), ("post+mix", fused_mix, mix_sig)
+                ("mix", mix, mix_sig), ("apply", apply, apply_sig),
+                ("post+mix", fused_mix, mix_sig), ("apply+norm", norm_apply, apply_sig),
             ):  # fmt: skip
                 meta = dict(launch.meta)
                 warps = meta.pop("num_warps")
-                line = resources(launch.jit, sig, meta, num_warps=warps)
+                line = resources(launch.jit, sig, meta, ("D_RT",), num_warps=warps)
                 tile = tuple(dataclasses.astuple(cfg))
                 lines.append(f"hc_pre fma D={D} {what:8s} {tile}: {line}")
     return lines
@@ -434,6 +438,16 @@ def main() -> None:
     consts = {**consts, "DO_APPLY": False, "FUSE_POST": True}
     line = resources(mhc_head_fma_kernel, head_sig, consts, num_warps=4)
     print(f"hc_post_head fused mix (4 x 256, 4 warps): {line}", flush=True)
+    for D in (4096, 7168):
+        launch = head_fma_launches(4, D, False, False, "official")[3][1]
+        meta = dict(launch.meta)
+        warps = meta.pop("num_warps")
+        norm_sig = dict(
+            x_ptr="*bf16", scale_ptr=f32, base_ptr=f32, part_ptr=f32, sq_ptr=f32,
+            out_ptr="*bf16", w_ptr="*bf16", T="i32", D="i32", rms_eps="fp32", hc_eps="fp32",
+        )  # fmt: skip
+        line = resources(launch.jit, norm_sig, meta, ("D",), num_warps=warps)
+        print(f"hc_head fma whole-row apply + norm D={D}: {line}", flush=True)
     for line in pre_fma_lines() + rope_lines() + attention_lines():
         print(line, flush=True)
 

@@ -386,13 +386,25 @@ _CASES = textwrap.dedent(
                                                            one_launch=True),
         "op rms_norm": lambda: _ops._rms_norm(x2, w, E, "official", "triton"),
         "op hc_post": lambda: _ops._hc_post(x2, x, pm, cm, "triton"),
-        "op hc_pre": lambda: _ops._hc_pre(x, fp, s3, bp, E, E, 3, 2.0, "triton", [], [], False),
-        "op hc_head fma": lambda: _ops._hc_head(x, fh, s1, bh, E, E, "triton_fma", []),
-        "op hc_head mma": lambda: _ops._hc_head(x, fh, s1, bh, E, E, "triton_mma", []),
+        "op hc_pre": lambda: _ops._hc_pre(
+            x, fp, s3, bp, E, E, 3, 2.0, "triton", [], [], False, None, ""),
+        "op hc_pre fma norm": lambda: _ops._hc_pre(
+            x, fp, s3, bp, E, E, 3, 2.0, "triton_fma", [], [], False, w, "official"),
+        "op hc_head fma": lambda: _ops._hc_head(x, fh, s1, bh, E, E, "triton_fma", [], None, ""),
+        "op hc_head fma norm": lambda: _ops._hc_head(
+            x, fh, s1, bh, E, E, "triton_fma", [], w, "vllm"),
+        "op hc_head mma": lambda: _ops._hc_head(x, fh, s1, bh, E, E, "triton_mma", [], None, ""),
         "op hc_post_pre fma": lambda: _ops._hc_post_pre(
-            x2, x, pm, cm, fp, s3, bp, E, E, 3, 2.0, "triton_fma", "triton", "triton_fma", False),
+            x2, x, pm, cm, fp, s3, bp, E, E, 3, 2.0, "triton_fma", "triton", "triton_fma", False,
+            None, ""),
+        "op hc_post_pre fma norm": lambda: _ops._hc_post_pre(
+            x2, x, pm, cm, fp, s3, bp, E, E, 3, 2.0, "triton_fma", "triton", "triton_fma", False,
+            w, "official"),
         "op hc_post_head fma": lambda: _ops._hc_post_head(
-            x2, x, pm, cm, fh, s1, bh, E, E, "triton_fma", "triton", "triton_fma"),
+            x2, x, pm, cm, fh, s1, bh, E, E, "triton_fma", "triton", "triton_fma", None, ""),
+        "op hc_post_head fma norm": lambda: _ops._hc_post_head(
+            x2, x, pm, cm, fh, s1, bh, E, E, "triton_fma", "triton", "triton_fma", w,
+            "official"),
     }
     # the dense linears' and the MoE's launchers (FP8 linear with and without a K split; MXFP4
     # experts on identity rows, the gate/up K split with its SwiGLU launch, the down GEMM, the

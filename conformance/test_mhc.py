@@ -846,15 +846,16 @@ def test_optimized_fused_operators_pass_opcheck(
     T, n, D = x.shape
     post_backend = "flashinfer" if device == "cuda" else "triton"
     eps = (EPS, EPS)
+    norm = (torch.linspace(0.5, 1.5, D).to(x), "official")  # ending in the next norm
     if op == "hc_post_pre":
-        call = (*args, *eps, 3, 2.0, backend, post_backend, "triton_fma", False)
+        call = (*args, *eps, 3, 2.0, backend, post_backend, "triton_fma", False, *norm)
         outs = dict(
             x_out=torch.empty_like(x), layer_input=x.new_empty((T, D)),
             post_out=x.new_empty((T, n), dtype=torch.float32),
             comb_out=x.new_empty((T, n, n), dtype=torch.float32),
         )  # fmt: skip
     else:
-        call = (*args, *eps, backend, post_backend, "triton_fma")
+        call = (*args, *eps, backend, post_backend, "triton_fma", *norm)
         outs = dict(x_out=torch.empty_like(x), head_input=x.new_empty((T, D)))
     operator = getattr(torch.ops.dsv4mtp, op + variant).default
     torch.library.opcheck(operator, call, outs if variant else {})
@@ -894,3 +895,90 @@ def test_reference_fused_pairs_are_the_composition() -> None:
         got = fused(*args, **kw)
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w)
+
+
+# ------------------------------------------------------------------------------ trailing norm
+# hc_pre, hc_head and the fused pairs end in the next RMSNorm when given its weight.  On the
+# small-batch kernels the norm runs in their apply launch (one whole-row program per token);
+# here that is held to the bits of the same op without the weight followed by the Triton
+# rms_norm kernel at the FMA kernels' 4 warps, and to the two-launch setting (_ops.FUSE_NORM).
+_NORM_OPS = ("hc_pre", "hc_head", "hc_post_pre", "hc_post_head")
+_NORMED = {"hc_pre": 0, "hc_head": 0, "hc_post_pre": 1, "hc_post_head": 1}  # which output
+
+
+def _norm_weight(D: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (1.0 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("order", ["official", "vllm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("op", _NORM_OPS)
+def test_optimized_trailing_norm_is_bitwise_the_norm_after_the_op(
+    op: str, dtype: torch.dtype, order: str, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dsv4mtp.optimized import _ops
+    from dsv4mtp.optimized.kernels.rms_norm import rms_norm_triton
+
+    for T, D in _FUSED_SHAPES:
+        args, kw = _opt_inputs(op, T, 4, D, dtype, device, seed=3 * T + 1)
+        w = _norm_weight(D, dtype, device, seed=T)
+        plain = _call(op, args, kw, backend="triton_fma")
+        k = _NORMED[op]
+        want = torch.empty_like(plain[k])
+        rms_norm_triton(plain[k], w, EPS, want, order == "vllm", num_warps=4)
+        got = _call(op, args, kw, backend="triton_fma", norm_weight=w, norm_order=order)
+        for i, (g, p) in enumerate(zip(got, plain, strict=True)):
+            expected = want if i == k else p
+            assert torch.equal(g, expected), f"{op} output {i} T={T} D={D} {order}"
+        monkeypatch.setattr(_ops, "FUSE_NORM", False)  # the norm as its own launch: same bits
+        apart = _call(op, args, kw, backend="triton_fma", norm_weight=w, norm_order=order)
+        monkeypatch.setattr(_ops, "FUSE_NORM", True)
+        for i, (g, a) in enumerate(zip(got, apart, strict=True)):
+            assert torch.equal(g, a), f"{op} output {i} T={T} D={D}: fused vs two launches"
+
+
+@pytest.mark.parametrize("op", _NORM_OPS)
+def test_optimized_trailing_norm_on_other_backends_is_rms_norm_after_them(
+    op: str, device: str
+) -> None:
+    """Where the FMA kernels do not run, the norm is the public rms_norm of the op's output."""
+    backend = {"hc_pre": "triton", "hc_head": "triton_mma"}.get(op, "composed")
+    T, D = (5, 4096) if device == "cuda" else (5, 64)
+    args, kw = _opt_inputs(op, T, 4, D, torch.bfloat16, device, seed=11)
+    w = _norm_weight(D, torch.bfloat16, device, seed=12)
+    plain = _call(op, args, kw, backend=backend)
+    got = _call(op, args, kw, backend=backend, norm_weight=w, norm_order="vllm")
+    k = _NORMED[op]
+    want = opt.rms_norm(plain[k], w, EPS, order="vllm")
+    if op in ("hc_post_pre", "hc_post_head"):  # "composed" runs the second op's auto: fused
+        want = _call(_SECOND[op], (plain[0], *args[4:]), kw, norm_weight=w, norm_order="vllm")[0]
+    assert torch.equal(got[k], want)
+
+
+def test_trailing_norm_arguments_are_checked(device: str) -> None:
+    args, kw = _opt_inputs("hc_pre", 2, 4, 64, torch.float32, device, seed=0)
+    for f in (opt.hc_pre, hc_pre):
+        with pytest.raises(InputError, match=r"norm_weight: expected shape \(64,\)"):
+            f(*args, **kw, norm_weight=torch.ones(63, device=device))  # type: ignore[operator]
+        with pytest.raises(InputError, match="norm_order: expected 'official' or 'vllm'"):
+            f(*args, **kw, norm_order="other")  # type: ignore[operator]
+    hargs, hkw = _opt_inputs("hc_post_head", 2, 4, 64, torch.float32, device, seed=0)
+    with pytest.raises(InputError, match="norm_weight: expected"):
+        opt.hc_post_head(*hargs, **hkw, norm_weight=torch.ones(64, dtype=torch.int32))
+
+
+def test_reference_trailing_norm_is_rms_norm_after_the_op() -> None:
+    from dsv4mtp.reference import hc_post_head, hc_post_pre, rms_norm
+
+    ops = {"hc_pre": hc_pre, "hc_head": hc_head, "hc_post_pre": hc_post_pre,
+           "hc_post_head": hc_post_head}  # fmt: skip
+    for op, f in ops.items():
+        args, kw = op_inputs(op, 6, 32, 5, n=4, dtype=F64, device="cpu")
+        w = _norm_weight(32, F64, "cpu", seed=1)
+        plain = f(*args, **kw)
+        plain = plain if isinstance(plain, tuple) else (plain,)
+        got = f(*args, **kw, norm_weight=w, norm_order="vllm")
+        got = got if isinstance(got, tuple) else (got,)
+        k = _NORMED[op]
+        assert torch.equal(got[k], rms_norm(plain[k], w, EPS, order="vllm"))

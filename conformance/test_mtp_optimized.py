@@ -362,7 +362,7 @@ def test_batch_invariant_layer_passes_the_switch_to_every_op(loaded, device, mon
     )
     fields = zip(LayerOps._fields, OptLayer.ops, strict=True)
     layer.ops = LayerOps(*[recording(n, f) for n, f in fields])  # type: ignore[misc]
-    for name in ("hc_head", "rms_norm", "lm_head_logits", "lm_head_argmax", "step_guard"):
+    for name in ("hc_head", "lm_head_logits", "lm_head_argmax", "step_guard"):
         monkeypatch.setattr(opt_mtp, name, recording(name, getattr(opt_mtp, name)))
     ids, pos, prev = inputs(4, seed=9)
     hidden = OnDevice(layer).forward(ids, pos, prev)
@@ -373,7 +373,7 @@ def test_batch_invariant_layer_passes_the_switch_to_every_op(loaded, device, mon
     step.step(*(t.to(layer.device) for t in (ids[:2], pos[:2] + 40, prev[:2])),
               torch.arange(2, device=layer.device))  # fmt: skip
     names = {n for n, _ in seen}
-    assert {"rms_norm", "eh_proj", "hc_pre", "hc_post", "hc_post_pre", "hc_post_head",
+    assert {"eh_proj", "hc_pre", "hc_post", "hc_post_pre", "hc_post_head",
             "attention", "moe", "hc_head", "lm_head_logits", "lm_head_argmax", "step_guard",
             "embed_norms"} <= names, names  # fmt: skip
     assert all(bi is True for _, bi in seen), [n for n, bi in seen if bi is not True]

@@ -62,14 +62,18 @@ def _facts(op: str, tensors: tuple[torch.Tensor, ...]) -> Facts:
 
 
 def _op_call(op: str, backend: str, tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
-    """The operator's non-tensor arguments after the tensors, as the public function passes them."""
+    """The operator's non-tensor arguments after the tensors, as the public function passes them.
+    hc_pre / hc_head end in the norm on their small-batch backend (the norm in its launch), not
+    on the others (their plain outputs)."""
     nothing: list[int] = []
     if op == "rms_norm":
         return (*tensors, EPS, "official", backend)
+    x = tensors[0]
+    norm = (torch.linspace(0.5, 1.5, D).to(x), "vllm") if backend == "triton_fma" else (None, "")
     if op == "hc_pre":
-        return (*tensors, EPS, EPS, 3, 2.0, backend, nothing, nothing, False)
+        return (*tensors, EPS, EPS, 3, 2.0, backend, nothing, nothing, False, *norm)
     if op == "hc_head":
-        return (*tensors, EPS, EPS, backend, nothing)
+        return (*tensors, EPS, EPS, backend, nothing, *norm)
     return (*tensors, backend)
 
 

@@ -162,7 +162,6 @@ class LayerOps(NamedTuple):
     the layer runs back to back: the reference's are the plain compositions of its ops,
     the optimized ones fuse where it pays."""
 
-    rms_norm: Callable[..., torch.Tensor]
     hc_pre: Callable[..., Any]
     hc_post: Callable[..., torch.Tensor]
     attention: Callable[..., torch.Tensor]
@@ -247,8 +246,8 @@ class MTPLayerAPI:
         ``moe_extra``: keyword arguments an implementation adds to its own attention / MoE op
         (the optimized layer's device KV cache slots and padding-row mask).  ``head=True``
         returns ``(hidden (T, nD), head_input (T, D))``, head_input = hc_head of the output
-        with the layer's ``hc_head_*`` (what ``compute_logits`` normalizes next), from the
-        ``hc_post_head`` pair.  ``lens``: the sequences' lengths, passed to the attention as
+        with the layer's ``hc_head_*`` through its ``norm`` (the rows the LM head reads), from
+        the ``hc_post_head`` pair.  ``lens``: the sequences' lengths, passed to the attention as
         ``seq_lens`` (None where ``attn_extra`` gives the attention its offsets itself)."""
         cfg, sem, o = self.config, self.semantics, self.ops
         p = self.layers[spec_step % len(self.layers)]
@@ -279,10 +278,19 @@ class MTPLayerAPI:
         # h_proj per stream plus e_proj broadcast to every stream: one op pair
         x = o.eh_proj(e, h, p.e_proj, p.h_proj, act_quant=q_dense, **bi)  # (T, n, D)
 
-        # attention sublayer: hc_pre -> attn_norm -> attention -> hc_post (the MoE one alike)
-        a_in, post, comb = o.hc_pre(x, p.hc_attn_fn, p.hc_attn_scale, p.hc_attn_base, **hc)
+        # attention sublayer: hc_pre -> attn_norm -> attention -> hc_post (the MoE one alike);
+        # each collapse op ends in the norm that follows it (its norm_weight)
+        a_in, post, comb = o.hc_pre(
+            x,
+            p.hc_attn_fn,
+            p.hc_attn_scale,
+            p.hc_attn_base,
+            norm_weight=p.attn_norm,
+            norm_order=sem.norm_order,
+            **hc,
+        )  # fmt: skip  (T, D) after attn_norm
         a = o.attention(
-            o.rms_norm(a_in, p.attn_norm, eps, order=sem.norm_order, **bi),
+            a_in,
             positions,
             p.attn,
             cfg,
@@ -297,12 +305,21 @@ class MTPLayerAPI:
         )
         # attention's hc_post, then the MoE sublayer's hc_pre, as one op pair
         x, f_in, post, comb = o.hc_post_pre(
-            a, x, post, comb, p.hc_ffn_fn, p.hc_ffn_scale, p.hc_ffn_base, **hc
-        )  # (T, n, D), (T, D), (T, n), (T, n, n)
+            a,
+            x,
+            post,
+            comb,
+            p.hc_ffn_fn,
+            p.hc_ffn_scale,
+            p.hc_ffn_base,
+            norm_weight=p.ffn_norm,
+            norm_order=sem.norm_order,
+            **hc,
+        )  # fmt: skip  (T, n, D), (T, D) after ffn_norm, (T, n), (T, n, n)
 
         # MoE sublayer
         f = o.moe(
-            o.rms_norm(f_in, p.ffn_norm, eps, order=sem.norm_order, **bi),
+            f_in,
             p.ffn,
             cfg,
             shared_clamp=sem.shared_clamp,
@@ -312,19 +329,21 @@ class MTPLayerAPI:
         )
         if not head:
             return o.hc_post(f, x, post, comb, **bi).reshape(T, n * D)
-        # the last hc_post, then hc_head, as one op pair
+        # the last hc_post, then hc_head and the head's norm, as one op pair
         x, y = o.hc_post_head(
             f, x, post, comb, p.hc_head_fn, p.hc_head_scale, p.hc_head_base,
-            rms_norm_eps=eps, hc_eps=cfg.hc_eps, **bi,
+            rms_norm_eps=eps, hc_eps=cfg.hc_eps, norm_weight=p.norm, norm_order=sem.norm_order,
+            **bi,
         )  # fmt: skip
-        return x.reshape(T, n * D), y  # (T, nD), (T, D)
+        return x.reshape(T, n * D), y  # (T, nD), (T, D): the rows the LM head reads
 
     # ------------------------------------------------------------------ to implement
     def _logits(
         self, hidden: torch.Tensor, spec_step: int, head_input: torch.Tensor | None = None
     ) -> torch.Tensor:
         """:meth:`compute_logits` on a checked ``hidden``; ``head_input`` (T, D): hc_head of
-        ``hidden`` when the caller has it (``_run(head=True)``), else computed here."""
+        ``hidden`` through the head's norm when the caller has it (``_run(head=True)``), else
+        computed here."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ caches

@@ -59,14 +59,18 @@ __all__ = ["NAMESPACE", "OPS", "SCHEMAS", "schedule_fields"]
 
 NAMESPACE = "dsv4mtp"
 
+# The mHC ops that collapse streams (hc_pre, hc_head and the fused pairs ending in them) end in
+# the sublayer's RMSNorm when given its weight (``norm_weight``, ``norm_order``: rms_norm's
+# weight and order, eps rms_norm_eps).
+_NORM_TAIL = "Tensor? norm_weight, str norm_order"
 _PRE_ARGS = (
     "Tensor x, Tensor fn, Tensor scale, Tensor base, float rms_norm_eps, float hc_eps, "
     "int sinkhorn_iters, float post_mult, str backend, int[] collapse, int[] mix, "
-    "bool batch_invariant"
+    f"bool batch_invariant, {_NORM_TAIL}"
 )
 _HEAD_ARGS = (
     "Tensor x, Tensor fn, Tensor scale, Tensor base, float rms_norm_eps, float hc_eps, "
-    "str backend, int[] collapse"
+    f"str backend, int[] collapse, {_NORM_TAIL}"
 )
 _NORM_ARGS = "Tensor x, Tensor? weight, float eps, str order, str backend"
 _POST_ARGS = "Tensor f, Tensor residual, Tensor post, Tensor comb, str backend"
@@ -75,12 +79,21 @@ _POST_ARGS = "Tensor f, Tensor residual, Tensor post, Tensor comb, str backend"
 _POST_PRE_ARGS = (
     "Tensor a, Tensor x, Tensor post, Tensor comb, Tensor fn, Tensor scale, Tensor base, "
     "float rms_norm_eps, float hc_eps, int sinkhorn_iters, float post_mult, str backend, "
-    "str post_backend, str pre_backend, bool batch_invariant"
+    f"str post_backend, str pre_backend, bool batch_invariant, {_NORM_TAIL}"
 )
 _POST_HEAD_ARGS = (
     "Tensor f, Tensor x, Tensor post, Tensor comb, Tensor fn, Tensor scale, Tensor base, "
-    "float rms_norm_eps, float hc_eps, str backend, str post_backend, str head_backend"
+    f"float rms_norm_eps, float hc_eps, str backend, str post_backend, str head_backend, "
+    f"{_NORM_TAIL}"
 )
+
+#: The small-batch FMA kernels ("triton_fma") end in the norm inside their apply launch
+#: (kernels/mhc_pre_small.py, kernels/mhc_head.py: one whole-row program per token).  False
+#: runs the same arithmetic in two launches, the apply then ``rms_norm_triton`` at the apply's
+#: warp count (the same bits): the A/B setting of bench/diag/fusion_ab.py.  Other backends
+#: always run the norm as its own launch (``rms_norm_triton``'s default schedule).
+FUSE_NORM = True
+_FMA_NORM_WARPS = 4  # the FMA kernels' warps (pre_fma_config, mhc_head.NUM_WARPS)
 
 SCHEMAS: dict[str, str] = {
     "rms_norm": f"rms_norm({_NORM_ARGS}) -> Tensor",
@@ -216,14 +229,65 @@ def _hc_pre_out(
     collapse: Sequence[int],
     mix: Sequence[int],
     batch_invariant: bool,
+    norm_weight: torch.Tensor | None,
+    norm_order: str,
     *,
     layer_input: torch.Tensor,
     post: torch.Tensor,
     comb: torch.Tensor,
 ) -> None:
-    T = x.shape[0]
-    if T == 0:
+    if x.shape[0] == 0:
         return
+    fused = _fused_norm(backend == "triton_fma", norm_weight)
+    li = layer_input if norm_weight is None or fused else torch.empty_like(layer_input)
+    _hc_pre_into(
+        x, fn, scale, base, rms_norm_eps, hc_eps, sinkhorn_iters, post_mult, backend, collapse,
+        mix, batch_invariant, norm_weight if fused else None, norm_order, li, post, comb,
+    )  # fmt: skip
+    if norm_weight is not None and not fused:
+        _norm_after(li, norm_weight, rms_norm_eps, norm_order, backend == "triton_fma",
+                    layer_input)  # fmt: skip
+
+
+def _fused_norm(fma: bool, norm_weight: torch.Tensor | None) -> bool:
+    """Whether the norm runs inside the FMA kernels' apply launch."""
+    return fma and norm_weight is not None and FUSE_NORM
+
+
+def _norm_after(
+    rows: torch.Tensor, weight: torch.Tensor, eps: float, order: str, fma: bool,
+    out: torch.Tensor,
+) -> None:  # fmt: skip
+    """The norm as its own launch over ``rows`` (T, D) into ``out``: at the FMA kernels' warp
+    count after them (the fused launch's bits), else rms_norm's default schedule."""
+    rms_norm_triton(
+        rows, weight.contiguous(), eps, out, vllm_order=order == "vllm",
+        num_warps=_FMA_NORM_WARPS if fma else None,
+    )  # fmt: skip
+
+
+def _hc_pre_into(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    rms_norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    post_mult: float,
+    backend: str,
+    collapse: Sequence[int],
+    mix: Sequence[int],
+    batch_invariant: bool,
+    norm_weight: torch.Tensor | None,
+    norm_order: str,
+    layer_input: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+) -> None:
+    """hc_pre's backend into its outputs; ``norm_weight`` (triton_fma only): the norm in its
+    apply launch."""
+    T = x.shape[0]
     x, fn, scale32, base32 = _collapse_inputs(x, fn, scale, base)
     if backend == "triton":
         mhc_collapse(
@@ -236,7 +300,7 @@ def _hc_pre_out(
         mhc_pre_fma(
             x, fn, scale32, base32, layer_input, post, comb, rms_norm_eps=rms_norm_eps,
             hc_eps=hc_eps, post_mult=post_mult, sinkhorn_iters=sinkhorn_iters,
-            by_tokens=not batch_invariant,
+            by_tokens=not batch_invariant, **_norm_kw(norm_weight, norm_order),
         )  # fmt: skip
         return
     if backend not in ("flashinfer", "flashinfer_prenorm"):
@@ -273,6 +337,13 @@ def _hc_pre_out(
             mhc_sinkhorn_eps=hc_eps, mhc_post_mult_value=post_mult,
             sinkhorn_repeat=sinkhorn_iters, block_size=0,
         )  # fmt: skip
+
+
+def _norm_kw(norm_weight: torch.Tensor | None, norm_order: str) -> dict[str, Any]:
+    """The FMA kernels' norm arguments."""
+    if norm_weight is None:
+        return {}
+    return dict(norm_weight=norm_weight.contiguous(), vllm_order=norm_order == "vllm")
 
 
 def _pre_outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -339,21 +410,30 @@ def _hc_head_out(
     hc_eps: float,
     backend: str,
     collapse: Sequence[int],
+    norm_weight: torch.Tensor | None,
+    norm_order: str,
     *,
     out: torch.Tensor,
 ) -> None:
     if x.shape[0] == 0:
         return
+    fused = _fused_norm(backend == "triton_fma", norm_weight)
+    y = out if norm_weight is None or fused else torch.empty_like(out)
     x, fn, scale32, base32 = _collapse_inputs(x, fn, scale, base)
     if backend == "triton_fma":
-        mhc_head_fma(x, fn, scale32, base32, out, rms_norm_eps=rms_norm_eps, hc_eps=hc_eps)
+        mhc_head_fma(
+            x, fn, scale32, base32, y, rms_norm_eps=rms_norm_eps, hc_eps=hc_eps,
+            **_norm_kw(norm_weight if fused else None, norm_order),
+        )  # fmt: skip
     elif backend == "triton_mma":
         mhc_collapse(
-            x, fn, scale32, base32, out, rms_norm_eps=rms_norm_eps, hc_eps=hc_eps,
+            x, fn, scale32, base32, y, rms_norm_eps=rms_norm_eps, hc_eps=hc_eps,
             post_mult=1.0, sinkhorn_iters=1, cfg=_collapse_cfg(tuple(collapse)),
         )  # fmt: skip
     else:
         raise _unknown("hc_head", backend, ("triton_fma", "triton_mma"))
+    if norm_weight is not None and not fused:
+        _norm_after(y, norm_weight, rms_norm_eps, norm_order, backend == "triton_fma", out)
 
 
 def _hc_head(
@@ -365,9 +445,14 @@ def _hc_head(
     hc_eps: float,
     backend: str,
     collapse: Sequence[int],
+    norm_weight: torch.Tensor | None,
+    norm_order: str,
 ) -> torch.Tensor:
     out = x.new_empty((x.shape[0], x.shape[2]))
-    _hc_head_out(x, fn, scale, base, rms_norm_eps, hc_eps, backend, collapse, out=out)
+    _hc_head_out(
+        x, fn, scale, base, rms_norm_eps, hc_eps, backend, collapse, norm_weight, norm_order,
+        out=out,
+    )  # fmt: skip
     return out
 
 
@@ -392,6 +477,8 @@ def _hc_post_pre_out(
     post_backend: str,
     pre_backend: str,
     batch_invariant: bool,
+    norm_weight: torch.Tensor | None,
+    norm_order: str,
     *,
     x_out: torch.Tensor,
     layer_input: torch.Tensor,
@@ -404,16 +491,21 @@ def _hc_post_pre_out(
         _hc_post_out(a, x, post, comb, post_backend, out=x_out)
         _hc_pre_out(
             x_out, fn, scale, base, rms_norm_eps, hc_eps, sinkhorn_iters, post_mult, pre_backend,
-            NO_SCHEDULE, NO_SCHEDULE, batch_invariant, layer_input=layer_input, post=post_out,
-            comb=comb_out,
+            NO_SCHEDULE, NO_SCHEDULE, batch_invariant, norm_weight, norm_order,
+            layer_input=layer_input, post=post_out, comb=comb_out,
         )  # fmt: skip
     elif backend == "triton_fma":
+        fused = _fused_norm(True, norm_weight)
+        li = layer_input if norm_weight is None or fused else torch.empty_like(layer_input)
         x, fn, scale32, base32 = _collapse_inputs(x, fn, scale, base)
         mhc_post_pre_fma(
-            a.contiguous(), x, _f32(post), _f32(comb), fn, scale32, base32, x_out, layer_input,
+            a.contiguous(), x, _f32(post), _f32(comb), fn, scale32, base32, x_out, li,
             post_out, comb_out, rms_norm_eps=rms_norm_eps, hc_eps=hc_eps, post_mult=post_mult,
             sinkhorn_iters=sinkhorn_iters, by_tokens=not batch_invariant,
+            **_norm_kw(norm_weight if fused else None, norm_order),
         )  # fmt: skip
+        if norm_weight is not None and not fused:
+            _norm_after(li, norm_weight, rms_norm_eps, norm_order, True, layer_input)
     else:
         raise _unknown("hc_post_pre", backend, ("triton_fma", "composed"))
 
@@ -446,6 +538,8 @@ def _hc_post_head_out(
     backend: str,
     post_backend: str,
     head_backend: str,
+    norm_weight: torch.Tensor | None,
+    norm_order: str,
     *,
     x_out: torch.Tensor,
     head_input: torch.Tensor,
@@ -456,14 +550,19 @@ def _hc_post_head_out(
         _hc_post_out(f, x, post, comb, post_backend, out=x_out)
         _hc_head_out(
             x_out, fn, scale, base, rms_norm_eps, hc_eps, head_backend, NO_SCHEDULE,
-            out=head_input,
+            norm_weight, norm_order, out=head_input,
         )  # fmt: skip
     elif backend == "triton_fma":
+        fused = _fused_norm(True, norm_weight)
+        y = head_input if norm_weight is None or fused else torch.empty_like(head_input)
         x, fn, scale32, base32 = _collapse_inputs(x, fn, scale, base)
         mhc_post_head_fma(
-            f.contiguous(), x, _f32(post), _f32(comb), fn, scale32, base32, x_out, head_input,
+            f.contiguous(), x, _f32(post), _f32(comb), fn, scale32, base32, x_out, y,
             rms_norm_eps=rms_norm_eps, hc_eps=hc_eps,
+            **_norm_kw(norm_weight if fused else None, norm_order),
         )  # fmt: skip
+        if norm_weight is not None and not fused:
+            _norm_after(y, norm_weight, rms_norm_eps, norm_order, True, head_input)
     else:
         raise _unknown("hc_post_head", backend, ("triton_fma", "composed"))
 

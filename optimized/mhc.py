@@ -31,6 +31,17 @@ every choice independent of T, so a token's result does not depend on its batch)
   pays: "triton_fma" folds hc_post into the mix launch of the small-batch kernel wherever
   hc_pre's / hc_head's "auto" would run that kernel; "composed" (the two operators) elsewhere.
 
+The trailing norm.  hc_pre, hc_head and the fused pairs take the next RMSNorm's weight:
+``norm_weight`` (D,) bf16 / fp32, or None; their first collapsed output (layer_input /
+head_input) is then ``rms_norm(rows, norm_weight, rms_norm_eps, order=norm_order)`` instead of
+the rows (V4 uses one eps for both; the MTP layer passes attn_norm, ffn_norm and the head's
+norm).  Where the small-batch FMA kernels run ("triton_fma") the norm is part of their second
+launch: one program per token writes its whole collapsed row and normalizes it in place,
+bitwise the collapse followed by the Triton ``rms_norm`` kernel at 4 warps (``rms_norm``'s own
+default at D 4096 / 7168 is 8 / 16 warps, whose reduction tree can differ by an ulp); one launch
+and one read of the rows fewer (``_ops.FUSE_NORM`` runs it as two launches, the A/B setting).
+Other backends run ``rms_norm``'s kernel after theirs.
+
 FlashInfer conventions handled here: its pre kernel returns ``(post (..., 4, 1), comb,
 layer_input)`` and defaults ``mhc_post_mult_value`` to 1.0 (V4 uses 2.0); we call its kernels
 with our own ``out`` buffers and V4's multiplier, and return ``(layer_input, post, comb)``.
@@ -46,6 +57,7 @@ import torch
 
 from dsv4mtp.checks import check_eps, check_instance, check_ndim, check_shape
 from dsv4mtp.errors import InputError
+from dsv4mtp.semantics import NormOrder
 
 from . import _ops
 from ._dispatch import TABLES, Facts, planned, select, signature
@@ -136,6 +148,18 @@ def _check_params(
     check_shape(prefix + "base", base, (rows,))
 
 
+def _check_norm(norm_weight: torch.Tensor | None, norm_order: str, x: torch.Tensor) -> None:
+    """The trailing RMSNorm's weight (D,) in a kernel dtype on x's device, or None; its
+    order."""
+    if norm_order not in ("official", "vllm"):
+        raise InputError(f"norm_order: expected 'official' or 'vllm', got {norm_order!r}")
+    if norm_weight is None:
+        return
+    check_kernel_dtype("norm_weight", norm_weight)
+    check_shape("norm_weight", norm_weight, (x.shape[-1],))
+    check_device([("x", x), ("norm_weight", norm_weight)])
+
+
 # ----------------------------------------------------------------------------------- hc_pre
 def hc_pre(
     x: torch.Tensor,
@@ -148,6 +172,8 @@ def hc_pre(
     sinkhorn_iters: int,
     post_mult: float = 2.0,
     batch_invariant: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    norm_order: NormOrder = "official",
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     backend: PreBackend = "auto",
     schedule: CollapseSchedule | None = None,
@@ -167,24 +193,25 @@ def hc_pre(
     ``_dispatch.PRE_FMA_MAX_T`` (64) tokens and "triton" above, and "triton_fma" mixes a call of
     fewer than 16 tokens on a token block that fits it (kernels/mhc_pre_small.py,
     ``pre_fma_config``); ``batch_invariant=True`` keeps "auto" on "triton_fma" at every T, on
-    its T-independent 16-token block.
+    its T-independent 16-token block.  ``norm_weight``, ``norm_order``: the trailing norm
+    (module docstring); layer_input is then the normalized rows.
     """
     # The plan of this call signature (optimized/_dispatch.py, "plans"): the checks run once
     # per signature.  While torch.compile traces, they run every time and become its guards.
     plan = planned(
         signature(
             "hc_pre", x, fn, scale, base, rms_norm_eps, hc_eps, sinkhorn_iters, post_mult,
-            batch_invariant, backend, schedule, out=out,
+            batch_invariant, norm_weight, norm_order, backend, schedule, out=out,
         ),
         lambda: _hc_pre_plan(
             x, fn, scale, base, rms_norm_eps, hc_eps, sinkhorn_iters, batch_invariant, out,
-            backend, schedule,
+            backend, schedule, norm_weight, norm_order,
         ),
     )  # fmt: skip
     choice, collapse, mix = plan
     args = (
         x, fn, scale, base, float(rms_norm_eps), float(hc_eps), sinkhorn_iters, float(post_mult),
-        choice, collapse, mix, batch_invariant,
+        choice, collapse, mix, batch_invariant, norm_weight, norm_order,
     )  # fmt: skip
     if out is None:
         return _ops_hc_pre(*args)  # type: ignore[no-any-return]
@@ -205,6 +232,8 @@ def _hc_pre_plan(
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     backend: str,
     schedule: CollapseSchedule | None,
+    norm_weight: torch.Tensor | None = None,
+    norm_order: str = "official",
 ) -> tuple[str, Sequence[int], Sequence[int]]:
     """Every check of hc_pre's arguments, then the backend choice (which may read T): (backend,
     schedule fields)."""
@@ -221,6 +250,7 @@ def _hc_pre_plan(
     check_eps("rms_norm_eps", rms_norm_eps)
     check_eps("hc_eps", hc_eps)
     dev = check_device([("x", x), ("fn", fn), ("scale", scale), ("base", base)])
+    _check_norm(norm_weight, norm_order, x)
     shapes = (((T, D), x.dtype), ((T, n), torch.float32), ((T, n, n), torch.float32))
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 3:
@@ -303,6 +333,8 @@ def hc_head(
     rms_norm_eps: float,
     hc_eps: float,
     batch_invariant: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    norm_order: NormOrder = "official",
     out: torch.Tensor | None = None,
     backend: HeadBackend = "auto",
     schedule: CollapseSchedule | None = None,
@@ -315,21 +347,26 @@ def hc_head(
     collapse, kernels/mhc_collapse.py: faster at T >= 512), or "auto".
     ``schedule`` tunes "triton_mma" only.  With ``batch_invariant=False`` (the default) "auto"
     runs "triton_mma" from ``_dispatch.HEAD_MMA_MIN_T`` (512) tokens on;
-    ``batch_invariant=True`` keeps "auto" on "triton_fma" at every T.
+    ``batch_invariant=True`` keeps "auto" on "triton_fma" at every T.  ``norm_weight``,
+    ``norm_order``: the trailing norm (module docstring).
     """
     # The plan of this call signature (optimized/_dispatch.py, "plans"): the checks run once
     # per signature.  While torch.compile traces, they run every time and become its guards.
     plan = planned(
         signature(
-            "hc_head", x, fn, scale, base, rms_norm_eps, hc_eps, batch_invariant, backend,
-            schedule, out=out,
+            "hc_head", x, fn, scale, base, rms_norm_eps, hc_eps, batch_invariant, norm_weight,
+            norm_order, backend, schedule, out=out,
         ),
         lambda: _hc_head_plan(
-            x, fn, scale, base, rms_norm_eps, hc_eps, batch_invariant, out, backend, schedule
+            x, fn, scale, base, rms_norm_eps, hc_eps, batch_invariant, out, backend, schedule,
+            norm_weight, norm_order,
         ),
     )  # fmt: skip
     choice, collapse = plan
-    args = (x, fn, scale, base, float(rms_norm_eps), float(hc_eps), choice, collapse)
+    args = (
+        x, fn, scale, base, float(rms_norm_eps), float(hc_eps), choice, collapse, norm_weight,
+        norm_order,
+    )  # fmt: skip
     if out is None:
         return _ops_hc_head(*args)  # type: ignore[no-any-return]
     _ops_hc_head_out(*args, out=out)
@@ -347,6 +384,8 @@ def _hc_head_plan(
     out: torch.Tensor | None,
     backend: str,
     schedule: CollapseSchedule | None,
+    norm_weight: torch.Tensor | None = None,
+    norm_order: str = "official",
 ) -> tuple[str, Sequence[int]]:
     """Every check of hc_head's arguments, then the backend choice (which may read T)."""
     check_instance("batch_invariant", batch_invariant, bool)
@@ -355,6 +394,7 @@ def _hc_head_plan(
     check_eps("rms_norm_eps", rms_norm_eps)
     check_eps("hc_eps", hc_eps)
     dev = check_device([("x", x), ("fn", fn), ("scale", scale), ("base", base)])
+    _check_norm(norm_weight, norm_order, x)
     facts = Facts(
         dev, (x.dtype,), n=n, D=D, eps=(rms_norm_eps, hc_eps), T=None if batch_invariant else T
     )
@@ -404,6 +444,8 @@ def hc_post_pre(
     sinkhorn_iters: int,
     post_mult: float = 2.0,
     batch_invariant: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    norm_order: NormOrder = "official",
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     backend: PostPreBackend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -427,22 +469,25 @@ def hc_post_pre(
     ``batch_invariant=True``), "composed" above.
     Bytes (fused): a (T*D) and x (T*n*D) read once from HBM, x_new (T*n*D) written once and
     re-read from L2 by the weighted sum, fn (M*n*D*4) once per 16-token block, layer_input /
-    post_new / comb_new written once.
+    post_new / comb_new written once (with ``norm_weight``, layer_input re-read and rewritten
+    in place from L1 / L2, the weight read once per token).  ``norm_weight``, ``norm_order``:
+    the trailing norm (module docstring).
     """
     plan = planned(
         signature(
             "hc_post_pre", a, x, post, comb, fn, scale, base, rms_norm_eps, hc_eps,
-            sinkhorn_iters, post_mult, batch_invariant, backend, out=out,
+            sinkhorn_iters, post_mult, batch_invariant, norm_weight, norm_order, backend, out=out,
         ),
         lambda: _hc_post_pre_plan(
             a, x, post, comb, fn, scale, base, rms_norm_eps, hc_eps, sinkhorn_iters,
-            batch_invariant, out, backend,
+            batch_invariant, out, backend, norm_weight, norm_order,
         ),
     )  # fmt: skip
     choice, post_choice, pre_choice = plan
     args = (
         a, x, post, comb, fn, scale, base, float(rms_norm_eps), float(hc_eps), sinkhorn_iters,
-        float(post_mult), choice, post_choice, pre_choice, batch_invariant,
+        float(post_mult), choice, post_choice, pre_choice, batch_invariant, norm_weight,
+        norm_order,
     )  # fmt: skip
     if out is None:
         return _ops_hc_post_pre(*args)  # type: ignore[no-any-return]
@@ -465,6 +510,8 @@ def _hc_post_pre_plan(
     batch_invariant: bool,
     out: Any,
     backend: str,
+    norm_weight: torch.Tensor | None = None,
+    norm_order: str = "official",
 ) -> tuple[str, str, str]:
     """Every check of hc_post_pre's arguments, then (its backend, hc_post's, hc_pre's)."""
     check_instance("batch_invariant", batch_invariant, bool)
@@ -474,7 +521,7 @@ def _hc_post_pre_plan(
     # hc_pre's checks and choice, on x's shape and dtype (x_new's)
     pre_choice, _, _ = _hc_pre_plan(
         x, fn, scale, base, rms_norm_eps, hc_eps, sinkhorn_iters, batch_invariant, None, "auto",
-        None,
+        None, norm_weight, norm_order,
     )  # fmt: skip
     facts = Facts(
         dev, (a.dtype, x.dtype), n=n, D=D, eps=(rms_norm_eps, hc_eps),
@@ -501,6 +548,8 @@ def hc_post_head(
     rms_norm_eps: float,
     hc_eps: float,
     batch_invariant: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    norm_order: NormOrder = "official",
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     backend: PostHeadBackend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -521,21 +570,23 @@ def hc_post_head(
     HEAD_MMA_MIN_T``, and at every T under ``batch_invariant=True``), "composed" above.
     Bytes (fused): f (T*D) and x (T*n*D) read once, x_new written once and re-read from L2 by
     the weighted sum, head_fn once per 4-token block (L2), head_input written once.
+    ``norm_weight``, ``norm_order``: the trailing norm (module docstring), here the head's
+    norm before the LM head.
     """
     plan = planned(
         signature(
             "hc_post_head", f, x, post, comb, head_fn, head_scale, head_base, rms_norm_eps,
-            hc_eps, batch_invariant, backend, out=out,
+            hc_eps, batch_invariant, norm_weight, norm_order, backend, out=out,
         ),
         lambda: _hc_post_head_plan(
             f, x, post, comb, head_fn, head_scale, head_base, rms_norm_eps, hc_eps,
-            batch_invariant, out, backend,
+            batch_invariant, out, backend, norm_weight, norm_order,
         ),
     )  # fmt: skip
     choice, post_choice, head_choice = plan
     args = (
         f, x, post, comb, head_fn, head_scale, head_base, float(rms_norm_eps), float(hc_eps),
-        choice, post_choice, head_choice,
+        choice, post_choice, head_choice, norm_weight, norm_order,
     )  # fmt: skip
     if out is None:
         return _ops_hc_post_head(*args)  # type: ignore[no-any-return]
@@ -557,6 +608,8 @@ def _hc_post_head_plan(
     batch_invariant: bool,
     out: Any,
     backend: str,
+    norm_weight: torch.Tensor | None = None,
+    norm_order: str = "official",
 ) -> tuple[str, str, str]:
     """Every check of hc_post_head's arguments, then (its backend, hc_post's, hc_head's)."""
     check_instance("batch_invariant", batch_invariant, bool)
@@ -565,8 +618,9 @@ def _hc_post_head_plan(
     dev = check_device([("x", x), ("f", f), ("post", post), ("comb", comb)])
     post_choice = select("hc_post", "auto", Facts(dev, (f.dtype, x.dtype), n=n, D=D))
     head_choice, _ = _hc_head_plan(
-        x, fn, scale, base, rms_norm_eps, hc_eps, batch_invariant, None, "auto", None
-    )
+        x, fn, scale, base, rms_norm_eps, hc_eps, batch_invariant, None, "auto", None,
+        norm_weight, norm_order,
+    )  # fmt: skip
     facts = Facts(
         dev, (f.dtype, x.dtype), n=n, D=D, eps=(rms_norm_eps, hc_eps),
         T=None if batch_invariant else T,

@@ -66,7 +66,7 @@ from .linear import LinearPack, eh_proj, pack_linear
 from .lm_head import HeadPack, lm_head_argmax, lm_head_logits, pack_head
 from .mhc import hc_head, hc_post, hc_post_head, hc_post_pre, hc_pre
 from .moe import MoEPack, moe, pack_moe
-from .norm import embed_norms, rms_norm
+from .norm import embed_norms
 from .step_guard import NO_BAD_ROW, step_guard
 
 if TYPE_CHECKING:
@@ -180,7 +180,7 @@ class MTPLayer(MTPLayerAPI):
     """
 
     ops = LayerOps(
-        rms_norm=rms_norm, hc_pre=hc_pre, hc_post=hc_post, attention=attention,
+        hc_pre=hc_pre, hc_post=hc_post, attention=attention,
         moe=moe, hc_post_pre=hc_post_pre, hc_post_head=hc_post_head,
         embed_norms=embed_norms, eh_proj=eh_proj,
     )  # fmt: skip
@@ -553,26 +553,24 @@ class MTPLayer(MTPLayerAPI):
         self, hidden: torch.Tensor, spec_step: int, head_input: torch.Tensor | None = None
     ) -> torch.Tensor:
         """hidden (T, nD) -> the rows the LM head reads (T, D): ``hc_head`` with the layer's
-        ``hc_head_*`` (or ``head_input``, its result from ``_run(head=True)``'s fused
-        ``hc_post_head``), then its ``norm`` (both the optimized ops)."""
+        ``hc_head_*`` ending in its ``norm`` (one optimized op), or ``head_input``, those rows
+        from ``_run(head=True)``'s fused ``hc_post_head``."""
+        if head_input is not None:
+            return head_input
         cfg = self.config
         p = self.layers[spec_step % len(self.layers)]
         T = hidden.shape[0]
-        y = head_input
-        if y is None:
-            y = hc_head(
-                hidden.view(T, cfg.hc_mult, cfg.hidden_size),
-                p.hc_head_fn,
-                p.hc_head_scale,
-                p.hc_head_base,
-                rms_norm_eps=cfg.rms_norm_eps,
-                hc_eps=cfg.hc_eps,
-                batch_invariant=self.batch_invariant,
-            )  # (T, D)
-        return rms_norm(
-            y, p.norm, cfg.rms_norm_eps, order=self.semantics.norm_order,
+        return hc_head(
+            hidden.view(T, cfg.hc_mult, cfg.hidden_size),
+            p.hc_head_fn,
+            p.hc_head_scale,
+            p.hc_head_base,
+            rms_norm_eps=cfg.rms_norm_eps,
+            hc_eps=cfg.hc_eps,
             batch_invariant=self.batch_invariant,
-        )  # fmt: skip
+            norm_weight=p.norm,
+            norm_order=self.semantics.norm_order,
+        )  # (T, D)
 
     def _logits(
         self, hidden: torch.Tensor, spec_step: int, head_input: torch.Tensor | None = None

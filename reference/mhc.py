@@ -6,6 +6,12 @@ The residual is ``n = hc_mult`` streams of width D, ``x: (T, n, D)``.  ``hc_pre`
 streams into the sublayer input and produces the ``post`` gates and the doubly-stochastic ``comb``
 mixing matrix; ``hc_post`` writes the sublayer output back into the streams; ``hc_head`` collapses
 the streams once more before the LM head.  All math is in promote(x.dtype, float32).
+
+The collapsing functions take the next RMSNorm's weight too (``norm_weight``, ``norm_order``):
+their collapsed output is then that norm of it, :func:`~.norm.rms_norm` with eps
+``rms_norm_eps``, as the layer applies attn_norm, ffn_norm and the head's norm next.  Here that
+is the two functions one after the other; the optimized kernels fold the norm into their last
+launch.
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ from dsv4mtp.checks import (
     compute_dtype,
 )
 from dsv4mtp.errors import InputError
+from dsv4mtp.semantics import NormOrder
 
 from .linear import rowwise_matmul
+from .norm import rms_norm
 
 __all__ = ["hc_head", "hc_post", "hc_post_head", "hc_post_pre", "hc_pre", "sinkhorn"]
 
@@ -71,6 +79,19 @@ def sinkhorn(logits: torch.Tensor, *, iters: int, eps: float) -> torch.Tensor:
     return p
 
 
+def _then_norm(
+    rows: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, order: NormOrder
+) -> torch.Tensor:
+    """``rows`` (T, D), or their RMSNorm with ``norm_weight`` (D,) where one is given."""
+    if order not in ("official", "vllm"):
+        raise InputError(f"norm_order: expected 'official' or 'vllm', got {order!r}")
+    if norm_weight is None:
+        return rows
+    check_dtype("norm_weight", norm_weight, FLOAT_DTYPES)
+    check_shape("norm_weight", norm_weight, (rows.shape[-1],))
+    return rms_norm(rows, norm_weight, eps, order=order)
+
+
 def hc_pre(
     x: torch.Tensor,
     fn: torch.Tensor,
@@ -82,6 +103,8 @@ def hc_pre(
     sinkhorn_iters: int,
     post_mult: float = 2.0,
     batch_invariant: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    norm_order: NormOrder = "official",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Collapse n streams into one sublayer input.
 
@@ -89,6 +112,8 @@ def hc_pre(
     scale: (3,) = [s_pre, s_post, s_comb]; base: (M,).
     Returns ``layer_input (T, D)`` in x.dtype, ``post (T, n)`` and ``comb (T, n, n)`` in the
     compute dtype, ``comb[t, j, k]`` moving source stream j into destination stream k.
+    With ``norm_weight`` (D,) layer_input is ``rms_norm(layer_input, norm_weight,
+    rms_norm_eps, order=norm_order)`` (module docstring).
     ``batch_invariant`` changes nothing: the reference is batch invariant by construction.
     """
     check_instance("batch_invariant", batch_invariant, bool)
@@ -108,8 +133,8 @@ def hc_pre(
     post = torch.sigmoid(mix[:, n : 2 * n] * s[1] + b[n : 2 * n]) * post_mult  # (T, n)
     comb_logits = mix[:, 2 * n :].view(T, n, n) * s[2] + b[2 * n :].view(n, n)  # (T, n, n)
     comb = sinkhorn(comb_logits, iters=sinkhorn_iters, eps=hc_eps)  # (T, n, n)
-    layer_input = (pre[:, :, None] * xf.view(T, n, D)).sum(dim=1)  # (T, D)
-    return layer_input.to(x.dtype), post, comb
+    layer_input = (pre[:, :, None] * xf.view(T, n, D)).sum(dim=1).to(x.dtype)  # (T, D)
+    return _then_norm(layer_input, norm_weight, rms_norm_eps, norm_order), post, comb
 
 
 def hc_post(
@@ -154,11 +179,14 @@ def hc_head(
     rms_norm_eps: float,
     hc_eps: float,
     batch_invariant: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    norm_order: NormOrder = "official",
 ) -> torch.Tensor:
     """Collapse the n streams before the LM head: (T, n, D) -> (T, D) in x.dtype.
 
     fn: (n, n*D); scale: (1,); base: (n,).  The RMS factor only scales the gate logits; the
-    weighted sum uses the un-normalized streams.  No post multiplier, no Sinkhorn.
+    weighted sum uses the un-normalized streams.  No post multiplier, no Sinkhorn.  With
+    ``norm_weight`` (D,): the head's RMSNorm of the result (module docstring).
     ``batch_invariant`` changes nothing: the reference is batch invariant by construction.
     """
     check_instance("batch_invariant", batch_invariant, bool)
@@ -171,7 +199,7 @@ def hc_head(
     mix = rowwise_matmul(xf, fn.to(cd).T) * _rms_factor(xf, rms_norm_eps)  # (T, n)
     gate = torch.sigmoid(mix * scale.to(cd)[0] + base.to(cd)) + hc_eps  # (T, n)
     y = (gate[:, :, None] * xf.view(T, n, D)).sum(dim=1)  # (T, D)
-    return y.to(x.dtype)
+    return _then_norm(y.to(x.dtype), norm_weight, rms_norm_eps, norm_order)
 
 
 def hc_post_pre(
@@ -188,6 +216,8 @@ def hc_post_pre(
     sinkhorn_iters: int,
     post_mult: float = 2.0,
     batch_invariant: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    norm_order: NormOrder = "official",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """hc_post of one sublayer, then hc_pre of the next (what the layer runs between them).
 
@@ -200,6 +230,7 @@ def hc_post_pre(
     layer_input, post_new, comb_new = hc_pre(
         x_new, fn, scale, base, rms_norm_eps=rms_norm_eps, hc_eps=hc_eps,
         sinkhorn_iters=sinkhorn_iters, post_mult=post_mult, batch_invariant=batch_invariant,
+        norm_weight=norm_weight, norm_order=norm_order,
     )  # fmt: skip
     return x_new, layer_input, post_new, comb_new
 
@@ -216,6 +247,8 @@ def hc_post_head(
     rms_norm_eps: float,
     hc_eps: float,
     batch_invariant: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    norm_order: NormOrder = "official",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's last hc_post, then hc_head: ``(x_new (T, n, D), head_input (T, D))``.
 
@@ -225,6 +258,6 @@ def hc_post_head(
     x_new = hc_post(f, x, post, comb, batch_invariant=batch_invariant)  # (T, n, D)
     head_input = hc_head(
         x_new, head_fn, head_scale, head_base, rms_norm_eps=rms_norm_eps, hc_eps=hc_eps,
-        batch_invariant=batch_invariant,
+        batch_invariant=batch_invariant, norm_weight=norm_weight, norm_order=norm_order,
     )  # fmt: skip
     return x_new, head_input  # (T, n, D), (T, D)

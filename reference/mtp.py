@@ -38,7 +38,7 @@ from .attention import attention
 from .linear import eh_proj
 from .mhc import hc_head, hc_post, hc_post_head, hc_post_pre, hc_pre
 from .moe import moe
-from .norm import embed_norms, rms_norm
+from .norm import embed_norms
 
 __all__ = ["PRESETS", "MTPLayer", "MTPLayerParams", "Semantics", "resolve_semantics"]
 
@@ -56,7 +56,7 @@ class MTPLayer(MTPLayerAPI):
     """
 
     ops = LayerOps(
-        rms_norm=rms_norm, hc_pre=hc_pre, hc_post=hc_post, attention=attention,
+        hc_pre=hc_pre, hc_post=hc_post, attention=attention,
         moe=moe, hc_post_pre=hc_post_pre, hc_post_head=hc_post_head,
         embed_norms=embed_norms, eh_proj=eh_proj,
     )  # fmt: skip
@@ -130,7 +130,8 @@ class MTPLayer(MTPLayerAPI):
         """:meth:`compute_logits` on a checked ``hidden``: the shared head in fp32 as the
         official ``ParallelHead`` (float64 when the layer runs in float64, so the oracle stays
         exact), in vocab chunks to bound temporary memory.  ``head_input``: hc_head of
-        ``hidden`` from ``_run(head=True)`` (the same function), else computed here."""
+        ``hidden`` through the head's norm from ``_run(head=True)`` (the same functions), else
+        computed here."""
         cfg = self.config
         p = self.layers[spec_step % len(self.layers)]
         T = hidden.shape[0]
@@ -145,11 +146,10 @@ class MTPLayer(MTPLayerAPI):
                 rms_norm_eps=cfg.rms_norm_eps,
                 hc_eps=cfg.hc_eps,
                 batch_invariant=self.batch_invariant,
-            )  # (T, D)
-        y = rms_norm(
-            y, p.norm, cfg.rms_norm_eps, order=self.semantics.norm_order,
-            batch_invariant=self.batch_invariant,
-        ).to(cd)  # fmt: skip
+                norm_weight=p.norm,
+                norm_order=self.semantics.norm_order,
+            )  # (T, D): hc_head, then the head's norm
+        y = y.to(cd)
         chunk = 16384
         parts = [y @ p.head[v : v + chunk].to(cd).T for v in range(0, cfg.vocab_size, chunk)]
         return torch.cat(parts, dim=1)  # (T, V)

@@ -45,7 +45,10 @@ The settings (each leaves out with its ``--no-*`` flag):
   (``mtp.GRAPH_COUNTERS`` 0);
 * "e / h products in two launches": eh_proj's e_proj and h_proj products as two launches of
   ``linear_kernel`` (h's adding e's rows) instead of one ``eh_linear_kernel`` launch over both
-  weights (``kernels/linear.py``, ``EH_ONE_LAUNCH``; T <= 16).
+  weights (``kernels/linear.py``, ``EH_ONE_LAUNCH``; T <= 16);
+* "norms launched": attn_norm, ffn_norm and the head's norm as ``rms_norm_kernel`` launches
+  after hc_pre's, hc_post_pre's and hc_post_head's apply launches (at their 4 warps: the same
+  bits) instead of in those launches' whole-row programs (``_ops.FUSE_NORM``).
 
 Probes, each a setting when its flag is given:
 
@@ -80,7 +83,7 @@ captured).
 Run (GPU machine, repository root, after the README's install):
 ``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms,eh_proj] [--no-guard]
 [--no-rope] [--no-qkv] [--no-mhc] [--no-kv] [--no-mask] [--no-topk] [--no-swiglu] [--no-align]
-[--no-arena] [--no-eh] [--prefetch-mb 32,48] [--align-warps 8,16] [--moe-split t1:8,t8:1]
+[--no-arena] [--no-eh] [--no-norm] [--prefetch-mb 32,48] [--align-warps 8,16] [--moe-split t1:8,t8:1]
 [--head-sched 256:64:8:4] [--align-chunked 64:8,128:16] [--priorities] [--linear-split-x 2]``
 (about two minutes).
 """
@@ -379,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-align", action="store_true", help="leave out the sort's own launch")
     ap.add_argument("--no-arena", action="store_true", help="leave out the memset-per-replay form")
     ap.add_argument("--no-eh", action="store_true", help="leave out eh_proj's two launches")
+    ap.add_argument("--no-norm", action="store_true", help="leave out the norms' own launches")
     ap.add_argument("--prefetch-mb", default="", help="head prefetch probes, e.g. 32,48")
     ap.add_argument("--align-warps", default="", help="one-program sort's warps, e.g. 8,16")
     ap.add_argument("--moe-split", default="", help="routed K splits, e.g. t1:8,t8:1")
@@ -432,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_eh:
         two = [(linear_kernels, "EH_ONE_LAUNCH", False)]
         settings["e / h products in two launches"] = (shipped, SHIPPED_GUARD, True, two)
+    if not args.no_norm:
+        launched = [(_ops, "FUSE_NORM", False)]
+        settings["norms launched"] = (shipped, SHIPPED_GUARD, True, launched)
     for mb in filter(None, args.prefetch_mb.split(",")):
         for mode, how in ((1, "bulk"), (2, "lines")):
             ops, patches = _head_prefetch(layer, shipped, int(mb) << 20, mode)

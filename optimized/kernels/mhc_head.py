@@ -52,6 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4mtp.errors import ConfigError
+
 from ._launch import (
     INTERPRET,
     TritonLaunch,
@@ -73,8 +75,36 @@ from ._sync import (
     take_ticket,
     wait_until,
 )
+from .mhc_pre_small import ROW_CHUNK, gate_of, weighted_row_norm
+from .rms_norm import row_meta
 
 __all__ = ["mhc_head_fma", "mhc_post_head_fma"]
+
+
+@triton.jit
+def _head_gates(
+    part_ptr, sq_ptr, scale_ptr, base_ptr, t, t_ok, T, K, rms_eps, hc_eps, S: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
+):  # fmt: skip
+    """The gates (BT, NP) of the tokens ``t`` (BT,): the S slots' partials summed in the fixed
+    order 0..S-1 (elementwise: the bits do not depend on BT, on T or on timing)."""
+    j2 = tl.arange(0, NP)[None, :]
+    part_row = part_ptr + t.to(tl.int64)[:, None] * MP
+    sq_tot = tl.zeros(t.shape, dtype=tl.float32)
+    pre_l = tl.zeros((t.shape[0], NP), dtype=tl.float32)
+    for ss in range(0, S):
+        slab_ss = (ss * T).to(tl.int64)
+        sq_tot += tl.load(sq_ptr + slab_ss + t, mask=t_ok, other=0.0, cache_modifier=".cg")
+        pre_l += tl.load(
+            part_row + slab_ss * MP + j2,
+            mask=t_ok[:, None] & (j2 < N),
+            other=0.0,
+            cache_modifier=".cg",
+        )
+    rstd = tl.math.rsqrt(sq_tot / K + rms_eps)[:, None]  # (BT, 1)
+    s_pre = tl.load(scale_ptr).to(tl.float32)
+    b_pre = tl.load(base_ptr + j2, mask=j2 < N, other=0.0).to(tl.float32)
+    return sigmoid(pre_l * rstd * s_pre + b_pre) + hc_eps  # (BT, NP)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -167,24 +197,18 @@ def mhc_head_fma_kernel(
         t3 = t.to(tl.int64)[:, None, None]
         # The block's tile again, from L2 (its mix streamed it moments ago).
         x = tl.load(x_ptr + t3 * K + j3 * D + d3, mask=(t3 < T) & (j3 < N) & (d3 < D), other=0.0)
-        part_row = part_ptr + t.to(tl.int64)[:, None] * MP
-        sq_tot = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        pre_l = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
+        gate = _head_gates(
+            part_ptr, sq_ptr, scale_ptr, base_ptr, t, t_ok, T, K, rms_eps, hc_eps, S, N, NP, MP
+        )  # (BT, NP)
+        # Streams added in the order 0..n-1, each picked out of the tile exactly (a sum of
+        # zeros and one value): elementwise, so the whole-row programs (NORM) add them alike.
         j2 = j[None, :]
-        for ss in range(0, S):  # fixed order: the sum does not depend on T or on timing
-            slab_ss = (ss * T).to(tl.int64)
-            sq_tot += tl.load(sq_ptr + slab_ss + t, mask=t_ok, other=0.0, cache_modifier=".cg")
-            pre_l += tl.load(
-                part_row + slab_ss * MP + j2,
-                mask=t_ok[:, None] & (j2 < N),
-                other=0.0,
-                cache_modifier=".cg",
-            )
-        rstd = tl.math.rsqrt(sq_tot / K + rms_eps)[:, None]  # (BT, 1)
-        s_pre = tl.load(scale_ptr).to(tl.float32)
-        b_pre = tl.load(base_ptr + j2, mask=j2 < N, other=0.0).to(tl.float32)
-        gate = sigmoid(pre_l * rstd * s_pre + b_pre) + hc_eps  # (BT, NP)
-        y = tl.sum(gate[:, :, None] * x.to(tl.float32), axis=1)  # (BT, BD)
+        xf = x.to(tl.float32)
+        y = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        for jj in tl.static_range(N):
+            g = tl.sum(tl.where(j2 == jj, gate, 0.0), axis=1)  # (BT,): gate jj, exact
+            xj = tl.sum(tl.where(j3 == jj, xf, 0.0), axis=1)  # (BT, BD), exact
+            y += g[:, None] * xj
         out_ok = t_ok[:, None] & (d[None, :] < D)
         out_ptrs = out_ptr + t.to(tl.int64)[:, None] * D + d[None, :]
         out_ty = out_ptr.dtype.element_ty
@@ -195,12 +219,40 @@ def mhc_head_fma_kernel(
         finish(count_ptr, (blocks + 1) * S, blocks, 256)
 
 
+@triton.jit(do_not_specialize=["T"])
+def mhc_head_norm_apply_kernel(
+    x_ptr, scale_ptr, base_ptr, part_ptr, sq_ptr, out_ptr, w_ptr, T, D, rms_eps, hc_eps,
+    S: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
+    VLLM_ORDER: tl.constexpr, D_C: tl.constexpr, ROW_CHUNK: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, NORM_CHUNKS: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """The apply launch of the two-launch form when the head's RMSNorm follows (grid (T,)):
+    program t forms token t's gates (the block programs' elementwise sums, so the same bits)
+    and writes its whole row, then normalizes it in place with the weight ``w_ptr`` (D,)
+    (mhc_pre_small.weighted_row_norm; VLLM_ORDER as rms_norm_kernel's; D_C = D, the row's
+    chunk loop needs it constant)."""
+    row = tl.program_id(0)
+    t = row + tl.arange(0, 1)  # (1,)
+    gate = _head_gates(
+        part_ptr, sq_ptr, scale_ptr, base_ptr, t, t < T, T, N * D, rms_eps, hc_eps, S, N, NP, MP
+    )  # (1, NP)
+    gates = ()  # type: tuple[tl.tensor, ...]
+    for jj in tl.static_range(N):
+        gates = gates + (gate_of(gate, 0, jj),)  # noqa: RUF005
+    r64 = row.to(tl.int64)
+    weighted_row_norm(
+        x_ptr + r64 * (N * D_C), gates, out_ptr + r64 * D_C, w_ptr, D, rms_eps, D_C, N,
+        ROW_CHUNK, VLLM_ORDER, NORM_BLOCK, NORM_CHUNKS, INTERP,
+    )  # fmt: skip
+
+
 @functools.cache
 def _launches(
-    n: int, D: int, one_launch: bool, fuse_post: bool = False
+    n: int, D: int, one_launch: bool, fuse_post: bool = False, norm: str | None = None
 ) -> tuple[int, int, int, tuple[TritonLaunch, ...]]:
     """(block_t, S, MP, the launches) for one (n, D, form); built once.  ``fuse_post``: the
-    two-launch form with hc_post in the mix (the apply launch is the plain one)."""
+    two-launch form with hc_post in the mix (the apply launch is the plain one); ``norm`` None,
+    or the norm order ("official" / "vllm") of the two-launch form's whole-row apply."""
     NP = next_pow2(n)
     # 4 tokens x 256 columns x 4 warps: the fastest of six tiles tried on the H200 at T 1 and
     # T 4096, both D (bench/results/mhc-h200.md, "How the schedules were picked").  The
@@ -213,7 +265,7 @@ def _launches(
     S = cdiv(D, block_d)
     MP = max(16, next_pow2(n))
     meta = dict(S=S, N=n, NP=NP, MP=MP, BLOCK_T=block_t, BLOCK_D=block_d, INTERP=INTERPRET,
-                num_warps=4)  # fmt: skip
+                num_warps=NUM_WARPS)  # fmt: skip
     phases = [(True, True)] if one_launch else [(True, False), (False, True)]
     launches = tuple(
         triton_launch(
@@ -221,25 +273,51 @@ def _launches(
         )
         for mix, apply in phases
     )
+    if norm is not None:
+        assert not one_launch
+        nm = row_meta(D, NUM_WARPS)  # rms_norm_kernel's chunk for rows of D
+        apply = triton_launch(
+            mhc_head_norm_apply_kernel, S=S, N=n, NP=NP, MP=MP, VLLM_ORDER=norm == "vllm", D_C=D,
+            ROW_CHUNK=min(ROW_CHUNK, next_pow2(D)), NORM_BLOCK=nm["BLOCK_D"],
+            NORM_CHUNKS=nm["NUM_CHUNKS"], INTERP=INTERPRET, num_warps=NUM_WARPS,
+        )  # fmt: skip
+        launches = (launches[0], apply)
     return block_t, S, MP, launches
 
+
+#: Warps of every launch here; the whole-row apply's norm is rms_norm_triton's at this count.
+NUM_WARPS = 4
 
 # A call's plan: (grid, launches, part, sq, counter entries: 0 without counters).
 _Plan = tuple[tuple[int], tuple[TritonLaunch, ...], torch.Tensor, torch.Tensor, int]
 
 
 def _plan(
-    device: torch.device, T: int, n: int, D: int, one_launch: bool, fuse_post: bool = False
-) -> _Plan:
+    device: torch.device, T: int, n: int, D: int, one_launch: bool, fuse_post: bool = False,
+    norm: str | None = None,
+) -> _Plan:  # fmt: skip
     """Everything of a call but its tensors and scalars; kept per (shapes, stream) by
     :func:`~._launch.plan`."""
-    block_t, S, MP, launches = _launches(n, D, one_launch, fuse_post)
+    block_t, S, MP, launches = _launches(n, D, one_launch, fuse_post, norm)
     blocks = cdiv(T, block_t)
     part, sq = workspaces("mhc_head_fma", device, S * T * MP, S * T)  # (S, T, MP), (S, T)
     # One launch: one extra block of programs, which only apply (see the kernel).
     grid = ((blocks + 1) * S,) if one_launch else (blocks * S,)
     counts = COUNTER_HEADER + blocks if one_launch else 0
     return grid, launches, part, sq, counts
+
+
+def _norm_order(norm_weight: torch.Tensor | None, vllm_order: bool) -> str | None:
+    return None if norm_weight is None else "vllm" if vllm_order else "official"
+
+
+def _norm_apply(
+    launch: TritonLaunch, x: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+    part: torch.Tensor, sq: torch.Tensor, out: torch.Tensor, w: torch.Tensor, eps: tuple,
+) -> None:  # fmt: skip
+    """The whole-row apply launch over x's T rows (grid (T,))."""
+    T, _, D = x.shape
+    launch((T,), x, scale, base, part, sq, out, w, T, D, *eps)
 
 
 def mhc_head_fma(
@@ -252,22 +330,36 @@ def mhc_head_fma(
     rms_norm_eps: float,
     hc_eps: float,
     one_launch: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    vllm_order: bool = False,
 ) -> None:
     """Collapse x (T, n, D) into ``out`` (T, D); contiguous inputs on one device, scale / base
     in fp32 (validated by the caller).  Two launches (mix, then gates and output), or with
-    ``one_launch`` one ticketed launch: the same arithmetic (module docstring)."""
+    ``one_launch`` one ticketed launch: the same arithmetic (module docstring).
+    ``norm_weight`` (D,) contiguous (two launches only): ``out`` is the RMSNorm of the
+    collapsed rows instead (eps ``rms_norm_eps``; ``vllm_order`` as rms_norm's), formed by one
+    whole-row apply program per token (:func:`mhc_head_norm_apply_kernel`): bitwise the
+    collapse followed by ``rms_norm_triton(..., num_warps=NUM_WARPS)``, one launch and one read
+    of the collapsed rows fewer."""
     T, n, D = x.shape
     if T == 0:
         return
     dev = x.device
-    grid, launches, part, sq, counts = plan(_plan, dev, T, n, D, one_launch)
+    norm = _norm_order(norm_weight, vllm_order)
+    if norm is not None and one_launch:
+        raise ConfigError("mhc_head_fma: norm_weight takes the two-launch form, not one_launch")
+    grid, launches, part, sq, counts = plan(_plan, dev, T, n, D, one_launch, False, norm)
     # Asked per call, not kept in the plan: _sync.counters owns the rule (fresh on the CPU, a
     # piece of the capture's arena while capturing, the stream's zeroed buffer otherwise).
     count = counters(dev, counts) if counts else sq
     # no hc_post: its four pointers (after out) are not read
-    args = (x, fn, scale, base, part, sq, count, out, x, x, x, x, T, D, float(rms_norm_eps),
-            float(hc_eps))  # fmt: skip
-    launch_each(launches, grid, args)
+    eps = (float(rms_norm_eps), float(hc_eps))
+    args = (x, fn, scale, base, part, sq, count, out, x, x, x, x, T, D, *eps)
+    if norm_weight is None:
+        launch_each(launches, grid, args)
+        return
+    launches[0](grid, *args)
+    _norm_apply(launches[1], x, scale, base, part, sq, out, norm_weight, eps)
 
 
 def mhc_post_head_fma(
@@ -283,17 +375,24 @@ def mhc_post_head_fma(
     *,
     rms_norm_eps: float,
     hc_eps: float,
+    norm_weight: torch.Tensor | None = None,
+    vllm_order: bool = False,
 ) -> None:
     """hc_post (f, x, post, comb) into ``x_out`` (T, n, D), then hc_head of it into ``out``
     (T, D): the two launches of :func:`mhc_head_fma`, the mix forming each tile of x_out from
     f (T, D), x, post (T, n) and comb (T, n, n) fp32 (``FUSE_POST``), the apply reading x_out.
     Bitwise hc_post's Triton kernel followed by :func:`mhc_head_fma`.  x_out must not overlap
     x.  Extra bytes over mhc_head_fma: f (T*D) and post / comb read, x_out (T*n*D) written
-    once; the separate hc_post launch and its x_out re-read are what it saves."""
+    once; the separate hc_post launch and its x_out re-read are what it saves.
+    ``norm_weight``, ``vllm_order``: as :func:`mhc_head_fma`'s."""
     T, n, D = x.shape
     if T == 0:
         return
-    grid, (mix, apply), part, sq, _ = plan(_plan, x.device, T, n, D, False, True)
+    norm = _norm_order(norm_weight, vllm_order)
+    grid, (mix, apply), part, sq, _ = plan(_plan, x.device, T, n, D, False, True, norm)
     eps = (float(rms_norm_eps), float(hc_eps))
     mix(grid, x, fn, scale, base, part, sq, sq, out, f, post, comb, x_out, T, D, *eps)
+    if norm_weight is not None:
+        _norm_apply(apply, x_out, scale, base, part, sq, out, norm_weight, eps)
+        return
     apply(grid, x_out, fn, scale, base, part, sq, sq, out, x_out, x_out, x_out, x_out, T, D, *eps)

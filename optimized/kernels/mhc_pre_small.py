@@ -79,8 +79,16 @@ from ._launch import (
     triton_launch,
     workspaces,
 )
+from .rms_norm import norm_row, row_meta
 
-__all__ = ["PreFmaConfig", "mhc_post_pre_fma", "mhc_pre_fma", "pre_fma_config"]
+__all__ = [
+    "PreFmaConfig",
+    "gate_of",
+    "mhc_post_pre_fma",
+    "mhc_pre_fma",
+    "pre_fma_config",
+    "weighted_row_norm",
+]
 
 
 @triton.jit
@@ -237,16 +245,98 @@ def _post_comb(
     tl.store(comb_ptr + t3 * (N * N) + jr * N + kc, p, mask=t_ok[:, None, None] & jk_ok)
 
 
+@triton.jit
+def _pre_gates(
+    part_ptr, sq_ptr, scale_ptr, base_ptr, t, t_ok, T, K, rms_eps, hc_eps, S: tl.constexpr,
+    SP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr,
+):  # fmt: skip
+    """The pre gates (BT, NP) of the tokens ``t`` (BT,): the pre rows and square sums of all S
+    slots as one tile each and the parameters, all loaded before the first sum (see the mix
+    kernel), each value summed by one tree over the slots.  The tree follows the tile's layout,
+    so every caller passes the same BT (the apply's BLOCK_TA) for the same bits."""
+    t64 = t.to(tl.int64)
+    j = tl.arange(0, NP)
+    j2 = j[None, :]
+    sl = tl.arange(0, SP)
+    s2 = sl[:, None]
+    sq_all = tl.load(sq_ptr + s2 * T + t64[None, :], mask=(s2 < S) & t_ok[None, :],
+                     other=0.0, cache_modifier=".cg")  # fmt: skip
+    s3 = sl[:, None, None]
+    row3 = part_ptr + (s3 * T + t64[None, :, None]) * M  # (SP, BT, 1)
+    pre_all = tl.load(row3 + j[None, None, :],
+                      mask=(s3 < S) & t_ok[None, :, None] & (j[None, None, :] < N),
+                      other=0.0, cache_modifier=".cg")  # fmt: skip
+    s_pre = tl.load(scale_ptr).to(tl.float32)
+    b_pre = tl.load(base_ptr + j2, mask=j2 < N, other=0.0).to(tl.float32)
+    sq_tot = tl.sum(sq_all, axis=0)  # (BT,)
+    pre_l = tl.sum(pre_all, axis=0)  # (BT, NP)
+    rstd = tl.math.rsqrt(sq_tot / K + rms_eps)[:, None]  # (BT, 1)
+    return sigmoid(pre_l * rstd * s_pre + b_pre) + hc_eps  # (BT, NP)
+
+
+@triton.jit
+def gate_of(gate, row, jj):
+    """Entry (row, jj) of a (BT, NP) gate tile as a scalar, exactly (a sum of zeros and one
+    value; the gates are > 0, so no signed zero is lost)."""
+    bt = tl.arange(0, gate.shape[0])[:, None]
+    j2 = tl.arange(0, gate.shape[1])[None, :]
+    return tl.sum(tl.sum(tl.where((bt == row) & (j2 == jj), gate, 0.0), axis=1), axis=0)
+
+
+@triton.jit
+def weighted_row_norm(
+    x_row, gates, o_row, w_ptr, D_RT, eps, D: tl.constexpr, N: tl.constexpr,
+    CHUNK: tl.constexpr, VLLM_ORDER: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    NORM_CHUNKS: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """One token's whole row, for the apply launches that end in the sublayer's RMSNorm:
+    ``y = sum_j gates[j] * x_j`` over its n streams (D apart from ``x_row``; ``gates`` a tuple of
+    n fp32 scalars), the streams added in the order 0..n-1 as the column-piece programs add them
+    (the same elementwise ops: the same bits), rounded to o_row's dtype and stored to ``o_row``;
+    then, after a CTA barrier that makes those stores visible to every thread of the program,
+    :func:`~.rms_norm.norm_row` over ``o_row`` in place (its second walk reads and writes each
+    element in the same thread), with ``D_RT`` (= D, a runtime int as in rms_norm_kernel) and
+    rms_norm_kernel's chunk: bitwise ``rms_norm_triton`` of the stored row at this launch's
+    warp count.  All 2n-per-chunk loads are issued before the first product (one memory round
+    trip for the row; see the mix kernel)."""
+    out_ty = o_row.dtype.element_ty
+    NCH: tl.constexpr = (D + CHUNK - 1) // CHUNK
+    xs = ()  # type: tuple[tl.tensor, ...]
+    for c in tl.static_range(NCH):
+        d = c * CHUNK + tl.arange(0, CHUNK)
+        for jj in tl.static_range(N):
+            xs = xs + (tl.load(x_row + jj * D + d, mask=d < D, other=0.0),)  # noqa: RUF005
+    for c in tl.static_range(NCH):
+        d = c * CHUNK + tl.arange(0, CHUNK)
+        y = tl.zeros((CHUNK,), dtype=tl.float32)
+        for jj in tl.static_range(N):
+            y += gates[jj] * xs[c * N + jj].to(tl.float32)
+        y = rne_bf16_if_interpreted(y, out_ty, INTERP)
+        tl.store(o_row + d, y.to(out_ty), mask=d < D)
+    tl.debug_barrier()
+    norm_row(
+        o_row, w_ptr, o_row, D_RT, eps, True, False, True, VLLM_ORDER, NORM_BLOCK, NORM_CHUNKS,
+        INTERP,
+    )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["T"])
 def mhc_pre_apply_kernel(
-    x_ptr, scale_ptr, base_ptr, part_ptr, sq_ptr, out_ptr, post_ptr, comb_ptr,
-    T, rms_eps, hc_eps, post_mult,
+    x_ptr, scale_ptr, base_ptr, part_ptr, sq_ptr, out_ptr, post_ptr, comb_ptr, w_ptr,
+    T, D_RT, rms_eps, hc_eps, post_mult,
     D: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, S: tl.constexpr,
     SP: tl.constexpr, SINKHORN_ITERS: tl.constexpr, TPP: tl.constexpr, SA: tl.constexpr,
-    BLOCK_TA: tl.constexpr, BLOCK_DA: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_TA: tl.constexpr, BLOCK_DA: tl.constexpr, NORM: tl.constexpr,
+    VLLM_ORDER: tl.constexpr, ROW_CHUNK: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    NORM_CHUNKS: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(T, TPP) + cdiv(T, BLOCK_TA) * SA,): reducers first (post, comb), then the
-    pieces of layer_input, program cdiv(T, TPP) + q * SA + s = token block q, column piece s."""
+    pieces of layer_input, program cdiv(T, TPP) + q * SA + s = token block q, column piece s.
+
+    ``NORM``: grid (cdiv(T, TPP) + T,): after the reducers one program per token writes its
+    whole row and normalizes it in place with the weight ``w_ptr`` (D,) (:func:`weighted_row_
+    norm`; VLLM_ORDER as rms_norm_kernel's); its gates come from its BLOCK_TA-token block's tile,
+    as the pieces form them.  Without NORM, ``w_ptr`` and D_RT are not read."""
     pid = tl.program_id(0)
     K = N * D
     reducers = tl.cdiv(T, TPP)
@@ -255,6 +345,22 @@ def mhc_pre_apply_kernel(
         _post_comb(
             part_ptr, sq_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, tr, tr < T, T, K,
             rms_eps, hc_eps, post_mult, S, SP, SINKHORN_ITERS, N, NP, M,
+        )  # fmt: skip
+    elif NORM:
+        row = pid - reducers  # the token
+        q = row // BLOCK_TA
+        t = q * BLOCK_TA + tl.arange(0, BLOCK_TA)  # (BT,): the block whose gate tile it forms
+        gate = _pre_gates(
+            part_ptr, sq_ptr, scale_ptr, base_ptr, t, t < T, T, K, rms_eps, hc_eps, S, SP, N,
+            NP, M,
+        )  # fmt: skip
+        gates = ()  # type: tuple[tl.tensor, ...]
+        for jj in tl.static_range(N):
+            gates = gates + (gate_of(gate, row - q * BLOCK_TA, jj),)  # noqa: RUF005
+        r64 = row.to(tl.int64)
+        weighted_row_norm(
+            x_ptr + r64 * K, gates, out_ptr + r64 * D, w_ptr, D_RT, rms_eps, D, N, ROW_CHUNK,
+            VLLM_ORDER, NORM_BLOCK, NORM_CHUNKS, INTERP,
         )  # fmt: skip
     else:
         a = pid - reducers
@@ -267,25 +373,13 @@ def mhc_pre_apply_kernel(
         j2 = j[None, :]
         d = s * BLOCK_DA + tl.arange(0, BLOCK_DA)  # (BD,)
         ok = t_ok[:, None] & (d[None, :] < D)
-        # The pre rows and square sums of all S slots as one tile each and the parameters, all
-        # loaded before the first sum (see the mix kernel).  The x tile comes after the gates:
-        # loaded first too, ptxas (12.9) capped the kernel at 32 registers with kilobytes of
-        # spills; it was read moments ago by the mix, so the second round trip is an L2 hit.
-        sl = tl.arange(0, SP)
-        s2 = sl[:, None]
-        sq_all = tl.load(sq_ptr + s2 * T + t64[None, :], mask=(s2 < S) & t_ok[None, :],
-                         other=0.0, cache_modifier=".cg")  # fmt: skip
-        s3 = sl[:, None, None]
-        row3 = part_ptr + (s3 * T + t64[None, :, None]) * M  # (SP, BT, 1)
-        pre_all = tl.load(row3 + j[None, None, :],
-                          mask=(s3 < S) & t_ok[None, :, None] & (j[None, None, :] < N),
-                          other=0.0, cache_modifier=".cg")  # fmt: skip
-        s_pre = tl.load(scale_ptr).to(tl.float32)
-        b_pre = tl.load(base_ptr + j2, mask=j2 < N, other=0.0).to(tl.float32)
-        sq_tot = tl.sum(sq_all, axis=0)  # (BT,)
-        pre_l = tl.sum(pre_all, axis=0)  # (BT, NP)
-        rstd = tl.math.rsqrt(sq_tot / K + rms_eps)[:, None]  # (BT, 1)
-        gate = sigmoid(pre_l * rstd * s_pre + b_pre) + hc_eps  # (BT, NP)
+        # The gates first; the x tile after them: loaded first too, ptxas (12.9) capped the
+        # kernel at 32 registers with kilobytes of spills; it was read moments ago by the mix,
+        # so the second round trip is an L2 hit.
+        gate = _pre_gates(
+            part_ptr, sq_ptr, scale_ptr, base_ptr, t, t_ok, T, K, rms_eps, hc_eps, S, SP, N,
+            NP, M,
+        )  # fmt: skip
         # Streams added in the order 0..n-1, each picked out of the tile exactly (a sum of
         # zeros and one value), as the collapse's apply does.
         j3 = j[None, :, None]
@@ -365,21 +459,32 @@ def pre_fma_config(n: int, D: int, tokens: int | None = None) -> PreFmaConfig:
                         block_da=block_da, num_warps=4)  # fmt: skip
 
 
+#: Columns per chunk of the whole-row programs (``NORM``): 4 streams x 1024 bf16 columns are
+#: 32 registers per thread at 4 warps, the whole row's loads (4 chunks at D 4096, 7 at 7168)
+#: 64 / 112; under the interpreter a smaller chunk, so that the CPU tier's rows have several.
+ROW_CHUNK = 64 if INTERPRET else 1024
+
+
 @functools.cache
 def _launches(
-    cfg: PreFmaConfig, n: int, D: int, sinkhorn_iters: int, fuse_post: bool = False
-) -> tuple[tuple[int, int, int], TritonLaunch, TritonLaunch]:
-    """((S, G, SA), mix launch, apply launch) of one schedule and shape."""
+    cfg: PreFmaConfig, n: int, D: int, sinkhorn_iters: int, fuse_post: bool = False,
+    norm: str | None = None,
+) -> tuple[tuple[int, int, int], TritonLaunch, TritonLaunch]:  # fmt: skip
+    """((S, G, SA), mix launch, apply launch) of one schedule and shape; ``norm`` None, or the
+    norm order ("official" / "vllm") the apply's whole-row programs end in."""
     M = (2 + n) * n
     S, G, SA = cdiv(D, cfg.block_d), cdiv(M, cfg.rows), cdiv(D, cfg.block_da)
     mix = triton_launch(
         mhc_pre_mix_kernel, D=D, N=n, M=M, S=S, G=G, ROWS=cfg.rows, BLOCK_T=cfg.block_t,
         BLOCK_D=cfg.block_d, FUSE_POST=fuse_post, INTERP=INTERPRET, num_warps=cfg.num_warps,
     )  # fmt: skip
+    nm = row_meta(D, cfg.num_warps)  # rms_norm_kernel's chunk for rows of D
     apply = triton_launch(
         mhc_pre_apply_kernel, D=D, N=n, NP=next_pow2(n), M=M, S=S, SP=next_pow2(S),
         SINKHORN_ITERS=sinkhorn_iters, TPP=cfg.tpp, SA=SA, BLOCK_TA=cfg.block_ta,
-        BLOCK_DA=cfg.block_da, INTERP=INTERPRET, num_warps=cfg.num_warps,
+        BLOCK_DA=cfg.block_da, NORM=norm is not None, VLLM_ORDER=norm == "vllm",
+        ROW_CHUNK=min(ROW_CHUNK, next_pow2(D)), NORM_BLOCK=nm["BLOCK_D"],
+        NORM_CHUNKS=nm["NUM_CHUNKS"], INTERP=INTERPRET, num_warps=cfg.num_warps,
     )  # fmt: skip
     return (S, G, SA), mix, apply
 
@@ -397,18 +502,24 @@ def _plan(
     cfg: PreFmaConfig | None,
     fuse_post: bool = False,
     by_tokens: bool = False,
+    norm: str | None = None,
 ) -> _Plan:
     """Everything of a call but its tensors and scalars; kept per (shapes, stream) by
     :func:`~._launch.plan`.  ``cfg`` None: the default schedule, of T tokens with
     ``by_tokens``."""
     cfg = cfg or pre_fma_config(n, D, T if by_tokens else None)
-    (S, G, SA), mix, apply = _launches(cfg, n, D, sinkhorn_iters, fuse_post)
+    (S, G, SA), mix, apply = _launches(cfg, n, D, sinkhorn_iters, fuse_post, norm)
     M = (2 + n) * n
     # (S, T, M), (S, T): written by the mix before the second launch reads them.
     part, sq = workspaces("mhc_pre_fma", device, S * T * M, S * T)
     mix_grid = (cdiv(T, cfg.block_t) * S * G,)
-    apply_grid = (cdiv(T, cfg.tpp) + cdiv(T, cfg.block_ta) * SA,)
+    pieces = T if norm is not None else cdiv(T, cfg.block_ta) * SA
+    apply_grid = (cdiv(T, cfg.tpp) + pieces,)
     return mix_grid, apply_grid, mix, apply, part, sq
+
+
+def _norm_order(norm_weight: torch.Tensor | None, vllm_order: bool) -> str | None:
+    return None if norm_weight is None else "vllm" if vllm_order else "official"
 
 
 def mhc_pre_fma(
@@ -426,6 +537,8 @@ def mhc_pre_fma(
     sinkhorn_iters: int,
     cfg: PreFmaConfig | None = None,
     by_tokens: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    vllm_order: bool = False,
 ) -> None:
     """hc_pre of x (T, n, D) into ``out`` (T, D), ``post`` (T, n) and ``comb`` (T, n, n).
 
@@ -433,18 +546,24 @@ def mhc_pre_fma(
     caller).  Two launches: the mix, then the reducers and the weighted sum (module docstring).
     ``cfg``: a schedule other than :func:`pre_fma_config`'s (tile sweeps and tests);
     ``by_tokens``: the default schedule of T tokens (``batch_invariant=False``) instead of the
-    T-independent one.
+    T-independent one.  ``norm_weight`` (D,) contiguous: ``out`` is the sublayer's RMSNorm of
+    layer_input instead (eps ``rms_norm_eps``; ``vllm_order`` as rms_norm's), formed in the
+    apply launch by one whole-row program per token (``NORM``): bitwise layer_input followed by
+    ``rms_norm_triton(..., num_warps=cfg.num_warps)``, one launch and one read of layer_input
+    fewer.
     """
     T, n, D = x.shape
     if T == 0:
         return
+    norm = _norm_order(norm_weight, vllm_order)
     mix_grid, apply_grid, mix, apply, part, sq = plan(
-        _plan, x.device, T, n, D, int(sinkhorn_iters), cfg, False, by_tokens
+        _plan, x.device, T, n, D, int(sinkhorn_iters), cfg, False, by_tokens, norm
     )
     mix(mix_grid, x, fn, part, sq, x, x, x, x, T)  # no hc_post: its pointers are not read
     apply(
-        apply_grid, x, scale, base, part, sq, out, post, comb, T, float(rms_norm_eps),
-        float(hc_eps), float(post_mult),
+        apply_grid, x, scale, base, part, sq, out, post, comb,
+        x if norm_weight is None else norm_weight, T, D, float(rms_norm_eps), float(hc_eps),
+        float(post_mult),
     )  # fmt: skip
 
 
@@ -466,6 +585,8 @@ def mhc_post_pre_fma(
     post_mult: float,
     sinkhorn_iters: int,
     by_tokens: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    vllm_order: bool = False,
 ) -> None:
     """hc_post (a, x, post_in, comb_in) into ``x_out`` (T, n, D), then hc_pre of it into
     ``out`` (T, D), ``post`` (T, n), ``comb`` (T, n, n): the same two launches as
@@ -476,16 +597,18 @@ def mhc_post_pre_fma(
     first stores x_out).  Extra bytes over mhc_pre_fma: a (T*D) and post / comb read, x_out
     (T*n*D) written once; the separate hc_post launch and its x_out re-read are what it saves.
     ``by_tokens``: as :func:`mhc_pre_fma`'s (then bitwise hc_post followed by :func:`mhc_pre_fma`
-    with ``by_tokens`` too).
+    with ``by_tokens`` too); ``norm_weight``, ``vllm_order``: as :func:`mhc_pre_fma`'s.
     """
     T, n, D = x.shape
     if T == 0:
         return
+    norm = _norm_order(norm_weight, vllm_order)
     mix_grid, apply_grid, mix, apply, part, sq = plan(
-        _plan, x.device, T, n, D, int(sinkhorn_iters), None, True, by_tokens
+        _plan, x.device, T, n, D, int(sinkhorn_iters), None, True, by_tokens, norm
     )
     mix(mix_grid, x, fn, part, sq, a, post_in, comb_in, x_out, T)
     apply(
-        apply_grid, x_out, scale, base, part, sq, out, post, comb, T, float(rms_norm_eps),
+        apply_grid, x_out, scale, base, part, sq, out, post, comb,
+        x_out if norm_weight is None else norm_weight, T, D, float(rms_norm_eps),
         float(hc_eps), float(post_mult),
     )  # fmt: skip

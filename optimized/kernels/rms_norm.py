@@ -16,7 +16,7 @@ Bytes: x read once from HBM, out written once, weight once per row (L2): 2*R*D*i
 
 :func:`embed_norms_kernel` runs the MTP layer's two entry norms as one launch: the embedding
 rows gathered by token id (and zeroed at position 0 under ``mask_pos0``) through ``enorm``, and
-the previous hidden streams through ``hnorm``.  Every row runs :func:`_norm_row`, the body of
+the previous hidden streams through ``hnorm``.  Every row runs :func:`norm_row`, the body of
 :func:`rms_norm_kernel`, with the same chunk and warp count, so each output row is bitwise the
 one :func:`rms_norm_kernel` writes for that row; the launch replaces the gather and the two
 norm launches (and, under ``mask_pos0``, the mask's comparison, fill and ``where``).
@@ -25,6 +25,7 @@ norm launches (and, under ``mask_pos0``, the mask's comparison, fill and ``where
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
@@ -32,11 +33,11 @@ import triton.language as tl
 
 from ._launch import INTERPRET, TritonLaunch, next_pow2, rne_bf16_if_interpreted, triton_launch
 
-__all__ = ["embed_norms_triton", "rms_norm_triton"]
+__all__ = ["embed_norms_triton", "norm_row", "rms_norm_triton", "row_meta"]
 
 
 @triton.jit
-def _norm_row(
+def norm_row(
     x_row,
     w_ptr,
     o_row,
@@ -99,7 +100,7 @@ def rms_norm_kernel(
     INTERP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    _norm_row(
+    norm_row(
         x_ptr + row * X_STRIDE, w_ptr, out_ptr + row * D, D, eps, True, False, HAS_WEIGHT,
         VLLM_ORDER, BLOCK_D, NUM_CHUNKS, INTERP,
     )  # fmt: skip
@@ -138,7 +139,7 @@ def embed_norms_kernel(
                 keep = tl.load(pos_ptr + pid) != 0
             else:
                 keep = True
-            _norm_row(
+            norm_row(
                 embed_ptr + tok * E_STRIDE, enorm_ptr, e_row, D, eps, keep, MASK_POS0, True,
                 VLLM_ORDER, BLOCK_D, NUM_CHUNKS, INTERP,
             )  # fmt: skip
@@ -149,7 +150,7 @@ def embed_norms_kernel(
                 tl.store(e_row + d, nan.to(e_out_ptr.dtype.element_ty), mask=d < D)
     else:
         row = pid - T
-        _norm_row(
+        norm_row(
             h_ptr + row * D, hnorm_ptr, h_out_ptr + row * D, D, eps, True, False, True,
             VLLM_ORDER, BLOCK_D, NUM_CHUNKS, INTERP,
         )  # fmt: skip
@@ -162,9 +163,10 @@ def default_num_warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
-def _row_meta(D: int, num_warps: int | None = None) -> dict[str, object]:
-    """A row program's chunk, chunk count and warps for rows of D (both kernels: the same
-    reduction tree for every row of either)."""
+def row_meta(D: int, num_warps: int | None = None) -> dict[str, Any]:
+    """A row program's chunk, chunk count and warps for rows of D (every kernel that runs
+    :func:`norm_row`: the same reduction tree for every row of any of them at one warp
+    count)."""
     block = min(8192, next_pow2(D))
     return dict(
         BLOCK_D=block,
@@ -175,7 +177,7 @@ def _row_meta(D: int, num_warps: int | None = None) -> dict[str, object]:
 
 
 def _launch(D: int, has_weight: bool, vllm_order: bool, num_warps: int | None) -> TritonLaunch:
-    meta = _row_meta(D, num_warps)
+    meta = row_meta(D, num_warps)
     return triton_launch(rms_norm_kernel, HAS_WEIGHT=has_weight, VLLM_ORDER=vllm_order, **meta)
 
 
@@ -206,7 +208,7 @@ def rms_norm_triton(
 
 @functools.cache
 def _embed_launch(D: int, vllm_order: bool, mask_pos0: bool) -> TritonLaunch:
-    meta = _row_meta(D)  # rms_norm_triton's default: each row's reduction tree as there
+    meta = row_meta(D)  # rms_norm_triton's default: each row's reduction tree as there
     return triton_launch(embed_norms_kernel, MASK_POS0=mask_pos0, VLLM_ORDER=vllm_order, **meta)
 
 
