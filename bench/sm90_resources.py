@@ -49,7 +49,6 @@ from dsv4mtp.optimized.kernels.mhc_head import mhc_head_fma_kernel
 from dsv4mtp.optimized.kernels.mhc_mix import mhc_mix_kernel, mix_config
 from dsv4mtp.optimized.kernels.mhc_pre_small import PreFmaConfig, pre_fma_config
 from dsv4mtp.optimized.kernels.mhc_pre_small import _launches as pre_fma_launches
-from dsv4mtp.optimized.kernels.rms_norm import row_meta
 
 TARGET = GPUTarget("cuda", 90, 32)
 # kernels/moe_gemm_gluon.py's moe_mx_wgmma_kernel, its runtime arguments
@@ -221,8 +220,8 @@ def linear_lines() -> list[str]:
     e_proj's rows also with eh_proj's epilogue add (4 rows of h per row of e)."""
     sig = dict(
         x_ptr="*bf16", w_ptr="*u8", s_ptr="*fp32", y_ptr="*bf16", part_ptr="*fp32",
-        count_ptr="*i32", add_ptr="*bf16", nw_ptr="*bf16", R="i32", G="i32", N="i32",
-        K="i32", X_STRIDE="i32", KB_PER_SPLIT="i32", add_row0="i32", norm_eps="fp32",
+        count_ptr="*i32", add_ptr="*bf16", R="i32", G="i32", N="i32", K="i32",
+        KB_PER_SPLIT="i32", add_row0="i32",
     )  # fmt: skip
     lines = []
     seen: set[tuple[object, ...]] = set()
@@ -230,24 +229,19 @@ def linear_lines() -> list[str]:
         for rows, bi in ((1, False), (64, False), (513, False), (1, True)):
             sc = linear_schedule(rows, N, K, G, bi)
             adds = (0, 4) if name == "e_proj" else (0,)
-            norms = (0, 1) if name == "wq_b" else (0,)  # the q_norm prologue
-            cases = [(f, a, m) for f in (FMT_FP8, FMT_DENSE) for a in adds for m in norms]
-            for fmt, add, norm in cases:
-                key = (sc, fmt, add, norm)
+            for fmt, add in [(f, a) for f in (FMT_FP8, FMT_DENSE) for a in adds]:
+                key = (sc, fmt, add)
                 if key in seen:
                     continue
                 seen.add(key)
                 s = dict(sig, w_ptr="*u8" if fmt == FMT_FP8 else "*bf16")
-                nm = row_meta(K, sc.num_warps)
                 consts = dict(
                     FMT=fmt, BLOCK_M=sc.block_m, BLOCK_N=sc.block_n, BLOCK_K=BLOCK_K,
-                    SPLIT_K=sc.split_k, ADD_ROWS=add, NORM=norm, NORM_BLOCK=nm["BLOCK_D"],
-                    NORM_CHUNKS=nm["NUM_CHUNKS"], USE_F32=False, INTERP=False,
+                    SPLIT_K=sc.split_k, ADD_ROWS=add, USE_F32=False, INTERP=False,
                 )  # fmt: skip
-                line = resources(linear_kernel, s, consts, ints=("N", "K", "X_STRIDE"),
+                line = resources(linear_kernel, s, consts, ints=("N", "K"),
                                  num_warps=sc.num_warps, num_stages=sc.num_stages)  # fmt: skip
                 what = ("fp8 " if fmt == FMT_FP8 else "bf16") + (" +add" if add else "")
-                what += " +norm" if norm else ""
                 tile = (sc.block_m, sc.block_n, sc.split_k, sc.num_warps, sc.num_stages)
                 lines.append(f"linear {what} {name:7s} T={rows:<3d} bi={bi!s:5s} {tile}: {line}")
     return lines

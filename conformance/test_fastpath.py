@@ -414,7 +414,6 @@ _CASES = textwrap.dedent(
     u8 = torch.uint8
     xl, wl = torch.randn(3, 1, 256).to(bf), torch.randint(0, 256, (1, 128, 256), dtype=u8)
     sl, yl = torch.ones(1, 1, 2), torch.empty(3, 1, 128, dtype=bf)
-    nwl = torch.ones(256, dtype=bf)  # a norm weight for the linear's norm prologue
     cnt = torch.zeros(8, dtype=torch.int32)
     Ei, Ii, Di = 2, 64, 256
     w13 = torch.randint(0, 256, (Ei, 2 * Ii, Di // 2), dtype=u8)
@@ -432,9 +431,6 @@ _CASES = textwrap.dedent(
             xl, wl, sl, yl, fmt=lk.FMT_FP8, sched=lk.LinearSchedule(16, 64, 1)),
         "linear_triton split": lambda: lk.linear_triton(
             xl, wl, sl, yl, fmt=lk.FMT_FP8, sched=lk.LinearSchedule(16, 64, 2), counters=cnt),
-        "linear_triton norm": lambda: lk.linear_triton(
-            xl, wl, sl, yl, fmt=lk.FMT_FP8, sched=lk.LinearSchedule(16, 64, 1),
-            norm=(nwl, 1e-6, False)),
         "moe_gate_up_triton": lambda: mg.moe_gate_up_triton(
             xm, w13, s13, gs, None, None, None, hm, **mx, tile=tile, decode="mxdot"),
         "moe_gate_up_triton split": lambda: mg.moe_gate_up_triton(

@@ -199,7 +199,7 @@ def test_split_k_rows_past_the_counters_run_in_launches_of_whole_m_blocks(device
     got = opt.linear(x[:, 0], small, batch_invariant=True)
     assert torch.equal(got, ys[0][:, 0]) and not small.counters.any()
     assert torch.equal(opt.linear(x[:, 0], pack, batch_invariant=True), got)
-    args = (x[:, 0], pack.weight, pack.scale, pack.fmt, False, False, None, 0.0, "official")
+    args = (x[:, 0], pack.weight, pack.scale, pack.fmt, False, False)
     bad = pack.counters.to(torch.int64)
     with pytest.raises(InputError, match=r"^counters: expected a contiguous 1-D int32 tensor"):
         torch.ops.dsv4mtp.linear.default(*args, counters=bad)
@@ -323,7 +323,7 @@ def test_prefill_path_matches_the_reference_and_the_kernel(act_quant: bool, devi
         x = _x(rows, 384, device=device, seed=rows)
         got = opt.linear(x, pack, act_quant=act_quant)
         _check("linear", got.cpu(), x.cpu(), qw, act_quant=act_quant)
-        args = (x, pack.weight, pack.scale, "fp8", act_quant, False, None, 0.0, "official")
+        args = (x, pack.weight, pack.scale, "fp8", act_quant, False)
         kernel = torch.ops.dsv4mtp.linear.default(*args, counters=pack.counters)
         xq = fp8_block_roundtrip(x, ACT_QUANT_BLOCK) if act_quant else x
         _agree_to_summation_order(got, kernel, _summation_order_bound(xq, w))
@@ -477,70 +477,10 @@ def test_linear_opcheck(op: str, variant: str, rows: int, device: str) -> None:
     pack = opt.pack_linear(qw, device, groups=2 if grouped else None)
     x = _x(*((rows, 2, 512) if grouped else (rows, 512)), device=device)
     args = (x, pack.weight, pack.scale, pack.op_fmt if rows > 3 else "fp8", False, False)
-    if not grouped:  # linear with its RMSNorm of x: in the kernel (3 rows), before cuBLAS (256)
-        args += (torch.linspace(0.5, 1.5, 512).to(x), 1e-6, "vllm")
     kw: dict[str, torch.Tensor] = {"counters": pack.counters}
     if variant:
         kw["out"] = x.new_empty((rows, 2, 128) if grouped else (rows, 128))
     torch.library.opcheck(getattr(torch.ops.dsv4mtp, op + variant).default, args, kw)
-
-
-# ------------------------------------------------------------------------------ norm of x
-# linear(x, norm_weight=w) is rms_norm then linear; the kernel forms the norm in its launch
-# (kernels/linear.py, NORM).  Held here to the bits of rms_norm_triton at the decode
-# schedules' 4 warps followed by linear, x read through a row stride as the attention's q
-# columns are; and to the same arithmetic in two launches (_ops.FUSE_LINEAR_NORM).  Against
-# the float64 reference (math preset) linear's declared bounds serve: the normalized x is
-# rounded once to x's dtype (2^-9 relative per element in bf16) before the product, an input
-# error that a sum of independent terms carries at about that relative size, inside the
-# bounds' room beside the output's own rounding.  The generated linear contract draws no norm:
-# under act_quant the reference rounds its exact normalized x through e4m3 where the kernel
-# rounds the bf16 one, which can flip e4m3 steps that the official bounds do not admit.
-_NORM_LINEAR = (
-    [(1, 32768, 1024), (8, 32768, 1024), (64, 32768, 1024), (5, 4096, 4096)]
-    if torch.cuda.is_available()
-    else [(1, 192, 384), (3, 192, 384), (17, 128, 256)]
-)
-
-
-@pytest.mark.parametrize("order", ["official", "vllm"])
-@pytest.mark.parametrize("batch_invariant", [False, True])
-def test_linear_norm_is_bitwise_rms_norm_then_linear(
-    order: str, batch_invariant: bool, device: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from dsv4mtp.optimized import _ops
-    from dsv4mtp.optimized.kernels.rms_norm import rms_norm_triton
-
-    for T, N, K in _NORM_LINEAR:
-        qw = linear_weight(1, N, K, "fp8_e8m0", seed=N + K)
-        pack = opt.pack_linear(qw, device)
-        wide = _x(T, K + 512, device=device, seed=T)
-        x = wide[:, :K]  # rows K + 512 apart, as the q columns of the qkv rows
-        w = (1.0 + 0.3 * _x(K, device=device, seed=K).float()).to(BF16)
-        xn = torch.empty(T, K, dtype=x.dtype, device=device)
-        rms_norm_triton(x, w, 1e-6, xn, order == "vllm", num_warps=4)
-        kw = dict(norm_weight=w, norm_eps=1e-6, norm_order=order)
-        want = opt.linear(xn, pack, batch_invariant=batch_invariant)
-        got = opt.linear(x, pack, batch_invariant=batch_invariant, **kw)  # type: ignore[arg-type]
-        assert torch.equal(got, want), (T, N, K)
-        if not batch_invariant:  # and against the float64 reference: linear's bounds hold
-            _check("linear", got.cpu(), x.cpu(), qw, **{**kw, "norm_weight": w.cpu()})
-        monkeypatch.setattr(_ops, "FUSE_LINEAR_NORM", False)
-        apart = opt.linear(x, pack, batch_invariant=batch_invariant, **kw)  # type: ignore[arg-type]
-        monkeypatch.setattr(_ops, "FUSE_LINEAR_NORM", True)
-        assert torch.equal(apart, want), (T, N, K)
-
-
-def test_linear_norm_arguments_are_checked(device: str) -> None:
-    pack = opt.pack_linear(linear_weight(1, 64, 256, "fp8_e8m0", seed=1), device)
-    x = _x(2, 256, device=device)
-    for f, wt in ((opt.linear, pack), (ref.linear, linear_weight(1, 64, 256, "fp8_e8m0", seed=1))):
-        with pytest.raises(InputError, match=r"norm_weight: expected shape \(256,\)"):
-            f(x.cpu() if f is ref.linear else x, wt, norm_weight=torch.ones(255, device=x.device))
-        with pytest.raises(InputError, match="norm_order: expected 'official' or 'vllm'"):
-            f(x.cpu() if f is ref.linear else x, wt, norm_order="other")  # type: ignore[arg-type]
-    with pytest.raises(InputError, match="norm_eps"):
-        opt.linear(x, pack, norm_weight=torch.ones(256, device=device), norm_eps=-1.0)
 
 
 # ------------------------------------------------------------------------------ eh_proj
@@ -760,9 +700,7 @@ def test_flash_prefill_path_on_the_gpu(shape: str) -> None:
         x = _x(*((rows, G, K) if G else (rows, K)), device="cuda", seed=rows)
         got = fn(x, pack)
         assert torch._C._get_cublas_allow_bf16_reduced_precision_reduction() == flag
-        no_norm = () if G else (None, 0.0, "official")  # linear's norm arguments
-        kernel = op(x, pack.weight, pack.scale, "fp8", False, False, *no_norm,
-                    counters=pack.counters)  # fmt: skip
+        kernel = op(x, pack.weight, pack.scale, "fp8", False, False, counters=pack.counters)
         for g in range(max(G, 1)):
             xs, ws = (x[:, g], w[g]) if G else (x, w)
             gs, ks = (got[:, g], kernel[:, g]) if G else (got, kernel)

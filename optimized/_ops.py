@@ -1265,13 +1265,9 @@ else:
 _LINEAR_ARGS = (
     "Tensor x, Tensor weight, Tensor scale, str fmt, bool act_quant, bool batch_invariant"
 )
-# linear alone may start with an RMSNorm of x's rows (weight, eps, order; no weight: none)
-_NORMED_LINEAR_ARGS = f"{_LINEAR_ARGS}, Tensor? norm_weight, float norm_eps, str norm_order"
 _LINEAR_SCHEMAS: dict[str, str] = {
-    "linear": f"linear({_NORMED_LINEAR_ARGS}, *, Tensor(a!) counters) -> Tensor",
-    "linear_out": (
-        f"linear_out({_NORMED_LINEAR_ARGS}, *, Tensor(a!) out, Tensor(b!) counters) -> ()"
-    ),
+    "linear": f"linear({_LINEAR_ARGS}, *, Tensor(a!) counters) -> Tensor",
+    "linear_out": f"linear_out({_LINEAR_ARGS}, *, Tensor(a!) out, Tensor(b!) counters) -> ()",
     "grouped_linear": f"grouped_linear({_LINEAR_ARGS}, *, Tensor(a!) counters) -> Tensor",
     "grouped_linear_out": (
         f"grouped_linear_out({_LINEAR_ARGS}, *, Tensor(a!) out, Tensor(b!) counters) -> ()"
@@ -1317,37 +1313,20 @@ def _linear_into(
     counters: torch.Tensor,
     add: torch.Tensor | None = None,
     name: str = "",
-    norm: tuple[torch.Tensor, float, str] | None = None,
 ) -> None:
     """x (R, G, K) rows into out (R, G, N) (both views of the caller's tensors); ``add``
     (R', N), G = 1: out's row r plus add's row ``r // (R / R')`` after the product's rounding,
     rounded again (kernels/linear.py, ``linear_triton``'s ``add``).  ``name``: the prefix of
-    the weight's and counters' argument names in errors.  ``norm`` (weight, eps, order), G = 1:
-    x's rows through that RMSNorm first, in the kernel's launch where it runs (x's rows then
-    read in place through their stride), else by ``rms_norm_triton`` before the path."""
+    the weight's and counters' argument names in errors."""
     _check_linear_args(x, weight, fmt, counters, name)
     R, G, K = x.shape
     if R == 0:
         return
-    w, s = weight.contiguous(), scale.contiguous()
-    dequant = dequant_mm_selected(R, fmt == _FP8_EXACT, x.dtype, batch_invariant)
-    fused = None
-    if norm is not None:
-        nw, eps, order = norm[0].contiguous(), norm[1], norm[2]
-        if act_quant or dequant or not FUSE_LINEAR_NORM:
-            xn = torch.empty((R, K), dtype=x.dtype, device=x.device)
-            rms_norm_triton(x.view(R, K) if x.stride(-1) == 1 else x.reshape(R, K).contiguous(),
-                            nw, eps, xn, vllm_order=order == "vllm",
-                            num_warps=_LINEAR_NORM_WARPS)  # fmt: skip
-            x = xn.view(R, 1, K)
-        else:
-            fused = (nw, eps, order == "vllm")
-    # with the fused norm x's rows are read through their stride (the attention's q rows of
-    # the qkv output: no copy)
-    xin = x if fused is not None and x.stride(-1) == 1 else x.contiguous()
+    xin = x.contiguous()
     if act_quant:
         xin = _act_quant(xin.view(R * G, K)).view(R, G, K)
-    if dequant:
+    w, s = weight.contiguous(), scale.contiguous()
+    if dequant_mm_selected(R, fmt == _FP8_EXACT, x.dtype, batch_invariant):
         linear_dequant_mm(xin, w, s, out)
         if add is not None:
             add_rows_triton(out.view(R, -1), add)
@@ -1355,15 +1334,8 @@ def _linear_into(
     sched = linear_schedule(R, weight.shape[1], K, G, batch_invariant)
     linear_triton(
         xin, w, s, out, fmt=_LINEAR_OP_FMT[fmt], sched=sched,
-        counters=counters if counters.numel() else None, add=add, norm=fused,
+        counters=counters if counters.numel() else None, add=add,
     )  # fmt: skip
-
-
-#: linear's RMSNorm prologue inside the kernel's launch (kernels/linear.py, ``NORM``).  False
-#: runs the same arithmetic in two launches, ``rms_norm_triton`` at the kernel's warps first:
-#: the A/B setting of bench/diag/fusion_ab.py.
-FUSE_LINEAR_NORM = True
-_LINEAR_NORM_WARPS = 4  # the decode schedules' warps (linear_schedule)
 
 
 def _linear_out(
@@ -1373,20 +1345,14 @@ def _linear_out(
     fmt: str,
     act_quant: bool,
     batch_invariant: bool,
-    norm_weight: torch.Tensor | None,
-    norm_eps: float,
-    norm_order: str,
     *,
     out: torch.Tensor,
     counters: torch.Tensor,
 ) -> None:
     K, N = x.shape[-1], weight.shape[1]
-    # 2-D x keeps its row stride (a column slice read in place); other shapes as (-1, K) rows
-    x3 = x.view(-1, 1, K) if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, 1, K)
-    norm = None if norm_weight is None else (norm_weight, norm_eps, norm_order)
     _linear_into(
-        x3, weight, scale, fmt, act_quant, batch_invariant, out.view(-1, 1, N), counters,
-        norm=norm,
+        x.reshape(-1, 1, K), weight, scale, fmt, act_quant, batch_invariant, out.view(-1, 1, N),
+        counters,
     )  # fmt: skip
 
 

@@ -58,6 +58,7 @@ from .kernels._launch import (
 )
 from .kv_cache import DeviceKVCache, PagedKVCache, check_block_table
 from .linear import LinearPack, grouped_linear, linear, pack_linear
+from .norm import rms_norm
 from .rope import apply_rope, kv_norm_rope, q_head_norm_rope
 
 __all__ = [
@@ -666,7 +667,7 @@ def _paged_call(
 
 
 # ----------------------------------------------------------------------------- the sublayer
-# A composition in Python of the registered operators (linear, grouped_linear,
+# A composition in Python of the registered operators (linear, grouped_linear, rms_norm,
 # q_head_norm_rope, kv_norm_rope, sink_attention_varlen, apply_rope): no operator of its own.
 
 
@@ -1301,8 +1302,8 @@ def attention(
     none.
 
     Not an operator of its own: a Python composition of the registered ops, in the reference's
-    order: ``linear`` wq_a (T, Rq) -> ``linear`` wq_b (T, H, Dh) with q_norm as its
-    ``norm_weight`` (the norm in the linear kernel's launch) -> ``q_head_norm_rope``; ``linear`` wkv (T, Dh) -> ``kv_norm_rope`` (one fused wq_a+wkv GEMM
+    order: ``linear`` wq_a (T, Rq) -> ``rms_norm`` q_norm -> ``linear`` wq_b (T, H, Dh) ->
+    ``q_head_norm_rope``; ``linear`` wkv (T, Dh) -> ``kv_norm_rope`` (one fused wq_a+wkv GEMM
     for a :func:`pack_attention_weights` pack); the attention core -> ``apply_rope`` inverse on
     the output's rope dims -> ``grouped_linear`` wo_a (T, G, Ro) -> ``linear`` wo_b (T, D).
     At decode against a device cache (ring or paged) the kv path (``kv_norm_rope``, the cache
@@ -1513,12 +1514,8 @@ def attention(
         kv_in = kv
         with torch.cuda.stream(side):
             kv = kv_path(kv_in)
-    # q_norm, then wq_b: one op (the norm in the linear kernel's prologue; x's q columns read
-    # in place through the qkv rows' stride)
-    q = linear(
-        qr, pack.wq_b, act_quant=act_quant, batch_invariant=bi, norm_weight=pack.q_norm,
-        norm_eps=eps, norm_order=norm_order,
-    ).view(T, H, Dh)  # fmt: skip
+    qr = rms_norm(qr, pack.q_norm, eps, order=norm_order, batch_invariant=bi)
+    q = linear(qr, pack.wq_b, act_quant=act_quant, batch_invariant=bi).view(T, H, Dh)
     q = q_head_norm_rope(q, positions, freqs, eps=eps, rope_dim=Dr, batch_invariant=bi)
     if side is not None:
         cur.wait_stream(side)

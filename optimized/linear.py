@@ -30,7 +30,6 @@ from dsv4mtp import formats
 from dsv4mtp.checkpoint.weights import FP8_BLOCK, QuantizedWeight
 from dsv4mtp.checks import (
     check_device_arg,
-    check_eps,
     check_finite_codes,
     check_instance,
     check_int,
@@ -38,7 +37,6 @@ from dsv4mtp.checks import (
     check_shape,
 )
 from dsv4mtp.errors import InputError
-from dsv4mtp.semantics import NormOrder
 
 from . import _ops  # noqa: F401  (defines the torch.ops.dsv4mtp operators)
 from ._dispatch import Facts, select
@@ -315,29 +313,12 @@ def _check_call(
     return pack, dev
 
 
-def _check_linear_norm(
-    norm_weight: torch.Tensor | None, norm_eps: float, norm_order: str, x: torch.Tensor
-) -> None:
-    """linear's optional RMSNorm of x: its weight (K,) on x's device, eps, order."""
-    if norm_order not in ("official", "vllm"):
-        raise InputError(f"norm_order: expected 'official' or 'vllm', got {norm_order!r}")
-    if norm_weight is None:
-        return
-    check_eps("norm_eps", norm_eps)
-    check_kernel_dtype("norm_weight", norm_weight)
-    check_shape("norm_weight", norm_weight, (x.shape[-1],))
-    check_device([("x", x), ("norm_weight", norm_weight)])
-
-
 def linear(
     x: torch.Tensor,
     weight: LinearPack | torch.Tensor,
     *,
     act_quant: bool = False,
     batch_invariant: bool = False,
-    norm_weight: torch.Tensor | None = None,
-    norm_eps: float = 1e-6,
-    norm_order: NormOrder = "official",
     out: torch.Tensor | None = None,
     backend: LinearBackend = "auto",
 ) -> torch.Tensor:
@@ -371,24 +352,10 @@ def linear(
     repays the ~3*N*K bytes of the dequant (~12 us for 4096 x 4096) from a few hundred rows.
     Same math as the kernel, fp32 sums of exact products in another order.  fp32 x, other
     scales, batch-invariant calls and fewer rows keep the kernel.
-
-    ``norm_weight`` (K,) bf16 / fp32: x's rows go through ``rms_norm(x, norm_weight, norm_eps,
-    order=norm_order)`` first (the attention's q_norm before wq_b).  On the kernel's path the
-    norm is its launch's prologue: each program forms its rows' RMS factors with rms_norm's own
-    row reduction (reading each row whole, from L2 after the first program) and normalizes each
-    x tile as it loads it, with the bits of the Triton ``rms_norm`` kernel at the decode
-    schedules' 4 warps (``rms_norm``'s own default from 1025 columns is 8, whose tree can differ
-    by an ulp; at the q_norm's 1024 both are 4); a 2-D x is then read in place through its row
-    stride.  One launch and the normalized rows' round trip fewer.  Under ``act_quant`` and on
-    the prefill path the norm runs first, as its own launch (at 4 warps too).
     """
     pack, dev = _check_call(x, weight, False, act_quant, batch_invariant)
-    _check_linear_norm(norm_weight, norm_eps, norm_order, x)
     select("linear", backend, Facts(dev, (x.dtype, pack.weight.dtype)))
-    args = (
-        x, pack.weight, pack.scale, pack.op_fmt, act_quant, batch_invariant, norm_weight,
-        float(norm_eps), norm_order,
-    )  # fmt: skip
+    args = (x, pack.weight, pack.scale, pack.op_fmt, act_quant, batch_invariant)
     if out is None:
         return _ops_linear(*args, counters=pack.counters)
     check_out("out", out, (*x.shape[:-1], pack.out_features), x.dtype, dev)

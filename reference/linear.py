@@ -20,12 +20,10 @@ from __future__ import annotations
 import torch
 
 from dsv4mtp.checkpoint.weights import QuantizedWeight
-from dsv4mtp.checks import FLOAT_DTYPES, check_dtype, check_ndim, check_shape, compute_dtype
+from dsv4mtp.checks import FLOAT_DTYPES, check_dtype, check_ndim, compute_dtype
 from dsv4mtp.errors import InputError
 from dsv4mtp.quant import ACT_QUANT_BLOCK
-from dsv4mtp.semantics import NormOrder
 
-from .norm import rms_norm
 from .quant_sim import fp8_block_roundtrip
 
 __all__ = ["eh_proj", "grouped_linear", "linear", "rowwise_matmul"]
@@ -54,26 +52,14 @@ def linear(
     *,
     act_quant: bool = False,
     batch_invariant: bool = False,
-    norm_weight: torch.Tensor | None = None,
-    norm_eps: float = 1e-6,
-    norm_order: NormOrder = "official",
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x (..., K) @ weight (N, K)^T -> (..., N)`` in x.dtype.
 
     ``act_quant``: round x through e4m3 in 1x128 blocks first, as before an FP8/FP4 GEMM.
     ``batch_invariant``: no effect (every row is computed alone already); the optimized op's
-    keyword.  ``norm_weight`` (K,): x is ``rms_norm(x, norm_weight, norm_eps,
-    order=norm_order)`` first (the attention's q_norm before wq_b; the optimized kernel folds it
-    into its launch).  ``out``: an (..., N) tensor of x.dtype to write the result into
-    (returned).
+    keyword.  ``out``: an (..., N) tensor of x.dtype to write the result into (returned).
     """
-    if norm_order not in ("official", "vllm"):
-        raise InputError(f"norm_order: expected 'official' or 'vllm', got {norm_order!r}")
-    if norm_weight is not None:
-        check_dtype("norm_weight", norm_weight, FLOAT_DTYPES)
-        check_shape("norm_weight", norm_weight, (x.shape[-1],))
-        x = rms_norm(x, norm_weight, norm_eps, order=norm_order)  # (..., K)
     check_dtype("x", x, FLOAT_DTYPES)
     w = _dense(weight, x.dtype)
     if w.dim() != 2 or x.shape[-1] != w.shape[1]:

@@ -25,7 +25,7 @@ The settings (each leaves out with its ``--no-*`` flag):
 * "rope copied back": the attention output's inverse rotation into a new tensor, then copied
   into o (``attention.INVERSE_ROPE_IN_PLACE``);
 * "q / kv rows copied": the fused wq_a + wkv output's two column slices copied to contiguous
-  tensors before wq_b's linear (q_norm in its launch) and kv_norm_rope;
+  tensors before rms_norm and kv_norm_rope;
 * "hc_pre 16-token blocks": the small-batch hc_pre and hc_post_pre kernels on their
   T-independent 16-token block at every T (kernels/mhc_pre_small.py ``pre_fma_config``);
 * "kv path in line": the attention's kv norm + RoPE and ring write on the step's stream after
@@ -48,10 +48,7 @@ The settings (each leaves out with its ``--no-*`` flag):
   weights (``kernels/linear.py``, ``EH_ONE_LAUNCH``; T <= 16);
 * "norms launched": attn_norm, ffn_norm and the head's norm as ``rms_norm_kernel`` launches
   after hc_pre's, hc_post_pre's and hc_post_head's apply launches (at their 4 warps: the same
-  bits) instead of in those launches' whole-row programs (``_ops.FUSE_NORM``);
-* "q_norm launched": the attention's q_norm as an ``rms_norm_kernel`` launch before wq_b's
-  ``linear_kernel`` (at its 4 warps: the same bits) instead of in that launch's prologue
-  (``_ops.FUSE_LINEAR_NORM``).
+  bits) instead of in those launches' whole-row programs (``_ops.FUSE_NORM``).
 
 Probes, each a setting when its flag is given:
 
@@ -86,7 +83,7 @@ captured).
 Run (GPU machine, repository root, after the README's install):
 ``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms,eh_proj] [--no-guard]
 [--no-rope] [--no-qkv] [--no-mhc] [--no-kv] [--no-mask] [--no-topk] [--no-swiglu] [--no-align]
-[--no-arena] [--no-eh] [--no-norm] [--no-qnorm] [--prefetch-mb 32,48] [--align-warps 8,16] [--moe-split t1:8,t8:1]
+[--no-arena] [--no-eh] [--no-norm] [--prefetch-mb 32,48] [--align-warps 8,16] [--moe-split t1:8,t8:1]
 [--head-sched 256:64:8:4] [--align-chunked 64:8,128:16] [--priorities] [--linear-split-x 2]``
 (about two minutes).
 """
@@ -231,11 +228,10 @@ def _copied_first(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _qkv_copied() -> list[tuple[Any, str, Any]]:
-    """(module, attribute, value) swaps: the attention's wq_b (with q_norm in its launch) and
-    kv_norm_rope on contiguous copies of their rows (its other linears' inputs are contiguous
-    already: no copy)."""
+    """(module, attribute, value) swaps: the attention's q_norm and kv_norm_rope on contiguous
+    copies of their rows."""
     return [
-        (attention_module, "linear", _copied_first(attention_module.linear)),
+        (attention_module, "rms_norm", _copied_first(attention_module.rms_norm)),
         (attention_module, "kv_norm_rope", _copied_first(attention_module.kv_norm_rope)),
     ]
 
@@ -387,7 +383,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-arena", action="store_true", help="leave out the memset-per-replay form")
     ap.add_argument("--no-eh", action="store_true", help="leave out eh_proj's two launches")
     ap.add_argument("--no-norm", action="store_true", help="leave out the norms' own launches")
-    ap.add_argument("--no-qnorm", action="store_true", help="leave out q_norm's own launch")
     ap.add_argument("--prefetch-mb", default="", help="head prefetch probes, e.g. 32,48")
     ap.add_argument("--align-warps", default="", help="one-program sort's warps, e.g. 8,16")
     ap.add_argument("--moe-split", default="", help="routed K splits, e.g. t1:8,t8:1")
@@ -444,9 +439,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_norm:
         launched = [(_ops, "FUSE_NORM", False)]
         settings["norms launched"] = (shipped, SHIPPED_GUARD, True, launched)
-    if not args.no_qnorm:
-        q_launched = [(_ops, "FUSE_LINEAR_NORM", False)]
-        settings["q_norm launched"] = (shipped, SHIPPED_GUARD, True, q_launched)
     for mb in filter(None, args.prefetch_mb.split(",")):
         for mode, how in ((1, "bulk"), (2, "lines")):
             ops, patches = _head_prefetch(layer, shipped, int(mb) << 20, mode)

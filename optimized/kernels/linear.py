@@ -96,7 +96,6 @@ from ._launch import (
 from ._sync import counters as stream_counters
 from .decode import _e4m3_bf16
 from .moe_common import jit_loop_bounds
-from .rms_norm import row_meta, row_rstd
 
 __all__ = [
     "DECODE_MAX_ROWS",
@@ -213,33 +212,13 @@ def _add_rows(acc, add_ptr, rows, cols, mask, N, y_ty: tl.constexpr, ADD_ROWS: t
 
 
 @triton.jit
-def _normed(x, rstd, nw_ptr, k, km, NORM: tl.constexpr, INTERP: tl.constexpr):
-    """The x tile (BLOCK_M, BLOCK_K) through the RMSNorm of its rows: ``rstd`` (BLOCK_M,) the
-    rows' factors, the weight's columns ``k``; NORM 1 the official order, 2 vLLM's.  The
-    elementwise ops of rms_norm.norm_row, in its order: its bits for the same factors."""
-    x_ty = x.dtype
-    w = tl.load(nw_ptr + k, mask=km, other=0.0)[None, :]  # (1, BLOCK_K)
-    y = x.to(tl.float32) * rstd[:, None]
-    if NORM == 2:
-        # round the normalized value first, then multiply in the input dtype
-        yx = rne_bf16_if_interpreted(y, x_ty, INTERP).to(x_ty).to(tl.float32)
-        wf = rne_bf16_if_interpreted(w.to(tl.float32), x_ty, INTERP)
-        y = yx * wf.to(x_ty).to(tl.float32)
-    else:
-        y = y * w.to(tl.float32)
-    return rne_bf16_if_interpreted(y, x_ty, INTERP).to(x_ty)
-
-
-@triton.jit
-def _split_sum(x_rows, w_rows, s_row, rm, cm, kb0, K, KB_PER_SPLIT, rstd, nw_ptr,
-               FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, NORM: tl.constexpr, USE_F32: tl.constexpr,
-               INTERP: tl.constexpr):  # fmt: skip
+def _split_sum(x_rows, w_rows, s_row, rm, cm, kb0, K, KB_PER_SPLIT, FMT: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               USE_F32: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
     """One program's fp32 sum over the K blocks [kb0, kb0 + KB_PER_SPLIT) of its tile: x rows
     ``x_rows`` (BLOCK_M, 1) against weight rows ``w_rows`` (BLOCK_N, 1), per 128-wide K block
     one dot with a fresh accumulator times the block's scale at ``s_row + kb`` (FP8), added to
-    the running sum in K order (module docstring).  ``NORM`` > 0: each x tile first goes
-    through the rows' RMSNorm (:func:`_normed`; factors ``rstd``, weight ``nw_ptr``)."""
+    the running sum in K order (module docstring)."""
     kk = tl.arange(0, BLOCK_K)
     KB = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -248,8 +227,6 @@ def _split_sum(x_rows, w_rows, s_row, rm, cm, kb0, K, KB_PER_SPLIT, rstd, nw_ptr
         k = kb * BLOCK_K + kk
         km = (k < K) & (kb < KB)
         x = tl.load(x_rows + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-        if NORM > 0:
-            x = _normed(x, rstd, nw_ptr, k, km, NORM, INTERP)
         if FMT == 1:
             codes = tl.load(w_rows + k[None, :], mask=cm[:, None] & km[None, :], other=0)
             w = _e4m3_bf16(codes, INTERP)  # (BLOCK_N, BLOCK_K) bf16, exact
@@ -308,33 +285,21 @@ def linear_kernel(
     part_ptr,
     count_ptr,
     add_ptr,
-    nw_ptr,
     R,
     G,
     N,
     K,
-    X_STRIDE,
     KB_PER_SPLIT,
     add_row0,
-    norm_eps,
     FMT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     ADD_ROWS: tl.constexpr,
-    NORM: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
-    NORM_CHUNKS: tl.constexpr,
     USE_F32: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """Grid and tiles: module docstring.  x's rows are ``X_STRIDE`` elements apart (G * K when
-    contiguous), group g at ``g * K`` in its row.  ``NORM`` 1 / 2 (G = 1): x's rows go through
-    an RMSNorm first (weight ``nw_ptr`` (K,), eps ``norm_eps``; the official / vLLM order):
-    each program forms its rows' factors with rms_norm's own row reduction (``row_rstd`` at
-    ``NORM_BLOCK`` / ``NORM_CHUNKS``: the bits of rms_norm_kernel at this launch's warps), then
-    normalizes each x tile as it loads it (:func:`_normed`)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_gs = tl.program_id(2)
@@ -344,23 +309,12 @@ def linear_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = rows < R
     cm = cols < N
-    x_rows = x_ptr + rows[:, None].to(tl.int64) * X_STRIDE + g * K  # (BLOCK_M, 1)
+    x_rows = x_ptr + (rows[:, None].to(tl.int64) * G + g) * K  # (BLOCK_M, 1)
     w_rows = w_ptr + (g.to(tl.int64) * N + cols[:, None]) * K  # (BLOCK_N, 1)
     KB = tl.cdiv(K, BLOCK_K)
     s_row = s_ptr + (g.to(tl.int64) * tl.cdiv(N, 128) + (pid_n * BLOCK_N) // 128) * KB
-    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM > 0:
-        # every program reads its rows whole (K values each, from L2 after the first): one
-        # row reduction per row present, in a loop (its code once, not once per tile row)
-        here = tl.arange(0, BLOCK_M)
-        for i in range(0, BLOCK_M):
-            r = pid_m * BLOCK_M + i
-            if r < R:
-                ri = row_rstd(x_ptr + r.to(tl.int64) * X_STRIDE, K, norm_eps, True, False,
-                              NORM_BLOCK, NORM_CHUNKS)  # fmt: skip
-                rstd = tl.where(here == i, ri, rstd)
-    acc = _split_sum(x_rows, w_rows, s_row, rm, cm, s * KB_PER_SPLIT, K, KB_PER_SPLIT, rstd,
-                     nw_ptr, FMT, BLOCK_M, BLOCK_N, BLOCK_K, NORM, USE_F32, INTERP)  # fmt: skip
+    acc = _split_sum(x_rows, w_rows, s_row, rm, cm, s * KB_PER_SPLIT, K, KB_PER_SPLIT, FMT,
+                     BLOCK_M, BLOCK_N, BLOCK_K, USE_F32, INTERP)  # fmt: skip
     out_off = (rows[:, None].to(tl.int64) * G + g) * N + cols[None, :]
     mask = rm[:, None] & cm[None, :]
     y_ty = y_ptr.dtype.element_ty
@@ -434,9 +388,8 @@ def eh_linear_kernel(
     KB = tl.cdiv(K, BLOCK_K)
     s_off = ((pid_n * BLOCK_N) // 128) * KB
     s_row = tl.where(g == 0, se_ptr + s_off, sh_ptr + s_off)
-    no_norm = tl.zeros((BLOCK_M,), dtype=tl.float32)  # NORM 0: neither read
-    acc = _split_sum(x_rows, w_rows, s_row, rm, cm, s * KB_PER_SPLIT, K, KB_PER_SPLIT, no_norm,
-                     e_ptr, FMT, BLOCK_M, BLOCK_N, BLOCK_K, 0, USE_F32, INTERP)  # fmt: skip
+    acc = _split_sum(x_rows, w_rows, s_row, rm, cm, s * KB_PER_SPLIT, K, KB_PER_SPLIT, FMT,
+                     BLOCK_M, BLOCK_N, BLOCK_K, USE_F32, INTERP)  # fmt: skip
     out_off = r64 * N + cols[None, :]
     mask = rm[:, None] & cm[None, :]
     plane = tl.cast(R, tl.int64) * N
@@ -465,10 +418,8 @@ def linear_triton(
     sched: LinearSchedule,
     counters: torch.Tensor | None = None,
     add: torch.Tensor | None = None,
-    norm: tuple[torch.Tensor, float, bool] | None = None,
 ) -> None:
-    """y (R, G, N) = x (R, G, K) @ w (G, N, K)^T per group (module doc); all contiguous, but
-    x's rows may lie any stride apart (unit stride within a row, groups K apart).
+    """y (R, G, N) = x (R, G, K) @ w (G, N, K)^T per group (module doc); all contiguous.
 
     ``counters``: int32 zeros (left zeroed), one per (M block, N tile, group) output tile of a
     split schedule; a pack's own (optimized/linear.py).  When it holds fewer tiles than the
@@ -479,22 +430,12 @@ def linear_triton(
     ``r // (R / R')`` of ``add`` added after its rounding and is rounded again, in the
     epilogue of the program (or the split) that stores it (``_add_rows``): bitwise the product
     followed by a separate broadcast add (the layer's ``h_proj(h) + e_proj(e)`` per stream),
-    with neither the second launch nor y's second round trip.
-
-    ``norm``: (weight (K,) contiguous, eps, vllm order), G = 1: x's rows go through that
-    RMSNorm first, inside the launch (``NORM`` in :func:`linear_kernel`): bitwise
-    ``rms_norm_triton(x, weight, eps, ..., num_warps=sched.num_warps)`` followed by this
-    product, without the norm's launch and its output's round trip (the attention's q_norm
-    before wq_b)."""
+    with neither the second launch nor y's second round trip."""
     R, G, K = x.shape
     N = w.shape[1]
     if R == 0:
         return
     add_rows = _add_ratio(add, R, G, N)
-    if norm is not None and G != 1:
-        raise InputError("linear_triton: norm takes one group (G = 1)")
-    nw, eps, vllm = norm if norm is not None else (x, 0.0, False)
-    nm = row_meta(K, sched.num_warps)  # rms_norm_kernel's chunk for rows of K
     kb = cdiv(K, BLOCK_K)
     split = sched.split_k
     per_split = cdiv(kb, split)
@@ -513,17 +454,16 @@ def linear_triton(
     step = chunk * sched.block_m
     launch = triton_launch(
         linear_kernel, FMT=fmt, BLOCK_M=sched.block_m, BLOCK_N=sched.block_n, BLOCK_K=BLOCK_K,
-        SPLIT_K=split, ADD_ROWS=add_rows, NORM=0 if norm is None else 2 if vllm else 1,
-        NORM_BLOCK=nm["BLOCK_D"], NORM_CHUNKS=nm["NUM_CHUNKS"], USE_F32=use_f32,
-        INTERP=INTERPRET, num_warps=sched.num_warps, num_stages=sched.num_stages,
+        SPLIT_K=split, ADD_ROWS=add_rows, USE_F32=use_f32, INTERP=INTERPRET,
+        num_warps=sched.num_warps, num_stages=sched.num_stages,
     )  # fmt: skip
     for r0 in range(0, R, step):
         xc, yc = (x, y) if step >= R else (x[r0 : r0 + step], y[r0 : r0 + step])
         rc = xc.shape[0]
         grid = (cdiv(rc, sched.block_m), n_tiles, G * split)
         launch(
-            grid, xc, w, s if s.numel() else w, yc, part, count, y if add is None else add, nw,
-            rc, G, N, K, xc.stride(0), per_split, r0, float(eps),
+            grid, xc, w, s if s.numel() else w, yc, part, count, y if add is None else add, rc,
+            G, N, K, per_split, r0,
         )  # fmt: skip
 
 

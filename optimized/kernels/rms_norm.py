@@ -33,26 +33,7 @@ import triton.language as tl
 
 from ._launch import INTERPRET, TritonLaunch, next_pow2, rne_bf16_if_interpreted, triton_launch
 
-__all__ = ["embed_norms_triton", "norm_row", "rms_norm_triton", "row_meta", "row_rstd"]
-
-
-@triton.jit
-def row_rstd(
-    x_row, D, eps, keep, MASKED: tl.constexpr, BLOCK_D: tl.constexpr, NUM_CHUNKS: tl.constexpr
-):
-    """``rsqrt(mean(x**2) + eps)`` of one row: the square sum over BLOCK_D chunks, one tree at
-    the end.  The tree follows the (BLOCK_D,) tile's layout, so a kernel that calls this at
-    rms_norm_kernel's chunk and warp count (:func:`row_meta`) gets its bits (the linear
-    kernel's norm prologue does)."""
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for c in range(NUM_CHUNKS):
-        d = c * BLOCK_D + tl.arange(0, BLOCK_D)
-        ok = d < D
-        if MASKED:
-            ok = ok & keep
-        x = tl.load(x_row + d, mask=ok, other=0.0).to(tl.float32)
-        acc += x * x
-    return tl.math.rsqrt(tl.sum(acc, axis=0) / D + eps)
+__all__ = ["embed_norms_triton", "norm_row", "rms_norm_triton", "row_meta"]
 
 
 @triton.jit
@@ -73,7 +54,15 @@ def norm_row(
     """One row: the square sum over BLOCK_D chunks, then the scaled row.  ``MASKED``: the row
     reads as zeros unless the scalar ``keep`` holds (the embedding rows under mask_pos0)."""
     out_ty = o_row.dtype.element_ty
-    rstd = row_rstd(x_row, D, eps, keep, MASKED, BLOCK_D, NUM_CHUNKS)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for c in range(NUM_CHUNKS):
+        d = c * BLOCK_D + tl.arange(0, BLOCK_D)
+        ok = d < D
+        if MASKED:
+            ok = ok & keep
+        x = tl.load(x_row + d, mask=ok, other=0.0).to(tl.float32)
+        acc += x * x
+    rstd = tl.math.rsqrt(tl.sum(acc, axis=0) / D + eps)
     for c in range(NUM_CHUNKS):
         d = c * BLOCK_D + tl.arange(0, BLOCK_D)
         ok = d < D
