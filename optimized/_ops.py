@@ -240,10 +240,28 @@ def _hc_pre_out(
         return
     fused = _fused_norm(backend == "triton_fma", norm_weight)
     li = layer_input if norm_weight is None or fused else torch.empty_like(layer_input)
-    _hc_pre_into(
-        x, fn, scale, base, rms_norm_eps, hc_eps, sinkhorn_iters, post_mult, backend, collapse,
-        mix, batch_invariant, norm_weight if fused else None, norm_order, li, post, comb,
-    )  # fmt: skip
+    x, fn, scale32, base32 = _collapse_inputs(x, fn, scale, base)
+    if backend == "triton":
+        mhc_collapse(
+            x, fn, scale32, base32, li,
+            rms_norm_eps=rms_norm_eps, hc_eps=hc_eps, post=post, comb=comb, post_mult=post_mult,
+            sinkhorn_iters=sinkhorn_iters, cfg=_collapse_cfg(tuple(collapse)),
+        )  # fmt: skip
+    elif backend == "triton_fma":
+        mhc_pre_fma(
+            x, fn, scale32, base32, li, post, comb, rms_norm_eps=rms_norm_eps,
+            hc_eps=hc_eps, post_mult=post_mult, sinkhorn_iters=sinkhorn_iters,
+            by_tokens=not batch_invariant, **_norm_kw(norm_weight if fused else None, norm_order),
+        )  # fmt: skip
+    elif backend in ("flashinfer", "flashinfer_prenorm"):
+        _flashinfer_pre(
+            backend, x, fn, scale32, base32, rms_norm_eps, hc_eps, sinkhorn_iters, post_mult, mix,
+            (li, post, comb),
+        )  # fmt: skip
+    else:
+        raise _unknown(
+            "hc_pre", backend, ("triton", "triton_fma", "flashinfer", "flashinfer_prenorm")
+        )
     if norm_weight is not None and not fused:
         _norm_after(li, norm_weight, rms_norm_eps, norm_order, backend == "triton_fma",
                     layer_input)  # fmt: skip
@@ -266,49 +284,16 @@ def _norm_after(
     )  # fmt: skip
 
 
-def _hc_pre_into(
-    x: torch.Tensor,
-    fn: torch.Tensor,
-    scale: torch.Tensor,
-    base: torch.Tensor,
-    rms_norm_eps: float,
-    hc_eps: float,
-    sinkhorn_iters: int,
-    post_mult: float,
-    backend: str,
-    collapse: Sequence[int],
-    mix: Sequence[int],
-    batch_invariant: bool,
-    norm_weight: torch.Tensor | None,
-    norm_order: str,
-    layer_input: torch.Tensor,
-    post: torch.Tensor,
-    comb: torch.Tensor,
-) -> None:
-    """hc_pre's backend into its outputs; ``norm_weight`` (triton_fma only): the norm in its
-    apply launch."""
+def _flashinfer_pre(
+    backend: str, x: torch.Tensor, fn: torch.Tensor, scale32: torch.Tensor,
+    base32: torch.Tensor, rms_norm_eps: float, hc_eps: float, sinkhorn_iters: int,
+    post_mult: float, mix: Sequence[int], outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:  # fmt: skip
+    """hc_pre's FlashInfer backends: the split-K mix producer, then FlashInfer's Sinkhorn +
+    pre-weighted sum into ``outs`` (layer_input, post, comb).  FlashInfer writes post as
+    (T, 4, 1); ours is (T, 4): the same bytes."""
+    layer_input, post, comb = outs
     T = x.shape[0]
-    x, fn, scale32, base32 = _collapse_inputs(x, fn, scale, base)
-    if backend == "triton":
-        mhc_collapse(
-            x, fn, scale32, base32, layer_input,
-            rms_norm_eps=rms_norm_eps, hc_eps=hc_eps, post=post, comb=comb, post_mult=post_mult,
-            sinkhorn_iters=sinkhorn_iters, cfg=_collapse_cfg(tuple(collapse)),
-        )  # fmt: skip
-        return
-    if backend == "triton_fma":
-        mhc_pre_fma(
-            x, fn, scale32, base32, layer_input, post, comb, rms_norm_eps=rms_norm_eps,
-            hc_eps=hc_eps, post_mult=post_mult, sinkhorn_iters=sinkhorn_iters,
-            by_tokens=not batch_invariant, **_norm_kw(norm_weight, norm_order),
-        )  # fmt: skip
-        return
-    if backend not in ("flashinfer", "flashinfer_prenorm"):
-        raise _unknown(
-            "hc_pre", backend, ("triton", "triton_fma", "flashinfer", "flashinfer_prenorm")
-        )
-    # The split-K mix producer, then FlashInfer's Sinkhorn + pre-weighted sum.  FlashInfer
-    # writes post as (T, 4, 1); ours is (T, 4): the same bytes.
     M, K = fn.shape
     mcfg = _mix_cfg(tuple(mix)) or mix_config(M, K)
     if backend == "flashinfer_prenorm":
