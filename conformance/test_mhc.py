@@ -846,7 +846,8 @@ def test_optimized_fused_operators_pass_opcheck(
     T, n, D = x.shape
     post_backend = "flashinfer" if device == "cuda" else "triton"
     eps = (EPS, EPS)
-    norm = (torch.linspace(0.5, 1.5, D).to(x), "official")  # ending in the next norm
+    # the functional variant ends in the next norm, the out variant has none
+    norm = (torch.linspace(0.5, 1.5, D).to(x), "official") if not variant else (None, "")
     if op == "hc_post_pre":
         call = (*args, *eps, 3, 2.0, backend, post_backend, "triton_fma", False, *norm)
         outs = dict(
@@ -936,24 +937,48 @@ def test_optimized_trailing_norm_is_bitwise_the_norm_after_the_op(
         monkeypatch.setattr(_ops, "FUSE_NORM", True)
         for i, (g, a) in enumerate(zip(got, apart, strict=True)):
             assert torch.equal(g, a), f"{op} output {i} T={T} D={D}: fused vs two launches"
+        # the T-independent schedule, and a weight in the other float dtype
+        w2 = w.float() if dtype == torch.bfloat16 else w.to(torch.bfloat16)
+        bi = dict(batch_invariant=True)
+        plain = _call(op, args, kw, backend="triton_fma", **bi)
+        want = torch.empty_like(plain[k])
+        rms_norm_triton(plain[k], w2, EPS, want, order == "vllm", num_warps=4)
+        got = _call(op, args, kw, backend="triton_fma", norm_weight=w2, norm_order=order, **bi)
+        assert torch.equal(got[k], want), f"{op} T={T} D={D} batch-invariant, {w2.dtype} weight"
 
 
 @pytest.mark.parametrize("op", _NORM_OPS)
 def test_optimized_trailing_norm_on_other_backends_is_rms_norm_after_them(
     op: str, device: str
 ) -> None:
-    """Where the FMA kernels do not run, the norm is the public rms_norm of the op's output."""
-    backend = {"hc_pre": "triton", "hc_head": "triton_mma"}.get(op, "composed")
+    """Where the FMA kernels do not run (hc_pre's collapse, hc_head's tensor-core collapse, and
+    the pairs' "composed" over them, called through the operators so that the second op's
+    backend is that one), the norm is the public rms_norm of the op's output."""
     T, D = (5, 4096) if device == "cuda" else (5, 64)
     args, kw = _opt_inputs(op, T, 4, D, torch.bfloat16, device, seed=11)
     w = _norm_weight(D, torch.bfloat16, device, seed=12)
-    plain = _call(op, args, kw, backend=backend)
-    got = _call(op, args, kw, backend=backend, norm_weight=w, norm_order="vllm")
     k = _NORMED[op]
-    want = opt.rms_norm(plain[k], w, EPS, order="vllm")
-    if op in ("hc_post_pre", "hc_post_head"):  # "composed" runs the second op's auto: fused
-        want = _call(_SECOND[op], (plain[0], *args[4:]), kw, norm_weight=w, norm_order="vllm")[0]
-    assert torch.equal(got[k], want)
+    if op in ("hc_pre", "hc_head"):
+        backend = {"hc_pre": "triton", "hc_head": "triton_mma"}[op]
+        plain = _call(op, args, kw, backend=backend)
+        got = _call(op, args, kw, backend=backend, norm_weight=w, norm_order="vllm")
+    else:
+        eps = (kw["rms_norm_eps"], kw["hc_eps"])
+        post_backend = "flashinfer" if device == "cuda" else "triton"
+        if op == "hc_post_pre":
+            head = (*eps, kw["sinkhorn_iters"], kw["post_mult"], "composed", post_backend,
+                    "triton")  # fmt: skip
+            tail: tuple = (False,)
+        else:
+            head = (*eps, "composed", post_backend, "triton_mma")
+            tail = ()
+        operator = getattr(torch.ops.dsv4mtp, op).default
+        plain = operator(*args, *head, *tail, None, "official")
+        got = operator(*args, *head, *tail, w, "vllm")
+    assert torch.equal(got[k], opt.rms_norm(plain[k], w, EPS, order="vllm"))
+    for i, (g, p) in enumerate(zip(got, plain, strict=True)):
+        if i != k:
+            assert torch.equal(g, p), f"{op} output {i}"
 
 
 def test_trailing_norm_arguments_are_checked(device: str) -> None:

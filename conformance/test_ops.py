@@ -61,19 +61,21 @@ def _facts(op: str, tensors: tuple[torch.Tensor, ...]) -> Facts:
     return Facts(dev, (tensors[0].dtype,), n=N, D=D, eps=(EPS, EPS))
 
 
-def _op_call(op: str, backend: str, tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
-    """The operator's non-tensor arguments after the tensors, as the public function passes them.
-    hc_pre / hc_head end in the norm on their small-batch backend (the norm in its launch), not
-    on the others (their plain outputs)."""
+def _op_call(
+    op: str, backend: str, tensors: tuple[torch.Tensor, ...], norm: bool = False
+) -> tuple[Any, ...]:
+    """The operator's non-tensor arguments after the tensors, as the public function passes them;
+    with ``norm`` hc_pre / hc_head end in the next RMSNorm (on "triton_fma" in its launch, on
+    the others after it)."""
     nothing: list[int] = []
     if op == "rms_norm":
         return (*tensors, EPS, "official", backend)
     x = tensors[0]
-    norm = (torch.linspace(0.5, 1.5, D).to(x), "vllm") if backend == "triton_fma" else (None, "")
+    norm_args = (torch.linspace(0.5, 1.5, D).to(x), "vllm") if norm else (None, "")
     if op == "hc_pre":
-        return (*tensors, EPS, EPS, 3, 2.0, backend, nothing, nothing, False, *norm)
+        return (*tensors, EPS, EPS, 3, 2.0, backend, nothing, nothing, False, *norm_args)
     if op == "hc_head":
-        return (*tensors, EPS, EPS, backend, nothing, *norm)
+        return (*tensors, EPS, EPS, backend, nothing, *norm_args)
     return (*tensors, backend)
 
 
@@ -153,7 +155,7 @@ def test_opcheck(op: str, backend: str, variant: str, device: str) -> None:
     """Schema (no undeclared mutation or aliasing), fake kernel vs real outputs, and AOT dispatch
     with dynamic shapes, for the functional and the out variant of every applicable backend."""
     tensors = _inputs(op, device)
-    args = _op_call(op, backend, tensors)
+    args = _op_call(op, backend, tensors, norm=not variant)  # the functional one with the norm
     kwargs = _outs(op, tensors) if variant else {}
     operator = getattr(getattr(torch.ops, NAMESPACE), op + variant).default
     torch.library.opcheck(operator, args, kwargs)

@@ -79,16 +79,21 @@ def sinkhorn(logits: torch.Tensor, *, iters: int, eps: float) -> torch.Tensor:
     return p
 
 
+def _check_norm(norm_weight: torch.Tensor | None, order: NormOrder, D: int) -> None:
+    """The trailing norm's arguments: its order, and its weight (D,) where one is given."""
+    if order not in ("official", "vllm"):
+        raise InputError(f"norm_order: expected 'official' or 'vllm', got {order!r}")
+    if norm_weight is not None:
+        check_dtype("norm_weight", norm_weight, FLOAT_DTYPES)
+        check_shape("norm_weight", norm_weight, (D,))
+
+
 def _then_norm(
     rows: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, order: NormOrder
 ) -> torch.Tensor:
     """``rows`` (T, D), or their RMSNorm with ``norm_weight`` (D,) where one is given."""
-    if order not in ("official", "vllm"):
-        raise InputError(f"norm_order: expected 'official' or 'vllm', got {order!r}")
     if norm_weight is None:
         return rows
-    check_dtype("norm_weight", norm_weight, FLOAT_DTYPES)
-    check_shape("norm_weight", norm_weight, (rows.shape[-1],))
     return rms_norm(rows, norm_weight, eps, order=order)
 
 
@@ -120,6 +125,7 @@ def hc_pre(
     T, n, D = _check_streams(x)
     M = (2 + n) * n
     _check_params(fn, scale, base, M, n * D, 3)
+    _check_norm(norm_weight, norm_order, D)
     check_eps("rms_norm_eps", rms_norm_eps)
     check_eps("hc_eps", hc_eps)
     check_int("sinkhorn_iters", sinkhorn_iters, 1)
@@ -192,6 +198,7 @@ def hc_head(
     check_instance("batch_invariant", batch_invariant, bool)
     T, n, D = _check_streams(x)
     _check_params(fn, scale, base, n, n * D, 1)
+    _check_norm(norm_weight, norm_order, D)
     check_eps("rms_norm_eps", rms_norm_eps)
     check_eps("hc_eps", hc_eps)
     cd = compute_dtype(x.dtype)

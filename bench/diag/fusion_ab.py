@@ -83,8 +83,8 @@ captured).
 Run (GPU machine, repository root, after the README's install):
 ``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms,eh_proj] [--no-guard]
 [--no-rope] [--no-qkv] [--no-mhc] [--no-kv] [--no-mask] [--no-topk] [--no-swiglu] [--no-align]
-[--no-arena] [--no-eh] [--no-norm] [--prefetch-mb 32,48] [--align-warps 8,16] [--moe-split t1:8,t8:1]
-[--head-sched 256:64:8:4] [--align-chunked 64:8,128:16] [--priorities] [--linear-split-x 2]``
+[--no-arena] [--no-eh] [--no-norm] [--prefetch-mb 32,48] [--align-warps 8,16]
+[--moe-split t1:8,t8:1] [--head-sched 256:64:8:4] [--align-chunked 64:8,128:16] [--priorities] [--linear-split-x 2]``
 (about two minutes).
 """
 

@@ -37,6 +37,14 @@ streams from the MoE output, the old streams and their post / comb gates, stores
 from registers; the apply reads the stored streams.  One launch and one read of the new streams
 fewer than hc_post followed by hc_head.
 
+With the head's RMSNorm (``norm_weight``, two-launch form only) the apply launch is
+:func:`mhc_head_norm_apply_kernel` instead: one program per token forms its gates (the slot sums
+are elementwise: the block programs' bits), writes its whole collapsed row and normalizes it in
+place after a CTA barrier with ``rms_norm_kernel``'s row body (mhc_pre_small's
+``weighted_row_norm``): bitwise the collapse followed by ``rms_norm_triton`` at NUM_WARPS, one
+launch and one read of the collapsed rows fewer (the weight read once per token).  Both apply
+forms add the streams one by one in order 0..n-1.
+
 Arithmetic: fp32 throughout, exact fp32 products in the mix.  Tile sizes depend on n and D
 only: a token's result does not depend on its batch.
 
@@ -75,7 +83,7 @@ from ._sync import (
     take_ticket,
     wait_until,
 )
-from .mhc_pre_small import ROW_CHUNK, gate_of, weighted_row_norm
+from .mhc_pre_small import ROW_CHUNK, gate_of, norm_order, weighted_row_norm
 from .rms_norm import row_meta
 
 __all__ = ["mhc_head_fma", "mhc_post_head_fma"]
@@ -307,10 +315,6 @@ def _plan(
     return grid, launches, part, sq, counts
 
 
-def _norm_order(norm_weight: torch.Tensor | None, vllm_order: bool) -> str | None:
-    return None if norm_weight is None else "vllm" if vllm_order else "official"
-
-
 def _norm_apply(
     launch: TritonLaunch, x: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
     part: torch.Tensor, sq: torch.Tensor, out: torch.Tensor, w: torch.Tensor, eps: tuple,
@@ -345,9 +349,11 @@ def mhc_head_fma(
     if T == 0:
         return
     dev = x.device
-    norm = _norm_order(norm_weight, vllm_order)
+    norm = norm_order(norm_weight, vllm_order)
     if norm is not None and one_launch:
-        raise ConfigError("mhc_head_fma: norm_weight takes the two-launch form, not one_launch")
+        raise ConfigError(
+            "norm_weight: mhc_head_fma's norm takes the two-launch form, not one_launch"
+        )
     grid, launches, part, sq, counts = plan(_plan, dev, T, n, D, one_launch, False, norm)
     # Asked per call, not kept in the plan: _sync.counters owns the rule (fresh on the CPU, a
     # piece of the capture's arena while capturing, the stream's zeroed buffer otherwise).
@@ -388,7 +394,7 @@ def mhc_post_head_fma(
     T, n, D = x.shape
     if T == 0:
         return
-    norm = _norm_order(norm_weight, vllm_order)
+    norm = norm_order(norm_weight, vllm_order)
     grid, (mix, apply), part, sq, _ = plan(_plan, x.device, T, n, D, False, True, norm)
     eps = (float(rms_norm_eps), float(hc_eps))
     mix(grid, x, fn, scale, base, part, sq, sq, out, f, post, comb, x_out, T, D, *eps)

@@ -32,6 +32,15 @@ Schedule: two launches, no program waits on another.
     over the slots; the gates and the Sinkhorn then follow the op order of the collapse's
     ``_reduce_gates``.
 
+With the next RMSNorm's weight (``norm_weight``; ``NORM`` in the apply kernel) the pieces give
+way to one program per token after the reducers: it forms its gates from its BLOCK_TA-token
+block's tile as the pieces do (the same bits), writes its whole row of layer_input in
+ROW_CHUNK-column chunks, and after a CTA barrier normalizes the row in place with
+``rms_norm_kernel``'s row body (:func:`weighted_row_norm`): bitwise layer_input followed by
+``rms_norm_triton`` at this launch's warps.  It runs beside the Sinkhorn programs, which it
+does not wait for; the norm's own launch and its read of layer_input are what it saves (the row
+is re-read from L1 / L2, the weight read once per token).
+
 hc_post_pre (:func:`mhc_post_pre_fma`): the same two launches with the previous sublayer's
 hc_post folded into the mix (``FUSE_POST``): each mix program forms its (BLOCK_T, BLOCK_D) tiles
 of the new streams from the sublayer output, the old streams and their post / comb gates, the
@@ -86,6 +95,7 @@ __all__ = [
     "gate_of",
     "mhc_post_pre_fma",
     "mhc_pre_fma",
+    "norm_order",
     "pre_fma_config",
     "weighted_row_norm",
 ]
@@ -297,8 +307,9 @@ def weighted_row_norm(
     :func:`~.rms_norm.norm_row` over ``o_row`` in place (its second walk reads and writes each
     element in the same thread), with ``D_RT`` (= D, a runtime int as in rms_norm_kernel) and
     rms_norm_kernel's chunk: bitwise ``rms_norm_triton`` of the stored row at this launch's
-    warp count.  All 2n-per-chunk loads are issued before the first product (one memory round
-    trip for the row; see the mix kernel)."""
+    warp count.  The row's n loads per chunk are all issued, in program order, before the first
+    product; how many stay in flight at once is ptxas's choice (at D 4096 half of them before
+    the first FMA in the sm_90 SASS: the two waves of a round trip each)."""
     out_ty = o_row.dtype.element_ty
     NCH: tl.constexpr = (D + CHUNK - 1) // CHUNK
     xs = ()  # type: tuple[tl.tensor, ...]
@@ -460,8 +471,9 @@ def pre_fma_config(n: int, D: int, tokens: int | None = None) -> PreFmaConfig:
 
 
 #: Columns per chunk of the whole-row programs (``NORM``): 4 streams x 1024 bf16 columns are
-#: 32 registers per thread at 4 warps, the whole row's loads (4 chunks at D 4096, 7 at 7168)
-#: 64 / 112; under the interpreter a smaller chunk, so that the CPU tier's rows have several.
+#: 32 values (16 registers) per thread at 4 warps, the whole row's loads (4 chunks at D 4096,
+#: 7 at 7168) 64 / 112 registers were they all in flight; under the interpreter a smaller
+#: chunk, so that the CPU tier's rows have several.
 ROW_CHUNK = 64 if INTERPRET else 1024
 
 
@@ -518,7 +530,8 @@ def _plan(
     return mix_grid, apply_grid, mix, apply, part, sq
 
 
-def _norm_order(norm_weight: torch.Tensor | None, vllm_order: bool) -> str | None:
+def norm_order(norm_weight: torch.Tensor | None, vllm_order: bool) -> str | None:
+    """The whole-row apply's norm order, None without a weight (the launchers' cache key)."""
     return None if norm_weight is None else "vllm" if vllm_order else "official"
 
 
@@ -555,7 +568,7 @@ def mhc_pre_fma(
     T, n, D = x.shape
     if T == 0:
         return
-    norm = _norm_order(norm_weight, vllm_order)
+    norm = norm_order(norm_weight, vllm_order)
     mix_grid, apply_grid, mix, apply, part, sq = plan(
         _plan, x.device, T, n, D, int(sinkhorn_iters), cfg, False, by_tokens, norm
     )
@@ -602,7 +615,7 @@ def mhc_post_pre_fma(
     T, n, D = x.shape
     if T == 0:
         return
-    norm = _norm_order(norm_weight, vllm_order)
+    norm = norm_order(norm_weight, vllm_order)
     mix_grid, apply_grid, mix, apply, part, sq = plan(
         _plan, x.device, T, n, D, int(sinkhorn_iters), None, True, by_tokens, norm
     )
