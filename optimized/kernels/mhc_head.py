@@ -83,7 +83,7 @@ from ._sync import (
     take_ticket,
     wait_until,
 )
-from .mhc_pre_small import ROW_CHUNK, gate_of, norm_order, weighted_row_norm
+from .mhc_pre_small import ROW_CHUNK, gate_of, norm_order, stream_sum, weighted_row_norm
 from .rms_norm import row_meta
 
 __all__ = ["mhc_head_fma", "mhc_post_head_fma"]
@@ -208,15 +208,8 @@ def mhc_head_fma_kernel(
         gate = _head_gates(
             part_ptr, sq_ptr, scale_ptr, base_ptr, t, t_ok, T, K, rms_eps, hc_eps, S, N, NP, MP
         )  # (BT, NP)
-        # Streams added in the order 0..n-1, each picked out of the tile exactly (a sum of
-        # zeros and one value): elementwise, so the whole-row programs (NORM) add them alike.
-        j2 = j[None, :]
-        xf = x.to(tl.float32)
-        y = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-        for jj in tl.static_range(N):
-            g = tl.sum(tl.where(j2 == jj, gate, 0.0), axis=1)  # (BT,): gate jj, exact
-            xj = tl.sum(tl.where(j3 == jj, xf, 0.0), axis=1)  # (BT, BD), exact
-            y += g[:, None] * xj
+        # streams added in the order 0..n-1: elementwise, as the whole-row programs add them
+        y = stream_sum(gate, x.to(tl.float32), N)  # (BT, BD)
         out_ok = t_ok[:, None] & (d[None, :] < D)
         out_ptrs = out_ptr + t.to(tl.int64)[:, None] * D + d[None, :]
         out_ty = out_ptr.dtype.element_ty

@@ -97,6 +97,7 @@ __all__ = [
     "mhc_pre_fma",
     "norm_order",
     "pre_fma_config",
+    "stream_sum",
     "weighted_row_norm",
 ]
 
@@ -285,6 +286,23 @@ def _pre_gates(
 
 
 @triton.jit
+def stream_sum(gate, xf, N: tl.constexpr):
+    """``sum_j gate[:, j] * x_j`` of a (BT, NP, BD) fp32 tile of streams -> (BT, BD) fp32: the
+    streams added in the order 0..n-1, each stream and gate picked out of its tile exactly (a
+    sum of zeros and one value).  Elementwise, so its bits do not depend on the tile: the
+    whole-row programs (:func:`weighted_row_norm`) add a row the same way."""
+    j = tl.arange(0, gate.shape[1])
+    j2 = j[None, :]
+    j3 = j[None, :, None]
+    y = tl.zeros((xf.shape[0], xf.shape[2]), dtype=tl.float32)
+    for jj in tl.static_range(N):
+        g = tl.sum(tl.where(j2 == jj, gate, 0.0), axis=1)  # (BT,): gate jj, exact
+        xj = tl.sum(tl.where(j3 == jj, xf, 0.0), axis=1)  # (BT, BD), exact
+        y += g[:, None] * xj
+    return y
+
+
+@triton.jit
 def gate_of(gate, row, jj):
     """Entry (row, jj) of a (BT, NP) gate tile as a scalar, exactly (a sum of zeros and one
     value; the gates are > 0, so no signed zero is lost)."""
@@ -381,7 +399,6 @@ def mhc_pre_apply_kernel(
         t_ok = t < T
         t64 = t.to(tl.int64)
         j = tl.arange(0, NP)
-        j2 = j[None, :]
         d = s * BLOCK_DA + tl.arange(0, BLOCK_DA)  # (BD,)
         ok = t_ok[:, None] & (d[None, :] < D)
         # The gates first; the x tile after them: loaded first too, ptxas (12.9) capped the
@@ -391,17 +408,11 @@ def mhc_pre_apply_kernel(
             part_ptr, sq_ptr, scale_ptr, base_ptr, t, t_ok, T, K, rms_eps, hc_eps, S, SP, N,
             NP, M,
         )  # fmt: skip
-        # Streams added in the order 0..n-1, each picked out of the tile exactly (a sum of
-        # zeros and one value), as the collapse's apply does.
+        # streams added in the order 0..n-1, as the collapse's apply does
         j3 = j[None, :, None]
         x3 = tl.load(x_ptr + t64[:, None, None] * K + j3 * D + d[None, None, :],
                      mask=ok[:, None, :] & (j3 < N), other=0.0)  # fmt: skip
-        xf = x3.to(tl.float32)
-        y = tl.zeros((BLOCK_TA, BLOCK_DA), dtype=tl.float32)
-        for jj in tl.static_range(N):
-            g = tl.sum(tl.where(j2 == jj, gate, 0.0), axis=1)  # (BT,): gate jj, exact
-            xj = tl.sum(tl.where(j3 == jj, xf, 0.0), axis=1)  # (BT, BD), exact
-            y += g[:, None] * xj
+        y = stream_sum(gate, x3.to(tl.float32), N)  # (BT, BD)
         out_ty = out_ptr.dtype.element_ty
         y = rne_bf16_if_interpreted(y, out_ty, INTERP)
         tl.store(out_ptr + t64[:, None] * D + d[None, :], y.to(out_ty), mask=ok)
