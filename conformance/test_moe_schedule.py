@@ -612,9 +612,7 @@ def test_gluon_values_are_exact_for_every_code_and_scale(monkeypatch: pytest.Mon
     the scale multiplies in fp32, byte 0 as 2**-127).  With ``fold`` (scale bytes 0..128, a
     pack's ``mx_fold``) the scale is applied in the bf16 decode, exact too (bytes 0 and 1 give
     bf16 subnormals, which the MMA keeps).  Also two K splits (the partials of the other split
-    are zero), 64-row programs, 16- and 32-row M blocks and the mma_v2 kernel's weight
-    pipelines (the codes in registers, or 2 to 5 shared-memory stages); with ``fold``, the
-    wgmma kernel on
+    are zero), 64-row programs and 16- and 32-row M blocks; with ``fold``, the wgmma kernel on
     32-, 64- and 128-row M blocks (its launches counted: no fallback passes for it)."""
     wgmma = _count_wgmma_launches(monkeypatch)
     N, K = 256, 256
@@ -637,10 +635,6 @@ def test_gluon_values_are_exact_for_every_code_and_scale(monkeypatch: pytest.Mon
             (GemmTile(128, 128, swap_ab=True), 8),
             (GemmTile(64, 128, split_k=2), 16),
             (GemmTile(128, 128), 32),
-            # the mma_v2 kernel's other weight pipelines: registers, 2 and 5 cp.async stages
-            (GemmTile(128, 128, num_stages=1), 8),
-            (GemmTile(64, 128, split_k=2, num_stages=2), 16),
-            (GemmTile(128, 128, num_stages=5), 8),
             # the wgmma kernel (32-, 64- and 128-row blocks) folds the scales only
             *(
                 (
@@ -710,30 +704,6 @@ def test_gluon_gemms_at_v4_flash_shapes(T: int) -> None:
             one = moe(x[-1:].clone(), pk, cfg, **kw, schedule=s, batch_invariant=True)
             assert torch.equal(full[-1:], one)
     assert _replay_equals_eager(x, pack, cfg, kw) or T == 1
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 8, 64, 512])
-def test_gluon_weight_pipelines_give_the_same_bits(T: int) -> None:
-    """The mma_v2 kernel's weight pipeline (kernels/moe_gemm_gluon.py, ``mma_v2_stages``: the
-    codes and scales in registers one step ahead, or a cp.async ring of 2 to 5 shared-memory
-    stages) moves the same words into the same arithmetic: the whole moe at V4-Flash experts
-    gives the default's bits with every pipeline, with and without the fold, and within the
-    moe tolerance of the float64 reference."""
-    (x, params, cfg), kw = moe_inputs("moe", T, 12, shape="flash", fmt="mxfp4", device="cuda")
-    pack = pack_moe(params, "cuda")
-    d = moe_config(T, batch_invariant=False, fmt=pack.kernel_fmt)
-    assert d.decode == "gluon" and not uses_wgmma(d.gate_up, d.block_m, pack.mx_fold)
-    for pk in (pack, replace(pack, mx_fold=False)):
-        want = moe(x, pk, cfg, **kw, schedule=d)
-        _check("moe", want, (x, params, cfg), kw)
-        for stages in (1, 2, 3, 4, 5):
-            s = replace(
-                d,
-                gate_up=replace(d.gate_up, num_stages=stages),
-                down=replace(d.down, num_stages=stages),
-            )
-            assert torch.equal(moe(x, pk, cfg, **kw, schedule=s), want), (stages, pk.mx_fold)
 
 
 @pytest.mark.gpu

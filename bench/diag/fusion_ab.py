@@ -71,10 +71,6 @@ Probes, each a setting when its flag is given:
   (about 256 per call by default; eh_proj's one launch twice that), wq_b's unsplit 128-wide
   tiles unchanged (the sums' order changes with the split, so the outputs differ; the
   batch-invariant schedules, which the step does not use, would change too);
-* ``--moe-stages S,...``: "routed codes through <S> stage(s)", the routed mma_v2 GEMMs'
-  weight pipeline (``moe_gemm_gluon.mma_v2_stages``) at S for every tile: 1 = the codes and
-  scales loaded into registers one step ahead, 2-5 = a cp.async ring of S shared-memory
-  stages (the same arithmetic: the outputs must be bit for bit equal);
 * ``--priorities``: stream priorities (a captured kernel node keeps its capturing stream's
   priority; torch instantiates graphs with ``cudaGraphInstantiateFlagUseNodePriority``): "step
   at high priority" (the step captured on a high-priority stream, the side streams at the
@@ -88,8 +84,7 @@ Run (GPU machine, repository root, after the README's install):
 ``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms,eh_proj] [--no-guard]
 [--no-rope] [--no-qkv] [--no-mhc] [--no-kv] [--no-mask] [--no-topk] [--no-swiglu] [--no-align]
 [--no-arena] [--no-eh] [--no-norm] [--prefetch-mb 32,48] [--align-warps 8,16]
-[--moe-split t1:8,t8:1] [--head-sched 256:64:8:4] [--align-chunked 64:8,128:16] [--priorities]
-[--linear-split-x 2] [--moe-stages 1,4]``
+[--moe-split t1:8,t8:1] [--head-sched 256:64:8:4] [--align-chunked 64:8,128:16] [--priorities] [--linear-split-x 2]``
 (about two minutes).
 """
 
@@ -117,7 +112,7 @@ from dsv4mtp.checkpoint.fullsize import make_fullsize_checkpoint
 from dsv4mtp.errors import DSV4Error
 from dsv4mtp.optimized import MTPLayer, _ops, linear, rms_norm
 from dsv4mtp.optimized.kernels import linear as linear_kernels
-from dsv4mtp.optimized.kernels import mhc_pre_small, moe_align, moe_gemm, moe_gemm_gluon, moe_route
+from dsv4mtp.optimized.kernels import mhc_pre_small, moe_align, moe_gemm, moe_route
 from dsv4mtp.optimized.kernels import step_guard as guard_kernels
 from dsv4mtp.optimized.kernels.moe_common import jit_loop_bounds
 from dsv4mtp.optimized.mtp import DecodeGraphs
@@ -394,7 +389,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-sched", default="", help="argmax tiles V:K:W:S, e.g. 256:64:8:4")
     ap.add_argument("--align-chunked", default="", help="chunked sort C:W, e.g. 64:8,128:16")
     ap.add_argument("--priorities", action="store_true", help="stream priority probes")
-    ap.add_argument("--moe-stages", default="", help="mma_v2 weight pipelines, e.g. 1,4")
     ap.add_argument("--linear-split-x", default="", help="decode linears' split target x F, e.g. 2")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -465,9 +459,6 @@ def main(argv: list[str] | None = None) -> int:
         settings["kv side at high priority"] = (shipped, SHIPPED_GUARD, True, _kv_high())
         both = step_high + _kv_high()
         settings["step and kv at high priority"] = (shipped, SHIPPED_GUARD, True, both)
-    for st in filter(None, args.moe_stages.split(",")):
-        stages = [(moe_gemm_gluon, "mma_v2_stages", lambda tile, n=int(st): n)]
-        settings[f"routed codes through {st} stage(s)"] = (shipped, SHIPPED_GUARD, True, stages)
     for f in filter(None, args.linear_split_x.split(",")):
         settings[f"decode linears' K split x{f}"] = (
             shipped, SHIPPED_GUARD, True, _linear_split(int(f))

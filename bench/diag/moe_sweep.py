@@ -156,9 +156,7 @@ def layout_candidates(
     default takes the side stream up to T 64).  Rows: the per-group loads (``"mxdot"``) and
     the whole-step load (``"mxstep"``, the same bits).  Tiles (gate and up rows interleaved, so
     ``block_n`` counts both), where the default is the Gluon GEMMs (up to T 1024): the Triton
-    ``"mxstep"`` schedule they replaced (and its 16-row blocks above T 256), the mma_v2
-    kernel's other weight pipelines (``gluon_s1``: registers; ``gluon_s2`` .. ``s5``: a
-    cp.async ring of that many stages), another K split,
+    ``"mxstep"`` schedule they replaced (and its 16-row blocks above T 256), another K split,
     64- / 256-row programs, 16- and 32-row blocks, the FP8 shared expert on other M blocks.
     Above T 256, where the scales fold, also the wgmma GEMMs (:func:`wgmma_candidates`); above
     T 1024 those are the default, and the PTX decode they replaced is ``ptx_m64``.  Tiles
@@ -195,13 +193,6 @@ def layout_candidates(
         # the Gluon GEMMs (kernels/moe_gemm_gluon.py): against the Triton "mxstep" default they
         # replaced (its K split: 4-way at T <= 2), other splits and 64- / 256-row programs
         old = 4 if T <= 2 else gu.split_k
-        # the mma_v2 kernel's weight pipeline (``mma_v2_stages``): one stage = the codes in
-        # registers one step ahead, 2-5 = a cp.async ring in shared memory
-        out += [
-            (f"gluon_s{st}", _routed(d, num_stages=st))
-            for st in (1, 2, 3, 4, 5)
-            if st != gu.num_stages
-        ]
         out += [
             ("mxstep", _routed(replace(d, decode="mxstep"), split_k=old)),
             ("gluon_split_x2", _routed(d, split_k=2 * gu.split_k)),

@@ -276,47 +276,6 @@ def _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, step):
 
 
 @gluon.jit
-def _load_x(x_ptrs, x_mask, step):
-    """x's words of one 128-column step (four groups), from L2."""
-    x0 = gl.load(x_ptrs + step * 64, mask=x_mask, other=0)
-    x1 = gl.load(x_ptrs + (step * 64 + 16), mask=x_mask, other=0)
-    x2 = gl.load(x_ptrs + (step * 64 + 32), mask=x_mask, other=0)
-    x3 = gl.load(x_ptrs + (step * 64 + 48), mask=x_mask, other=0)
-    return x0, x1, x2, x3
-
-
-@gluon.jit
-def _v2_copy_step(cs, ss, c_ptrs, sc_ptrs, step, n_steps, STAGES: gl.constexpr):
-    """One cp.async group: the code words (BLOCK_N, 16) and scale words (BLOCK_N,) of step
-    ``step`` into stage ``step % STAGES``; past the last step the group is empty, so that the
-    wait counts stay uniform."""
-    if step < n_steps:
-        st = step % STAGES
-        async_copy.async_copy_global_to_shared(cs.index(st), c_ptrs + step * 2048)
-        async_copy.async_copy_global_to_shared(ss.index(st), sc_ptrs + step * 128)
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _v2_smem_step(cs, ss, st, xb, FOLD: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr):
-    """Stage ``st``'s code words as the four groups' (BLOCK_N, 4) word tiles (lane % 4 = word:
-    one 32-bit shared load per row and group) and the rows' scale words (the word layout's
-    rows with ``FOLD``, the accumulator's rows without), with x's registers xb: the tuple
-    :func:`_compute_step` takes, as :func:`_load_step` gives it from global memory."""
-    c = cs.index(st)
-    c0 = c.slice(0, 4, dim=1).load(WL)
-    c1 = c.slice(4, 4, dim=1).load(WL)
-    c2 = c.slice(8, 4, dim=1).load(WL)
-    c3 = c.slice(12, 4, dim=1).load(WL)
-    if FOLD:
-        sw = gl.expand_dims(ss.index(st).load(gl.SliceLayout(1, WL)), 1) + gl.zeros_like(c0)
-    else:
-        sw = ss.index(st).load(SL)
-    x0, x1, x2, x3 = xb
-    return c0, c1, c2, c3, sw, x0, x1, x2, x3
-
-
-@gluon.jit
 def _compute_step(
     acc, buf, BLOCK_N: gl.constexpr, BLOCK_T: gl.constexpr, FOLD: gl.constexpr,
     MMA: gl.constexpr, AL: gl.constexpr, BL: gl.constexpr,
@@ -435,7 +394,6 @@ def moe_mx_gluon_kernel(
     FOLD: gl.constexpr,
     NUM_WARPS: gl.constexpr,
     SWIGLU: gl.constexpr,
-    STAGES: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = 16 * M_TILES * NUM_WARPS
     MMA: gl.constexpr = _mma_layout(NUM_WARPS)
@@ -478,47 +436,11 @@ def moe_mx_gluon_kernel(
             s_ptrs = s_base + (srows // 128) * (KS * 128) + srows % 128
 
         acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, layout=MMA)
-        if STAGES == 1:
-            buf = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, 0)
-            for i in range(n_steps):
-                nxt = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, gl.minimum(i + 1, n_steps - 1))
-                acc = _compute_step(acc, buf, BLOCK_N, BLOCK_T, FOLD, MMA, AL, BL)
-                buf = nxt
-        else:
-            # codes and scale words through a ring of STAGES shared-memory stages filled by
-            # cp.async, STAGES - 1 steps ahead (x, from L2, one step ahead in registers)
-            CPL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NUM_WARPS, 1], [1, 0])
-            crow = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CPL))
-            cword = gl.arange(0, 16, layout=gl.SliceLayout(0, CPL))
-            c_ptrs = (
-                w_base
-                + gl.expand_dims((crow // 128) * (KS * 2048) + (crow % 128) * 16, 1)
-                + gl.expand_dims(cword, 0)
-            )
-            SPL: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-            srow = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=SPL)
-            sc_ptrs = s_base + (srow // 128) * (KS * 128) + srow % 128
-            # 16-byte chunks XOR-swizzled by row pair: a warp's eight rows of one group (four
-            # lanes per row, a word each) hit distinct banks
-            CS: gl.constexpr = gl.SwizzledSharedLayout(4, 2, 4, order=[1, 0])
-            cs = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], CS)
-            ss = gl.allocate_shared_memory(
-                gl.int32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-            )
-            for j in gl.static_range(STAGES - 1):
-                _v2_copy_step(cs, ss, c_ptrs, sc_ptrs, j, n_steps, STAGES)
-            xb = _load_x(x_ptrs, x_mask, 0)
-            for i in range(n_steps):
-                # step i's stage landed for this thread's copies, then for every thread; every
-                # thread is done reading stage (i - 1) % STAGES, which the copy below refills
-                async_copy.wait_group(STAGES - 2)
-                gl.thread_barrier()
-                _v2_copy_step(cs, ss, c_ptrs, sc_ptrs, i + STAGES - 1, n_steps, STAGES)
-                xn = _load_x(x_ptrs, x_mask, gl.minimum(i + 1, n_steps - 1))
-                buf = _v2_smem_step(cs, ss, i % STAGES, xb, FOLD, WL, SL)
-                acc = _compute_step(acc, buf, BLOCK_N, BLOCK_T, FOLD, MMA, AL, BL)
-                xb = xn
-            async_copy.wait_group(0)
+        buf = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, 0)
+        for i in range(n_steps):
+            nxt = _load_step(w_ptrs, s_ptrs, x_ptrs, x_mask, gl.minimum(i + 1, n_steps - 1))
+            acc = _compute_step(acc, buf, BLOCK_N, BLOCK_T, FOLD, MMA, AL, BL)
+            buf = nxt
 
         _store_partials(
             part_ptr, acc, sorted_ptr, pid_m, pid_n, pid_s, N, ROWS_PART, GATHER, BLOCK_N,
@@ -864,15 +786,6 @@ def uses_wgmma(tile: GemmTile, block_m: int, fold: bool) -> bool:
     )
 
 
-def mma_v2_stages(tile: GemmTile) -> int:
-    """The mma_v2 kernel's weight pipeline for ``tile``: its ``num_stages`` shared-memory
-    stages filled by cp.async (``num_stages - 1`` steps ahead; 68 bytes per weight row and
-    stage: 35 KB at 128 rows and 4 stages, 104 KB at GemmTile's largest, 256 rows and 6
-    stages, within sm_90's 227 KB), or with one stage the codes and scales loaded into
-    registers one step ahead (no shared memory)."""
-    return tile.num_stages
-
-
 def gluon_tile_ok(tile: GemmTile, block_m: int, K: int, N: int, fold: bool = True) -> bool:
     """Whether these kernels run ``tile`` at this shape: 128-column K steps, K a multiple of
     128 x ``split_k``, and ``block_n`` weight rows dividing N.  The mma_v2 kernel (8-, 16- or
@@ -994,8 +907,7 @@ def moe_mx_gluon(
     triton_launch(
         moe_mx_gluon_kernel, GATHER=gather, BLOCK_T=block_m,
         M_TILES=tile.block_n // (16 * tile.num_warps), SPLIT_K=split, FOLD=fold,
-        NUM_WARPS=tile.num_warps, SWIGLU=swiglu is not None, STAGES=mma_v2_stages(tile),
-        num_warps=tile.num_warps,
+        NUM_WARPS=tile.num_warps, SWIGLU=swiglu is not None, num_warps=tile.num_warps,
     )(
         (num_m, N // tile.block_n, split), x.view(torch.int32), w32, s32, sorted_slot,
         block_expert, part, gs, topw, h, cnt, K, N, top_k, w32[0].numel(), s32[0].numel(),
