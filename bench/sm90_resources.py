@@ -238,6 +238,7 @@ def linear_lines() -> list[str]:
                 consts = dict(
                     FMT=fmt, BLOCK_M=sc.block_m, BLOCK_N=sc.block_n, BLOCK_K=BLOCK_K,
                     SPLIT_K=sc.split_k, ADD_ROWS=add, USE_F32=False, INTERP=False,
+                    ARGMAX=False,
                 )  # fmt: skip
                 line = resources(linear_kernel, s, consts, ints=("N", "K"),
                                  num_warps=sc.num_warps, num_stages=sc.num_stages)  # fmt: skip

@@ -93,6 +93,47 @@ def test_explicit_schedules_agree(fmt: str, device: str) -> None:
     assert torch.equal(opt.lm_head_logits(y, h).argmax(-1), base)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's NaN products
+@pytest.mark.parametrize(("T", "V"), [(1, 1000), (20, 300), (70, 257)])
+def test_fp8_ids_through_the_linear_kernel(
+    T: int, V: int, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The FP8 head's greedy ids run on the dense-linear kernel with its argmax epilogue
+    (``_ops.FP8_ARGMAX_ON_LINEAR``, kernels/lm_head.py ``lm_head_argmax_linear``; counted):
+    bitwise torch.argmax over the logits ``lm_head_logits`` writes, and the argmax kernel's ids,
+    with a NaN row (id 0), an exact tie across two chunks (the lower index), partial chunks
+    (V 257, 300) and two M blocks of the linear's schedule (T 70), unmasked and masked."""
+    from dsv4mtp.optimized import _ops
+    from dsv4mtp.optimized.kernels import lm_head as head_kernels
+
+    calls: list[int] = []
+    real = head_kernels.lm_head_argmax_linear
+
+    def spy(y: torch.Tensor, *a: Any, **k: Any) -> None:
+        calls.append(y.shape[0])
+        real(y, *a, **k)
+
+    monkeypatch.setattr(_ops, "lm_head_argmax_linear", spy)
+    y, head = _inputs(T, 256, V, BF16, device, seed=T, fmt="fp8")
+    y = y.clone()
+    y[0, 3] = float("nan")
+    h = _pack(head, device)
+    # head row V - 1 (the last, partial chunk) a copy of row 2 (the first chunk): whatever
+    # rows pick it, they must get 2
+    h.weight[V - 1] = h.weight[2]
+    h.scale[(V - 1) // 128] = h.scale[0]
+    got = opt.lm_head_argmax(y, h)
+    assert calls == [T]
+    assert got[0].item() == 0
+    assert bool((got != V - 1).all())
+    assert torch.equal(got, opt.lm_head_logits(y, h).argmax(-1))
+    mask = torch.arange(T, device=device) % 3 != 1
+    assert torch.equal(opt.lm_head_argmax(y, h, row_mask=mask), torch.where(mask, got, -1))
+    monkeypatch.setattr(_ops, "FP8_ARGMAX_ON_LINEAR", False)
+    assert torch.equal(opt.lm_head_argmax(y, h), got)
+    assert len(calls) == 2
+
+
 # ------------------------------------------------------------------------------ tie and NaN rules
 def _tie_case(device: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """y (4, 64) and a head (300, 64) whose maxima are exact ties: row t's best direction is

@@ -1737,11 +1737,24 @@ _CACHE_LIB = _register(_CACHE_SCHEMAS)
 # head of either dtype, "fp8").  The argmax schedule travels as LmHeadSchedule.fields (empty:
 # the default of T).
 if TYPE_CHECKING:
-    from .kernels.lm_head import LmHeadSchedule, lm_head_argmax_triton, lm_head_schedule
+    from .kernels.lm_head import (
+        LmHeadSchedule,
+        lm_head_argmax_linear,
+        lm_head_argmax_triton,
+        lm_head_schedule,
+    )
 else:
     LmHeadSchedule = triton_kernel("lm_head", "LmHeadSchedule")
+    lm_head_argmax_linear = triton_kernel("lm_head", "lm_head_argmax_linear")
     lm_head_argmax_triton = triton_kernel("lm_head", "lm_head_argmax_triton")
     lm_head_schedule = triton_kernel("lm_head", "lm_head_schedule")
+
+#: The FP8 head's greedy ids through the dense-linear kernel's tiles with an argmax epilogue
+#: (kernels/lm_head.py, ``lm_head_argmax_linear``) where its schedule has no K split, instead
+#: of the argmax kernel (the benchmarks' A/B switch).  On the H200 (V4-Flash head, T 1 / 8 /
+#: 64) the FP8 linear kernel streams the codes in 145 / 146 / 229 us, the argmax kernel in
+#: 204 / 230 / 453 (bench/results/head-fp8.md).
+FP8_ARGMAX_ON_LINEAR = True
 
 _HEAD_ARGS = "Tensor y, Tensor head, Tensor scale, str fmt, bool batch_invariant"
 _LM_HEAD_SCHEMAS: dict[str, str] = {
@@ -1786,6 +1799,14 @@ def _lm_head_argmax_out(
     if T == 0:
         return
     fp32 = y.dtype == torch.float32 or head.dtype == torch.float32
+    if code == _LINEAR_FMT["fp8"] and not schedule and FP8_ARGMAX_ON_LINEAR:
+        lsched = linear_schedule(T, head.shape[0], y.shape[1], 1, batch_invariant)
+        if lsched.split_k == 1:
+            lm_head_argmax_linear(
+                y.contiguous(), head.contiguous(), scale.contiguous(), out, fmt=code,
+                sched=lsched, row_mask=None if row_mask is None else row_mask.contiguous(),
+            )  # fmt: skip
+            return
     sched = LmHeadSchedule(*schedule) if schedule else lm_head_schedule(T, batch_invariant, fp32)
     lm_head_argmax_triton(
         y.contiguous(), head.contiguous(), scale.contiguous(), out, fmt=code, sched=sched,

@@ -94,6 +94,10 @@ PREFILL_TOKENS = (512, 4096)
 #: no longer fits gets a fresh zeroed buffer.  0: every launch a fresh one (a memset each).
 GRAPH_COUNTERS = 1 << 16
 
+#: The FP8 head's greedy ids from :func:`lm_head_argmax` (True: no logits written) or from
+#: its logits (the FP8 linear kernel) and torch.argmax (False; the benchmarks' A/B switch).
+FP8_GREEDY_ARGMAX = True
+
 # The kernels' activation dtypes (float64 and float16 stay the reference's).
 _DTYPES = (torch.bfloat16, torch.float32)
 _VECTORS = (
@@ -597,17 +601,18 @@ class MTPLayer(MTPLayerAPI):
         head_input: torch.Tensor | None = None,
         row_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Greedy ids (T,), torch.argmax's tie and NaN rules.  bf16 head: :func:`lm_head_argmax`,
-        without the (T, V) logits (H200, V4-Flash head: 243 / 244 / 266 us at T 1 / 8 / 64
-        against cuBLAS logits + argmax 282 / 286 / 330 us, bench/results/head-h200.json).  FP8
-        head: its logits from the FP8 linear kernel, then torch.argmax, which measured faster
-        than the argmax kernel's FP8 decode (152 / 156 / 319 us + the argmax against 222 / 240 /
-        469 us).  ``head_input``: see :meth:`_head_input`.  ``row_mask`` (T,) bool: -1 where
-        false (the bf16 head's reduce writes it; the FP8 head's argmax is followed by a
-        ``torch.where``)."""
+        """Greedy ids (T,), torch.argmax's tie and NaN rules, from :func:`lm_head_argmax`
+        without the (T, V) logits.  bf16 head: the argmax kernel (H200, V4-Flash head: 245 /
+        243 / 266 us at T 1 / 8 / 64 against cuBLAS logits + argmax 281 / 286 / 329 us,
+        bench/results/head-h200.json).  FP8 head: the FP8 linear kernel's tiles ending in the
+        argmax's partials (``_ops.FP8_ARGMAX_ON_LINEAR``), the ids of its logits bit for bit
+        without writing them.  With :data:`FP8_GREEDY_ARGMAX` off (the benchmarks' A/B), the FP8
+        head's logits and torch.argmax instead.  ``head_input``: see :meth:`_head_input`.
+        ``row_mask`` (T,) bool: -1 where false (written by the argmax's reduce launch; after
+        torch.argmax by a ``torch.where``)."""
         y = self._head_input(hidden, spec_step, head_input)
         head = self.heads[spec_step % len(self.heads)]
-        if head.format == "fp8":
+        if head.format == "fp8" and not FP8_GREEDY_ARGMAX:
             ids = lm_head_logits(y, head, batch_invariant=self.batch_invariant).argmax(-1)
             return ids if row_mask is None else torch.where(row_mask, ids, -1)
         return lm_head_argmax(y, head, batch_invariant=self.batch_invariant, row_mask=row_mask)

@@ -71,6 +71,10 @@ Probes, each a setting when its flag is given:
   (about 256 per call by default; eh_proj's one launch twice that), wq_b's unsplit 128-wide
   tiles unchanged (the sums' order changes with the split, so the outputs differ; the
   batch-invariant schedules, which the step does not use, would change too);
+* ``--fp8-head``: the layer with the FP8 head (``head_format="fp8"``) in every setting, and
+  the setting "FP8 ids from logits + torch.argmax": its greedy ids from the FP8 linear
+  kernel's logits and ``torch.argmax`` (``mtp.FP8_GREEDY_ARGMAX`` False) instead of the
+  logit-free argmax kernel;
 * ``--priorities``: stream priorities (a captured kernel node keeps its capturing stream's
   priority; torch instantiates graphs with ``cudaGraphInstantiateFlagUseNodePriority``): "step
   at high priority" (the step captured on a high-priority stream, the side streams at the
@@ -84,7 +88,7 @@ Run (GPU machine, repository root, after the README's install):
 ``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms,eh_proj] [--no-guard]
 [--no-rope] [--no-qkv] [--no-mhc] [--no-kv] [--no-mask] [--no-topk] [--no-swiglu] [--no-align]
 [--no-arena] [--no-eh] [--no-norm] [--prefetch-mb 32,48] [--align-warps 8,16]
-[--moe-split t1:8,t8:1] [--head-sched 256:64:8:4] [--align-chunked 64:8,128:16] [--priorities] [--linear-split-x 2]``
+[--moe-split t1:8,t8:1] [--head-sched 256:64:8:4] [--align-chunked 64:8,128:16] [--priorities] [--linear-split-x 2] [--fp8-head]``
 (about two minutes).
 """
 
@@ -389,13 +393,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-sched", default="", help="argmax tiles V:K:W:S, e.g. 256:64:8:4")
     ap.add_argument("--align-chunked", default="", help="chunked sort C:W, e.g. 64:8,128:16")
     ap.add_argument("--priorities", action="store_true", help="stream priority probes")
+    ap.add_argument("--fp8-head", action="store_true", help="the FP8 head, its greedy paths")
     ap.add_argument("--linear-split-x", default="", help="decode linears' split target x F, e.g. 2")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     g = torch.Generator(device="cuda").manual_seed(0)
     ckdir = tempfile.mkdtemp(prefix="v4flash-")
     make_fullsize_checkpoint(ckdir, "flash", expert_format="mxfp4", device="cuda")
-    layer = MTPLayer.from_checkpoint(ckdir, device="cuda", max_num_tokens=4096, max_batch=64)
+    layer = MTPLayer.from_checkpoint(
+        ckdir, device="cuda", max_num_tokens=4096, max_batch=64,
+        head_format="fp8" if args.fp8_head else "bf16",
+    )  # fmt: skip
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     shipped = MTPLayer.ops
     # name -> (the layer's ops, the guard's schedule, the inverse rotation in place, module
@@ -459,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
         settings["kv side at high priority"] = (shipped, SHIPPED_GUARD, True, _kv_high())
         both = step_high + _kv_high()
         settings["step and kv at high priority"] = (shipped, SHIPPED_GUARD, True, both)
+    if args.fp8_head:
+        via_logits = [(mtp_module, "FP8_GREEDY_ARGMAX", False)]
+        settings["FP8 ids from logits + torch.argmax"] = (shipped, SHIPPED_GUARD, True, via_logits)
     for f in filter(None, args.linear_split_x.split(",")):
         settings[f"decode linears' K split x{f}"] = (
             shipped, SHIPPED_GUARD, True, _linear_split(int(f))

@@ -9,7 +9,10 @@ At V4-Flash's head (V 129280, D 4096; synthetic N(0, 1/D) bf16, its FP8 pack fro
 
 * ``cublas_logits``: ``torch.mm(y, head.T, out_dtype=float32, out=...)`` (the layer's head today);
 * ``cublas_logits_argmax``: the same, then ``torch.argmax(-1)`` (the greedy step today);
-* ``argmax_bf16`` / ``argmax_fp8``: ``lm_head_argmax`` on the bf16 head / the FP8 pack;
+* ``argmax_bf16`` / ``argmax_fp8``: ``lm_head_argmax`` on the bf16 head / the FP8 pack (the
+  FP8 pack's default: the dense-linear kernel's tiles with the argmax epilogue);
+* ``argmax_fp8_kernel``: the FP8 pack through the argmax kernel (its default schedule given
+  explicitly, which selects it);
 * ``logits_fp8``: ``lm_head_logits`` on the FP8 pack (the dense-linear Triton kernel, fp32 out).
 
 Each line gives the time, the bytes the call must move (the head: 1.06 GB bf16 or 0.53 GB of
@@ -121,11 +124,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         def mm_argmax(y: torch.Tensor = y) -> torch.Tensor:
             return mm(y).argmax(-1)
 
+        kernel_sched = lm_head_schedule(T, False)
         cases: list[tuple[str, Callable[[], Any], int]] = [
             ("cublas_logits", mm, bf16_bytes + T * V * 4),
             ("cublas_logits_argmax", mm_argmax, bf16_bytes + 2 * T * V * 4),
             ("argmax_bf16", lambda y=y, ids=ids: lm_head_argmax(y, head, out=ids), bf16_bytes),
             ("argmax_fp8", lambda y=y, ids=ids: lm_head_argmax(y, fp8, out=ids), fp8_bytes),
+            ("argmax_fp8_kernel", lambda y=y, ids=ids, sc=kernel_sched:
+             lm_head_argmax(y, fp8, out=ids, schedule=sc), fp8_bytes),
             ("logits_fp8", lambda y=y, lg=logits: lm_head_logits(y, fp8, out=lg),
              fp8_bytes + T * V * 4),
         ]  # fmt: skip

@@ -105,6 +105,7 @@ __all__ = [
     "FMT_FP8",
     "LinearSchedule",
     "add_rows_triton",
+    "chunk_best",
     "dequant_bf16_triton",
     "dequant_mm_selected",
     "eh_linear_triton",
@@ -276,6 +277,28 @@ def _plane_sum(tile_part, first, plane, mask, COUNT: tl.constexpr, BLOCK_M: tl.c
     return total
 
 
+@triton.jit
+def chunk_best(logits, vidx, V, AXIS: tl.constexpr):
+    """One chunk's greedy candidate per token row: ``logits`` fp32 and their head indices
+    ``vidx`` (int32, same shape; ``V`` and beyond are padding) reduced along ``AXIS`` (the
+    chunk's head rows) -> (value, index) per token.  torch.argmax's rules within the chunk: the
+    chunk's first NaN if it has one (value NaN), else its maximum and the first index holding
+    it; a chunk of padding only gives (-inf, V).  Max and min are exact, so the result does not
+    depend on the layout.  Used by the argmax kernel (kernels/lm_head.py) and by
+    :func:`linear_kernel`'s ARGMAX epilogue; ``lm_head_argmax_reduce_kernel`` combines the
+    chunks in order."""
+    big = V  # larger than any index: "none"
+    valid = vidx < V
+    isnan = (logits != logits) & valid
+    key = tl.where(isnan | ~valid, float("-inf"), logits)
+    best = tl.max(key, axis=AXIS)
+    at_best = key == tl.expand_dims(best, AXIS)
+    first = tl.min(tl.where(valid & at_best, vidx, big), axis=AXIS)
+    first_nan = tl.min(tl.where(isnan, vidx, big), axis=AXIS)
+    has_nan = first_nan < big
+    return tl.where(has_nan, float("nan"), best), tl.where(has_nan, first_nan, first)
+
+
 @jit_loop_bounds("KB_PER_SPLIT")
 def linear_kernel(
     x_ptr,
@@ -299,6 +322,7 @@ def linear_kernel(
     ADD_ROWS: tl.constexpr,
     USE_F32: tl.constexpr,
     INTERP: tl.constexpr,
+    ARGMAX: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -318,7 +342,16 @@ def linear_kernel(
     out_off = (rows[:, None].to(tl.int64) * G + g) * N + cols[None, :]
     mask = rm[:, None] & cm[None, :]
     y_ty = y_ptr.dtype.element_ty
-    if SPLIT_K == 1:
+    if ARGMAX:
+        # the head's greedy epilogue (one group, no split): y is not written; the tile's best
+        # logit and its index per row go to (rows, N tiles) partials, fp32 values in part_ptr
+        # and int32 indices in count_ptr (neither is otherwise used without a split)
+        vidx = cols[None, :] + tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        val, idx = chunk_best(acc, vidx, N, 1)
+        p_off = rows.to(tl.int64) * tl.num_programs(1) + pid_n
+        tl.store(part_ptr + p_off, val, mask=rm)
+        tl.store(count_ptr + p_off, idx, mask=rm)
+    elif SPLIT_K == 1:
         y = _add_rows(acc, add_ptr, add_row0 + rows, cols, mask, N, y_ty, ADD_ROWS, INTERP)
         tl.store(y_ptr + out_off, y, mask=mask)
     else:
@@ -418,6 +451,7 @@ def linear_triton(
     sched: LinearSchedule,
     counters: torch.Tensor | None = None,
     add: torch.Tensor | None = None,
+    argmax: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """y (R, G, N) = x (R, G, K) @ w (G, N, K)^T per group (module doc); all contiguous.
 
@@ -430,11 +464,18 @@ def linear_triton(
     ``r // (R / R')`` of ``add`` added after its rounding and is rounded again, in the
     epilogue of the program (or the split) that stores it (``_add_rows``): bitwise the product
     followed by a separate broadcast add (the layer's ``h_proj(h) + e_proj(e)`` per stream),
-    with neither the second launch nor y's second round trip."""
+    with neither the second launch nor y's second round trip.
+
+    ``argmax``: (pval (R * N tiles,) fp32, pidx (R * N tiles,) int32), G = 1, no split and
+    no ``add``: y is not written; each program stores its tile's best logit and index per row
+    (:func:`chunk_best`, torch.argmax's rules) at ``row * N tiles + tile``, which
+    kernels/lm_head.py's reduce combines into the ids (the FP8 head's greedy step)."""
     R, G, K = x.shape
     N = w.shape[1]
     if R == 0:
         return
+    if argmax is not None:
+        assert G == 1 and sched.split_k == 1 and add is None, "argmax: one group, no split"
     add_rows = _add_ratio(add, R, G, N)
     kb = cdiv(K, BLOCK_K)
     split = sched.split_k
@@ -442,7 +483,9 @@ def linear_triton(
     use_f32 = INTERPRET or x.dtype == torch.float32 or w.dtype == torch.float32
     n_tiles = cdiv(N, sched.block_n)
     m_blocks = cdiv(R, sched.block_m)
-    if split == 1:
+    if argmax is not None:
+        chunk, (part, count) = m_blocks, argmax  # the epilogue's partials
+    elif split == 1:
         chunk, count, part = m_blocks, y, y  # neither partials nor counters are touched
     else:
         tiles = n_tiles * G  # per M block
@@ -455,7 +498,7 @@ def linear_triton(
     launch = triton_launch(
         linear_kernel, FMT=fmt, BLOCK_M=sched.block_m, BLOCK_N=sched.block_n, BLOCK_K=BLOCK_K,
         SPLIT_K=split, ADD_ROWS=add_rows, USE_F32=use_f32, INTERP=INTERPRET,
-        num_warps=sched.num_warps, num_stages=sched.num_stages,
+        ARGMAX=argmax is not None, num_warps=sched.num_warps, num_stages=sched.num_stages,
     )  # fmt: skip
     for r0 in range(0, R, step):
         xc, yc = (x, y) if step >= R else (x[r0 : r0 + step], y[r0 : r0 + step])

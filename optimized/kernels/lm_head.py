@@ -47,13 +47,14 @@ import triton.language as tl
 
 from ._launch import INTERPRET, cdiv, next_pow2, triton_launch, workspace
 from .decode import _e4m3_bf16
-from .linear import _dot
+from .linear import LinearSchedule, _dot, chunk_best, linear_triton
 from .moe_common import jit_loop_bounds
 
 __all__ = [
     "FMT_DENSE",
     "FMT_FP8",
     "LmHeadSchedule",
+    "lm_head_argmax_linear",
     "lm_head_argmax_triton",
     "lm_head_schedule",
 ]
@@ -146,17 +147,8 @@ def lm_head_argmax_kernel(
             acc += _dot(w, tl.trans(y), USE_F32, INTERP)
     # acc[:, t]: this chunk's logits of token row t.  The chunk's first NaN, else its maximum
     # (NaN left out) and the first index holding it.
-    big = V  # larger than any index: "none"
     vidx = vs[:, None] + tl.zeros((BLOCK_V, BLOCK_T), dtype=tl.int32)
-    valid = vidx < V
-    isnan = (acc != acc) & valid
-    key = tl.where(isnan | ~valid, float("-inf"), acc)
-    best = tl.max(key, axis=0)  # (BLOCK_T,)
-    first = tl.min(tl.where(valid & (key == best[None, :]), vidx, big), axis=0)
-    first_nan = tl.min(tl.where(isnan, vidx, big), axis=0)
-    has_nan = first_nan < big
-    val = tl.where(has_nan, float("nan"), best)
-    idx = tl.where(has_nan, first_nan, first)
+    val, idx = chunk_best(acc, vidx, V, 0)  # (BLOCK_T,)
     off = ts.to(tl.int64) * CHUNKS + pid_v
     tl.store(pval_ptr + off, val, mask=tm)
     tl.store(pidx_ptr + off, idx, mask=tm)
@@ -221,6 +213,53 @@ def lm_head_argmax_triton(
         num_stages=sched.num_stages,
     )  # fmt: skip
     main((chunks, cdiv(T, sched.block_t)), y, w, s if s.numel() else w, pval, pidx, T, V, D, chunks)
+    _reduce(pval, pidx, row_mask, out, V, chunks)
+
+
+def lm_head_argmax_linear(
+    y: torch.Tensor,
+    w: torch.Tensor,
+    s: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    fmt: int,
+    sched: LinearSchedule,
+    row_mask: torch.Tensor | None = None,
+) -> None:
+    """:func:`lm_head_argmax_triton`'s result through the dense-linear kernel: its logits tiles
+    (kernels/linear.py, ``linear_kernel`` under ``sched``, one K split) end in
+    :func:`~.linear.chunk_best` instead of a store, one partial per (row, BLOCK_N head rows),
+    and the same reduce launch combines them.  The ids are torch.argmax over the logits that
+    ``lm_head_logits`` writes under ``sched``, bit for bit, without writing them (T * V * 4
+    bytes) or torch.argmax's pass over them.  For the FP8 head, whose codes that kernel's
+    orientation (the head rows as the dot's N side) streams faster than the argmax kernel's
+    (module doc; bench/results/head-fp8.md)."""
+    T, D = y.shape
+    V = w.shape[0]
+    if T == 0:
+        return
+    chunks = cdiv(V, sched.block_n)
+    pval = workspace("lm_head.pval", (T * chunks,), torch.float32, y.device)
+    pidx = workspace("lm_head.pidx", (T * chunks,), torch.int32, y.device)
+    # y (the kernel's output argument) is not written under argmax: only its dtype is read
+    linear_triton(
+        y.view(T, 1, D), w.view(1, V, D), s.view(1, *s.shape) if s.numel() else s,
+        y.view(T, 1, D), fmt=fmt, sched=sched, argmax=(pval, pidx),
+    )  # fmt: skip
+    _reduce(pval, pidx, row_mask, out, V, chunks)
+
+
+def _reduce(
+    pval: torch.Tensor,
+    pidx: torch.Tensor,
+    row_mask: torch.Tensor | None,
+    out: torch.Tensor,
+    V: int,
+    chunks: int,
+) -> None:
+    """The ids from the (T, chunks) partials: ``lm_head_argmax_reduce_kernel``, one program
+    per row; -1 where ``row_mask`` is false."""
+    T = out.shape[0]
     block_c = min(_REDUCE_BLOCK, max(16, next_pow2(chunks)))
     has_mask = row_mask is not None
     reduce = triton_launch(
