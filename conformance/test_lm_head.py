@@ -134,6 +134,43 @@ def test_fp8_ids_through_the_linear_kernel(
     assert len(calls) == 2
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # inf - inf in the constructed rows
+@pytest.mark.parametrize(("T", "V"), [(1, 129280), (5, 300), (70, 4097), (3, 1)])
+def test_logits_argmax_is_torch_argmax(T: int, V: int, device: str) -> None:
+    """``logits_argmax`` (the optimized layer's ids from written logits) is torch.argmax bit
+    for bit: random rows, a row of equal maxima in two chunks (the lower index), a NaN after a
+    NaN-free maximum and a second NaN (the first NaN), +inf and -inf rows, a column slice of a
+    wider tensor (its row stride); -1 under a row mask; out=; opcheck; typed errors."""
+    g = torch.Generator().manual_seed(T)
+    wide = torch.randn(T, V + 3, generator=g)
+    logits = wide[:, :V]
+    if V > 4096 and T > 4:
+        logits[1, V - 1] = logits[1, 7] = logits[1].max() + 1  # equal maxima, two chunks
+        logits[2, 9], logits[2, V - 1] = float("nan"), float("nan")
+        logits[3] = float("-inf")
+        logits[4, V - 1], logits[4, 6] = float("inf"), float("inf")
+    logits = logits.to(device)
+    want = logits.argmax(-1)
+    got = opt.lm_head.logits_argmax(logits)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    mask = torch.arange(T, device=device) % 2 == 0
+    assert torch.equal(
+        opt.lm_head.logits_argmax(logits, row_mask=mask), torch.where(mask, want, -1)
+    )
+    out = torch.full((T,), 7, dtype=torch.int64, device=device)
+    assert opt.lm_head.logits_argmax(logits, out=out) is out and torch.equal(out, want)
+    if V <= 4097:
+        c = logits.contiguous()
+        torch.library.opcheck(torch.ops.dsv4mtp.logits_argmax.default, (c, mask))
+        torch.library.opcheck(torch.ops.dsv4mtp.logits_argmax_out.default, (c, None), {"out": out})
+    with pytest.raises(InputError, match=r"^logits: expected dtype torch.float32"):
+        opt.lm_head.logits_argmax(logits.double())
+    with pytest.raises(InputError, match=r"^logits: expected \(T, V\)"):
+        opt.lm_head.logits_argmax(logits.T.contiguous().T if T > 1 else logits[None])
+    with pytest.raises(InputError, match=r"^row_mask"):
+        opt.lm_head.logits_argmax(logits, row_mask=mask[:0])
+
+
 # ------------------------------------------------------------------------------ tie and NaN rules
 def _tie_case(device: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """y (4, 64) and a head (300, 64) whose maxima are exact ties: row t's best direction is

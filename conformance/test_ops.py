@@ -114,7 +114,7 @@ def test_every_operator_is_defined_with_its_schema() -> None:
         "apply_rope", "q_head_norm_rope", "kv_norm_rope", "sink_attention_cache",
         "kv_cache_write", "lm_head_argmax", "lm_head_logits", "sink_attention_paged",
         "step_guard", "embed_norms",
-        "hc_post_pre", "hc_post_head", "eh_proj",
+        "hc_post_pre", "hc_post_head", "eh_proj", "logits_argmax",
     )  # fmt: skip
     assert set(OPS) == {f"{b}{s}" for b in ops for s in ("", "_out")}
     for name, schema in SCHEMAS.items():

@@ -1742,9 +1742,11 @@ if TYPE_CHECKING:
         lm_head_argmax_linear,
         lm_head_argmax_triton,
         lm_head_schedule,
+        logits_argmax_triton,
     )
 else:
     LmHeadSchedule = triton_kernel("lm_head", "LmHeadSchedule")
+    logits_argmax_triton = triton_kernel("lm_head", "logits_argmax_triton")
     lm_head_argmax_linear = triton_kernel("lm_head", "lm_head_argmax_linear")
     lm_head_argmax_triton = triton_kernel("lm_head", "lm_head_argmax_triton")
     lm_head_schedule = triton_kernel("lm_head", "lm_head_schedule")
@@ -1767,6 +1769,10 @@ _LM_HEAD_SCHEMAS: dict[str, str] = {
     ),
     "lm_head_logits": f"lm_head_logits({_HEAD_ARGS}) -> Tensor",
     "lm_head_logits_out": f"lm_head_logits_out({_HEAD_ARGS}, *, Tensor(a!) out) -> ()",
+    "logits_argmax": "logits_argmax(Tensor logits, Tensor? row_mask=None) -> Tensor",
+    "logits_argmax_out": (
+        "logits_argmax_out(Tensor logits, Tensor? row_mask=None, *, Tensor(a!) out) -> ()"
+    ),
 }
 SCHEMAS.update(_LM_HEAD_SCHEMAS)
 OPS = tuple(SCHEMAS)
@@ -1856,8 +1862,23 @@ def _lm_head_logits_fake(y: torch.Tensor, head: torch.Tensor, *args: Any) -> tor
     return y.new_empty((y.shape[0], head.shape[0]), dtype=torch.float32)
 
 
+def _logits_argmax_out(
+    logits: torch.Tensor, row_mask: torch.Tensor | None = None, *, out: torch.Tensor
+) -> None:
+    logits_argmax_triton(logits, out, row_mask=None if row_mask is None else row_mask.contiguous())
+
+
+def _logits_argmax_fake(logits: torch.Tensor, *args: Any) -> torch.Tensor:
+    return logits.new_empty((logits.shape[0],), dtype=torch.int64)
+
+
 _KERNELS.update(
     {
+        "logits_argmax": (
+            _functional(_logits_argmax_out, _logits_argmax_fake),
+            _logits_argmax_fake,
+        ),
+        "logits_argmax_out": (_logits_argmax_out, _out_fake),
         "lm_head_argmax": (
             _functional(_lm_head_argmax_out, _lm_head_argmax_fake),
             _lm_head_argmax_fake,

@@ -56,13 +56,15 @@ from .kernels._launch import check_device, check_kernel_dtype, check_out, check_
 if TYPE_CHECKING:
     from .kernels.lm_head import LmHeadSchedule
 
-__all__ = ["HeadPack", "lm_head_argmax", "lm_head_logits", "pack_head"]
+__all__ = ["HeadPack", "lm_head_argmax", "lm_head_logits", "logits_argmax", "pack_head"]
 
 HeadFormat = Literal["bf16", "fp8"]
 
 _ops_argmax = torch.ops.dsv4mtp.lm_head_argmax.default
 _ops_argmax_out = torch.ops.dsv4mtp.lm_head_argmax_out.default
 _ops_logits = torch.ops.dsv4mtp.lm_head_logits.default
+_ops_logits_argmax = torch.ops.dsv4mtp.logits_argmax.default
+_ops_logits_argmax_out = torch.ops.dsv4mtp.logits_argmax_out.default
 _ops_logits_out = torch.ops.dsv4mtp.lm_head_logits_out.default
 
 _FP8_FORMATS = ("fp8_e8m0", "fp8_f32")
@@ -284,4 +286,35 @@ def lm_head_logits(
         return _ops_logits(*args, batch_invariant)  # type: ignore[no-any-return]
     check_out("out", out, (y.shape[0], pack.vocab_size), torch.float32, dev)
     _ops_logits_out(*args, batch_invariant, out=out)
+    return out
+
+
+def logits_argmax(
+    logits: torch.Tensor,
+    *,
+    row_mask: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``torch.argmax(logits, -1)`` -> (T,) int64 for the layer's fp32 logits (T, V) (unit
+    column stride), bit for bit (the lowest index among equal maxima; a row's first NaN wins),
+    -1 where ``row_mask`` (T,) bool is false: the greedy ids of a step that also writes its
+    logits (sampling, ``return_logits``, the prefill's last rows).  Two launches
+    (kernels/lm_head.py: 4096-column chunks, then the argmax's reduce), which on the H200 take
+    a few microseconds where torch.argmax over V4's 129280 columns takes about 35 us for 1-64
+    rows (bench/results/mtp-h200.md).  Not a layer op of the shared API (the reference's
+    layer calls torch.argmax): the optimized layer's own, a registered operator.  ``out``: a
+    (T,) int64 tensor, written in place.  CUDA-graph capturable (a per-stream workspace)."""
+    check_instance("logits", logits, torch.Tensor)
+    if logits.dtype != torch.float32:
+        raise InputError(f"logits: expected dtype torch.float32, got {logits.dtype}")
+    if logits.dim() != 2 or logits.shape[1] < 1 or (logits.shape[0] and logits.stride(1) != 1):
+        raise InputError(
+            f"logits: expected (T, V) with V >= 1 and unit column stride, got shape "
+            f"{tuple(logits.shape)} and strides {logits.stride()}"
+        )
+    check_row_mask(row_mask, logits.shape[0], "logits", logits)
+    if out is None:
+        return _ops_logits_argmax(logits, row_mask)  # type: ignore[no-any-return]
+    check_out("out", out, (logits.shape[0],), torch.int64, logits.device)
+    _ops_logits_argmax_out(logits, row_mask, out=out)
     return out

@@ -63,7 +63,7 @@ from .attention import AttentionPack, attention, pack_attention, pack_attention_
 from .kernels._launch import capture_arena, check_device, device_ints, triton_kernel
 from .kv_cache import DeviceKVCache
 from .linear import LinearPack, eh_proj, pack_linear
-from .lm_head import HeadPack, lm_head_argmax, lm_head_logits, pack_head
+from .lm_head import HeadPack, lm_head_argmax, lm_head_logits, logits_argmax, pack_head
 from .mhc import hc_head, hc_post, hc_post_head, hc_post_pre, hc_pre
 from .moe import MoEPack, moe, pack_moe
 from .norm import embed_norms
@@ -93,6 +93,10 @@ PREFILL_TOKENS = (512, 4096)
 #: from (kernels/_launch.py, capture_arena; 256 KiB).  A step takes a few hundred; a launch that
 #: no longer fits gets a fresh zeroed buffer.  0: every launch a fresh one (a memset each).
 GRAPH_COUNTERS = 1 << 16
+
+#: A captured step that writes logits takes its greedy ids from them with :func:`logits_argmax`
+#: (True) or torch.argmax and a torch.where (False; the benchmarks' A/B switch).
+LOGITS_ARGMAX = True
 
 #: The FP8 head's greedy ids from :func:`lm_head_argmax` (True: no logits written) or from
 #: its logits (the FP8 linear kernel) and torch.argmax (False; the benchmarks' A/B switch).
@@ -698,11 +702,13 @@ def _head(
     head_input: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A captured step's head over hidden (R, nD) -> (greedy ids (R,), -1 where ``row_mask``
-    (R,) bool is false; logits (R, V) fp32): the logits and their argmax, or with
-    ``logits=False`` the logit-free argmax (:meth:`MTPLayer._greedy`, whose reduce launch
+    (R,) bool is false; logits (R, V) fp32): the logits and their argmax (:func:`logits_argmax`,
+    which writes the -1s), or with ``logits=False`` the logit-free argmax (:meth:`MTPLayer._greedy`, whose reduce launch
     writes the -1s) and an empty (R, 0) in place of the logits."""
     if logits:
         out = layer._logits(hidden, spec_step, head_input)
+        if LOGITS_ARGMAX:
+            return logits_argmax(out, row_mask=row_mask), out
         return torch.where(row_mask, out.argmax(-1), -1), out
     empty = hidden.new_empty(hidden.shape[0], 0, dtype=torch.float32)  # none computed
     return layer._greedy(hidden, spec_step, head_input, row_mask), empty

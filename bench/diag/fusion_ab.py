@@ -75,6 +75,10 @@ Probes, each a setting when its flag is given:
   the setting "FP8 ids from logits + torch.argmax": its greedy ids from the FP8 linear
   kernel's logits and ``torch.argmax`` (``mtp.FP8_GREEDY_ARGMAX`` False) instead of the
   logit-free argmax kernel;
+* ``--logits``: every setting's steps write logits (the sampling / ``return_logits`` graphs,
+  ``DecodeGraphs(logits=True)``), and the setting "ids by torch.argmax": their greedy ids by
+  ``torch.argmax`` and a ``torch.where`` (``mtp.LOGITS_ARGMAX`` False) instead of
+  ``logits_argmax``'s two launches;
 * ``--priorities``: stream priorities (a captured kernel node keeps its capturing stream's
   priority; torch instantiates graphs with ``cudaGraphInstantiateFlagUseNodePriority``): "step
   at high priority" (the step captured on a high-priority stream, the side streams at the
@@ -88,7 +92,7 @@ Run (GPU machine, repository root, after the README's install):
 ``python3 bench/diag/fusion_ab.py [--rounds 7] [--pairs embed_norms,eh_proj] [--no-guard]
 [--no-rope] [--no-qkv] [--no-mhc] [--no-kv] [--no-mask] [--no-topk] [--no-swiglu] [--no-align]
 [--no-arena] [--no-eh] [--no-norm] [--prefetch-mb 32,48] [--align-warps 8,16]
-[--moe-split t1:8,t8:1] [--head-sched 256:64:8:4] [--align-chunked 64:8,128:16] [--priorities] [--linear-split-x 2] [--fp8-head]``
+[--moe-split t1:8,t8:1] [--head-sched 256:64:8:4] [--align-chunked 64:8,128:16] [--priorities] [--linear-split-x 2] [--fp8-head] [--logits]``
 (about two minutes).
 """
 
@@ -394,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--align-chunked", default="", help="chunked sort C:W, e.g. 64:8,128:16")
     ap.add_argument("--priorities", action="store_true", help="stream priority probes")
     ap.add_argument("--fp8-head", action="store_true", help="the FP8 head, its greedy paths")
+    ap.add_argument("--logits", action="store_true", help="steps that write logits, their ids")
     ap.add_argument("--linear-split-x", default="", help="decode linears' split target x F, e.g. 2")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -467,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
         settings["kv side at high priority"] = (shipped, SHIPPED_GUARD, True, _kv_high())
         both = step_high + _kv_high()
         settings["step and kv at high priority"] = (shipped, SHIPPED_GUARD, True, both)
+    if args.logits:
+        by_torch = [(mtp_module, "LOGITS_ARGMAX", False)]
+        settings["ids by torch.argmax"] = (shipped, SHIPPED_GUARD, True, by_torch)
     if args.fp8_head:
         via_logits = [(mtp_module, "FP8_GREEDY_ARGMAX", False)]
         settings["FP8 ids from logits + torch.argmax"] = (shipped, SHIPPED_GUARD, True, via_logits)
@@ -499,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             for m, a, v in patches:
                 setattr(m, a, v)
             try:
-                graphs[name] = DecodeGraphs(layer, cache, buckets=DECODE_T, logits=False)
+                graphs[name] = DecodeGraphs(layer, cache, buckets=DECODE_T, logits=args.logits)
             except DSV4Error as e:  # a probe the kernels refuse is left out, not fatal
                 print(f"{name}: not captured: {e}")
             finally:
@@ -511,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         guard_kernels._LAUNCHES.clear()
         guard_kernels._LAUNCHES.update(guard_launches)
         attention_module.INVERSE_ROPE_IN_PLACE = in_place
-    decode_table(layer, cache, graphs, g, args.rounds)
+    label = "decode (logits, graph)" if args.logits else "decode (greedy, graph)"
+    decode_table(layer, cache, graphs, g, args.rounds, label)
     return 0
 
 

@@ -87,10 +87,11 @@ def decode_table(
     graphs: dict[str, DecodeGraphs],
     g: torch.Generator,
     n_rounds: int,
+    label: str = "decode (greedy, graph)",
 ) -> None:
     """Fill ``cache``'s windows, then per T of ``DECODE_T`` (random ids, full windows): the
     step's outputs (ids, hidden) compared bitwise across the settings' graphs, and their
-    replays timed in ``n_rounds`` alternating rounds; one markdown row per T."""
+    replays timed in ``n_rounds`` alternating rounds; one markdown row per T (``label``)."""
     cfg, W = layer.config, layer.config.sliding_window
     fill_cache(layer, cache, max(DECODE_T), W - 1, g)
     print("| step | T | " + " | ".join(f"{k} (us)" for k in graphs) + " | outputs equal |")
@@ -112,7 +113,7 @@ def decode_table(
         t = rounds({k: (lambda r=r: median_ms(r, 20) * 1e3) for k, r in replays.items()},
                    n_rounds)  # fmt: skip
         cells = " | ".join(f"{t[k]:.1f}" for k in graphs)
-        print(f"| decode (greedy, graph) | {T} | {cells} | {same} |", flush=True)
+        print(f"| {label} | {T} | {cells} | {same} |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

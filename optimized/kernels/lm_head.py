@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 import triton.language as tl
 
 from ._launch import INTERPRET, cdiv, next_pow2, triton_launch, workspace
@@ -57,6 +58,7 @@ __all__ = [
     "lm_head_argmax_linear",
     "lm_head_argmax_triton",
     "lm_head_schedule",
+    "logits_argmax_triton",
 ]
 
 FMT_DENSE, FMT_FP8 = 0, 1
@@ -183,6 +185,47 @@ def lm_head_argmax_reduce_kernel(
     if HAS_MASK:
         ident = tl.where(tl.load(mask_ptr + t) != 0, ident, -1)
     tl.store(out_ptr + t, ident)
+
+
+@triton.jit
+def logits_chunk_kernel(
+    logits_ptr, pval_ptr, pidx_ptr, V, ROW_STRIDE, CHUNKS, BLOCK_V: tl.constexpr
+):  # fmt: skip
+    """Program (c, t): the greedy candidate of logits row t over columns [c*BLOCK_V, +BLOCK_V)
+    (:func:`~.linear.chunk_best`) into the (T, CHUNKS) partials of
+    :func:`lm_head_argmax_reduce_kernel`."""
+    c = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    vs = c * BLOCK_V + tl.arange(0, BLOCK_V)
+    x = tl.load(logits_ptr + t * ROW_STRIDE + vs, mask=vs < V, other=0.0)
+    val, idx = chunk_best(x[None, :], vs[None, :], V, 1)  # (1,)
+    off = t * CHUNKS + c + tl.arange(0, 1)
+    tl.store(pval_ptr + off, val)
+    tl.store(pidx_ptr + off, idx)
+
+
+# logits columns per program of logits_chunk_kernel: 16 KiB of fp32 (V4's 129280 columns in 32
+# chunks), so the reduce combines few partials per row
+_LOGITS_BLOCK = 4096
+
+
+def logits_argmax_triton(
+    logits: torch.Tensor, out: torch.Tensor, row_mask: torch.Tensor | None = None
+) -> None:
+    """out (T,) int64 = torch.argmax(logits, -1) of fp32 logits (T, V) with unit column stride,
+    -1 where ``row_mask`` is false: :func:`logits_chunk_kernel` over (V / 4096 chunks, T), then
+    the argmax's reduce launch (torch.argmax's tie and NaN rules, bit for bit).  Bytes: the
+    logits once (T * V * 4) and 8 per (row, chunk)."""
+    T, V = logits.shape
+    if T == 0:
+        return
+    block = min(_LOGITS_BLOCK, max(16, next_pow2(V)))
+    chunks = cdiv(V, block)
+    pval = workspace("lm_head.logits_pval", (T * chunks,), torch.float32, logits.device)
+    pidx = workspace("lm_head.logits_pidx", (T * chunks,), torch.int32, logits.device)
+    launch = triton_launch(logits_chunk_kernel, BLOCK_V=block, num_warps=4)
+    launch((chunks, T), logits, pval, pidx, V, logits.stride(0), chunks)
+    _reduce(pval, pidx, row_mask, out, V, chunks)
 
 
 def lm_head_argmax_triton(
