@@ -221,8 +221,7 @@ def logits_argmax_triton(
         return
     block = min(_LOGITS_BLOCK, max(16, next_pow2(V)))
     chunks = cdiv(V, block)
-    pval = workspace("lm_head.logits_pval", (T * chunks,), torch.float32, logits.device)
-    pidx = workspace("lm_head.logits_pidx", (T * chunks,), torch.int32, logits.device)
+    pval, pidx = _partials("lm_head.logits", T * chunks, logits.device)
     launch = triton_launch(logits_chunk_kernel, BLOCK_V=block, num_warps=4)
     launch((chunks, T), logits, pval, pidx, V, logits.stride(0), chunks)
     _reduce(pval, pidx, row_mask, out, V, chunks)
@@ -247,8 +246,7 @@ def lm_head_argmax_triton(
     if T == 0:
         return
     chunks = cdiv(V, sched.block_v)
-    pval = workspace("lm_head.pval", (T * chunks,), torch.float32, y.device)
-    pidx = workspace("lm_head.pidx", (T * chunks,), torch.int32, y.device)
+    pval, pidx = _partials("lm_head", T * chunks, y.device)
     use_f32 = INTERPRET or y.dtype == torch.float32 or w.dtype == torch.float32
     main = triton_launch(
         lm_head_argmax_kernel, FMT=fmt, BLOCK_V=sched.block_v, BLOCK_T=sched.block_t,
@@ -282,14 +280,22 @@ def lm_head_argmax_linear(
     if T == 0:
         return
     chunks = cdiv(V, sched.block_n)
-    pval = workspace("lm_head.pval", (T * chunks,), torch.float32, y.device)
-    pidx = workspace("lm_head.pidx", (T * chunks,), torch.int32, y.device)
+    pval, pidx = _partials("lm_head", T * chunks, y.device)
     # y (the kernel's output argument) is not written under argmax: only its dtype is read
     linear_triton(
         y.view(T, 1, D), w.view(1, V, D), s.view(1, *s.shape) if s.numel() else s,
         y.view(T, 1, D), fmt=fmt, sched=sched, argmax=(pval, pidx),
     )  # fmt: skip
     _reduce(pval, pidx, row_mask, out, V, chunks)
+
+
+def _partials(name: str, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (T * chunks) partials of the argmax's reduce, fp32 values and int32 indices, from
+    the per-stream workspace ``name``."""
+    return (
+        workspace(f"{name}.pval", (n,), torch.float32, device),
+        workspace(f"{name}.pidx", (n,), torch.int32, device),
+    )
 
 
 def _reduce(
