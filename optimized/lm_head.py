@@ -307,7 +307,7 @@ def logits_argmax(
     check_instance("logits", logits, torch.Tensor)
     if logits.dtype != torch.float32:
         raise InputError(f"logits: expected dtype torch.float32, got {logits.dtype}")
-    if logits.dim() != 2 or logits.shape[1] < 1 or (logits.shape[0] and logits.stride(1) != 1):
+    if logits.dim() != 2 or logits.shape[1] < 1 or (logits.shape[1] > 1 and logits.stride(1) != 1):
         raise InputError(
             f"logits: expected (T, V) with V >= 1 and unit column stride, got shape "
             f"{tuple(logits.shape)} and strides {logits.stride()}"
